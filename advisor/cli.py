@@ -1,0 +1,184 @@
+"""The `advisor` command line. Thin: each verb parses, calls one function of a package, renders.
+
+Bad input never shows a traceback: a `UsageError` prints one line and exits with code 2.
+Set ADVISOR_DEBUG=1 to see tracebacks of unexpected errors.
+"""
+
+from __future__ import annotations
+
+import json
+
+import os
+import sys
+from typing import Any, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from advisor.errors import UsageError
+from advisor.specs import GiB, LAYOUT_KEYS_HELP, Estimate, parse_layout_string, resolve_layout
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    help="Plan, run and report task-split LLM training: will it fit, how fast, on what hardware.",
+)
+console = Console()
+err_console = Console(stderr=True)
+
+_LAYOUT_HELP = "Layout keys (comma-separated key=value; left-out keys take defaults):\n\n" + "\n\n".join(
+    f"[bold]{k}[/bold]: {v}" for k, v in LAYOUT_KEYS_HELP.items()
+)
+
+
+def _run(action: Callable[[], Any]) -> Any:
+    """Turn user errors into one clear line and exit code 2."""
+    try:
+        return action()
+    except UsageError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except (KeyboardInterrupt, typer.Exit):
+        raise
+    except Exception as exc:  # an unexpected failure: say what, hide the traceback unless asked
+        if os.environ.get("ADVISOR_DEBUG"):
+            raise
+        err_console.print(f"[red]internal error:[/red] {type(exc).__name__}: {exc} "
+                          "(rerun with ADVISOR_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def presets(
+    kind: Optional[str] = typer.Argument(None, help="hardware, models or tasks (default: all)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """List the hardware, model and task presets that ship with advisor."""
+    from presets import KINDS, preset_data, preset_names
+
+    def collect() -> dict[str, list[dict[str, Any]]]:
+        kinds = [kind] if kind else list(KINDS)
+        out: dict[str, list[dict[str, Any]]] = {}
+        for k in kinds:
+            rows = []
+            for name in preset_names(k):
+                data = preset_data(k, name)
+                rows.append({"name": name, "description": data.get("description", "")})
+            out[k] = rows
+        return out
+
+    listing = _run(collect)
+    if as_json:
+        print(json.dumps(listing))
+        return
+    for k, rows in listing.items():
+        table = Table(title=f"{k} presets", title_justify="left")
+        table.add_column("name", style="bold")
+        table.add_column("description")
+        for row in rows:
+            table.add_row(row["name"], row["description"])
+        console.print(table)
+
+
+@app.command(help="Predict per-device memory and step time of one layout, before anything runs.\n\n"
+             + _LAYOUT_HELP)
+def estimate(
+    model: str = typer.Option(..., "--model", "-m", help="model preset, HF config.json, or model folder"),
+    hardware: str = typer.Option(..., "--hardware", "-H", help="hardware preset or profile.json"),
+    layout: str = typer.Option("", "--layout", "-l", help="e.g. 'tp=8,pp=4,zero=1,mbs=1,gas=16,recompute=selective'"),
+    nodes: Optional[int] = typer.Option(
+        None, "--nodes", min=1, help="number of nodes (default: 1, or dp*tp*pp when the layout sets dp)"),
+    gpus_per_node: Optional[int] = typer.Option(
+        None, "--gpus-per-node", min=1, help="devices per node (default: the hardware's)"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="tokens per sequence (layout seq)"),
+    attention: Optional[str] = typer.Option(
+        None, "--attention", help="flash | sdpa | eager (default: flash on GPUs, sdpa on CPU)"),
+    as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object (the contract)"),
+) -> None:
+    from planner.cost_model import estimate as run_estimate
+    from presets import load_hardware, load_model
+
+    def compute() -> Estimate:
+        hw = load_hardware(hardware)
+        spec = load_model(model)
+        if attention not in (None, "flash", "sdpa", "eager"):
+            raise UsageError(f"--attention must be flash, sdpa or eager (got {attention})")
+        per_node = gpus_per_node or hw.devices_per_node
+        given = parse_layout_string(layout)
+        if nodes is None and gpus_per_node is None and "dp" in given:  # the layout names the devices
+            devices = given["dp"] * given.get("tp", 1) * given.get("pp", 1)
+        else:
+            devices = (nodes or 1) * per_node
+        if gpus_per_node:
+            hw = hw.model_copy(update={"devices_per_node": gpus_per_node})
+        lay = resolve_layout(layout, devices, hw, seq_len)
+        return run_estimate(spec, hw, lay, attention=attention)
+
+    result: Estimate = _run(compute)
+    if as_json:
+        print(result.model_dump_json())
+        return
+    render_estimate(result)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:,.2f}"
+
+
+def _seconds(s: float) -> str:
+    if s == 0:
+        return "0"
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} µs"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:,.2f} s"
+
+
+def render_estimate(result: Estimate) -> None:
+    mem, t, thr = result.memory, result.time, result.throughput
+    lay = result.layout
+    console.print(
+        f"[bold]{lay.short()}[/bold] on {result.devices} x {result.hardware} ({result.nodes} node"
+        f"{'s' if result.nodes != 1 else ''}); {result.model.params / 1e9:,.3f} B params, "
+        f"{result.model.trainable_params / 1e9:,.3f} B trainable"
+    )
+    mem_table = Table(title=f"memory per device (GiB), pipeline stage {mem.stage}", title_justify="left")
+    mem_table.add_column("part")
+    mem_table.add_column("GiB", justify="right")
+    for name in ("weights", "gradients", "optimizer", "activations", "other"):
+        mem_table.add_row(name, _gib(getattr(mem, name)))
+    verdict = "[green]fits[/green]" if mem.fits else "[red]does not fit[/red]"
+    mem_table.add_row("[bold]peak[/bold]", f"[bold]{_gib(mem.peak)}[/bold]")
+    mem_table.add_row("capacity", f"{_gib(mem.capacity)}  {verdict}")
+
+    time_table = Table(title="time per optimizer step", title_justify="left")
+    time_table.add_column("part")
+    time_table.add_column("time", justify="right")
+    time_table.add_column("share", justify="right")
+    for name, value in (("compute", t.compute_s), ("exposed comm", t.comm_exposed_s),
+                        ("pipeline bubble", t.bubble_s), ("optimizer", t.optimizer_s),
+                        ("offload", t.offload_s)):
+        time_table.add_row(name, _seconds(value), f"{100 * value / t.step_s:.1f}%" if t.step_s else "")
+    time_table.add_row("[bold]step[/bold]", f"[bold]{_seconds(t.step_s)}[/bold]", "")
+    console.print(mem_table)
+    console.print(time_table)
+    rule = "[green]ok[/green]" if result.compute_fraction >= 0.8 else "[yellow]below the 80% rule[/yellow]"
+    console.print(
+        f"throughput {thr.tokens_per_s:,.0f} tokens/s, {thr.model_tflops_per_device:,.1f} model TFLOP/s per "
+        f"device, MFU {100 * thr.mfu:.1f}%; compute {100 * result.compute_fraction:.1f}% of the step ({rule})"
+    )
+    for note in result.notes:
+        console.print(f"note: {note}", style="dim")
+
+
+def main() -> None:  # pragma: no cover - entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())
+
+

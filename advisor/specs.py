@@ -1,0 +1,320 @@
+"""Shared pydantic specs: the files and strings a user writes or reads.
+
+Everything that crosses a package boundary (hardware, model, layout, estimate) is one of these
+models, validated once at the edge. Validation errors name the field and the allowed values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from advisor.errors import UsageError
+
+GiB = 1024**3
+
+DType = Literal["bf16", "fp16", "fp32"]
+Recompute = Literal["none", "selective", "full"]
+Offload = Literal["none", "optimizer", "optimizer+params"]
+Method = Literal["full", "lora", "qlora"]
+
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class Efficiency(BaseModel):
+    """Fractions of datasheet peak that real kernels reach (the cost model's calibration knobs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gemm: float = Field(0.6, gt=0, le=1, description="large dense GEMM / datasheet dense peak")
+    intra_node_collective: float = Field(0.7, gt=0, le=1, description="NCCL bus bandwidth / link peak")
+    inter_node_collective: float = Field(0.7, gt=0, le=1, description="NCCL bus bandwidth / NIC peak")
+    memory_bandwidth: float = Field(0.8, gt=0, le=1, description="streaming copy / datasheet bandwidth")
+    comm_overlap: float = Field(
+        0.5, ge=0, le=1, description="share of DP/ZeRO collective time hidden behind compute"
+    )
+
+
+class HardwareSpec(BaseModel):
+    """One kind of accelerator (per device figures) and how devices are wired.
+
+    Bandwidths are GB/s (1e9 bytes), unidirectional, per device. Presets carry datasheet peaks and
+    typical efficiencies; `advisor profile` writes the same schema with measured figures.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str = ""
+    device_type: Literal["cuda", "cpu"] = "cuda"
+    memory_gib: float = Field(gt=0, description="memory per device")
+    reserved_gib: float = Field(
+        0.0, ge=0, description="taken by the runtime (CUDA context, NCCL, allocator) before tensors"
+    )
+    peak_tflops: dict[str, float] = Field(description="dense peak per dtype: bf16, fp16, fp32")
+    memory_bandwidth_gbs: float = Field(gt=0)
+    intra_node_bandwidth_gbs: float = Field(gt=0, description="device-to-device link, one direction")
+    inter_node_bandwidth_gbs: float = Field(gt=0, description="network per device, one direction")
+    intra_node_latency_us: float = Field(5.0, ge=0)
+    inter_node_latency_us: float = Field(10.0, ge=0)
+    devices_per_node: int = Field(8, ge=1)
+    host_to_device_gbs: float = Field(25.0, gt=0, description="pinned host<->device copy")
+    cpu_adam_params_per_s: float = Field(
+        1.0e9, gt=0, description="host Adam update rate per device for optimizer offload"
+    )
+    efficiency: Efficiency = Field(default_factory=Efficiency)
+    source: str = Field("preset", description="'preset' or the profile file it was measured into")
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * GiB)
+
+    @property
+    def usable_bytes(self) -> int:
+        return int((self.memory_gib - self.reserved_gib) * GiB)
+
+    def supports(self, dtype: str) -> bool:
+        return self.peak_tflops.get(dtype, 0.0) > 0
+
+    def peak_flops(self, dtype: str) -> float:
+        if not self.supports(dtype):
+            raise UsageError(
+                f"hardware '{self.name}' has no {dtype} throughput; "
+                f"supported: {', '.join(k for k, v in self.peak_tflops.items() if v > 0)}"
+            )
+        return self.peak_tflops[dtype] * 1e12
+
+    @property
+    def default_dtype(self) -> DType:
+        return "fp32" if self.device_type == "cpu" or not self.supports("bf16") else "bf16"
+
+
+class ModelSpec(BaseModel):
+    """A model given as its Hugging Face config (any architecture transformers knows)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    hf_config: dict[str, Any]
+    source: str = Field("preset", description="'preset', or the config path it was read from")
+
+    @property
+    def model_type(self) -> str:
+        return str(self.hf_config.get("model_type", "?"))
+
+
+class Layout(BaseModel):
+    """How one training step is split across devices: the single source of truth for degrees.
+
+    Parsed from strings like ``dp=8,tp=8,pp=16,zero=1,mbs=1,gas=16,recompute=selective``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    dp: int = Field(1, ge=1, description="data-parallel replicas")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree (Megatron column/row split)")
+    pp: int = Field(1, ge=1, description="pipeline stages")
+    vpp: int = Field(1, ge=1, description="virtual stages per device (interleaved 1F1B)")
+    sp: bool = Field(False, description="Megatron sequence parallelism inside the TP group")
+    zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 1 optimizer, 2 +grads, 3 +weights")
+    offload: Offload = "none"
+    mbs: int = Field(1, ge=1, description="micro-batch size, sequences per device per micro-step")
+    gas: int = Field(1, ge=1, description="gradient-accumulation steps per optimizer step")
+    recompute: Recompute = "none"
+    method: Method = "full"
+    lora_rank: int = Field(16, ge=1, description="LoRA rank r (method lora/qlora)")
+    dtype: DType = "bf16"
+    seq: int = Field(2048, ge=1, description="tokens per sequence")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.dp * self.mbs * self.gas
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "Layout":
+        if self.sp and self.tp == 1:
+            raise ValueError("sp=1 needs tp>1: sequence parallelism splits the TP group's replicated work")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError("vpp>1 needs pp>1: virtual stages interleave a pipeline")
+        if self.offload != "none" and self.zero == 0:
+            raise ValueError("offload needs zero>=1 (DeepSpeed offloads ZeRO partitions)")
+        if self.offload == "optimizer+params" and self.zero != 3:
+            raise ValueError("offload=optimizer+params needs zero=3")
+        if self.method == "qlora" and self.dtype == "fp32":
+            raise ValueError("method=qlora computes in bf16/fp16; set dtype=bf16 or fp16")
+        return self
+
+    def short(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"vpp={self.vpp}")
+        if self.sp:
+            parts.append("sp=1")
+        parts += [f"zero={self.zero}", f"mbs={self.mbs}", f"gas={self.gas}", f"recompute={self.recompute}"]
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
+        if self.method != "full":
+            parts.append(f"method={self.method}")
+        parts += [f"dtype={self.dtype}", f"seq={self.seq}"]
+        return ",".join(parts)
+
+
+LAYOUT_KEYS_HELP: dict[str, str] = {
+    "dp": "data-parallel replicas (default: devices / (tp*pp))",
+    "tp": "tensor-parallel degree; must divide attention heads and stay inside a node",
+    "pp": "pipeline stages (1F1B); must not exceed the number of decoder layers",
+    "vpp": "virtual stages per device for the interleaved 1F1B schedule (shrinks the bubble)",
+    "sp": "0/1: Megatron sequence parallelism (needs tp>1); shards LayerNorm/dropout activations",
+    "zero": "0-3: ZeRO stage; 1 shards optimizer states, 2 also gradients, 3 also weights",
+    "offload": "none | optimizer | optimizer+params: move ZeRO partitions to host memory",
+    "mbs": "micro-batch size (sequences per device per forward/backward)",
+    "gas": "gradient-accumulation steps; global batch = dp*mbs*gas",
+    "recompute": "none | selective (attention core) | full (whole decoder layer)",
+    "method": "full | lora | qlora (LoRA on 4-bit NF4 frozen weights)",
+    "lora_rank": "LoRA rank r (default 16), adapters on all linear projections",
+    "dtype": "bf16 | fp16 | fp32 (default: bf16 where the hardware has it, fp32 on CPU)",
+    "seq": "tokens per sequence (also --seq-len)",
+}
+
+
+def _format_validation_error(exc: ValidationError, what: str) -> str:
+    messages = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or what
+        msg = err["msg"]
+        if err["type"] == "literal_error":
+            allowed = err.get("ctx", {}).get("expected", "")
+            msg = f"must be one of {allowed}"
+        elif err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        messages.append(f"{loc}: {msg}" if loc != what else msg)
+    return f"invalid {what}: " + "; ".join(messages)
+
+
+def validate(model_cls: type[BaseModel], data: dict[str, Any], what: str) -> Any:
+    """Build a spec or raise a UsageError whose one line names the field and the allowed values."""
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise UsageError(_format_validation_error(exc, what)) from None
+
+
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def parse_layout_string(text: str) -> dict[str, Any]:
+    """Parse ``key=value,key=value`` into a dict, rejecting unknown keys with the allowed list."""
+    out: dict[str, Any] = {}
+    for raw in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
+        if "=" not in raw:
+            raise UsageError(f"malformed layout item '{raw}': expected key=value, e.g. 'tp=2'")
+        key, value = (s.strip() for s in raw.split("=", 1))
+        if key not in LAYOUT_KEYS_HELP:
+            raise UsageError(f"unknown layout key '{key}'; allowed: {', '.join(LAYOUT_KEYS_HELP)}")
+        if key in out:
+            raise UsageError(f"layout key '{key}' given twice")
+        if key == "sp":
+            if value.lower() not in _BOOL_WORDS:
+                raise UsageError(f"layout sp={value}: must be 0 or 1")
+            out[key] = _BOOL_WORDS[value.lower()]
+        elif key in {"dp", "tp", "pp", "vpp", "zero", "mbs", "gas", "seq", "lora_rank"}:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise UsageError(f"layout {key}={value}: must be an integer") from None
+        else:
+            out[key] = value
+    return out
+
+
+def resolve_layout(
+    text: str, devices: int, hardware: HardwareSpec, seq_len: int | None = None
+) -> Layout:
+    """Fill defaults (dp from the device count, dtype from the hardware) and validate."""
+    fields = parse_layout_string(text)
+    if seq_len is not None:
+        if "seq" in fields and fields["seq"] != seq_len:
+            raise UsageError(f"--seq-len {seq_len} contradicts layout seq={fields['seq']}")
+        fields["seq"] = seq_len
+    tp, pp = fields.get("tp", 1), fields.get("pp", 1)
+    if "dp" not in fields:
+        if tp < 1 or pp < 1 or devices % (tp * pp):
+            raise UsageError(f"tp*pp = {tp * pp} does not divide the {devices} devices")
+        fields["dp"] = devices // (tp * pp)
+    fields.setdefault("dtype", hardware.default_dtype)
+    layout: Layout = validate(Layout, fields, "layout")
+    if layout.devices != devices:
+        raise UsageError(
+            f"dp*tp*pp = {layout.dp}*{layout.tp}*{layout.pp} = {layout.devices} "
+            f"but there are {devices} devices (--nodes x --gpus-per-node)"
+        )
+    if not hardware.supports(layout.dtype):
+        raise UsageError(f"hardware '{hardware.name}' does not run {layout.dtype}")
+    return layout
+
+
+# ------------------------------------------------------------------------------------------------
+# estimate results (the JSON contract of `advisor estimate`, see shared/ARCHITECTURE.md)
+
+
+class ModelSize(BaseModel):
+    params: int
+    trainable_params: int
+
+
+class MemoryEstimate(BaseModel):
+    """Bytes on the most loaded device at its peak moment."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    other: int = Field(description="transients: logits/loss buffers, comm buckets, gathered ZeRO-3 "
+                                   "layers, optimizer-step temporaries")
+    peak: int
+    capacity: int = Field(description="device memory less the runtime's reserve")
+    fits: bool
+    stage: int = Field(0, description="pipeline stage of the most loaded device")
+
+
+class TimeEstimate(BaseModel):
+    """Seconds per optimizer step on the slowest pipeline stage."""
+
+    step_s: float
+    compute_s: float = Field(description="FLOP time incl. recomputation and memory-bound kernels")
+    comm_exposed_s: float = Field(description="TP, PP and DP/ZeRO communication not hidden")
+    bubble_s: float
+    optimizer_s: float
+    offload_s: float = 0.0
+    tp_comm_s: float = 0.0
+    pp_comm_s: float = 0.0
+    dp_comm_s: float = Field(0.0, description="DP/ZeRO collectives before overlap")
+
+
+class ThroughputEstimate(BaseModel):
+    tokens_per_s: float
+    model_tflops_per_device: float = Field(description="model FLOPs only (no recomputation)")
+    mfu: float
+
+
+class Estimate(BaseModel):
+    model: ModelSize
+    memory: MemoryEstimate
+    time: TimeEstimate
+    throughput: ThroughputEstimate
+    compute_fraction: float
+    layout: Layout
+    hardware: str
+    devices: int
+    nodes: int
+    notes: list[str] = Field(default_factory=list)

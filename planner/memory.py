@@ -1,0 +1,143 @@
+"""Per-device memory of one layout: model states, activations in flight, and transients.
+
+The single home of every memory formula; the ILP, the reports and the run summary read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from advisor.specs import DTYPE_BYTES, Layout
+from profiler.model_trace import ModelTrace
+
+# Bytes per parameter of a 4-bit NF4 weight with double quantisation (Dettmers et al. 2023,
+# QLoRA section 3): 4 bits + an 8-bit absmax per 64-weight block + an fp32 constant per 256 blocks.
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# peft keeps LoRA adapters in fp32 by default (`autocast_adapter_dtype=True`), whatever the base.
+ADAPTER_BYTES = 4
+# Gradient bucket sizes that our exported DeepSpeed/DDP configs set (trainer and planner share them).
+DDP_BUCKET_BYTES = 25 * 2**20
+ZERO_REDUCE_BUCKET_ELEMS = 50_000_000
+ZERO3_PREFETCH_LAYERS = 2  # the layer being computed plus the one being all-gathered ahead
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    weights: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def optimizer_bytes_per_param(layout: Layout) -> int:
+    """Adam: fp32 momentum and variance, plus an fp32 master copy unless training is pure fp32.
+
+    DeepSpeed ZeRO keeps its own fp32 partition even when the model is fp32 (it clones the
+    partition into the optimizer), so K = 12 whenever ZeRO >= 1 (ZeRO paper, section 3.1: K = 12).
+    """
+    if layout.dtype != "fp32" or layout.zero >= 1:
+        return 12
+    return 8
+
+
+def model_state_bytes(
+    params: float, trainable: float, layout: Layout, quantizable: float | None = None
+) -> ModelStates:
+    """Weights, gradients and optimizer states on one device, for `params` held by its shard.
+
+    `params` and `trainable` are counted after tensor/pipeline splitting but before ZeRO;
+    `quantizable` is the frozen part that QLoRA stores in NF4 (decoder linear layers).
+    ZeRO stage 1 divides the optimizer states by dp, stage 2 also the gradients, stage 3 also
+    the weights (Rajbhandari et al. 2020, section 5).
+    """
+    w = DTYPE_BYTES[layout.dtype]
+    dp = layout.dp
+    if layout.method == "full":
+        weights = params * w
+        grads = trainable * w
+        optim = trainable * optimizer_bytes_per_param(layout)
+    else:
+        frozen = params - trainable
+        nf4 = (quantizable if quantizable is not None else frozen) if layout.method == "qlora" else 0.0
+        weights = (frozen - nf4) * w + nf4 * NF4_BYTES_PER_PARAM + trainable * ADAPTER_BYTES
+        grads = trainable * ADAPTER_BYTES
+        optim = trainable * 8  # fp32 adapters need no separate master copy
+    if layout.zero >= 1:
+        optim /= dp
+    if layout.zero >= 2:
+        grads /= dp
+    if layout.zero >= 3:
+        weights /= dp
+    if layout.offload in ("optimizer", "optimizer+params"):
+        optim = 0.0
+    if layout.offload == "optimizer+params":
+        weights = 0.0
+    return ModelStates(weights, grads, optim)
+
+
+def stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Decoder layers per pipeline stage: even, with any remainder on the later stages.
+
+    The first stage already holds the embedding and the most micro-batches in flight, so it gets
+    the smaller share (the planner may choose another split).
+    """
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if stage >= pp - extra else 0) for stage in range(pp)]
+
+
+def micro_batches_in_flight(stage: int, layout: Layout) -> float:
+    """Micro-batches whose activations a stage holds at its peak, in whole-stage units.
+
+    1F1B: stage r keeps pp - r micro-batches. Interleaved 1F1B (Megatron): rank r runs
+    2(pp - r - 1) + (vpp - 1)pp warm-up chunks plus one, each chunk 1/vpp of the stage
+    (Korthikanti et al. 2022, section 4.2.3: the first stage holds L(1 + (p-1)/(pm)) layers).
+    """
+    pp, vpp, gas = layout.pp, layout.vpp, layout.gas
+    if pp == 1:
+        return 1.0
+    if vpp == 1:
+        return float(min(pp - stage, gas))
+    chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp, gas * vpp - 1) + 1
+    return chunks / vpp
+
+
+def layer_activation_bytes(trace: ModelTrace, layout: Layout, recompute: str | None = None) -> float:
+    """Bytes one decoder layer keeps for backward, per micro-batch, on one device.
+
+    Replicated tensors (LayerNorm inputs, dropout masks after row-parallel linears) are divided by
+    tp only with sequence parallelism; tensors inside TP regions always are (Korthikanti et al.
+    2022, Table 2). Selective recomputation drops the s x s attention scores; full recomputation
+    keeps the layer's input only (Table 2 does not divide it by tp).
+    """
+    recompute = recompute or layout.recompute
+    layer = trace.layer
+    tp = layout.tp
+    if recompute == "full":
+        return layer.input_bytes * layout.mbs
+    replicated = layer.act_replicated_bytes / (tp if layout.sp else 1)
+    sharded = layer.act_sharded_bytes
+    if recompute == "selective":
+        sharded -= layer.act_scores_bytes
+    return (replicated + sharded / tp) * layout.mbs
+
+
+def head_activation_bytes(trace: ModelTrace, layout: Layout) -> float:
+    """Final norm and lm_head input plus the fp32 log-softmax that the loss keeps (vocab-parallel)."""
+    head = trace.head
+    replicated = head.act_replicated_bytes / (layout.tp if layout.sp else 1)
+    return (replicated + head.act_sharded_bytes / layout.tp) * layout.mbs
+
+
+def logits_transient_bytes(trace: ModelTrace, layout: Layout) -> float:
+    """Buffers alive around the loss beyond the saved log-softmax, per device.
+
+    The logits in the compute dtype, their fp32 up-cast for the loss (transformers' ForCausalLMLoss
+    calls `.float()`; a no-op in fp32) and, in backward, the fp32 gradient of the log-softmax.
+    """
+    tokens_vocab = layout.mbs * trace.seq * trace.vocab_size / layout.tp
+    w = DTYPE_BYTES[layout.dtype]
+    upcast = 4 if w != 4 else 0
+    return tokens_vocab * (w + upcast + 4)

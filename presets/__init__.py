@@ -1,0 +1,85 @@
+"""Preset data shipped with the package: hardware, model configs and tasks, as YAML files.
+
+Loaders resolve the CLI's `--model`/`--hardware` arguments: a preset name, or a path (an HF
+`config.json` or model folder for models; a `profile.json` for hardware).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from advisor.errors import UsageError
+from advisor.specs import HardwareSpec, ModelSpec, validate
+
+PRESETS_DIR = Path(__file__).resolve().parent
+KINDS = ("hardware", "models", "tasks")
+
+
+def preset_names(kind: str) -> list[str]:
+    if kind not in KINDS:
+        raise UsageError(f"unknown preset kind '{kind}'; allowed: {', '.join(KINDS)}")
+    return sorted(p.stem for p in (PRESETS_DIR / kind).glob("*.yaml"))
+
+
+@lru_cache(maxsize=None)
+def _read_yaml(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a YAML mapping")
+    return data
+
+
+def preset_data(kind: str, name: str) -> dict[str, Any]:
+    path = PRESETS_DIR / kind / f"{name}.yaml"
+    if not path.is_file():
+        raise UsageError(f"unknown {kind} preset '{name}'; available: {', '.join(preset_names(kind))}")
+    return dict(_read_yaml(path))
+
+
+def load_hardware(ref: str) -> HardwareSpec:
+    """A hardware preset name, or a path to a JSON/YAML file with the HardwareSpec schema."""
+    path = Path(ref)
+    if ref.endswith((".json", ".yaml", ".yml")) or path.is_file():
+        if not path.is_file():
+            raise UsageError(f"hardware file not found: {ref}")
+        return load_hardware_file(path)
+    return validate(HardwareSpec, preset_data("hardware", ref), f"hardware preset '{ref}'")
+
+
+def load_hardware_file(path: Path) -> HardwareSpec:
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise UsageError(f"cannot read hardware file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"hardware file {path}: expected a mapping")
+    return validate(HardwareSpec, data, f"hardware file {path}")
+
+
+def load_model(ref: str) -> ModelSpec:
+    """A model preset name, an HF `config.json`, or a local model folder holding one."""
+    path = Path(ref)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise UsageError(f"model folder {ref} has no config.json")
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot read model config {path}: {exc}") from None
+        if not isinstance(config, dict) or "model_type" not in config:
+            raise UsageError(f"{path} is not a Hugging Face config.json (no 'model_type')")
+        return ModelSpec(name=path.parent.name if path.name == "config.json" else path.stem,
+                         hf_config=config, source=str(path))
+    if ref.endswith(".json") or "/" in ref:
+        raise UsageError(f"model config not found: {ref}")
+    data = preset_data("models", ref)
+    return validate(ModelSpec, {"name": ref, "hf_config": data["hf_config"]}, f"model preset '{ref}'")

@@ -1,0 +1,1 @@
+"""Measures: the model trace under fake tensors and (later) hardware micro-benchmarks."""

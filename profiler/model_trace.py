@@ -1,0 +1,420 @@
+"""Trace a Hugging Face model under fake tensors: parameters, FLOPs and saved activations per block.
+
+Nothing is allocated and nothing is downloaded: the model is built from its config inside
+`FakeTensorMode`, one training micro-step (forward, loss, backward) is run at the real width, and
+we record
+
+* FLOPs with `torch.utils.flop_counter.FlopCounterMode` (forward and backward separately);
+* every tensor autograd saves for backward (`saved_tensors_hooks`), de-duplicated by storage and
+  excluding parameters, classified as *replicated* (outside Megatron tensor-parallel regions, e.g.
+  LayerNorm inputs, residual dropout masks) or *sharded* (between a column-parallel and the
+  following row-parallel linear), and as *attention scores* when it is an s x s tensor.
+
+Only one and two decoder layers are traced; the difference is one layer and the rest is the
+embedding plus the head. Deep models then scale exactly, so `llama3-405b` traces in about a second.
+
+CPU-vs-GPU corrections (target `cuda`), applied by running the GPU's kernels' autograd contracts:
+* attention `flash` runs `aten._scaled_dot_product_flash_attention_for_cpu`, which saves what
+  FlashAttention-2 saves on a GPU (q, k, v, output, fp32 log-sum-exp) and no s x s matrix;
+* dropout runs `aten.native_dropout`, which saves a 1-byte boolean mask as CUDA's fused kernel
+  does (the CPU kernel keeps a mask in the activation dtype).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from pydantic import BaseModel, Field
+
+from advisor.errors import UsageError
+from advisor.specs import DTYPE_BYTES, ModelSpec
+
+Attention = Literal["flash", "sdpa", "eager"]
+
+
+# Linear modules that Megatron-style TP splits by output (column) or by input (row). The names
+# cover Llama/Mistral/Qwen (q_proj...), GPT-2 (c_attn/c_fc/c_proj), GPT-NeoX and Falcon.
+_COLUMN_NAMES = {
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj",
+    "c_attn", "c_fc", "query_key_value", "dense_h_to_4h", "w1", "w3", "fc1", "Wqkv", "lm_head",
+}
+_ROW_NAMES = {"o_proj", "down_proj", "c_proj", "dense_4h_to_h", "w2", "fc2", "out_proj", "dense"}
+
+
+class BlockTrace(BaseModel):
+    """One kind of block (embedding, decoder layer, head) for ONE sequence of the traced length."""
+
+    params: int = 0
+    trainable_params: int = 0
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    act_replicated_bytes: float = Field(0.0, description="saved outside TP regions (LN inputs, masks)")
+    act_sharded_bytes: float = Field(0.0, description="saved inside TP regions, divided by tp")
+    act_scores_bytes: float = Field(0.0, description="the s x s part of the sharded bytes")
+    input_bytes: float = Field(0.0, description="the block's input hidden states (kept by full recompute)")
+
+    @property
+    def act_bytes(self) -> float:
+        return self.act_replicated_bytes + self.act_sharded_bytes
+
+    def minus(self, other: "BlockTrace") -> "BlockTrace":
+        return BlockTrace(**{k: getattr(self, k) - getattr(other, k) for k in BlockTrace.model_fields})
+
+
+class ModelTrace(BaseModel):
+    """What the cost model needs to know about a model, per sequence of `seq` tokens."""
+
+    model: str
+    model_type: str
+    seq: int
+    dtype: str
+    method: str
+    lora_rank: int
+    attention: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    params: int
+    trainable_params: int
+    embedding: BlockTrace
+    layer: BlockTrace
+    head: BlockTrace
+    notes: list[str] = Field(default_factory=list)
+
+    @property
+    def flops_per_sequence(self) -> float:
+        """Model FLOPs (forward + backward, no recomputation) for one sequence."""
+        blocks = (self.embedding, self.head)
+        per_layer = self.layer.fwd_flops + self.layer.bwd_flops
+        return self.num_layers * per_layer + sum(b.fwd_flops + b.bwd_flops for b in blocks)
+
+
+# --------------------------------------------------------------------------------------------
+# architecture facts read from any HF config
+
+
+def _cfg_get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    return default
+
+
+def architecture_dims(cfg: dict[str, Any]) -> dict[str, int]:
+    hidden = int(_cfg_get(cfg, "hidden_size", "n_embd", "d_model"))
+    heads = int(_cfg_get(cfg, "num_attention_heads", "n_head", "num_heads"))
+    return {
+        "hidden_size": hidden,
+        "num_layers": int(_cfg_get(cfg, "num_hidden_layers", "n_layer", "num_layers")),
+        "num_heads": heads,
+        "num_kv_heads": int(_cfg_get(cfg, "num_key_value_heads", "num_kv_heads", default=heads)),
+        "head_dim": int(_cfg_get(cfg, "head_dim", default=hidden // heads)),
+        "intermediate_size": int(_cfg_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
+        "vocab_size": int(_cfg_get(cfg, "vocab_size")),
+    }
+
+
+def _layers_key(cfg: dict[str, Any]) -> str:
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if key in cfg:
+            return key
+    raise UsageError(f"model config of type {cfg.get('model_type')} names no layer count")
+
+
+# --------------------------------------------------------------------------------------------
+# GPU kernel contracts, run on CPU under fake tensors
+
+
+def _flash_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """FlashAttention's autograd contract (saves q, k, v, out, fp32 logsumexp; no s x s tensor)."""
+    import torch
+
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # flash kernels broadcast GQA heads without a copy; expand is a view
+        key = key[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2)
+        value = value[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2)
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p=0.0, is_causal=True, scale=scaling
+    )[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _native_dropout(input, p=0.5, training=True, inplace=False):
+    import torch
+
+    if not training or p == 0.0:
+        return input
+    return torch.native_dropout(input, p, True)[0]
+
+
+@contextlib.contextmanager
+def _gpu_kernel_contracts(enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    import torch
+
+    original = torch.nn.functional.dropout
+    torch.nn.functional.dropout = _native_dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = original
+
+
+def _register_flash() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("advisor_fa_contract", _flash_attention)
+    return "advisor_fa_contract"
+
+
+# --------------------------------------------------------------------------------------------
+# one traced step
+
+
+class _SavedTensorLog:
+    """Records tensors saved for backward, classified by TP region and by s x s shape."""
+
+    def __init__(self, param_storages: set, seq: int, num_heads: int):
+        self.param_storages = param_storages
+        self.seq = seq
+        self.num_heads = num_heads
+        self.in_tp_region = False
+        self.seen: set = set()
+        self.replicated = 0.0
+        self.sharded = 0.0
+        self.scores = 0.0
+
+    def pack(self, tensor: "torch.Tensor") -> "torch.Tensor":
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        storage = StorageWeakRef(tensor.untyped_storage())
+        if storage in self.param_storages or storage in self.seen:
+            return tensor
+        self.seen.add(storage)
+        nbytes = tensor.untyped_storage().nbytes()
+        if self.in_tp_region:
+            self.sharded += nbytes
+            # attention scores are (batch, heads, s, s) or (batch*heads, s, s)
+            if tensor.dim() >= 3 and list(tensor.shape[-3:]) == [self.num_heads, self.seq, self.seq]:
+                self.scores += nbytes
+        else:
+            self.replicated += nbytes
+        return tensor
+
+    def hooks_for(self, model: "torch.nn.Module", column: set[str], row: set[str]) -> list[Any]:
+        handles = []
+
+        def enter_replicated(*_):
+            self.in_tp_region = False
+
+        def enter_sharded(*_):
+            self.in_tp_region = True
+
+        for name, module in model.named_modules():
+            last = name.rsplit(".", 1)[-1]
+            if last in column:
+                # the input (saved during forward) is replicated; what follows the output is sharded
+                handles.append(module.register_forward_pre_hook(enter_replicated))
+                handles.append(module.register_forward_hook(enter_sharded))
+            elif last in row:
+                handles.append(module.register_forward_hook(enter_replicated))
+        return handles
+
+
+def _tp_names(cfg: dict[str, Any], hf_config: Any) -> tuple[set[str], set[str]]:
+    plan = getattr(hf_config, "base_model_tp_plan", None) or {}
+    column = set(_COLUMN_NAMES)
+    row = set(_ROW_NAMES)
+    for pattern, style in plan.items():
+        last = pattern.rsplit(".", 1)[-1]
+        if "colwise" in style:
+            column.add(last)
+        elif "rowwise" in style:
+            row.add(last)
+    return column, row
+
+
+def _trace_once(
+    cfg: dict[str, Any], layers: int, seq: int, dtype: str, method: str, lora_rank: int,
+    attention: Attention, gpu_contracts: bool,
+) -> tuple[BlockTrace, int, int]:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(cfg)
+    cfg[_layers_key(cfg)] = layers
+    cfg.pop("quantization_config", None)
+    try:
+        hf_config = AutoConfig.for_model(**cfg)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"transformers cannot build a config of type '{cfg.get('model_type')}': {exc}") from None
+    attn_impl = _register_flash() if attention == "flash" else attention
+    hf_config.use_cache = False
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    previous_default = torch.get_default_dtype()
+    # Build on the meta device (no init work, no memory), add adapters there, then give the
+    # parameters fake storage: building directly under FakeTensorMode is slower and breaks peft.
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.set_default_dtype(torch_dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_impl)
+        finally:
+            torch.set_default_dtype(previous_default)
+        if method in ("lora", "qlora"):
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(
+                model,
+                LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
+                           target_modules="all-linear", task_type="CAUSAL_LM"),
+            )
+    with FakeTensorMode(allow_non_fake_inputs=True), _gpu_kernel_contracts(gpu_contracts):
+        model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty gives tied matrices separate storage
+        model.train()
+        params = list(model.parameters())
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        log = _SavedTensorLog({StorageWeakRef(p.untyped_storage()) for p in params}, seq,
+                              architecture_dims(cfg)["num_heads"])
+        handles = log.hooks_for(model, *_tp_names(cfg, hf_config))
+        ids = torch.zeros((1, seq), dtype=torch.long)
+        with FlopCounterMode(display=False) as counter:
+            with torch.autograd.graph.saved_tensors_hooks(log.pack, lambda t: t):
+                loss = model(input_ids=ids, labels=ids).loss
+            fwd = counter.get_total_flops()
+            if method in ("lora", "qlora") and trainable == 0:
+                raise UsageError("LoRA found no linear layer to adapt in this architecture")
+            loss.backward()
+            total_flops = counter.get_total_flops()
+        for handle in handles:
+            handle.remove()
+    block = BlockTrace(
+        params=total, trainable_params=trainable, fwd_flops=float(fwd), bwd_flops=float(total_flops - fwd),
+        act_replicated_bytes=log.replicated, act_sharded_bytes=log.sharded, act_scores_bytes=log.scores,
+    )
+    return block, total, trainable
+
+
+def default_attention(device_type: str) -> Attention:
+    """What the target runs: FlashAttention on GPUs, PyTorch SDPA on CPU."""
+    return "flash" if device_type == "cuda" else "sdpa"
+
+
+@lru_cache(maxsize=256)
+def _trace_cached(
+    name: str, cfg_key: str, seq: int, dtype: str, method: str, lora_rank: int, attention: str,
+    gpu_contracts: bool,
+) -> ModelTrace:
+    cfg = json.loads(cfg_key)
+    dims = architecture_dims(cfg)
+    one, _, _ = _trace_once(cfg, 1, seq, dtype, method, lora_rank, attention, gpu_contracts)  # type: ignore[arg-type]
+    two, _, _ = _trace_once(cfg, 2, seq, dtype, method, lora_rank, attention, gpu_contracts)  # type: ignore[arg-type]
+    layer = two.minus(one)
+    outer = one.minus(layer)
+    act_bytes = DTYPE_BYTES[dtype]
+    # The layer's input hidden states: what a full-recompute checkpoint keeps per layer.
+    layer.input_bytes = seq * dims["hidden_size"] * act_bytes
+    # Split the outer part: the embedding keeps only token ids; everything else is the head
+    # (final norm, lm_head, fp32 logits for the loss).
+    embed_params = dims["vocab_size"] * dims["hidden_size"]
+    embed_params += _position_params(cfg, dims)
+    embedding = BlockTrace(params=embed_params, trainable_params=embed_params if method == "full" else 0)
+    # Tied embeddings are counted once by parameters(), so the head keeps only its norm then.
+    head = outer.minus(embedding)
+    head.input_bytes = seq * dims["hidden_size"] * act_bytes
+    layers = dims["num_layers"]
+    params = layers * layer.params + outer.params
+    trainable = layers * layer.trainable_params + outer.trainable_params
+    notes = []
+    if gpu_contracts:
+        notes.append("GPU kernels: FlashAttention saves no s x s matrix; dropout masks are 1 byte")
+    if method == "qlora":
+        notes.append("QLoRA traced as LoRA in bf16; the cost model stores frozen weights in 4-bit NF4")
+    return ModelTrace(
+        model=name, model_type=str(cfg.get("model_type")), seq=seq, dtype=dtype, method=method,
+        lora_rank=lora_rank, attention=attention, params=params, trainable_params=trainable,
+        embedding=embedding, layer=layer, head=head, notes=notes, **dims,
+    )
+
+
+def _position_params(cfg: dict[str, Any], dims: dict[str, int]) -> int:
+    if cfg.get("model_type") == "gpt2":
+        return int(_cfg_get(cfg, "n_positions", "max_position_embeddings")) * dims["hidden_size"]
+    return 0
+
+
+TRACE_FORMAT = 1  # bump when what a trace records changes, to invalidate disk caches
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("ADVISOR_CACHE", Path.home() / ".cache" / "advisor")) / "traces"
+
+
+def _stack_versions() -> str:
+    """Versions that change what a trace sees, read without importing the packages."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for package in ("torch", "transformers", "peft"):
+        try:
+            found.append(f"{package}={version(package)}")
+        except PackageNotFoundError:
+            found.append(f"{package}=none")
+    return ",".join(found)
+
+
+def trace_model(
+    model: ModelSpec, seq: int, dtype: str = "bf16", method: str = "full", lora_rank: int = 16,
+    attention: Attention | None = None, device_type: str = "cuda", use_disk_cache: bool = True,
+) -> ModelTrace:
+    """Trace `model` for one sequence of `seq` tokens as it would train on `device_type`.
+
+    Activations and FLOPs are exactly linear in the micro-batch size, so the cost model scales
+    this single-sequence trace. Results are cached in memory and on disk (`$ADVISOR_CACHE`,
+    default ~/.cache/advisor) per config, arguments and torch/transformers/peft versions: a cold
+    trace costs the transformers import (seconds on a small CPU), a cached one milliseconds.
+    """
+    if method not in ("full", "lora", "qlora"):
+        raise UsageError(f"method must be one of full, lora, qlora (got {method})")
+    if seq < 1:
+        raise UsageError(f"sequence length must be positive (got {seq})")
+    attention = attention or default_attention(device_type)
+    trace_dtype = "bf16" if method == "qlora" and dtype == "fp32" else dtype
+    cfg_key = json.dumps(copy.deepcopy(model.hf_config), sort_keys=True)
+    args = (model.name, cfg_key, seq, trace_dtype, method, lora_rank, attention, device_type == "cuda")
+    key = hashlib.sha256(json.dumps([TRACE_FORMAT, _stack_versions(), *args]).encode()).hexdigest()[:24]
+    path = _cache_dir() / f"{key}.json"
+    if use_disk_cache and path.is_file():
+        try:
+            return ModelTrace.model_validate_json(path.read_text())
+        except (OSError, ValueError):
+            pass  # a damaged cache entry is traced again and overwritten
+    trace = _trace_cached(*args)
+    if use_disk_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(trace.model_dump_json())
+            tmp.replace(path)  # atomic: readers never see half a file
+        except OSError:
+            pass  # a read-only home only costs speed
+    return trace

@@ -1,0 +1,1 @@
+"""Capacity-planning and run reports (HTML + Markdown); shows, never decides."""
