@@ -126,6 +126,10 @@ class Layout(BaseModel):
     lora_rank: int = Field(16, ge=1, description="LoRA rank r (method lora/qlora)")
     dtype: DType = "bf16"
     seq: int = Field(2048, ge=1, description="tokens per sequence")
+    stage_layers: list[int] | None = Field(
+        None, description="decoder layers per pipeline stage (default: even, remainder on later stages)")
+    recompute_layers: list[int] | None = Field(
+        None, description="per stage, how many of its layers use `recompute` (default: all of them)")
 
     @property
     def devices(self) -> int:
@@ -152,6 +156,15 @@ class Layout(BaseModel):
             raise ValueError("offload=optimizer+params needs zero=3")
         if self.method == "qlora" and self.dtype == "fp32":
             raise ValueError("method=qlora computes in bf16/fp16; set dtype=bf16 or fp16")
+        for name in ("stage_layers", "recompute_layers"):
+            value = getattr(self, name)
+            if value is not None and (len(value) != self.pp or min(value) < 0):
+                raise ValueError(f"{name} needs pp={self.pp} non-negative counts, one per stage")
+        if self.stage_layers and min(self.stage_layers) < 1:
+            raise ValueError("stage_layers: every pipeline stage needs at least one decoder layer")
+        if self.stage_layers and self.recompute_layers:
+            if any(r > n for r, n in zip(self.recompute_layers, self.stage_layers)):
+                raise ValueError("recompute_layers: a stage cannot recompute more layers than it holds")
         return self
 
     def short(self) -> str:
@@ -166,6 +179,10 @@ class Layout(BaseModel):
         if self.method != "full":
             parts.append(f"method={self.method}")
         parts += [f"dtype={self.dtype}", f"seq={self.seq}"]
+        if self.stage_layers:
+            parts.append("stage_layers=" + "/".join(map(str, self.stage_layers)))
+        if self.recompute_layers:
+            parts.append("recompute_layers=" + "/".join(map(str, self.recompute_layers)))
         return ",".join(parts)
 
 
@@ -184,6 +201,8 @@ LAYOUT_KEYS_HELP: dict[str, str] = {
     "lora_rank": "LoRA rank r (default 16), adapters on all linear projections",
     "dtype": "bf16 | fp16 | fp32 (default: bf16 where the hardware has it, fp32 on CPU)",
     "seq": "tokens per sequence (also --seq-len)",
+    "stage_layers": "decoder layers per pipeline stage, '/'-separated, e.g. 19/20/21/20 (default: even)",
+    "recompute_layers": "per stage, how many layers use `recompute`, e.g. 4/3/1/0 (default: all)",
 }
 
 
@@ -223,7 +242,12 @@ def parse_layout_string(text: str) -> dict[str, Any]:
             raise UsageError(f"unknown layout key '{key}'; allowed: {', '.join(LAYOUT_KEYS_HELP)}")
         if key in out:
             raise UsageError(f"layout key '{key}' given twice")
-        if key == "sp":
+        if key in ("stage_layers", "recompute_layers"):
+            try:
+                out[key] = [int(v) for v in value.split("/")]
+            except ValueError:
+                raise UsageError(f"layout {key}={value}: expected '/'-separated integers, e.g. 10/12") from None
+        elif key == "sp":
             if value.lower() not in _BOOL_WORDS:
                 raise UsageError(f"layout sp={value}: must be 0 or 1")
             out[key] = _BOOL_WORDS[value.lower()]

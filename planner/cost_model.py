@@ -84,6 +84,8 @@ def check_layout(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> l
         )
     if layout.vpp > 1 and layout.gas % layout.pp:
         raise UsageError(f"interleaved 1F1B needs gas divisible by pp (gas={layout.gas}, pp={layout.pp})")
+    if layout.stage_layers and sum(layout.stage_layers) != trace.num_layers:
+        raise UsageError(f"stage_layers sum to {sum(layout.stage_layers)}, the model has {trace.num_layers} layers")
     if layout.tp > hardware.devices_per_node:
         notes.append(f"tp={layout.tp} crosses nodes ({hardware.devices_per_node} devices per node): slow")
     if layout.method == "qlora" and hardware.device_type == "cpu":
@@ -111,15 +113,19 @@ def _stage_params(trace: ModelTrace, layers: int, first: bool, last: bool, pp: i
 
 
 def _stage_memory(
-    trace: ModelTrace, layout: Layout, hardware: HardwareSpec, stage: int, layers: int
+    trace: ModelTrace, layout: Layout, hardware: HardwareSpec, stage: int, layers: int, recomputed: int
 ) -> MemoryEstimate:
+    """Peak memory of a device of pipeline stage `stage` holding `layers` decoder layers, of which
+    `recomputed` use the layout's recomputation mode and the rest keep all activations."""
     tp, pp = layout.tp, layout.pp
     first, last = stage == 0, stage == pp - 1
     params, trainable, quantizable = _stage_params(trace, layers, first, last, pp)
     states = model_state_bytes(params / tp, trainable / tp, layout, quantizable / tp)
 
     in_flight = micro_batches_in_flight(stage, layout)
-    activations = in_flight * layers * layer_activation_bytes(trace, layout)
+    kept = layer_activation_bytes(trace, layout, recompute="none")
+    reduced = layer_activation_bytes(trace, layout)
+    activations = in_flight * ((layers - recomputed) * kept + recomputed * reduced)
     if last:
         activations += head_activation_bytes(trace, layout)
 
@@ -127,8 +133,8 @@ def _stage_memory(
     transient = 0.0
     if last:
         transient += logits_transient_bytes(trace, layout)
-    if layout.recompute == "full":  # the layer being recomputed holds its full activations
-        transient += layer_activation_bytes(trace, layout, recompute="none")
+    if recomputed and layout.recompute != "none":  # the layer being recomputed regrows what it dropped
+        transient += kept - (reduced if layout.recompute == "selective" else 0.0)
     if layout.zero == 3:
         transient += ZERO3_PREFETCH_LAYERS * trace.layer.params / tp * w
     grad_bytes = w if layout.method == "full" else ADAPTER_BYTES
@@ -172,7 +178,8 @@ class _StageTime:
 
 
 def _stage_time(
-    trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, stage: int, layers: int
+    trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, stage: int, layers: int,
+    recomputed: int,
 ) -> _StageTime:
     tp, mbs, pp = layout.tp, layout.mbs, layout.pp
     first, last = stage == 0, stage == pp - 1
@@ -180,21 +187,22 @@ def _stage_time(
     fwd = layers * layer.fwd_flops + (trace.head.fwd_flops if last else 0.0)
     bwd = layers * layer.bwd_flops + (trace.head.bwd_flops if last else 0.0)
     if layout.recompute == "full":
-        fwd += layers * layer.fwd_flops
+        fwd += recomputed * layer.fwd_flops
     elif layout.recompute == "selective":  # QK^T and attention-over-V forward again
-        fwd += layers * 4 * trace.seq * trace.seq * trace.num_heads * trace.head_dim
+        fwd += recomputed * 4 * trace.seq * trace.seq * trace.num_heads * trace.head_dim
     flop_rate = hardware.peak_flops(layout.dtype) * hardware.efficiency.gemm
     byte_rate = hardware.memory_bandwidth_gbs * 1e9 * hardware.efficiency.memory_bandwidth
-    traffic = ELEMENTWISE_PASSES * layers * layer_activation_bytes(trace, layout, recompute="none")
-    if layout.recompute == "full":
-        traffic *= 1.25  # the forward's writes happen twice
+    kept = layer_activation_bytes(trace, layout, recompute="none")
+    traffic = ELEMENTWISE_PASSES * layers * kept
+    if layout.recompute == "full":  # the forward's writes happen twice
+        traffic += ELEMENTWISE_PASSES / 4 * recomputed * kept
     fwd_s = mbs * fwd / tp / flop_rate
     bwd_s = mbs * bwd / tp / flop_rate
     compute = fwd_s + bwd_s + traffic / byte_rate
 
     w = DTYPE_BYTES[layout.dtype]
     hidden_bytes = mbs * trace.seq * trace.hidden_size * w
-    all_reduces = layers * (4 + (2 if layout.recompute == "full" else 0)) + (1 if first else 0) + (1 if last else 0)
+    all_reduces = 4 * layers + (2 * recomputed if layout.recompute == "full" else 0) + first + last
     tp_comm = all_reduces * collectives.all_reduce_s(hidden_bytes, tp, hardware, placement.tp_spans_nodes)
     pp_comm = 0.0
     if pp > 1:
@@ -252,12 +260,15 @@ def _optimizer_and_offload(layout: Layout, hardware: HardwareSpec, stage: _Stage
 def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> Estimate:
     notes = check_layout(trace, layout, hardware) + list(trace.notes)
     placement = Placement.of(layout, hardware.devices_per_node)
-    split = stage_layers(trace.num_layers, layout.pp)
+    split = layout.stage_layers or stage_layers(trace.num_layers, layout.pp)
+    recomputed = layout.recompute_layers or (split if layout.recompute != "none" else [0] * layout.pp)
+    recomputed = [min(r, n) for r, n in zip(recomputed, split)]
 
-    memories = [_stage_memory(trace, layout, hardware, i, n) for i, n in enumerate(split)]
+    memories = [_stage_memory(trace, layout, hardware, i, n, r) for i, (n, r) in enumerate(zip(split, recomputed))]
     memory = max(memories, key=lambda m: m.peak)
 
-    stages = [_stage_time(trace, layout, hardware, placement, i, n) for i, n in enumerate(split)]
+    stages = [_stage_time(trace, layout, hardware, placement, i, n, r)
+              for i, (n, r) in enumerate(zip(split, recomputed))]
     per_mb = [s.compute_mb + s.tp_comm_mb + s.pp_comm_mb for s in stages]
     slowest = stages[max(range(len(stages)), key=lambda i: per_mb[i])]
     t_mb = max(per_mb)
@@ -284,7 +295,9 @@ def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpe
             model_tflops_per_device=tflops,
             mfu=tflops * 1e12 / hardware.peak_flops(layout.dtype),
         ),
-        compute_fraction=compute / step,
+        # Amdahl rule of the source article: every device computes >= 80% of the step, so the
+        # least busy pipeline stage sets the fraction.
+        compute_fraction=min(gas * st.compute_mb for st in stages) / step,
         layout=layout, hardware=hardware.name, devices=layout.devices, nodes=placement.nodes,
         notes=notes,
     )
