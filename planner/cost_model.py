@@ -112,45 +112,25 @@ def _stage_params(trace: ModelTrace, layers: int, first: bool, last: bool, pp: i
     return params, trainable, quantizable
 
 
-def _stage_memory(
-    trace: ModelTrace, layout: Layout, hardware: HardwareSpec, stage: int, layers: int, recomputed: int
-) -> MemoryEstimate:
-    """Peak memory of a device of pipeline stage `stage` holding `layers` decoder layers, of which
-    `recomputed` use the layout's recomputation mode and the rest keep all activations."""
-    tp, pp = layout.tp, layout.pp
-    first, last = stage == 0, stage == pp - 1
-    params, trainable, quantizable = _stage_params(trace, layers, first, last, pp)
-    states = model_state_bytes(params / tp, trainable / tp, layout, quantizable / tp)
+def _resident_gradients(layout: Layout, gradients: float) -> float:
+    """Gradient bytes already allocated when the forward pass runs (at the activation peak).
 
-    in_flight = micro_batches_in_flight(stage, layout)
-    kept = layer_activation_bytes(trace, layout, recompute="none")
-    reduced = layer_activation_bytes(trace, layout)
-    activations = in_flight * ((layers - recomputed) * kept + recomputed * reduced)
-    if last:
-        activations += head_activation_bytes(trace, layout)
+    Gradients are created during backward and freed by `zero_grad(set_to_none=True)`, so at the
+    start of backward none exist, unless something keeps them: accumulation across micro-batches
+    (gas > 1), DDP's bucket buffers (dp > 1, as large as the gradients), or ZeRO-3's persistent
+    gradient partition. Measured on this CPU with PyTorch DDP and DeepSpeed ZeRO-1/2/3
+    (bench/memory_accuracy.py)."""
+    if layout.gas > 1 or layout.zero == 3 or (layout.zero == 0 and layout.dp > 1):
+        return gradients
+    return 0.0
 
-    w = DTYPE_BYTES[layout.dtype]
-    transient = 0.0
-    if last:
-        transient += logits_transient_bytes(trace, layout)
-    if recomputed and layout.recompute != "none":  # the layer being recomputed regrows what it dropped
-        transient += kept - (reduced if layout.recompute == "selective" else 0.0)
-    if layout.zero == 3:
-        transient += ZERO3_PREFETCH_LAYERS * trace.layer.params / tp * w
-    grad_bytes = w if layout.method == "full" else ADAPTER_BYTES
-    buckets = 0.0
-    if layout.zero in (1, 2) and layout.dp > 1:
-        buckets = min(ZERO_REDUCE_BUCKET_ELEMS, trainable / tp) * grad_bytes
-    optimizer_temp = _optimizer_temporaries(trace, layout, hardware, trainable / tp)
-    other = max(transient, optimizer_temp) + buckets
 
-    peak = states.total + activations + other
-    capacity = hardware.usable_bytes
-    return MemoryEstimate(
-        weights=round(states.weights), gradients=round(states.gradients), optimizer=round(states.optimizer),
-        activations=round(activations), other=round(other), peak=round(peak), capacity=capacity,
-        fits=peak <= capacity, stage=stage,
-    )
+def zero_bucket_elems(trace: ModelTrace, layout: Layout) -> int:
+    """DeepSpeed reduce/all-gather bucket that our exported configs set: the default 5e7 elements,
+    shrunk to the trainable parameters of one model shard for small models (DeepSpeed allocates the
+    whole bucket up front)."""
+    shard = trace.trainable_params / (layout.tp * layout.pp)
+    return int(min(ZERO_REDUCE_BUCKET_ELEMS, math.ceil(shard)))
 
 
 def _optimizer_temporaries(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, trainable: float) -> float:
@@ -168,20 +148,115 @@ def _optimizer_temporaries(trace: ModelTrace, layout: Layout, hardware: Hardware
 
 
 @dataclass(frozen=True)
-class _StageTime:
-    compute_mb: float  # one micro-batch, forward + backward (+ recomputation)
+class StageMemory:
+    """Memory terms of one device of a pipeline stage. Every field is affine in the stage's layer
+    count and recomputed-layer count, except `regrown`, which applies once any layer recomputes
+    (the planner's ILP relies on this)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    resident_gradients: float
+    activations: float
+    logits: float
+    regrown: float
+    zero3_live: float
+    scratch: float
+
+    @property
+    def transient(self) -> float:
+        # the loss's buffers are gone before the first recomputed layer regrows its activations
+        return max(self.logits, self.regrown) + self.zero3_live
+
+    @property
+    def backward_start(self) -> float:
+        return self.weights + self.optimizer + self.resident_gradients + self.activations + self.transient
+
+    @property
+    def optimizer_step(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.scratch
+
+    @property
+    def peak(self) -> float:
+        return max(self.backward_start, self.optimizer_step)
+
+    def estimate(self, stage: int, capacity: int) -> MemoryEstimate:
+        """The breakdown at the winning moment, so that the parts add up to the peak."""
+        if self.backward_start >= self.optimizer_step:
+            gradients, activations, other = self.resident_gradients, self.activations, self.transient
+        else:
+            gradients, activations, other = self.gradients, 0.0, self.scratch
+        return MemoryEstimate(
+            weights=round(self.weights), gradients=round(gradients), optimizer=round(self.optimizer),
+            activations=round(activations), other=round(other), peak=round(self.peak), capacity=capacity,
+            fits=self.peak <= capacity, stage=stage,
+        )
+
+
+def stage_memory(
+    trace: ModelTrace, layout: Layout, hardware: HardwareSpec, stage: int, layers: int, recomputed: int
+) -> StageMemory:
+    """Memory of a device of pipeline stage `stage` holding `layers` decoder layers, of which
+    `recomputed` use the layout's recomputation mode and the rest keep all activations.
+
+    Two moments compete for the peak: the start of backward (all in-flight activations, the loss
+    buffers or the layer being recomputed, gradients that are resident) and the optimizer step
+    (all gradients, communication buckets, the optimizer's scratch; activations freed).
+    """
+    tp, pp = layout.tp, layout.pp
+    first, last = stage == 0, stage == pp - 1
+    params, trainable, quantizable = _stage_params(trace, layers, first, last, pp)
+    states = model_state_bytes(params / tp, trainable / tp, layout, quantizable / tp)
+
+    in_flight = micro_batches_in_flight(stage, layout)
+    kept = layer_activation_bytes(trace, layout, recompute="none")
+    reduced = layer_activation_bytes(trace, layout)
+    activations = in_flight * ((layers - recomputed) * kept + recomputed * reduced)
+    if last:
+        activations += head_activation_bytes(trace, layout)
+
+    w = DTYPE_BYTES[layout.dtype]
+    grad_bytes = w if layout.method == "full" else ADAPTER_BYTES
+    buckets = zero_bucket_elems(trace, layout) * grad_bytes if layout.zero >= 1 and layout.dp > 1 else 0.0
+    return StageMemory(
+        weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
+        resident_gradients=_resident_gradients(layout, states.gradients),
+        activations=activations,
+        logits=logits_transient_bytes(trace, layout) if last else 0.0,
+        regrown=kept - reduced if recomputed and layout.recompute != "none" else 0.0,
+        zero3_live=ZERO3_PREFETCH_LAYERS * trace.layer.params / tp * w if layout.zero == 3 else 0.0,
+        scratch=buckets + _optimizer_temporaries(trace, layout, hardware, trainable / tp),
+    )
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Time terms of one device of a pipeline stage, affine in its layer and recomputed counts."""
+
+    compute_mb: float   # one micro-batch: forward + backward + recomputation + memory-bound kernels
     backward_mb: float
     tp_comm_mb: float
     pp_comm_mb: float
-    trainable: float   # before ZeRO, after TP
-    params: float
+    dp_comm: float      # data-parallel / ZeRO traffic per optimizer step, before overlap
+    dp_hidden_max: float  # how much of it the overlapped compute window could hide
+    optimizer: float
+    offload: float
+    dp_overlap: float  # the hardware's share of DP traffic hidden behind compute
+
+    @property
+    def per_micro_batch(self) -> float:
+        return self.compute_mb + self.tp_comm_mb + self.pp_comm_mb
+
+    @property
+    def dp_exposed(self) -> float:
+        return max(self.dp_comm * (1 - self.dp_overlap), self.dp_comm - self.dp_hidden_max)
 
 
-def _stage_time(
+def stage_time(
     trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, stage: int, layers: int,
     recomputed: int,
-) -> _StageTime:
-    tp, mbs, pp = layout.tp, layout.mbs, layout.pp
+) -> StageTime:
+    tp, mbs, pp, dp, gas = layout.tp, layout.mbs, layout.pp, layout.dp, layout.gas
     first, last = stage == 0, stage == pp - 1
     layer = trace.layer
     fwd = layers * layer.fwd_flops + (trace.head.fwd_flops if last else 0.0)
@@ -212,73 +287,79 @@ def _stage_time(
         send = collectives.send_recv_s(hidden_bytes / tp, hardware, placement.pp_spans_nodes)
         gather = 0.0 if layout.sp else collectives.all_gather_s(hidden_bytes, tp, hardware, placement.tp_spans_nodes)
         pp_comm = layout.vpp * boundaries * (send + gather)
+
     params, trainable, _ = _stage_params(trace, layers, first, last, pp)
-    return _StageTime(compute, bwd_s, tp_comm, pp_comm, trainable / tp, params / tp)
-
-
-def _dp_comm(layout: Layout, hardware: HardwareSpec, placement: Placement, stage: _StageTime) -> tuple[float, float]:
-    """(total, exposed) seconds of data-parallel gradient / ZeRO traffic per optimizer step."""
-    dp, gas = layout.dp, layout.gas
-    if dp == 1:
-        return 0.0, 0.0
-    w = DTYPE_BYTES[layout.dtype]
-    grad_bytes = stage.trainable * (w if layout.method == "full" else ADAPTER_BYTES)
-    weight_bytes = stage.params * w
+    params, trainable = params / tp, trainable / tp
+    grad_bytes = trainable * (w if layout.method == "full" else ADAPTER_BYTES)
+    weight_bytes = params * w
     spans = placement.dp_spans_nodes
-    overlap = hardware.efficiency.comm_overlap
-    if layout.zero <= 1:  # one all-reduce after the last micro-batch, overlapped with its backward
-        total = collectives.all_reduce_s(grad_bytes, dp, hardware, spans)
-        window = stage.backward_mb
-    elif layout.zero == 2:  # DeepSpeed reduce-scatters every micro-batch, gathers weights once
-        total = gas * collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
-        total += collectives.all_gather_s(weight_bytes, dp, hardware, spans)
-        window = gas * stage.backward_mb
-    else:  # ZeRO-3 gathers weights for forward and backward of every micro-batch
-        per_mb = 2 * collectives.all_gather_s(weight_bytes, dp, hardware, spans)
-        per_mb += collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
-        total = gas * per_mb
-        window = gas * stage.compute_mb
-    exposed = max(total * (1 - overlap), total - window)
-    return total, exposed
+    dp_comm, window = 0.0, 0.0
+    if dp > 1:
+        if layout.zero <= 1:  # one all-reduce after the last micro-batch, overlapped with its backward
+            dp_comm = collectives.all_reduce_s(grad_bytes, dp, hardware, spans)
+            window = bwd_s
+        elif layout.zero == 2:  # DeepSpeed reduce-scatters every micro-batch, gathers weights once
+            dp_comm = gas * collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
+            dp_comm += collectives.all_gather_s(weight_bytes, dp, hardware, spans)
+            window = gas * bwd_s
+        else:  # ZeRO-3 gathers weights for forward and backward of every micro-batch
+            per_mb = 2 * collectives.all_gather_s(weight_bytes, dp, hardware, spans)
+            per_mb += collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
+            dp_comm = gas * per_mb
+            window = gas * compute
 
-
-def _optimizer_and_offload(layout: Layout, hardware: HardwareSpec, stage: _StageTime) -> tuple[float, float]:
-    params = stage.trainable / (layout.dp if layout.zero >= 1 else 1)
+    updated = trainable / (dp if layout.zero >= 1 else 1)
+    offload = 0.0
     if layout.offload != "none":
-        w = DTYPE_BYTES[layout.dtype]
-        host_adam = params / hardware.cpu_adam_params_per_s
-        pcie = 2 * params * w / (hardware.host_to_device_gbs * 1e9)  # grads down, weights up
-        offload = pcie
+        optimizer = updated / hardware.cpu_adam_params_per_s
+        h2d = hardware.host_to_device_gbs * 1e9
+        offload = 2 * updated * w / h2d  # gradients down, updated weights up
         if layout.offload == "optimizer+params":  # weights stream in for forward and backward
-            offload += 2 * layout.gas * stage.params / layout.dp * w / (hardware.host_to_device_gbs * 1e9)
-        return host_adam, offload
-    per_param = ADAM_BYTES_PER_PARAM_CPU if hardware.device_type == "cpu" else ADAM_BYTES_PER_PARAM_FUSED
-    rate = hardware.memory_bandwidth_gbs * 1e9 * hardware.efficiency.memory_bandwidth
-    return params * per_param / rate, 0.0
+            offload += 2 * gas * params / dp * w / h2d
+    else:
+        per_param = ADAM_BYTES_PER_PARAM_CPU if hardware.device_type == "cpu" else ADAM_BYTES_PER_PARAM_FUSED
+        optimizer = updated * per_param / byte_rate
+    return StageTime(
+        compute_mb=compute, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,
+        dp_comm=dp_comm, dp_hidden_max=window, optimizer=optimizer, offload=offload,
+        dp_overlap=hardware.efficiency.comm_overlap,
+    )
+
+
+def default_split(trace: ModelTrace, layout: Layout) -> tuple[list[int], list[int]]:
+    """The layout's (layers, recomputed layers) per stage, filling the defaults."""
+    split = layout.stage_layers or stage_layers(trace.num_layers, layout.pp)
+    recomputed = layout.recompute_layers or (split if layout.recompute != "none" else [0] * layout.pp)
+    return split, [min(r, n) for r, n in zip(recomputed, split)]
+
+
+def step_seconds(layout: Layout, times: list[StageTime]) -> float:
+    """(gas + bubble) micro-batch slots of the slowest stage, plus exposed DP traffic and the
+    optimizer of the slowest stage (Narayanan et al. 2021: bubble = (p - 1)/v micro-batch slots)."""
+    slot = max(t.per_micro_batch for t in times)
+    return ((layout.gas + (layout.pp - 1) / layout.vpp) * slot + max(t.dp_exposed for t in times)
+            + max(t.optimizer + t.offload for t in times))
 
 
 def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> Estimate:
     notes = check_layout(trace, layout, hardware) + list(trace.notes)
     placement = Placement.of(layout, hardware.devices_per_node)
-    split = layout.stage_layers or stage_layers(trace.num_layers, layout.pp)
-    recomputed = layout.recompute_layers or (split if layout.recompute != "none" else [0] * layout.pp)
-    recomputed = [min(r, n) for r, n in zip(recomputed, split)]
+    split, recomputed = default_split(trace, layout)
+    stages = list(enumerate(zip(split, recomputed)))
 
-    memories = [_stage_memory(trace, layout, hardware, i, n, r) for i, (n, r) in enumerate(zip(split, recomputed))]
-    memory = max(memories, key=lambda m: m.peak)
+    memories = [stage_memory(trace, layout, hardware, i, n, r) for i, (n, r) in stages]
+    worst = max(range(layout.pp), key=lambda i: memories[i].peak)
+    memory = memories[worst].estimate(worst, hardware.usable_bytes)
 
-    stages = [_stage_time(trace, layout, hardware, placement, i, n, r)
-              for i, (n, r) in enumerate(zip(split, recomputed))]
-    per_mb = [s.compute_mb + s.tp_comm_mb + s.pp_comm_mb for s in stages]
-    slowest = stages[max(range(len(stages)), key=lambda i: per_mb[i])]
-    t_mb = max(per_mb)
+    times = [stage_time(trace, layout, hardware, placement, i, n, r) for i, (n, r) in stages]
+    slowest = max(times, key=lambda t: t.per_micro_batch)
     gas = layout.gas
-    bubble = (layout.pp - 1) / layout.vpp * t_mb
-    dp_total, dp_exposed = max((_dp_comm(layout, hardware, placement, s) for s in stages), key=lambda x: x[1])
-    optimizer_s, offload_s = max(_optimizer_and_offload(layout, hardware, s) for s in stages)
+    step = step_seconds(layout, times)
+    bubble = (layout.pp - 1) / layout.vpp * slowest.per_micro_batch
+    dp_exposed = max(t.dp_exposed for t in times)
+    updater = max(times, key=lambda t: t.optimizer + t.offload)
     compute = gas * slowest.compute_mb
     comm_exposed = gas * (slowest.tp_comm_mb + slowest.pp_comm_mb) + dp_exposed
-    step = compute + comm_exposed + bubble + optimizer_s + offload_s
 
     model_flops = layout.global_batch * trace.flops_per_sequence
     tflops = model_flops / step / layout.devices / 1e12
@@ -287,8 +368,8 @@ def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpe
         memory=memory,
         time=TimeEstimate(
             step_s=step, compute_s=compute, comm_exposed_s=comm_exposed, bubble_s=bubble,
-            optimizer_s=optimizer_s, offload_s=offload_s, tp_comm_s=gas * slowest.tp_comm_mb,
-            pp_comm_s=gas * slowest.pp_comm_mb, dp_comm_s=dp_total,
+            optimizer_s=updater.optimizer, offload_s=updater.offload, tp_comm_s=gas * slowest.tp_comm_mb,
+            pp_comm_s=gas * slowest.pp_comm_mb, dp_comm_s=max(t.dp_comm for t in times),
         ),
         throughput=ThroughputEstimate(
             tokens_per_s=layout.tokens_per_step / step,
@@ -297,7 +378,7 @@ def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpe
         ),
         # Amdahl rule of the source article: every device computes >= 80% of the step, so the
         # least busy pipeline stage sets the fraction.
-        compute_fraction=min(gas * st.compute_mb for st in stages) / step,
+        compute_fraction=min(gas * t.compute_mb for t in times) / step,
         layout=layout, hardware=hardware.name, devices=layout.devices, nodes=placement.nodes,
         notes=notes,
     )

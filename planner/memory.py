@@ -132,12 +132,11 @@ def head_activation_bytes(trace: ModelTrace, layout: Layout) -> float:
 
 
 def logits_transient_bytes(trace: ModelTrace, layout: Layout) -> float:
-    """Buffers alive around the loss beyond the saved log-softmax, per device.
+    """Loss buffers alive at the start of backward beyond the saved fp32 log-softmax, per device.
 
-    The logits in the compute dtype, their fp32 up-cast for the loss (transformers' ForCausalLMLoss
-    calls `.float()`; a no-op in fp32) and, in backward, the fp32 gradient of the log-softmax.
+    The fp32 gradient of the log-softmax (the size of the logits), plus its down-cast copy when
+    the model computes in 16 bits. Measured on this CPU in fp32: one logits-sized buffer.
     """
     tokens_vocab = layout.mbs * trace.seq * trace.vocab_size / layout.tp
     w = DTYPE_BYTES[layout.dtype]
-    upcast = 4 if w != 4 else 0
-    return tokens_vocab * (w + upcast + 4)
+    return tokens_vocab * (4 + (w if w != 4 else 0))
