@@ -234,6 +234,7 @@ class StageTime:
     """Time terms of one device of a pipeline stage, affine in its layer and recomputed counts."""
 
     compute_mb: float   # one micro-batch: forward + backward + recomputation + memory-bound kernels
+    useful_compute_mb: float  # the same without recomputation: what the Amdahl rule counts
     backward_mb: float
     tp_comm_mb: float
     pp_comm_mb: float
@@ -274,6 +275,9 @@ def stage_time(
     fwd_s = mbs * fwd / tp / flop_rate
     bwd_s = mbs * bwd / tp / flop_rate
     compute = fwd_s + bwd_s + traffic / byte_rate
+    useful = mbs * (layers * (layer.fwd_flops + layer.bwd_flops) + (
+        trace.head.fwd_flops + trace.head.bwd_flops if last else 0.0)) / tp / flop_rate
+    useful += ELEMENTWISE_PASSES * layers * kept / byte_rate
 
     w = DTYPE_BYTES[layout.dtype]
     hidden_bytes = mbs * trace.seq * trace.hidden_size * w
@@ -320,7 +324,7 @@ def stage_time(
         per_param = ADAM_BYTES_PER_PARAM_CPU if hardware.device_type == "cpu" else ADAM_BYTES_PER_PARAM_FUSED
         optimizer = updated * per_param / byte_rate
     return StageTime(
-        compute_mb=compute, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,
+        compute_mb=compute, useful_compute_mb=useful, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,
         dp_comm=dp_comm, dp_hidden_max=window, optimizer=optimizer, offload=offload,
         dp_overlap=hardware.efficiency.comm_overlap,
     )
@@ -377,8 +381,9 @@ def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpe
             mfu=tflops * 1e12 / hardware.peak_flops(layout.dtype),
         ),
         # Amdahl rule of the source article: every device computes >= 80% of the step, so the
-        # least busy pipeline stage sets the fraction.
-        compute_fraction=min(gas * t.compute_mb for t in times) / step,
+        # least busy pipeline stage sets the fraction. Recomputation is overhead here, like
+        # communication: it must not buy compliance with the rule.
+        compute_fraction=min(gas * t.useful_compute_mb for t in times) / step,
         layout=layout, hardware=hardware.name, devices=layout.devices, nodes=placement.nodes,
         notes=notes,
     )

@@ -1,0 +1,397 @@
+"""Layout search: branch and bound over parallel shapes, an ILP (PuLP/CBC) for each shape.
+
+The decision splits in two, because its two halves have different structure:
+
+* the *parallel shape* — dp, tp, pp, virtual stages, sequence parallelism, ZeRO stage, offload,
+  micro-batch size and accumulation at a fixed global batch, the recomputation mode, the fine-tune
+  method — is a small discrete product that multiplies into the cost model non-linearly
+  (dp * tp * pp = devices, dp * mbs * gas = batch). We enumerate it, prune shapes the back-ends
+  cannot run, and order the rest by a valid lower bound on the step time;
+* for one shape, the *layer-to-stage split* and *how many layers of each stage recompute* are an
+  integer linear program: every memory and time term of a pipeline stage is affine in its layer
+  count n_s and recomputed count k_s (see `cost_model.StageMemory`), so the ILP
+      min  (gas + (pp - 1)/vpp) T + D + O
+      s.t. sum_s n_s = L,  0 <= k_s <= n_s,  k_s <= L r_s  (r_s binary: the stage recomputes)
+           memory_s(n_s, k_s) <= capacity (both peak moments, both transient cases)
+           T >= per-micro-batch time_s,  D >= exposed DP traffic_s,  O >= optimizer time_s
+           gas * compute_s >= f * step         (the Amdahl rule, on every stage)
+  is exact with respect to the cost model. Its coefficients are read off the cost model itself
+  (evaluated at (n, k) = (0, 0), (1, 0), (1, 1)), so no formula is written twice.
+
+Branch and bound: shapes are solved in order of their lower bound until the K-th best plan found
+beats every remaining bound.
+The result is therefore the optimum of the cost model over the whole space, which
+`tests/test_plan_search.py` checks against brute-force enumeration.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import pulp
+
+from advisor.errors import UsageError
+from advisor.specs import Estimate, HardwareSpec, Layout, ModelSpec
+from planner.cost_model import (
+    Placement,
+    StageMemory,
+    StageTime,
+    check_layout,
+    estimate_from_trace,
+    stage_memory,
+    stage_time,
+)
+from planner.memory import micro_batches_in_flight
+from profiler.model_trace import ModelTrace, trace_model
+
+RECOMPUTE_MODES = ("selective", "full")
+
+
+@dataclass
+class SearchSpace:
+    """What the search may choose. Defaults cover what the trainer's back-ends run."""
+
+    methods: tuple[str, ...] = ("full",)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    offloads: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
+    max_micro_batch: int = 64
+    max_vpp: int = 4
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    allow_cross_node_tp: bool = False
+    tp_degrees: tuple[int, ...] | None = None  # restrict (tests, brute-force comparisons)
+    pp_degrees: tuple[int, ...] | None = None
+
+
+@dataclass
+class PlanRequest:
+    model: ModelSpec
+    hardware: HardwareSpec
+    devices: int
+    seq: int
+    global_batch: int
+    dtype: str
+    space: SearchSpace = field(default_factory=SearchSpace)
+    min_compute_fraction: float = 0.8
+    memory_margin: float = 0.05  # share of usable memory kept free for fragmentation
+    top_k: int = 5
+    attention: str | None = None
+
+
+@dataclass
+class Solution:
+    layout: Layout
+    estimate: Estimate
+    step_s: float
+    meets_compute_rule: bool
+
+
+@dataclass
+class SearchResult:
+    solutions: list[Solution]
+    status: str
+    seconds: float
+    shapes: int
+    ilps: int
+    relaxed_compute_rule: bool
+
+
+# ------------------------------------------------------------------------------------------
+# the discrete shapes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_shapes(trace: ModelTrace, req: PlanRequest, method: str) -> list[Layout]:
+    """Every uniform layout the back-ends can run; recompute is the mode the ILP may apply."""
+    space, hw = req.space, req.hardware
+    # With FlashAttention nothing s x s is saved: selective recomputation frees nothing and costs
+    # time, so "none" (k = 0 in the full-recompute family) dominates it.
+    modes = RECOMPUTE_MODES if trace.layer.act_scores_bytes > 0 else ("full",)
+    out = []
+    tps = space.tp_degrees or tuple(_divisors(req.devices))
+    for tp in tps:
+        if req.devices % tp or trace.num_heads % tp:
+            continue
+        if trace.num_kv_heads % tp and tp % trace.num_kv_heads or trace.intermediate_size % tp:
+            continue
+        if tp > hw.devices_per_node and not space.allow_cross_node_tp:
+            continue
+        for pp in space.pp_degrees or tuple(_divisors(req.devices // tp)):
+            if (req.devices // tp) % pp or pp > trace.num_layers:
+                continue
+            dp = req.devices // (tp * pp)
+            if req.global_batch % dp:
+                continue
+            per_replica = req.global_batch // dp
+            for mbs in _divisors(per_replica):
+                if mbs > space.max_micro_batch:
+                    break
+                gas = per_replica // mbs
+                vpps = [1] + [v for v in range(2, space.max_vpp + 1)
+                              if pp > 1 and trace.num_layers % (pp * v) == 0 and gas % pp == 0]
+                for vpp, sp in itertools.product(vpps, space.sequence_parallel):
+                    if sp and tp == 1 or not sp and tp > 1 and True in space.sequence_parallel:
+                        continue  # SP dominates at tp > 1: less memory, same traffic (AG + RS = AR)
+                    for zero in space.zero_stages:
+                        if zero and dp == 1:
+                            continue  # ZeRO shards across data-parallel replicas only
+                        if zero == 0 and dp > 1 and 1 in space.zero_stages:
+                            continue  # ZeRO-1 dominates: same all-reduce, 1/dp of the optimizer
+                        for offload in space.offloads:
+                            if offload == "optimizer" and zero == 0 or offload == "optimizer+params" and zero != 3:
+                                continue
+                            for mode in modes:
+                                out.append(Layout(
+                                    dp=dp, tp=tp, pp=pp, vpp=vpp, sp=sp, zero=zero, offload=offload, mbs=mbs,
+                                    gas=gas, recompute=mode, method=method, dtype=req.dtype, seq=req.seq,
+                                ))
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# affine coefficients of one shape's stages, read off the cost model
+
+
+@dataclass
+class _Affine:
+    c: float   # at (n, k) = (0, 0)
+    n: float   # per layer
+    k: float   # per recomputed layer
+
+    def __call__(self, layers: float, recomputed: float) -> float:
+        return self.c + self.n * layers + self.k * recomputed
+
+
+def _affine(f00: float, f10: float, f11: float) -> _Affine:
+    return _Affine(f00, f10 - f00, f11 - f10)
+
+
+@dataclass
+class _StageCoefficients:
+    backward_base: _Affine  # weights + optimizer + resident grads + activations + ZeRO-3 live
+    optimizer_moment: _Affine
+    logits: float
+    regrown: float
+    per_mb: _Affine
+    compute: _Affine
+    dp_comm: _Affine
+    dp_hidden: _Affine
+    update: _Affine
+    overlap: float
+
+
+def _memory_parts(m: StageMemory) -> tuple[float, float]:
+    return (m.weights + m.optimizer + m.resident_gradients + m.activations + m.zero3_live, m.optimizer_step)
+
+
+def _time_parts(t: StageTime) -> tuple[float, ...]:
+    return (t.per_micro_batch, t.useful_compute_mb, t.dp_comm, t.dp_hidden_max, t.optimizer + t.offload)
+
+
+def stage_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec, stage: int) -> _StageCoefficients:
+    placement = Placement.of(layout, hw.devices_per_node)
+    mems = [stage_memory(trace, layout, hw, stage, n, k) for n, k in ((0, 0), (1, 0), (1, 1))]
+    times = [_time_parts(stage_time(trace, layout, hw, placement, stage, n, k)) for n, k in ((0, 0), (1, 0), (1, 1))]
+    parts = [_memory_parts(m) for m in mems]
+    affine_t = [_affine(*(t[i] for t in times)) for i in range(5)]
+    return _StageCoefficients(
+        backward_base=_affine(*(p[0] for p in parts)), optimizer_moment=_affine(*(p[1] for p in parts)),
+        logits=mems[0].logits, regrown=mems[2].regrown, per_mb=affine_t[0], compute=affine_t[1],
+        dp_comm=affine_t[2], dp_hidden=affine_t[3], update=affine_t[4], overlap=hw.efficiency.comm_overlap,
+    )
+
+
+def _stage_kinds(pp: int) -> list[int]:
+    """Stages whose coefficients differ by more than their in-flight count: first, middle, last."""
+    return sorted({0, min(1, pp - 1), pp - 1})
+
+
+def _all_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec) -> list[_StageCoefficients]:
+    """Per stage. Middle stages differ only in micro-batches in flight, which scales the
+    activation terms: evaluate stages 0, 1 and pp-1 and rescale the others exactly."""
+    pp = layout.pp
+    if pp <= 3:
+        return [stage_coefficients(trace, layout, hw, s) for s in range(pp)]
+    first, middle, last = (stage_coefficients(trace, layout, hw, s) for s in (0, 1, pp - 1))
+    act_per_layer = middle.backward_base.n - _non_activation_slope(trace, layout, hw)
+    act_per_recomputed = middle.backward_base.k
+    base_flight = micro_batches_in_flight(1, layout)
+    out = [first]
+    for s in range(1, pp - 1):
+        scale = micro_batches_in_flight(s, layout) / base_flight
+        base = middle.backward_base
+        coeff = _StageCoefficients(**{**middle.__dict__})
+        coeff.backward_base = _Affine(base.c, base.n - act_per_layer + scale * act_per_layer,
+                                      scale * act_per_recomputed)
+        out.append(coeff)
+    out.append(last)
+    return out
+
+
+def _non_activation_slope(trace: ModelTrace, layout: Layout, hw: HardwareSpec) -> float:
+    """Per-layer bytes of the backward-start moment that are not activations (weights, optimizer,
+    resident gradients), read from the cost model with a layout whose stage holds no activations."""
+    m0 = stage_memory(trace, layout, hw, 1, 0, 0)
+    m1 = stage_memory(trace, layout, hw, 1, 1, 0)
+    return (m1.weights + m1.optimizer + m1.resident_gradients + m1.zero3_live) - (
+        m0.weights + m0.optimizer + m0.resident_gradients + m0.zero3_live)
+
+
+# ------------------------------------------------------------------------------------------
+# bounds and the ILP
+
+
+def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: float) -> float | None:
+    """A valid lower bound on the step time of any split of this shape; None if no split fits.
+
+    max over stages >= mean over stages, and the mean of affine terms depends only on sum n = L;
+    recomputation only adds time (k = 0) and only removes memory (k = n).
+    """
+    pp, layers = layout.pp, trace.num_layers
+    coeffs = [stage_coefficients(trace, layout, hw, s) for s in _stage_kinds(pp)]
+    if pp > 3:
+        coeffs = [coeffs[0]] + [coeffs[1]] * (pp - 2) + [coeffs[2]]
+
+    def mean(get) -> float:  # mean over stages of an affine term with k = 0
+        return (sum(get(c).c for c in coeffs) + get(coeffs[0]).n * layers) / pp
+
+    slot = mean(lambda c: c.per_mb)
+    dp = mean(lambda c: c.dp_comm) * (1 - coeffs[0].overlap)
+    update = mean(lambda c: c.update)
+    # memory: every stage holds >= 1 layer; the optimizer moment is affine and flight-independent
+    if max(c.optimizer_moment(1, 0) for c in coeffs) > capacity:
+        return None
+    if (sum(c.optimizer_moment.c for c in coeffs) + coeffs[0].optimizer_moment.n * layers) / pp > capacity:
+        return None
+    if min(c.backward_base(1, 1) + c.logits for c in coeffs[-1:]) > capacity:
+        return None
+    return (layout.gas + (pp - 1) / layout.vpp) * slot + dp + update
+
+
+def solve_shape(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: float,
+                min_fraction: float) -> Layout | None:
+    """The stage-split ILP of one shape (see the module docstring); None when nothing fits.
+
+    Memory rows are scaled to units of the capacity and time rows are in seconds, which keeps
+    CBC's tolerances meaningful for byte counts of 1e11 next to times of 1e-3.
+    """
+    coeffs = _all_coefficients(trace, layout, hw)
+    layers, pp, gas = trace.num_layers, layout.pp, layout.gas
+    problem = pulp.LpProblem("advisor_stage_split", pulp.LpMinimize)
+    fixed = layers // pp if layout.vpp > 1 else None  # interleaving needs equal stages
+    lo, hi = (1, layers) if fixed is None else (fixed, fixed)
+    n = [pulp.LpVariable(f"n_{s}", lo, hi, cat="Integer") for s in range(pp)]
+    k = [pulp.LpVariable(f"k_{s}", 0, layers, cat="Integer") for s in range(pp)]
+    slot, dp, update = (pulp.LpVariable(name, 0) for name in ("T", "D", "O"))
+    step = (gas + (pp - 1) / layout.vpp) * slot + dp + update
+    problem += step
+    problem += pulp.lpSum(n) == layers
+
+    def fits(a: _Affine, s: int, extra: float | pulp.LpAffineExpression = 0.0) -> pulp.LpConstraint:
+        return (a.c + a.n * n[s] + a.k * k[s] + extra) * (1.0 / capacity) <= 1.0
+
+    for s, c in enumerate(coeffs):
+        problem += k[s] <= n[s]
+        if c.regrown > 0:  # the layer being recomputed regrows its activations
+            r = pulp.LpVariable(f"r_{s}", cat="Binary")
+            problem += k[s] <= layers * r
+            problem += fits(c.backward_base, s, c.regrown * r)
+        problem += fits(c.backward_base, s, c.logits)
+        problem += fits(c.optimizer_moment, s)
+        problem += slot >= c.per_mb.c + c.per_mb.n * n[s] + c.per_mb.k * k[s]
+        dp_comm = c.dp_comm.c + c.dp_comm.n * n[s]
+        problem += dp >= (1 - c.overlap) * dp_comm
+        problem += dp >= dp_comm - (c.dp_hidden.c + c.dp_hidden.n * n[s] + c.dp_hidden.k * k[s])
+        problem += update >= c.update.c + c.update.n * n[s]
+        if min_fraction > 0:
+            problem += gas * (c.compute.c + c.compute.n * n[s] + c.compute.k * k[s]) >= min_fraction * step
+    status = pulp.LpStatus[problem.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=0, gapAbs=0))]
+    if status != "Optimal":
+        return None
+    split = [int(round(v.value())) for v in n]
+    recomputed = [int(round(v.value() or 0)) for v in k]
+    update_fields: dict = {"stage_layers": split if pp > 1 else None}
+    if any(recomputed):
+        update_fields["recompute_layers"] = recomputed
+    else:
+        update_fields.update(recompute="none", recompute_layers=None)
+    return layout.model_copy(update=update_fields)
+
+
+# ------------------------------------------------------------------------------------------
+# the search
+
+
+def _accept(estimate: Estimate, capacity: float, min_fraction: float) -> bool:
+    return estimate.memory.peak <= capacity * (1 + 1e-9) and estimate.compute_fraction >= min_fraction - 1e-9
+
+
+def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace | None = None) -> SearchResult:
+    """The K best layouts of one method under the cost model (exact, see the module docstring)."""
+    started = time.perf_counter()
+    trace = trace or trace_model(req.model, req.seq, req.dtype, method, attention=req.attention,  # type: ignore[arg-type]
+                                 device_type=req.hardware.device_type)
+    hw = req.hardware
+    capacity = hw.usable_bytes * (1 - req.memory_margin)
+    shapes = enumerate_shapes(trace, req, method)
+    bounded = []
+    for layout in shapes:
+        bound = lower_bound(trace, layout, hw, capacity)
+        if bound is not None:
+            bounded.append((bound, layout))
+    bounded.sort(key=lambda item: item[0])
+
+    found: list[Solution] = []
+    seen: set[str] = set()
+    ilps = 0
+    i = 0
+    while i < len(bounded):
+        kth = sorted(s.step_s for s in found)[req.top_k - 1] if len(found) >= req.top_k else math.inf
+        if bounded[i][0] >= kth:
+            break
+        layout = solve_shape(trace, bounded[i][1], hw, capacity, min_fraction)
+        i += 1
+        ilps += 1
+        if layout is not None and layout.short() not in seen:
+            est = estimate_from_trace(trace, layout, hw)
+            if _accept(est, capacity, min_fraction):  # always, when the ILP mirrors the cost model
+                seen.add(layout.short())
+                found.append(Solution(layout, est, est.time.step_s, est.compute_fraction >= req.min_compute_fraction))
+    found.sort(key=lambda s: s.step_s)
+    status = "optimal" if found else "infeasible"
+    return SearchResult(found[: req.top_k], status, time.perf_counter() - started, len(shapes), ilps, False)
+
+
+def plan_layouts(req: PlanRequest) -> tuple[SearchResult, str]:
+    """Search each allowed method in preference order (full before LoRA before QLoRA: the
+    cheaper method trades model quality); relax the compute rule only when nothing meets it."""
+    last: SearchResult | None = None
+    for method in req.space.methods:
+        result = search(req, method, req.min_compute_fraction)
+        if result.solutions:
+            return result, method
+        relaxed = search(req, method, 0.0)
+        if relaxed.solutions:
+            relaxed.relaxed_compute_rule = True
+            relaxed.status = "below_compute_rule"
+            return relaxed, method
+        last = relaxed
+    assert last is not None
+    return last, req.space.methods[-1]
+
+
+def validate_request(req: PlanRequest) -> None:
+    if req.devices < 1:
+        raise UsageError("need at least one device")
+    if req.global_batch < 1:
+        raise UsageError("--global-batch must be positive")
+    if not 0 <= req.min_compute_fraction <= 1:
+        raise UsageError("--min-compute-fraction must lie in [0, 1]")
+
+
+
