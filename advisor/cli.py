@@ -10,6 +10,7 @@ import json
 
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
@@ -121,6 +122,109 @@ def estimate(
         print(result.model_dump_json())
         return
     render_estimate(result)
+
+
+@app.command()
+def plan(
+    model: str = typer.Option(..., "--model", "-m", help="model preset, HF config.json, or model folder"),
+    hardware: str = typer.Option(..., "--hardware", "-H", help="hardware preset or profile.json"),
+    nodes: int = typer.Option(1, "--nodes", min=1, help="nodes available (the cost objective may use fewer)"),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, help="default: the hardware's"),
+    task: Optional[str] = typer.Option(None, "--task", help="task preset (e.g. demo) or task YAML: sizes stages"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="tokens per sequence"),
+    global_batch: Optional[int] = typer.Option(
+        None, "--global-batch", min=1, help="sequences per optimizer step, held fixed (= dp*mbs*gas)"),
+    method: str = typer.Option("full", "--method", help="full | lora | qlora | auto (full if it fits, then LoRA, QLoRA)"),
+    objective: str = typer.Option("throughput", "--objective", help="throughput | cost (fewest GPU-hours by --deadline)"),
+    deadline: Optional[str] = typer.Option(None, "--deadline", help="for --objective cost: e.g. 14d, 36h"),
+    tokens: Optional[float] = typer.Option(None, "--tokens", help="for --objective cost without --task: tokens to train"),
+    price: Optional[float] = typer.Option(None, "--price-per-gpu-hour", help="adds the cost in dollars"),
+    min_compute_fraction: float = typer.Option(
+        0.8, "--min-compute-fraction", help="Amdahl rule: compute share of every device's step"),
+    top: int = typer.Option(5, "--top", min=1, help="how many plans to rank"),
+    mtbf_hours: float = typer.Option(2000.0, "--mtbf-hours", help="mean time between failures of one node"),
+    per_stage_devices: bool = typer.Option(
+        False, "--per-stage-devices", help="let stages run on different device counts (e.g. LoRA on fewer)"),
+    allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let tp span nodes"),
+    attention: Optional[str] = typer.Option(None, "--attention", help="flash | sdpa | eager"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write plan.yaml for `advisor train`"),
+    export_dir: Optional[Path] = typer.Option(
+        None, "--export", help="write deepspeed.json, accelerate.yaml, torchrun.sh, slurm.sbatch there"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object: plans best first, solver"),
+) -> None:
+    """Choose the layout (dp/tp/pp/vpp/sp, ZeRO, offload, micro-batch and accumulation, per-stage
+    recomputation, layer split, method) with an ILP, rank the best, and say why.
+
+    Infeasible requests exit with code 2 and list the nearest feasible changes.
+    """
+    from advisor.task import load_task
+    from planner.export import export
+    from planner.plan import PlanOptions, make_plan, parse_duration
+    from presets import load_hardware, load_model
+
+    def compute():
+        spec_task = load_task(task) if task else None
+        opts = PlanOptions(
+            model=load_model(model), hardware=load_hardware(hardware), nodes=nodes, gpus_per_node=gpus_per_node,
+            task=spec_task, seq=seq_len, global_batch=global_batch, method=method, objective=objective,
+            deadline_s=parse_duration(deadline) if deadline else None, tokens=tokens, price_per_gpu_hour=price,
+            min_compute_fraction=min_compute_fraction, top_k=top, mtbf_hours=mtbf_hours,
+            per_stage_devices=per_stage_devices, allow_cross_node_tp=allow_cross_node_tp, attention=attention,
+        )
+        result = make_plan(opts)
+        written = []
+        if out:
+            result.write(out)
+            written.append(out)
+        if export_dir:
+            written += export(result, export_dir)
+        return result, written
+
+    result, written = _run(compute)
+    if as_json:
+        plans = [result.chosen, *result.alternatives]
+        print(json.dumps({
+            "plans": [{"layout": p.layout.model_dump(mode="json"), "estimate": p.estimate.model_dump(mode="json"),
+                       "why": p.why, "meets_compute_rule": p.meets_compute_rule} for p in plans],
+            "solver": result.solver,
+            "stages": [s.model_dump(mode="json") for s in result.stages],
+            "notes": result.notes,
+        }))
+        return
+    render_plan(result)
+    for path in written:
+        console.print(f"wrote {path}")
+
+
+def render_plan(result) -> None:
+    table = Table(title=f"plans for {result.model.name} on {result.nodes} x {result.gpus_per_node} "
+                        f"{result.hardware.name} (best first)", title_justify="left")
+    for column in ("#", "layout", "peak GiB", "step", "tokens/s", "MFU", "compute"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    for i, p in enumerate([result.chosen, *result.alternatives], 1):
+        e = p.estimate
+        flag = "" if p.meets_compute_rule else " [yellow]<rule[/yellow]"
+        table.add_row(str(i), p.layout.short(), _gib(e.memory.peak), _seconds(e.time.step_s),
+                      f"{e.throughput.tokens_per_s:,.0f}", f"{100 * e.throughput.mfu:.0f}%",
+                      f"{100 * e.compute_fraction:.0f}%{flag}")
+    console.print(table)
+    console.print(f"[bold]why #1[/bold]: {result.chosen.why}")
+    for i, p in enumerate(result.alternatives, 2):
+        console.print(f"why #{i}: {p.why}", style="dim")
+    if result.stages:
+        stages = Table(title="curriculum stages", title_justify="left")
+        for column in ("stage", "method", "devices", "tokens", "steps", "hours", "ckpt every", "overhead", "flags"):
+            stages.add_column(column)
+        for s in result.stages:
+            stages.add_row(s.name, s.method, str(s.devices), f"{s.tokens:,}", f"{s.steps:,}", f"{s.hours:.2f}",
+                           f"{s.checkpoint_every_steps} steps", f"{100 * s.overhead_fraction:.1f}%",
+                           "; ".join(s.flags))
+        console.print(stages)
+    for note in result.notes:
+        console.print(f"note: {note}")
+    solver = result.solver
+    console.print(f"solver: {solver.get('status')}, {solver.get('ilps')} ILPs over {solver.get('shapes')} shapes "
+                  f"in {solver.get('seconds', 0):.2f} s", style="dim")
 
 
 def _gib(nbytes: float) -> str:

@@ -59,6 +59,8 @@ class HardwareSpec(BaseModel):
     intra_node_latency_us: float = Field(5.0, ge=0)
     inter_node_latency_us: float = Field(10.0, ge=0)
     devices_per_node: int = Field(8, ge=1)
+    host_memory_gib: float = Field(
+        512.0, gt=0, description="host RAM per node, shared by its devices (holds offloaded states)")
     host_to_device_gbs: float = Field(25.0, gt=0, description="pinned host<->device copy")
     cpu_adam_params_per_s: float = Field(
         1.0e9, gt=0, description="host Adam update rate per device for optimizer offload"
@@ -309,6 +311,8 @@ class MemoryEstimate(BaseModel):
     capacity: int = Field(description="device memory less the runtime's reserve")
     fits: bool
     stage: int = Field(0, description="pipeline stage of the most loaded device")
+    host_offload: int = Field(0, description="bytes per device kept in host RAM by offload")
+    host_fits: bool = Field(True, description="offloaded states of a node's devices fit its host RAM")
 
 
 class TimeEstimate(BaseModel):

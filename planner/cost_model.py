@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from advisor.errors import UsageError
 from advisor.specs import (
     DTYPE_BYTES,
+    GiB,
     Estimate,
     HardwareSpec,
     Layout,
@@ -25,6 +26,7 @@ from advisor.specs import (
 from planner import collectives
 from planner.memory import (
     ADAPTER_BYTES,
+    HOST_MEMORY_USABLE,
     ZERO3_PREFETCH_LAYERS,
     ZERO_REDUCE_BUCKET_ELEMS,
     head_activation_bytes,
@@ -84,6 +86,8 @@ def check_layout(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> l
         )
     if layout.vpp > 1 and layout.gas % layout.pp:
         raise UsageError(f"interleaved 1F1B needs gas divisible by pp (gas={layout.gas}, pp={layout.pp})")
+    if layout.vpp > 1 and layout.stage_layers and len(set(layout.stage_layers)) > 1:
+        raise UsageError("interleaved 1F1B (vpp>1) needs the same number of layers on every stage")
     if layout.stage_layers and sum(layout.stage_layers) != trace.num_layers:
         raise UsageError(f"stage_layers sum to {sum(layout.stage_layers)}, the model has {trace.num_layers} layers")
     if layout.tp > hardware.devices_per_node:
@@ -162,6 +166,8 @@ class StageMemory:
     regrown: float
     zero3_live: float
     scratch: float
+    host: float  # offloaded bytes of this device in host RAM
+    host_capacity: float  # this device's share of its node's usable RAM
 
     @property
     def transient(self) -> float:
@@ -180,6 +186,10 @@ class StageMemory:
     def peak(self) -> float:
         return max(self.backward_start, self.optimizer_step)
 
+    @property
+    def host_fits(self) -> bool:
+        return self.host <= self.host_capacity
+
     def estimate(self, stage: int, capacity: int) -> MemoryEstimate:
         """The breakdown at the winning moment, so that the parts add up to the peak."""
         if self.backward_start >= self.optimizer_step:
@@ -189,7 +199,8 @@ class StageMemory:
         return MemoryEstimate(
             weights=round(self.weights), gradients=round(gradients), optimizer=round(self.optimizer),
             activations=round(activations), other=round(other), peak=round(self.peak), capacity=capacity,
-            fits=self.peak <= capacity, stage=stage,
+            fits=self.peak <= capacity and self.host_fits, stage=stage, host_offload=round(self.host),
+            host_fits=self.host_fits,
         )
 
 
@@ -226,7 +237,16 @@ def stage_memory(
         regrown=kept - reduced if recomputed and layout.recompute != "none" else 0.0,
         zero3_live=ZERO3_PREFETCH_LAYERS * trace.layer.params / tp * w if layout.zero == 3 else 0.0,
         scratch=buckets + _optimizer_temporaries(trace, layout, hardware, trainable / tp),
+        host=states.host,
+        host_capacity=host_share(layout, hardware),
     )
+
+
+def host_share(layout: Layout, hardware: HardwareSpec) -> float:
+    """Host RAM one device may fill with offloaded states: its node's usable RAM over the devices
+    that share the node."""
+    sharing = min(layout.devices, hardware.devices_per_node)
+    return hardware.host_memory_gib * GiB * HOST_MEMORY_USABLE / sharing
 
 
 @dataclass(frozen=True)
@@ -352,7 +372,7 @@ def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpe
     stages = list(enumerate(zip(split, recomputed)))
 
     memories = [stage_memory(trace, layout, hardware, i, n, r) for i, (n, r) in stages]
-    worst = max(range(layout.pp), key=lambda i: memories[i].peak)
+    worst = max(range(layout.pp), key=lambda i: (not memories[i].host_fits, memories[i].peak))
     memory = memories[worst].estimate(worst, hardware.usable_bytes)
 
     times = [stage_time(trace, layout, hardware, placement, i, n, r) for i, (n, r) in stages]

@@ -21,11 +21,17 @@ ZERO_REDUCE_BUCKET_ELEMS = 50_000_000
 ZERO3_PREFETCH_LAYERS = 2  # the layer being computed plus the one being all-gathered ahead
 
 
+# Share of a node's RAM that offloaded states may use: the OS, the data loader and pinned
+# staging buffers need the rest (assumed).
+HOST_MEMORY_USABLE = 0.8
+
+
 @dataclass(frozen=True)
 class ModelStates:
     weights: float
     gradients: float
     optimizer: float
+    host: float = 0.0  # bytes of this device's states kept in host RAM by offload
 
     @property
     def total(self) -> float:
@@ -71,11 +77,19 @@ def model_state_bytes(
         grads /= dp
     if layout.zero >= 3:
         weights /= dp
-    if layout.offload in ("optimizer", "optimizer+params"):
+    host = 0.0
+    if layout.offload != "none":
+        # ZeRO-Offload (Ren et al. 2021): the fp32 master weights, Adam moments and, from ZeRO-2 on,
+        # the fp32 gradient partition live in host RAM; the device keeps 16-bit weights and buckets.
+        trainable_share = trainable / (dp if layout.zero >= 1 else 1)
+        host = optim + (4 * trainable_share if layout.zero >= 2 else 0.0)
         optim = 0.0
+        if layout.zero >= 2:
+            grads = 0.0
     if layout.offload == "optimizer+params":
+        host += weights
         weights = 0.0
-    return ModelStates(weights, grads, optim)
+    return ModelStates(weights, grads, optim, host)
 
 
 def stage_layers(num_layers: int, pp: int) -> list[int]:

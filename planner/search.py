@@ -138,12 +138,14 @@ def enumerate_shapes(trace: ModelTrace, req: PlanRequest, method: str) -> list[L
                     if sp and tp == 1 or not sp and tp > 1 and True in space.sequence_parallel:
                         continue  # SP dominates at tp > 1: less memory, same traffic (AG + RS = AR)
                     for zero in space.zero_stages:
-                        if zero and dp == 1:
-                            continue  # ZeRO shards across data-parallel replicas only
+                        if zero and dp == 1 and (zero != 2 or "optimizer" not in space.offloads):
+                            continue  # ZeRO shards across replicas; alone it only serves ZeRO-Offload
                         if zero == 0 and dp > 1 and 1 in space.zero_stages:
                             continue  # ZeRO-1 dominates: same all-reduce, 1/dp of the optimizer
                         for offload in space.offloads:
                             if offload == "optimizer" and zero == 0 or offload == "optimizer+params" and zero != 3:
+                                continue
+                            if dp == 1 and zero and offload == "none":
                                 continue
                             for mode in modes:
                                 out.append(Layout(
@@ -183,6 +185,8 @@ class _StageCoefficients:
     dp_hidden: _Affine
     update: _Affine
     overlap: float
+    host: _Affine
+    host_capacity: float
 
 
 def _memory_parts(m: StageMemory) -> tuple[float, float]:
@@ -203,6 +207,7 @@ def stage_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec, stag
         backward_base=_affine(*(p[0] for p in parts)), optimizer_moment=_affine(*(p[1] for p in parts)),
         logits=mems[0].logits, regrown=mems[2].regrown, per_mb=affine_t[0], compute=affine_t[1],
         dp_comm=affine_t[2], dp_hidden=affine_t[3], update=affine_t[4], overlap=hw.efficiency.comm_overlap,
+        host=_affine(*(m.host for m in mems)), host_capacity=mems[0].host_capacity,
     )
 
 
@@ -246,8 +251,10 @@ def _non_activation_slope(trace: ModelTrace, layout: Layout, hw: HardwareSpec) -
 # bounds and the ILP
 
 
-def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: float) -> float | None:
-    """A valid lower bound on the step time of any split of this shape; None if no split fits.
+def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: float,
+                min_fraction: float = 0.0) -> float | None:
+    """A valid lower bound on the step time of any split of this shape; None if no split fits
+    or none can meet the compute rule.
 
     max over stages >= mean over stages, and the mean of affine terms depends only on sum n = L;
     recomputation only adds time (k = 0) and only removes memory (k = n).
@@ -270,7 +277,13 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
         return None
     if min(c.backward_base(1, 1) + c.logits for c in coeffs[-1:]) > capacity:
         return None
-    return (layout.gas + (pp - 1) / layout.vpp) * slot + dp + update
+    if max(c.host(1, 0) - c.host_capacity for c in coeffs) > 0:
+        return None
+    bound = (layout.gas + (pp - 1) / layout.vpp) * slot + dp + update
+    # the least busy stage computes at most the mean useful time, and the step lasts >= bound
+    if min_fraction > 0 and layout.gas * mean(lambda c: c.compute) < min_fraction * bound * (1 - 1e-9):
+        return None
+    return bound
 
 
 def solve_shape(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: float,
@@ -303,6 +316,8 @@ def solve_shape(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
             problem += fits(c.backward_base, s, c.regrown * r)
         problem += fits(c.backward_base, s, c.logits)
         problem += fits(c.optimizer_moment, s)
+        if c.host.n or c.host.c:
+            problem += (c.host.c + c.host.n * n[s]) * (1.0 / c.host_capacity) <= 1.0
         problem += slot >= c.per_mb.c + c.per_mb.n * n[s] + c.per_mb.k * k[s]
         dp_comm = c.dp_comm.c + c.dp_comm.n * n[s]
         problem += dp >= (1 - c.overlap) * dp_comm
@@ -328,7 +343,8 @@ def solve_shape(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
 
 
 def _accept(estimate: Estimate, capacity: float, min_fraction: float) -> bool:
-    return estimate.memory.peak <= capacity * (1 + 1e-9) and estimate.compute_fraction >= min_fraction - 1e-9
+    return (estimate.memory.peak <= capacity * (1 + 1e-9) and estimate.memory.host_fits
+            and estimate.compute_fraction >= min_fraction - 1e-9)
 
 
 def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace | None = None) -> SearchResult:
@@ -341,7 +357,7 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
     shapes = enumerate_shapes(trace, req, method)
     bounded = []
     for layout in shapes:
-        bound = lower_bound(trace, layout, hw, capacity)
+        bound = lower_bound(trace, layout, hw, capacity, min_fraction)
         if bound is not None:
             bounded.append((bound, layout))
     bounded.sort(key=lambda item: item[0])

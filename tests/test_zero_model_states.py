@@ -28,10 +28,13 @@ def test_zero3_shards_all_model_states() -> None:
     assert z3.total == pytest.approx(full.total / dp)
 
 
-def test_offload_moves_optimizer_states_off_the_device() -> None:
-    states = model_state_bytes(1e9, 1e9, Layout(dp=4, zero=2, offload="optimizer", dtype="bf16"))
-    assert states.optimizer == 0
-    assert states.gradients == pytest.approx(2e9 / 4)
+def test_offload_moves_optimizer_states_and_fp32_gradients_to_host() -> None:
+    # ZeRO-Offload (Ren et al. 2021, section 4): 16-bit weights stay on the device; fp32 master,
+    # Adam moments and the fp32 gradient partition (12 + 4 bytes per parameter) go to the host.
+    psi, dp = 1e9, 4
+    states = model_state_bytes(psi, psi, Layout(dp=dp, zero=2, offload="optimizer", dtype="bf16"))
+    assert (states.weights, states.gradients, states.optimizer) == (2 * psi, 0, 0)
+    assert states.host == pytest.approx(16 * psi / dp)
 
 
 def test_lora_freezes_base_and_keeps_fp32_adapters() -> None:

@@ -1,0 +1,114 @@
+"""Launcher files for a plan: a DeepSpeed config, an accelerate config, the torchrun command and a
+Slurm batch script. The bucket sizes are the ones the cost model assumed (`zero_bucket_elems`)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import yaml
+
+from advisor.plan import Plan
+from advisor.specs import Layout
+from planner.cost_model import zero_bucket_elems
+from profiler.model_trace import trace_model
+
+MASTER_PORT = 29511  # not DeepSpeed's and accelerate's default 29500, which collide on shared hosts
+
+
+def deepspeed_config(plan: Plan, layout: Layout) -> dict:
+    trace = trace_model(plan.model, layout.seq, layout.dtype, layout.method, layout.lora_rank,
+                        device_type=plan.hardware.device_type)
+    bucket = zero_bucket_elems(trace, layout)
+    zero: dict = {"stage": layout.zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                  "contiguous_gradients": True, "overlap_comm": plan.hardware.device_type == "cuda"}
+    if layout.zero == 3:
+        zero.update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=0)
+    if layout.offload != "none":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if layout.offload == "optimizer+params":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_batch_size": layout.global_batch,
+        "train_micro_batch_size_per_gpu": layout.mbs,
+        "gradient_accumulation_steps": layout.gas,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": layout.dtype == "bf16"},
+        "fp16": {"enabled": layout.dtype == "fp16"},
+        "zero_optimization": zero,
+        "activation_checkpointing": {"partition_activations": False, "contiguous_memory_optimization": False},
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def accelerate_config(plan: Plan, layout: Layout) -> dict:
+    cpu = plan.hardware.device_type == "cpu"
+    config = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED" if layout.zero else ("MULTI_GPU" if layout.devices > 1 else "NO"),
+        "num_machines": plan.nodes,
+        "num_processes": layout.devices,
+        "machine_rank": 0,
+        "main_process_port": MASTER_PORT,
+        "mixed_precision": "no" if layout.dtype == "fp32" else layout.dtype,
+        "use_cpu": cpu,
+    }
+    if layout.zero:
+        config["deepspeed_config"] = {"deepspeed_config_file": "deepspeed.json"}
+    return config
+
+
+def torchrun_command(plan: Plan, plan_path: str = "plan.yaml") -> list[str]:
+    per_node = min(plan.chosen.layout.devices, plan.gpus_per_node)
+    return ["torchrun", f"--nnodes={plan.nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=${{MASTER_ADDR:-127.0.0.1}}:{MASTER_PORT}", "-m", "advisor.cli", "train",
+            plan_path, "--launched"]
+
+
+def slurm_script(plan: Plan, plan_path: str = "plan.yaml") -> str:
+    layout = plan.chosen.layout
+    hours = sum(s.hours for s in plan.stages) or 24.0
+    minutes = max(10, int(hours * 60 * 1.2))  # 20% slack over the planned wall-clock time
+    command = " ".join(shlex.quote(a) if not a.startswith("--rdzv-endpoint") else a
+                       for a in torchrun_command(plan, plan_path))
+    return f"""#!/bin/bash
+#SBATCH --job-name=advisor-{plan.model.name}
+#SBATCH --nodes={plan.nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={min(layout.devices, plan.gpus_per_node)}
+#SBATCH --time={minutes // 60:02d}:{minutes % 60:02d}:00
+#SBATCH --output=advisor-%j.log
+# Written by `advisor plan --export`: {layout.short()}
+set -euo pipefail
+export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export OMP_NUM_THREADS=1
+srun {command}
+"""
+
+
+def export(plan: Plan, directory: Path) -> list[Path]:
+    """Write the four launcher files into `directory` (and the plan beside them)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    layout = plan.chosen.layout
+    written = {
+        "plan.yaml": None,
+        "deepspeed.json": json.dumps(deepspeed_config(plan, layout), indent=2) + "\n",
+        "accelerate.yaml": yaml.safe_dump(accelerate_config(plan, layout), sort_keys=False),
+        "torchrun.sh": "#!/bin/bash\nset -euo pipefail\n" + " ".join(torchrun_command(plan)) + "\n",
+        "slurm.sbatch": slurm_script(plan),
+    }
+    paths = []
+    for name, text in written.items():
+        path = directory / name
+        if text is None:
+            plan.write(path)
+        else:
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+        if name.endswith((".sh", ".sbatch")):
+            path.chmod(0o755)
+        paths.append(path)
+    return paths

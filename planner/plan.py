@@ -1,0 +1,254 @@
+"""`advisor plan`: from model, hardware and task to a ranked, explained plan (or the nearest fixes).
+
+Objectives: `throughput` (the fastest layout on the given devices) and `cost` (the fewest
+GPU-hours over device counts up to the given ones that still meet a deadline).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+from advisor.errors import UsageError
+from advisor.plan import Plan, PlannedLayout, StagePlan
+from advisor.specs import GiB, HardwareSpec, ModelSpec
+from advisor.task import TaskSpec
+from planner.explain import why
+from planner.granularity import plan_stage
+from planner.memory import HOST_MEMORY_USABLE
+from planner.search import PlanRequest, SearchResult, SearchSpace, plan_layouts, validate_request
+
+METHOD_ORDER = ("full", "lora", "qlora")
+
+
+class InfeasiblePlan(UsageError):
+    """Nothing fits; the message lists the nearest feasible changes."""
+
+
+@dataclass
+class PlanOptions:
+    model: ModelSpec
+    hardware: HardwareSpec
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    task: TaskSpec | None = None
+    seq: int | None = None
+    global_batch: int | None = None
+    method: str = "full"  # full | lora | qlora | auto
+    objective: str = "throughput"
+    deadline_s: float | None = None
+    tokens: float | None = None
+    price_per_gpu_hour: float | None = None
+    min_compute_fraction: float = 0.8
+    top_k: int = 5
+    mtbf_hours: float = 2000.0  # per node; large fleets report ~1 failure per 1-3k node-hours
+    checkpoint_write_gbs: float = 2.0  # per node, to the checkpoint file system (assumed)
+    per_stage_devices: bool = False
+    memory_margin: float = 0.05
+    allow_cross_node_tp: bool = False
+    attention: str | None = None
+    dtype: str | None = None
+    space: SearchSpace = field(default_factory=SearchSpace)
+
+
+def parse_duration(text: str) -> float:
+    """'14d', '36h', '90m', '3600s' or plain seconds."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([dhms]?)\s*", text)
+    if not match:
+        raise UsageError(f"cannot read duration '{text}': use e.g. 14d, 36h or 90m")
+    value, unit = float(match.group(1)), match.group(2) or "s"
+    return value * {"d": 86400, "h": 3600, "m": 60, "s": 1}[unit]
+
+
+def default_global_batch(devices: int, seq: int) -> int:
+    """About 2M tokens per step (the Llama and GPT-3 recipes' order), at least one sequence per
+    device, a power of two so that most data-parallel degrees divide it."""
+    return max(2 ** round(math.log2(max(1, 2**21 / seq))), 2 ** math.ceil(math.log2(devices)))
+
+
+def _request(opts: PlanOptions, devices: int, seq: int, batch: int, methods: tuple[str, ...],
+             hardware: HardwareSpec) -> PlanRequest:
+    space = SearchSpace(**{**opts.space.__dict__, "methods": methods,
+                           "allow_cross_node_tp": opts.allow_cross_node_tp})
+    dtype = opts.dtype or hardware.default_dtype
+    req = PlanRequest(model=opts.model, hardware=hardware, devices=devices, seq=seq, global_batch=batch,
+                      dtype=dtype, space=space, min_compute_fraction=opts.min_compute_fraction,
+                      memory_margin=opts.memory_margin, top_k=opts.top_k, attention=opts.attention)
+    validate_request(req)
+    return req
+
+
+def _methods(opts: PlanOptions) -> tuple[str, ...]:
+    if opts.method == "auto":
+        return METHOD_ORDER
+    if opts.method not in METHOD_ORDER:
+        raise UsageError(f"--method must be one of auto, {', '.join(METHOD_ORDER)} (got {opts.method})")
+    if opts.method == "qlora" and opts.hardware.device_type == "cpu":
+        raise UsageError("QLoRA needs bitsandbytes' 4-bit kernels on CUDA; on CPU use --method lora")
+    return (opts.method,)
+
+
+def _planned(result: SearchResult, capacity: float, min_fraction: float) -> list[PlannedLayout]:
+    out = []
+    best = None
+    for sol in result.solutions:
+        out.append(PlannedLayout(layout=sol.layout, estimate=sol.estimate,
+                                 why=why(sol.layout, sol.estimate, capacity, min_fraction, best),
+                                 meets_compute_rule=sol.meets_compute_rule))
+        best = best or (sol.layout, sol.estimate)
+    return out
+
+
+def _suggestions(opts: PlanOptions, devices: int, seq: int, batch: int, methods: tuple[str, ...]) -> list[str]:
+    """The nearest changes that make the request feasible, each checked with the planner."""
+    hw = opts.hardware
+    found = []
+    for method in METHOD_ORDER:
+        if method in methods or (method == "qlora" and hw.device_type == "cpu"):
+            continue
+        result, _ = plan_layouts(_request(opts, devices, seq, batch, (method,), hw))
+        if result.solutions:
+            sol = result.solutions[0]
+            found.append(f"--method {method}: fits ({sol.layout.short()}, peak "
+                         f"{sol.estimate.memory.peak / GiB:.1f} GiB)")
+    roomy = hw.model_copy(update={"host_memory_gib": 1e6})
+    result, _ = plan_layouts(_request(opts, devices, seq, batch, methods, roomy))
+    if result.solutions:
+        sol = result.solutions[0]
+        sharing = min(devices, hw.devices_per_node)
+        need = sol.estimate.memory.host_offload * sharing / HOST_MEMORY_USABLE / GiB
+        found.append(f"offload with >= {need:,.0f} GiB host RAM per node (this node has {hw.host_memory_gib:,.0f}): "
+                     f"{sol.layout.short()}")
+    for factor in (2, 4, 8, 16, 32, 64):
+        more = devices * factor
+        nodes = math.ceil(more / hw.devices_per_node)
+        result, _ = plan_layouts(_request(opts, more, seq, max(batch, more), methods, hw))
+        if result.solutions:
+            found.append(f"{more} x {hw.name} ({nodes} node{'s' if nodes > 1 else ''}) fit the same method "
+                         f"({result.solutions[0].layout.short()})")
+            break
+    shorter = seq // 2
+    while shorter >= 256:
+        result, _ = plan_layouts(_request(opts, devices, shorter, batch, methods, hw))
+        if result.solutions:
+            found.append(f"--seq-len {shorter} fits ({result.solutions[0].layout.short()})")
+            break
+        shorter //= 2
+    return found
+
+
+def _device_options(opts: PlanOptions, per_node: int) -> list[int]:
+    """Device counts the cost objective compares: powers of two within a node, then whole nodes."""
+    counts = [2**i for i in range(int(math.log2(per_node)) + 1) if 2**i <= per_node] if per_node else []
+    nodes = 2
+    while nodes <= opts.nodes:
+        counts.append(nodes * per_node)
+        nodes *= 2
+    if opts.nodes * per_node not in counts:
+        counts.append(opts.nodes * per_node)
+    return sorted(set(counts))
+
+
+def _total_tokens(opts: PlanOptions, tokens_per_step: int) -> float:
+    if opts.tokens:
+        return opts.tokens
+    if opts.task:
+        return float(sum(opts.task.stage_tokens(s, tokens_per_step) for s in opts.task.stages))
+    raise UsageError("--objective cost needs the work to do: --task task.yaml or --tokens N")
+
+
+def make_plan(opts: PlanOptions) -> Plan:
+    started = time.perf_counter()
+    hw = opts.hardware
+    per_node = opts.gpus_per_node or hw.devices_per_node
+    if opts.gpus_per_node:
+        hw = hw.model_copy(update={"devices_per_node": opts.gpus_per_node})
+    devices = opts.nodes * per_node
+    seq = opts.seq or (opts.task.seq_len if opts.task else 2048)
+    batch = opts.global_batch or (opts.task.global_batch if opts.task and opts.task.global_batch else None) \
+        or default_global_batch(devices, seq)
+    methods = _methods(opts)
+    capacity = hw.usable_bytes * (1 - opts.memory_margin)
+    notes: list[str] = []
+
+    if opts.objective == "throughput":
+        result, method = plan_layouts(_request(opts, devices, seq, batch, methods, hw))
+        nodes = opts.nodes
+    elif opts.objective == "cost":
+        if not opts.deadline_s:
+            raise UsageError("--objective cost needs --deadline (e.g. 14d)")
+        best: tuple[float, SearchResult, str, int] | None = None
+        for count in _device_options(opts, per_node):
+            res, meth = plan_layouts(_request(opts, count, seq, max(batch, count), methods, hw))
+            if not res.solutions:
+                continue
+            sol = res.solutions[0]
+            hours = _total_tokens(opts, sol.layout.tokens_per_step) / sol.estimate.throughput.tokens_per_s / 3600
+            if hours * 3600 > opts.deadline_s:
+                continue
+            gpu_hours = hours * count
+            if best is None or gpu_hours < best[0]:
+                best = (gpu_hours, res, meth, count)
+        if best is None:
+            raise InfeasiblePlan(f"no device count up to {devices} x {hw.name} finishes by the deadline "
+                                 f"({opts.deadline_s / 86400:.1f} days); allow more nodes or a later deadline")
+        gpu_hours, result, method, count = best
+        nodes = math.ceil(count / per_node)
+        cost = f", ${gpu_hours * opts.price_per_gpu_hour:,.0f}" if opts.price_per_gpu_hour else ""
+        notes.append(f"cost objective: {count} devices need {gpu_hours:,.0f} GPU-hours{cost}, the fewest that "
+                     f"meet the {opts.deadline_s / 86400:.1f}-day deadline")
+    else:
+        raise UsageError(f"--objective must be throughput or cost (got {opts.objective})")
+
+    if not result.solutions:
+        fixes = _suggestions(opts, devices, seq, batch, methods)
+        lines = "\n".join(f"  - {f}" for f in fixes) or "  - none found within 64x the devices"
+        raise InfeasiblePlan(
+            f"{opts.model.name} with method {'/'.join(methods)} does not fit {devices} x {hw.name} at sequence "
+            f"length {seq} and global batch {batch}, even with ZeRO sharding, offload and full recomputation.\n"
+            f"Nearest feasible changes:\n{lines}")
+    if result.relaxed_compute_rule:
+        notes.append(f"no layout keeps compute >= {100 * opts.min_compute_fraction:.0f}% of the step; these are "
+                     "the fastest anyway (flagged): fewer devices or a larger global batch would meet the rule")
+    if method != methods[0]:
+        notes.append(f"method {method}: {', '.join(m for m in methods if m != method and METHOD_ORDER.index(m) < METHOD_ORDER.index(method))} does not fit")
+
+    planned = _planned(result, capacity, opts.min_compute_fraction)
+    plan = Plan(model=opts.model, hardware=hw, nodes=nodes, gpus_per_node=per_node, objective=opts.objective,  # type: ignore[arg-type]
+                min_compute_fraction=opts.min_compute_fraction, chosen=planned[0], alternatives=planned[1:],
+                task=opts.task, notes=notes)
+    if opts.task:
+        plan.stages = _plan_stages(opts, plan, hw, seq, batch, nodes)
+    plan.solver = {"status": result.status, "seconds": time.perf_counter() - started, "shapes": result.shapes,
+                   "ilps": result.ilps, "search_seconds": result.seconds}
+    return plan
+
+
+def _plan_stages(opts: PlanOptions, plan: Plan, hw: HardwareSpec, seq: int, batch: int, nodes: int) -> list[StagePlan]:
+    """Steps and checkpoint cadence per stage; a stage with its own method gets its own layout,
+    and, with --per-stage-devices, the device count that needs the fewest GPU-hours."""
+    assert opts.task is not None
+    chosen = plan.chosen
+    stages = []
+    for stage in opts.task.stages:
+        layout, est = chosen.layout, chosen.estimate
+        method = stage.method or layout.method
+        if method != layout.method or opts.per_stage_devices:
+            counts = _device_options(opts, plan.gpus_per_node) if opts.per_stage_devices else [layout.devices]
+            best = None
+            for count in counts:
+                res, _ = plan_layouts(_request(opts, count, seq, max(batch, count), (method,), hw))
+                if res.solutions and res.solutions[0].meets_compute_rule or res.solutions and count == counts[-1]:
+                    sol = res.solutions[0]
+                    gpu_s = sol.estimate.time.step_s * count
+                    if best is None or gpu_s < best[0]:
+                        best = (gpu_s, sol)
+            if best is None:
+                raise InfeasiblePlan(f"stage '{stage.name}' with method {method} fits no device count")
+            layout, est = best[1].layout, best[1].estimate
+        stage_nodes = math.ceil(layout.devices / plan.gpus_per_node)
+        stages.append(plan_stage(opts.task, stage, layout, est, stage_nodes, opts.mtbf_hours,
+                                 opts.checkpoint_write_gbs, opts.min_compute_fraction))
+    return stages
