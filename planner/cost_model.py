@@ -62,7 +62,8 @@ class Placement:
     def of(cls, layout: Layout, devices_per_node: int) -> "Placement":
         return cls(
             nodes=math.ceil(layout.devices / devices_per_node),
-            tp_spans_nodes=layout.tp > devices_per_node,
+            # a TP group stays in one node only if it tiles the node
+            tp_spans_nodes=layout.tp > devices_per_node or devices_per_node % layout.tp != 0,
             dp_spans_nodes=layout.tp * layout.dp > devices_per_node,
             pp_spans_nodes=layout.tp * layout.dp * layout.pp > devices_per_node,
         )
@@ -90,7 +91,7 @@ def check_layout(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> l
         raise UsageError("interleaved 1F1B (vpp>1) needs the same number of layers on every stage")
     if layout.stage_layers and sum(layout.stage_layers) != trace.num_layers:
         raise UsageError(f"stage_layers sum to {sum(layout.stage_layers)}, the model has {trace.num_layers} layers")
-    if layout.tp > hardware.devices_per_node:
+    if layout.tp > hardware.devices_per_node or hardware.devices_per_node % layout.tp:
         notes.append(f"tp={layout.tp} crosses nodes ({hardware.devices_per_node} devices per node): slow")
     if layout.method == "qlora" and hardware.device_type == "cpu":
         notes.append("QLoRA needs bitsandbytes with CUDA to be fast; on CPU it runs a slow fallback")

@@ -119,7 +119,7 @@ def enumerate_shapes(trace: ModelTrace, req: PlanRequest, method: str) -> list[L
             continue
         if trace.num_kv_heads % tp and tp % trace.num_kv_heads or trace.intermediate_size % tp:
             continue
-        if tp > hw.devices_per_node and not space.allow_cross_node_tp:
+        if (tp > hw.devices_per_node or hw.devices_per_node % tp) and not space.allow_cross_node_tp:
             continue
         for pp in space.pp_degrees or tuple(_divisors(req.devices // tp)):
             if (req.devices // tp) % pp or pp > trace.num_layers:
@@ -251,39 +251,54 @@ def _non_activation_slope(trace: ModelTrace, layout: Layout, hw: HardwareSpec) -
 # bounds and the ILP
 
 
-def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: float,
-                min_fraction: float = 0.0) -> float | None:
-    """A valid lower bound on the step time of any split of this shape; None if no split fits
-    or none can meet the compute rule.
+@dataclass(frozen=True)
+class Bound:
+    """What any split of one shape can at best achieve."""
 
-    max over stages >= mean over stages, and the mean of affine terms depends only on sum n = L;
-    recomputation only adds time (k = 0) and only removes memory (k = n).
+    step_s: float             # lower bound on the step time
+    max_compute_fraction: float  # upper bound on the least busy stage's compute share
+
+
+def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: float) -> Bound | None:
+    """A valid bound for every split of this shape; None if no split can fit in memory.
+
+    The max over stages is >= the mean over stages, and the mean of an affine term depends only on
+    sum n_s = L. Recomputation only adds time and only removes memory: the bound charges the
+    least recomputation that brings the *mean* stage's memory under the capacity.
     """
     pp, layers = layout.pp, trace.num_layers
     coeffs = [stage_coefficients(trace, layout, hw, s) for s in _stage_kinds(pp)]
     if pp > 3:
         coeffs = [coeffs[0]] + [coeffs[1]] * (pp - 2) + [coeffs[2]]
+    counts = [1] * len(coeffs) if pp <= 3 else [1, pp - 2, 1]
+    if pp > 3:
+        coeffs = [coeffs[0], coeffs[1], coeffs[-1]]
 
     def mean(get) -> float:  # mean over stages of an affine term with k = 0
-        return (sum(get(c).c for c in coeffs) + get(coeffs[0]).n * layers) / pp
+        return (sum(w * get(c).c for w, c in zip(counts, coeffs)) + get(coeffs[0]).n * layers) / pp
 
-    slot = mean(lambda c: c.per_mb)
-    dp = mean(lambda c: c.dp_comm) * (1 - coeffs[0].overlap)
-    update = mean(lambda c: c.update)
     # memory: every stage holds >= 1 layer; the optimizer moment is affine and flight-independent
     if max(c.optimizer_moment(1, 0) for c in coeffs) > capacity:
         return None
-    if (sum(c.optimizer_moment.c for c in coeffs) + coeffs[0].optimizer_moment.n * layers) / pp > capacity:
+    if mean(lambda c: c.optimizer_moment) > capacity:
         return None
-    if min(c.backward_base(1, 1) + c.logits for c in coeffs[-1:]) > capacity:
+    if coeffs[-1].backward_base(1, 1) + coeffs[-1].logits > capacity:
         return None
     if max(c.host(1, 0) - c.host_capacity for c in coeffs) > 0:
         return None
-    bound = (layout.gas + (pp - 1) / layout.vpp) * slot + dp + update
-    # the least busy stage computes at most the mean useful time, and the step lasts >= bound
-    if min_fraction > 0 and layout.gas * mean(lambda c: c.compute) < min_fraction * bound * (1 - 1e-9):
-        return None
-    return bound
+    # least recomputation that the mean stage needs (layers placed where they cost least memory)
+    base = sum(w * (c.backward_base.c + c.logits) for w, c in zip(counts, coeffs))
+    excess = base + min(c.backward_base.n for c in coeffs) * layers - pp * capacity
+    recomputed = 0.0
+    if excess > 0:
+        saving = max(-c.backward_base.k for c in coeffs)  # per recomputed layer, best stage
+        if saving <= 0 or excess > saving * layers:
+            return None
+        recomputed = excess / saving
+    slot = mean(lambda c: c.per_mb) + coeffs[0].per_mb.k * recomputed / pp
+    dp = mean(lambda c: c.dp_comm) * (1 - coeffs[0].overlap)
+    step = (layout.gas + (pp - 1) / layout.vpp) * slot + dp + mean(lambda c: c.update)
+    return Bound(step, layout.gas * mean(lambda c: c.compute) / step)
 
 
 def solve_shape(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: float,
@@ -347,31 +362,38 @@ def _accept(estimate: Estimate, capacity: float, min_fraction: float) -> bool:
             and estimate.compute_fraction >= min_fraction - 1e-9)
 
 
-def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace | None = None) -> SearchResult:
+def bound_shapes(trace: ModelTrace, req: PlanRequest, method: str) -> tuple[int, list[tuple[Bound, Layout]]]:
+    """All shapes of a method that can fit, with their bounds, best bound first."""
+    capacity = req.hardware.usable_bytes * (1 - req.memory_margin)
+    shapes = enumerate_shapes(trace, req, method)
+    bounded = []
+    for layout in shapes:
+        bound = lower_bound(trace, layout, req.hardware, capacity)
+        if bound is not None:
+            bounded.append((bound, layout))
+    bounded.sort(key=lambda item: item[0].step_s)
+    return len(shapes), bounded
+
+
+def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace | None = None,
+           bounded: tuple[int, list[tuple[Bound, Layout]]] | None = None) -> SearchResult:
     """The K best layouts of one method under the cost model (exact, see the module docstring)."""
     started = time.perf_counter()
     trace = trace or trace_model(req.model, req.seq, req.dtype, method, attention=req.attention,  # type: ignore[arg-type]
                                  device_type=req.hardware.device_type)
     hw = req.hardware
     capacity = hw.usable_bytes * (1 - req.memory_margin)
-    shapes = enumerate_shapes(trace, req, method)
-    bounded = []
-    for layout in shapes:
-        bound = lower_bound(trace, layout, hw, capacity, min_fraction)
-        if bound is not None:
-            bounded.append((bound, layout))
-    bounded.sort(key=lambda item: item[0])
+    shapes, candidates = bounded or bound_shapes(trace, req, method)
+    candidates = [(b, layout) for b, layout in candidates if b.max_compute_fraction >= min_fraction * (1 - 1e-9)]
 
     found: list[Solution] = []
     seen: set[str] = set()
     ilps = 0
-    i = 0
-    while i < len(bounded):
+    for bound, shape in candidates:
         kth = sorted(s.step_s for s in found)[req.top_k - 1] if len(found) >= req.top_k else math.inf
-        if bounded[i][0] >= kth:
+        if bound.step_s >= kth:
             break
-        layout = solve_shape(trace, bounded[i][1], hw, capacity, min_fraction)
-        i += 1
+        layout = solve_shape(trace, shape, hw, capacity, min_fraction)
         ilps += 1
         if layout is not None and layout.short() not in seen:
             est = estimate_from_trace(trace, layout, hw)
@@ -380,7 +402,7 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
                 found.append(Solution(layout, est, est.time.step_s, est.compute_fraction >= req.min_compute_fraction))
     found.sort(key=lambda s: s.step_s)
     status = "optimal" if found else "infeasible"
-    return SearchResult(found[: req.top_k], status, time.perf_counter() - started, len(shapes), ilps, False)
+    return SearchResult(found[: req.top_k], status, time.perf_counter() - started, shapes, ilps, False)
 
 
 def plan_layouts(req: PlanRequest) -> tuple[SearchResult, str]:
@@ -388,10 +410,13 @@ def plan_layouts(req: PlanRequest) -> tuple[SearchResult, str]:
     cheaper method trades model quality); relax the compute rule only when nothing meets it."""
     last: SearchResult | None = None
     for method in req.space.methods:
-        result = search(req, method, req.min_compute_fraction)
+        trace = trace_model(req.model, req.seq, req.dtype, method, attention=req.attention,  # type: ignore[arg-type]
+                            device_type=req.hardware.device_type)
+        bounded = bound_shapes(trace, req, method)  # shared by the strict and the relaxed search
+        result = search(req, method, req.min_compute_fraction, trace, bounded)
         if result.solutions:
             return result, method
-        relaxed = search(req, method, 0.0)
+        relaxed = search(req, method, 0.0, trace, bounded)
         if relaxed.solutions:
             relaxed.relaxed_compute_rule = True
             relaxed.status = "below_compute_rule"
