@@ -1,0 +1,106 @@
+"""`advisor plan` as a user meets it: contract, refusals with fixes, exports, stage granularity."""
+
+import json
+import math
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from advisor.cli import app
+from advisor.plan import load_plan
+from planner.granularity import young_interval_s
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_full_finetune_of_llama2_7b_on_one_4090_is_refused_with_fixes() -> None:
+    result = run("plan", "--model", "llama2-7b", "--hardware", "rtx4090-24g", "--gpus-per-node", "1",
+                 "--global-batch", "16", "--seq-len", "2048")
+    assert result.exit_code == 2
+    err = result.stderr
+    assert "does not fit 1 x rtx4090-24g" in err and "Traceback" not in err
+    assert "--method lora: fits" in err and "--method qlora: fits" in err
+    assert "host RAM" in err  # ZeRO-Offload would need more RAM than a 64 GiB workstation has
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_lora_and_qlora_fit_llama2_7b_on_one_4090(method: str) -> None:
+    result = run("plan", "--model", "llama2-7b", "--hardware", "rtx4090-24g", "--gpus-per-node", "1",
+                 "--global-batch", "16", "--seq-len", "2048", "--method", method, "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    best = out["plans"][0]
+    assert best["layout"]["method"] == method
+    assert best["estimate"]["memory"]["fits"]
+    assert best["estimate"]["memory"]["peak"] <= best["estimate"]["memory"]["capacity"] * 0.95 + 1
+    assert out["solver"]["status"] in ("optimal", "below_compute_rule")
+    steps = [p["estimate"]["time"]["step_s"] for p in out["plans"]]
+    assert steps == sorted(steps)  # best first
+
+
+def test_plan_writes_a_plan_train_can_read_and_exports_launchers(tmp_path) -> None:
+    out_file, export_dir = tmp_path / "plan.yaml", tmp_path / "launch"
+    result = run("plan", "--model", "llama3-8b", "--hardware", "a100-80g", "--nodes", "2", "--seq-len", "4096",
+                 "--global-batch", "256", "--top", "3", "--out", str(out_file), "--export", str(export_dir))
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out_file)
+    layout = plan.chosen.layout
+    assert layout.devices == 16 and layout.global_batch == 256
+    assert all(alt.layout.global_batch == 256 for alt in plan.alternatives)  # OOM fallbacks keep the batch
+    ds = json.loads((export_dir / "deepspeed.json").read_text())
+    assert ds["train_batch_size"] == 256
+    assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * layout.dp == 256
+    assert ds["zero_optimization"]["stage"] == layout.zero
+    accel = yaml.safe_load((export_dir / "accelerate.yaml").read_text())
+    assert accel["num_processes"] == 16 and accel["num_machines"] == 2
+    assert "--nnodes=2" in (export_dir / "torchrun.sh").read_text()
+    slurm = (export_dir / "slurm.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in slurm and "srun torchrun" in slurm
+
+
+def test_task_stages_get_steps_and_young_checkpoint_intervals(tmp_path) -> None:
+    result = run("plan", "--model", "demo-tiny", "--hardware", "a100-80g", "--gpus-per-node", "1", "--task", "demo",
+                 "--mtbf-hours", "1", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    stages = out["stages"]
+    assert [s["name"] for s in stages] == ["language", "reasoning", "instructions", "mixed"]
+    for s in stages:
+        tokens_per_step = s["layout"]["dp"] * s["layout"]["mbs"] * s["layout"]["gas"] * s["layout"]["seq"]
+        assert s["steps"] == math.ceil(s["tokens"] / tokens_per_step)
+        expected = round(young_interval_s(s["checkpoint_write_s"], 3600) / s["step_s"])
+        assert s["checkpoint_every_steps"] == max(1, min(expected, s["steps"]))
+
+
+def test_young_interval_minimises_expected_waste() -> None:
+    write_s, mtbf_s = 30.0, 86400.0
+    best = young_interval_s(write_s, mtbf_s)
+
+    def waste(tau: float) -> float:  # checkpoint cost + expected rework, per unit of time
+        return write_s / tau + tau / (2 * mtbf_s)
+
+    assert waste(best) < waste(best * 0.8) and waste(best) < waste(best * 1.25)
+
+
+def test_cost_objective_picks_fewest_gpu_hours_that_meet_the_deadline() -> None:
+    common = ["plan", "--model", "llama3-8b", "--hardware", "h100-80g", "--nodes", "4", "--seq-len", "4096",
+              "--global-batch", "256", "--json"]
+    loose = json.loads(run(*common, "--objective", "cost", "--deadline", "1000d", "--tokens", "1e10").stdout)
+    tight = json.loads(run(*common, "--objective", "cost", "--deadline", "3d", "--tokens", "1e10").stdout)
+    devices_loose = loose["plans"][0]["estimate"]["devices"]
+    devices_tight = tight["plans"][0]["estimate"]["devices"]
+    assert devices_loose <= devices_tight
+    hours_tight = 1e10 / tight["plans"][0]["estimate"]["throughput"]["tokens_per_s"] / 3600
+    assert hours_tight <= 72
+
+
+def test_plan_rejects_bad_requests_with_one_line() -> None:
+    result = run("plan", "--model", "demo-tiny", "--hardware", "a100-80g", "--objective", "cost")
+    assert result.exit_code == 2 and "needs --deadline" in result.stderr
+    result = run("plan", "--model", "demo-tiny", "--hardware", "a100-80g", "--task", "no-such-task")
+    assert result.exit_code == 2 and "unknown task preset" in result.stderr
