@@ -382,6 +382,49 @@ def _stack_versions() -> str:
     return ",".join(found)
 
 
+def _stack_family() -> str:
+    """The release lines whose traces the shipped store may serve (same modelling code)."""
+    found = []
+    for part in _stack_versions().split(","):
+        package, _, ver = part.partition("=")
+        keep = 1 if package == "transformers" else 2
+        found.append(f"{package}={'.'.join(ver.split('.')[:keep])}")
+    return ",".join(found)
+
+
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "presets" / "traces"
+
+
+def _trace_key(versions: str, args: tuple) -> str:
+    return hashlib.sha256(json.dumps([TRACE_FORMAT, versions, *args]).encode()).hexdigest()[:24]
+
+
+def _read_trace(path: Path) -> ModelTrace | None:
+    if not path.is_file():
+        return None
+    try:
+        return ModelTrace.model_validate_json(path.read_text())
+    except (OSError, ValueError):
+        return None  # a damaged entry is traced again (and, in the user cache, overwritten)
+
+
+def _trace_args(model: ModelSpec, seq: int, dtype: str, method: str, lora_rank: int, attention: str,
+                device_type: str) -> tuple:
+    trace_dtype = "bf16" if method == "qlora" and dtype == "fp32" else dtype
+    cfg_key = json.dumps(copy.deepcopy(model.hf_config), sort_keys=True)
+    return (model.name, cfg_key, seq, trace_dtype, method, lora_rank, attention, device_type == "cuda")
+
+
+def ship_trace(model: ModelSpec, seq: int, dtype: str, method: str, lora_rank: int = 16,
+               device_type: str = "cuda") -> Path:
+    """Trace and store into the shipped store (`presets/traces`), keyed by release lines."""
+    args = _trace_args(model, seq, dtype, method, lora_rank, default_attention(device_type), device_type)
+    path = SHIPPED_DIR / f"{_trace_key(_stack_family(), args)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(_trace_cached(*args).model_dump_json())
+    return path
+
+
 def trace_model(
     model: ModelSpec, seq: int, dtype: str = "bf16", method: str = "full", lora_rank: int = 16,
     attention: Attention | None = None, device_type: str = "cuda", use_disk_cache: bool = True,
@@ -392,22 +435,22 @@ def trace_model(
     this single-sequence trace. Results are cached in memory and on disk (`$ADVISOR_CACHE`,
     default ~/.cache/advisor) per config, arguments and torch/transformers/peft versions: a cold
     trace costs the transformers import (seconds on a small CPU), a cached one milliseconds.
+    Preset models at common sequence lengths ship pre-traced (`python -m profiler.ship_traces`).
     """
     if method not in ("full", "lora", "qlora"):
         raise UsageError(f"method must be one of full, lora, qlora (got {method})")
     if seq < 1:
         raise UsageError(f"sequence length must be positive (got {seq})")
     attention = attention or default_attention(device_type)
-    trace_dtype = "bf16" if method == "qlora" and dtype == "fp32" else dtype
-    cfg_key = json.dumps(copy.deepcopy(model.hf_config), sort_keys=True)
-    args = (model.name, cfg_key, seq, trace_dtype, method, lora_rank, attention, device_type == "cuda")
-    key = hashlib.sha256(json.dumps([TRACE_FORMAT, _stack_versions(), *args]).encode()).hexdigest()[:24]
-    path = _cache_dir() / f"{key}.json"
-    if use_disk_cache and path.is_file():
-        try:
-            return ModelTrace.model_validate_json(path.read_text())
-        except (OSError, ValueError):
-            pass  # a damaged cache entry is traced again and overwritten
+    args = _trace_args(model, seq, dtype, method, lora_rank, attention, device_type)
+    path = _cache_dir() / f"{_trace_key(_stack_versions(), args)}.json"
+    if use_disk_cache:
+        # the user's cache (exact versions), then the traces shipped for the presets (same
+        # release lines: a cold `estimate` of a preset needs no transformers import)
+        for candidate in (path, SHIPPED_DIR / f"{_trace_key(_stack_family(), args)}.json"):
+            cached = _read_trace(candidate)
+            if cached is not None:
+                return cached
     trace = _trace_cached(*args)
     if use_disk_cache:
         try:

@@ -93,3 +93,16 @@ def test_first_stage_in_flight_activations_match_korthikanti_pipeline_formula(pp
     stored_layers = micro_batches_in_flight(0, layout) * layers / pp
     expected = layers * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else layers
     assert stored_layers == pytest.approx(expected)
+
+
+def test_shipped_preset_traces_equal_a_fresh_trace() -> None:
+    from presets import load_model
+    from profiler.model_trace import SHIPPED_DIR, _trace_args, _trace_cached, _trace_key, _stack_family
+
+    model = load_model("demo-tiny")
+    args = _trace_args(model, 256, "fp32", "full", 16, "sdpa", "cpu")
+    shipped = SHIPPED_DIR / f"{_trace_key(_stack_family(), args)}.json"
+    if not shipped.is_file():
+        pytest.skip("no shipped trace for this torch/transformers release line")
+    fresh = _trace_cached(*args)
+    assert shipped.read_text() == fresh.model_dump_json()

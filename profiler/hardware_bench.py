@@ -1,0 +1,390 @@
+"""Micro-benchmarks of one device and of the links between devices.
+
+Every figure is a median over repeats that continue until the median is stable (it moves less
+than `rel_tol` when a few more samples arrive) or the time budget is spent; the repeat count is
+recorded next to it. Each function runs inside one rank; the collectives need every rank of the
+world to call them in the same order (see profiler/run_profile.py).
+
+* GEMM throughput per dtype, over the matmul shapes the target model runs (its linear layers'
+  forward, input-gradient and weight-gradient products), or square shapes without a model;
+* memory bandwidth: a streaming copy (`dst.copy_(src)`, 2 bytes moved per byte copied);
+* host <-> device copies (pinned, CUDA; on CPU the host is the device: the copy above);
+* the CPU optimizer step rate: `torch.optim.AdamW` (single-tensor) parameters per second, what
+  optimizer offload with DeepSpeed's `torch_adam` and plain CPU training both run;
+* all-reduce, all-gather, reduce-scatter and send/recv at several sizes for each process-group
+  size and scope (inside a node, across nodes), fitted to the alpha-beta model that
+  planner/collectives.py uses: t = a * latency + b * bytes / bandwidth, with nccl-tests' bus
+  factors a, b (Thakur, Rabenseifner and Gropp 2005, Table 1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+# nccl-tests' bus-bandwidth definitions: bytes through each device's link per byte of buffer,
+# and latency steps of the ring, for a group of n ranks.
+RING_FACTORS: dict[str, Callable[[int], tuple[float, float]]] = {
+    "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
+    "all_gather": lambda n: (n - 1, (n - 1) / n),
+    "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
+    "send_recv": lambda n: (1, 1.0),
+}
+COLLECTIVES = tuple(RING_FACTORS)
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Timing:
+    """Median seconds of one sample, how many samples, and their spread."""
+
+    median_s: float
+    repeats: int
+    min_s: float
+    max_s: float
+    stable: bool
+
+
+@dataclass
+class Repeater:
+    """Repeat a timed sample until its median is stable.
+
+    Stops once at least `min_repeats` samples exist and the median moved less than `rel_tol`
+    over the last `window` samples, or after `budget_s` of sampling, or at `max_repeats`.
+    `agree` turns a local sample into the one every rank uses (the slowest rank's), so that
+    ranks stop after the same number of repeats, which collectives require.
+    """
+
+    budget_s: float = 1.0
+    min_repeats: int = 5
+    max_repeats: int = 200
+    rel_tol: float = 0.02
+    window: int = 3
+    agree: Callable[[float], float] | None = None
+    samples: list[float] = field(default_factory=list)
+
+    def run(self, sample: Callable[[], float]) -> Timing:
+        self.samples = []
+        stable = False
+        while len(self.samples) < self.max_repeats:
+            seconds = sample()
+            self.samples.append(self.agree(seconds) if self.agree else seconds)
+            if len(self.samples) >= max(self.min_repeats, self.window + 1):
+                now = statistics.median(self.samples)
+                before = statistics.median(self.samples[: -self.window])
+                if abs(now - before) <= self.rel_tol * now:
+                    stable = True
+                    break
+            if sum(self.samples) >= self.budget_s:  # identical on every rank when they agree
+                break
+        return Timing(statistics.median(self.samples), len(self.samples), min(self.samples),
+                      max(self.samples), stable)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, inner: int = 1) -> Callable[[], float]:
+    """A sample: `inner` calls of `fn`, seconds per call."""
+    def sample() -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        synchronize(device)
+        return (time.perf_counter() - start) / inner
+    return sample
+
+
+def _inner_count(fn: Callable[[], Any], device: torch.device, target_s: float) -> int:
+    """Calls per sample so that one sample lasts about `target_s` (tiny kernels are noisy)."""
+    once = _timed(fn, device)()  # also the warm-up
+    return max(1, min(1000, int(target_s / max(once, 1e-7))))
+
+
+# --------------------------------------------------------------------------------------------
+# GEMM
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """(m x k) @ (k x n), run `count` times per training step of the model."""
+
+    m: int
+    k: int
+    n: int
+    count: int = 1
+    name: str = ""
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n
+
+
+def model_gemm_shapes(dims: dict[str, int], tokens: int) -> list[GemmShape]:
+    """The linear layers of a decoder layer and the LM head for `tokens` tokens of one
+    micro-batch: forward (T x in) @ (in x out), input gradient (T x out) @ (out x in) and weight
+    gradient (out x T) @ (T x in); counts per step (layers for the decoder, 1 for the head).
+    `dims` is profiler.model_trace.architecture_dims of the model."""
+    h, inter, layers = dims["hidden_size"], dims["intermediate_size"], dims["num_layers"]
+    kv = dims["num_kv_heads"] * dims["head_dim"]
+    q = dims["num_heads"] * dims["head_dim"]
+    linears = [("q/o", h, q, 2), ("k/v", h, kv, 2), ("gate/up", h, inter, 2), ("down", inter, h, 1)]
+    shapes: dict[tuple[int, int, int], GemmShape] = {}
+
+    def add(m: int, k: int, n: int, count: int, name: str) -> None:
+        key = (m, k, n)
+        old = shapes.get(key)
+        shapes[key] = GemmShape(m, k, n, count + (old.count if old else 0), old.name if old else name)
+
+    for name, fan_in, fan_out, per_layer in linears:
+        add(tokens, fan_in, fan_out, per_layer * layers, f"{name} fwd")
+        add(tokens, fan_out, fan_in, per_layer * layers, f"{name} dgrad")
+        add(fan_out, tokens, fan_in, per_layer * layers, f"{name} wgrad")
+    V = dims["vocab_size"]
+    add(tokens, h, V, 1, "head fwd")
+    add(tokens, V, h, 1, "head dgrad")
+    add(V, tokens, h, 1, "head wgrad")
+    return list(shapes.values())
+
+
+def square_gemm_shapes(device_type: str) -> list[GemmShape]:
+    sizes = (1024, 2048) if device_type == "cpu" else (4096, 8192)
+    return [GemmShape(s, s, s, 1, f"{s}^3") for s in sizes]
+
+
+def bench_gemm(shapes: list[GemmShape], dtype: str, device: torch.device, budget_s: float) -> dict[str, Any]:
+    """Achieved FLOP/s per shape, and the step-weighted rate over the set: total FLOPs of one
+    step's GEMMs over their total time (what a training step of the model would see)."""
+    per_shape = []
+    total_flops = total_s = 0.0
+    torch_dtype = TORCH_DTYPES[dtype]
+    for shape in shapes:
+        a = torch.randn(shape.m, shape.k, device=device).to(torch_dtype)
+        b = torch.randn(shape.k, shape.n, device=device).to(torch_dtype)
+        call = lambda: torch.matmul(a, b)  # noqa: E731
+        inner = _inner_count(call, device, target_s=0.01)
+        timing = Repeater(budget_s=budget_s / len(shapes)).run(_timed(call, device, inner))
+        per_shape.append({"shape": [shape.m, shape.k, shape.n], "name": shape.name, "count": shape.count,
+                          "tflops": shape.flops / timing.median_s / 1e12, **timing.__dict__})
+        total_flops += shape.count * shape.flops
+        total_s += shape.count * timing.median_s
+        del a, b
+    return {"dtype": dtype, "tflops": total_flops / total_s / 1e12, "shapes": per_shape}
+
+
+def dtype_supported(dtype: str, device: torch.device) -> bool:
+    """Whether a small matmul runs at all in `dtype` (fp16 on some CPUs does not)."""
+    try:
+        a = torch.ones(8, 8, device=device, dtype=TORCH_DTYPES[dtype])
+        torch.matmul(a, a)
+        return True
+    except RuntimeError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# memory and host<->device bandwidth
+
+
+def bench_memory_bandwidth(device: torch.device, nbytes: int, budget_s: float) -> dict[str, Any]:
+    """Streaming copy: reads and writes `nbytes` each, so 2 * nbytes per copy."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    call = lambda: dst.copy_(src)  # noqa: E731
+    call()
+    timing = Repeater(budget_s=budget_s).run(_timed(call, device))
+    return {"bytes": nbytes, "gbs": 2 * nbytes / timing.median_s / 1e9, **timing.__dict__}
+
+
+def bench_host_device(device: torch.device, nbytes: int, budget_s: float) -> dict[str, Any]:
+    """Pinned host -> device and device -> host copies (CUDA only), GB/s each way."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for name, call in (("h2d", lambda: dev.copy_(host, non_blocking=True)),
+                       ("d2h", lambda: host.copy_(dev, non_blocking=True))):
+        call()
+        timing = Repeater(budget_s=budget_s / 2).run(_timed(call, device))
+        out[name] = {"bytes": nbytes, "gbs": nbytes / timing.median_s / 1e9, **timing.__dict__}
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# CPU optimizer
+
+
+def bench_cpu_adam(shapes: list[tuple[int, ...]], budget_s: float) -> dict[str, Any]:
+    """AdamW steps (single-tensor, as our DeepSpeed configs' `torch_adam` and plain CPU training
+    run it) over fp32 parameters of the given shapes, on the host. Parameters per second."""
+    params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    optimizer.step()  # creates the states
+    count = sum(p.numel() for p in params)
+    timing = Repeater(budget_s=budget_s).run(_timed(optimizer.step, torch.device("cpu")))
+    return {"params": count, "tensors": len(params), "params_per_s": count / timing.median_s,
+            **timing.__dict__}
+
+
+def model_param_shapes(dims: dict[str, int], layers: int) -> list[tuple[int, ...]]:
+    """Parameter shapes of `layers` Llama-style decoder layers (norms included)."""
+    h, inter = dims["hidden_size"], dims["intermediate_size"]
+    q = dims["num_heads"] * dims["head_dim"]
+    kv = dims["num_kv_heads"] * dims["head_dim"]
+    one = [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter), (h,), (h,)]
+    return one * layers
+
+
+# --------------------------------------------------------------------------------------------
+# collectives
+
+
+@dataclass
+class LinkFit:
+    """Alpha-beta fit of one collective: t = a * latency_s + b * bytes / (bandwidth_gbs * 1e9)."""
+
+    bandwidth_gbs: float
+    latency_us: float
+    residual: float  # worst relative error of the fit over the measured sizes
+
+
+def fit_alpha_beta(op: str, ranks: int, points: list[tuple[int, float]]) -> LinkFit:
+    """Least squares of t = a * L + b * B * (1/bw) over (bytes B, seconds t), with nccl-tests'
+    bus factors (a, b) of `op`; weighted by 1/t so small and large sizes count alike. L and 1/bw
+    are kept non-negative."""
+    import numpy as np
+
+    a, b = RING_FACTORS[op](ranks)
+    sizes = np.array([p[0] for p in points], dtype=float)
+    seconds = np.array([p[1] for p in points], dtype=float)
+    design = np.stack([np.full_like(sizes, a), b * sizes], axis=1) / seconds[:, None]
+    latency, inv_bw = _nonnegative_lstsq(design, np.ones_like(seconds))
+    if inv_bw <= 0:  # latency-bound everywhere: take the bandwidth of the largest size
+        inv_bw = max(seconds[-1] - a * latency, 1e-12) / (b * sizes[-1])
+    predicted = a * latency + b * sizes * inv_bw
+    return LinkFit(1 / inv_bw / 1e9, latency * 1e6, float(np.max(np.abs(predicted / seconds - 1))))
+
+
+def _nonnegative_lstsq(design: Any, target: Any) -> list[float]:
+    """Two-unknown least squares with both unknowns >= 0 (clamp one at 0, refit the other)."""
+    import numpy as np
+
+    x, *_ = np.linalg.lstsq(design, target, rcond=None)
+    if (x >= 0).all():
+        return [float(v) for v in x]
+    best = None
+    for keep in range(design.shape[1]):
+        col = design[:, keep]
+        value = max(float(col @ target / (col @ col)), 0.0)
+        cost = float(np.sum((col * value - target) ** 2))
+        if best is None or cost < best[0]:
+            best = (cost, keep, value)
+    out = [0.0] * design.shape[1]
+    out[best[1]] = best[2]
+    return out
+
+
+def collective_groups(world: int, local_world: int) -> list[tuple[int, str, list[list[int]]]]:
+    """Every (group size, scope, partition of the world into groups) a layout could use.
+
+    Inside a node: consecutive ranks (Megatron places TP, then DP innermost), for every size
+    that divides the node. Across nodes: one rank per node (stride `local_world`), for every
+    size that divides the node count; these are the links a DP or PP group crossing nodes uses.
+    """
+    out = []
+    for size in range(2, local_world + 1):
+        if local_world % size == 0:
+            out.append((size, "intra", [list(range(s, s + size)) for s in range(0, world, size)]))
+    nodes = world // local_world
+    for size in range(2, nodes + 1):
+        if nodes % size == 0:
+            groups = []
+            for base in range(0, world, local_world * size):
+                for local in range(local_world):
+                    groups.append([base + local + i * local_world for i in range(size)])
+            out.append((size, "inter", groups))
+    return out
+
+
+def bench_collectives(
+    rank: int, world: int, local_world: int, device: torch.device, sizes: list[int], budget_s: float,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Time every collective for every group size and scope; all groups of a partition run at
+    once (every DP group of a job communicates together). A sample is the slowest rank's time.
+    Every rank must call this with the same arguments."""
+    import torch.distributed as dist
+
+    def slowest(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    results = []
+    for size, scope, partition in collective_groups(world, local_world):
+        mine = None
+        for members in partition:  # new_group is collective: every rank creates every group
+            group = dist.new_group(members)
+            if rank in members:
+                mine, my_members = group, members
+        assert mine is not None
+        index = my_members.index(rank)
+        for op in COLLECTIVES:
+            points = []
+            for nbytes in sizes:
+                call = _collective_call(op, nbytes, size, index, my_members, mine, device)
+                call()  # warm-up (gloo sets up pairs lazily)
+                # Back-to-back calls per sample amortise the ranks' skew leaving the barrier;
+                # every rank must make the same number of calls.
+                inner = int(slowest(_inner_count(call, device, target_s=0.005)))
+                timed = _timed(call, device, inner)
+                repeater = Repeater(budget_s=budget_s / len(sizes), min_repeats=3, agree=slowest)
+
+                def sample() -> float:
+                    dist.barrier(group=mine)
+                    return timed()
+
+                timing = repeater.run(sample)
+                points.append((nbytes, timing.median_s))
+                results.append({"op": op, "ranks": size, "scope": scope, "bytes": nbytes, **timing.__dict__})
+            fit = fit_alpha_beta(op, size, points)
+            results.append({"op": op, "ranks": size, "scope": scope, "fit": fit.__dict__})
+            if progress:
+                progress(f"{op} x{size} {scope}")
+        dist.barrier()
+    return results
+
+
+def _collective_call(op: str, nbytes: int, size: int, index: int, members: list[int], group: Any,
+                     device: torch.device) -> Callable[[], Any]:
+    """One collective on a buffer of `nbytes` (the full buffer: all-reduce's, all-gather's
+    output, reduce-scatter's input; send/recv moves it whole between ranks 2i and 2i+1)."""
+    import torch.distributed as dist
+
+    elems = max(size, nbytes // 4 // size * size)
+    full = torch.ones(elems, dtype=torch.float32, device=device)
+    shard = torch.ones(elems // size, dtype=torch.float32, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, shard, group=group)
+    if op == "reduce_scatter":
+        if device.type == "cpu":  # gloo has no reduce_scatter_tensor: reduce, keep one shard
+            pieces = list(full.chunk(size))
+            return lambda: dist.reduce_scatter(shard, pieces, group=group)
+        return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
+    peer_index = index + 1 if index % 2 == 0 else index - 1
+    if peer_index >= size:  # odd group size: the last rank idles
+        return lambda: None
+    peer = members[peer_index]
+    if index % 2 == 0:
+        return lambda: dist.send(full, dst=peer, group=group)
+    return lambda: dist.recv(full, src=peer, group=group)

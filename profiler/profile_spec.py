@@ -1,0 +1,184 @@
+"""`profile.json`: what `advisor profile` measured, on what, and when (a versioned schema).
+
+The `hardware` section is an ordinary `HardwareSpec` built from the measurements, so every
+command that takes `--hardware` reads a profile like a preset (presets.load_hardware). The rest
+is the evidence: the host it was measured on, the inventory, each micro-benchmark's median with
+its repeat count, and the calibration steps with the factors fitted to them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from advisor.errors import UsageError
+from advisor.specs import HardwareSpec, _format_validation_error
+
+PROFILE_VERSION = 1
+
+
+class HostFingerprint(BaseModel):
+    """Enough to tell whether a profile describes the machine it is used on."""
+
+    hostname: str
+    cpu_model: str
+    torch_version: str
+    device_names: list[str] = Field(default_factory=list)
+    cuda_version: str | None = None
+
+
+class Inventory(BaseModel):
+    """The devices and links as seen by the profiler."""
+
+    device_type: Literal["cuda", "cpu"]
+    backend: Literal["nccl", "gloo"]
+    device_name: str
+    devices_per_node: int = Field(ge=1)
+    nodes: int = Field(1, ge=1)
+    device_memory_gib: float = Field(description="per device (CPU: the node's RAM over its devices)")
+    device_reserved_gib: float = Field(description="taken before tensors: CUDA context and NCCL, or on "
+                                                   "CPU the framework's import footprint per rank")
+    cpu_cores: int
+    threads_per_device: int = Field(description="CPU threads each rank runs (torch.set_num_threads)")
+    host_memory_gib: float
+    host_memory_available_gib: float
+    intra_node_link: str = Field(description="NVLink, PCIe, or shared memory (CPU)")
+    inter_node_link: str = Field(description="InfiniBand/RoCE, TCP, or none (one node)")
+    notes: list[str] = Field(default_factory=list)
+
+
+class Measurement(BaseModel):
+    """One micro-benchmark figure: the median of `repeats` samples."""
+
+    model_config = ConfigDict(extra="allow")  # benchmark-specific details (shape, sizes, per-shape rows)
+
+    name: str = Field(description="e.g. gemm/fp32, memory_bandwidth, all_reduce/2/intra/33554432")
+    value: float
+    unit: str
+    median_s: float | None = None
+    repeats: int = 0
+    stable: bool = True
+
+
+class CalibrationStep(BaseModel):
+    """One calibration layout: its real median step time and the cost model's, before and after."""
+
+    layout: str
+    measured_s: float
+    steps: int
+    predicted_before_s: float
+    predicted_after_s: float
+    used_for: Literal["fit", "check"] = "fit"
+
+
+class Calibration(BaseModel):
+    model: str
+    layers: int = Field(description="decoder layers of the model that actually ran (full width)")
+    threads: int
+    factors: dict[str, float] = Field(description="fitted Efficiency fields")
+    steps: list[CalibrationStep]
+    method: str = "least squares on measured step times, see profiler/calibrate.py"
+
+
+class HardwareProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = PROFILE_VERSION
+    created: dt.datetime
+    quick: bool = False
+    duration_s: float = 0.0
+    fingerprint: HostFingerprint
+    inventory: Inventory
+    measurements: list[Measurement] = Field(default_factory=list)
+    calibration: Calibration | None = None
+    hardware: HardwareSpec
+
+    def measurement(self, name: str) -> Measurement:
+        for m in self.measurements:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def write(self, path: Path) -> None:
+        """Atomically: a reader never sees half a profile."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(self.model_dump_json(indent=2) + "\n")
+        tmp.replace(path)
+
+
+def cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def this_host(device_names: list[str] | None = None) -> HostFingerprint:
+    import torch
+
+    return HostFingerprint(
+        hostname=socket.gethostname(), cpu_model=cpu_model_name(), torch_version=torch.__version__,
+        device_names=device_names or [], cuda_version=torch.version.cuda,
+    )
+
+
+def looks_like_profile(data: Any) -> bool:
+    return isinstance(data, dict) and "version" in data and "hardware" in data
+
+
+def load_profile(path: Path) -> HardwareProfile:
+    """Read and validate a profile; corrupt, truncated or foreign files raise one clear line."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"profile {path} is corrupt or truncated (not valid JSON: {exc}); "
+                         "rerun `advisor profile`") from None
+    return profile_from_data(data, path)
+
+
+def profile_from_data(data: Any, path: Path) -> HardwareProfile:
+    if not looks_like_profile(data):
+        raise UsageError(f"{path} is not an advisor profile (no 'version' and 'hardware' keys)")
+    version = data.get("version")
+    if version != PROFILE_VERSION:
+        raise UsageError(f"profile {path} has version {version!r}; this advisor reads version "
+                         f"{PROFILE_VERSION}: rerun `advisor profile`")
+    try:
+        profile = HardwareProfile.model_validate(data)
+    except ValidationError as exc:
+        raise UsageError(_format_validation_error(exc, f"profile {path}") + " (corrupt or edited? "
+                         "rerun `advisor profile`)") from None
+    profile.hardware.source = str(path)
+    return profile
+
+
+def fingerprint_mismatch(profile: HardwareProfile, here: HostFingerprint | None = None) -> str | None:
+    """A one-line warning when the profile was measured on another machine, else None."""
+    theirs = profile.fingerprint
+    if here is None:
+        here = HostFingerprint(hostname=socket.gethostname(), cpu_model=cpu_model_name(),
+                               torch_version=theirs.torch_version)
+    differences = []
+    if theirs.hostname != here.hostname:
+        differences.append(f"host '{theirs.hostname}' (this is '{here.hostname}')")
+    if theirs.cpu_model != here.cpu_model:
+        differences.append(f"CPU '{theirs.cpu_model}' (this is '{here.cpu_model}')")
+    if not differences:
+        return None
+    return ("profile measured on another machine: " + ", ".join(differences)
+            + "; its figures may not describe this one (rerun `advisor profile` here)")
