@@ -196,6 +196,41 @@ def plan(
         console.print(f"wrote {path}")
 
 
+@app.command()
+def train(
+    plan_file: Path = typer.Argument(..., help="plan.yaml from `advisor plan --task ... --out plan.yaml`"),
+    out: Path = typer.Option(Path("runs/latest"), "--out", help="run directory (metrics, events, checkpoints)"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the run directory's last checkpoint"),
+    max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (demos)"),
+    seed: int = typer.Option(0, "--seed"),
+    weights: Optional[str] = typer.Option(None, "--weights", help="local HF model folder to start from"),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="nodes (default: Slurm's, else 1)"),
+    node_rank: int = typer.Option(0, "--node-rank", min=0),
+    master_addr: str = typer.Option("127.0.0.1", "--master-addr"),
+    master_port: int = typer.Option(29513, "--master-port"),
+    launched: bool = typer.Option(False, "--launched", hidden=True, help="set by the launcher in each worker"),
+) -> None:
+    """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
+    every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
+    from advisor.plan import load_plan
+    from trainer.launch import run
+    from trainer.loop import TrainOptions
+
+    def go():
+        plan = load_plan(plan_file)
+        options = TrainOptions(seed=seed, max_steps_per_stage=max_steps_per_stage, weights=weights)
+        extra = ["--seed", str(seed)] + (["--max-steps-per-stage", str(max_steps_per_stage)] if max_steps_per_stage
+                                         else []) + (["--weights", weights] if weights else [])
+        return run(plan, plan_file, out, resume, options, launched, nnodes, node_rank, master_addr, master_port, extra)
+
+    summary = _run(go)
+    if summary and not launched:
+        measured, predicted = summary["measured"], summary["predicted"]
+        console.print(f"trained {summary['steps']} steps ({summary['rollbacks']} rollbacks); step "
+                      f"{_seconds(measured['step_s'] or 0)} measured vs {_seconds(predicted['step_s'])} predicted; "
+                      f"run dir {out}")
+
+
 def render_plan(result) -> None:
     table = Table(title=f"plans for {result.model.name} on {result.nodes} x {result.gpus_per_node} "
                         f"{result.hardware.name} (best first)", title_justify="left")
@@ -225,6 +260,91 @@ def render_plan(result) -> None:
     solver = result.solver
     console.print(f"solver: {solver.get('status')}, {solver.get('ilps')} ILPs over {solver.get('shapes')} shapes "
                   f"in {solver.get('seconds', 0):.2f} s", style="dim")
+
+
+@app.command()
+def profile(
+    out: Path = typer.Option(Path("profile.json"), "--out", "-o", help="where to write the profile"),
+    quick: bool = typer.Option(False, "--quick", help="short budgets: about a minute on a 2-core CPU"),
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="model preset, HF config.json or model folder: GEMM shapes and calibration"),
+    nproc: Optional[int] = typer.Option(
+        None, "--nproc", min=1, help="ranks (devices) to profile together; default: GPUs, or CPU cores"),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu"),
+    calibrate: bool = typer.Option(True, "--calibrate/--no-calibrate", help="fit efficiencies to real steps"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object: the profile"),
+) -> None:
+    """Measure this machine (devices, GEMM per dtype, memory, host<->device, CPU Adam, collectives),
+    calibrate the cost model on a few real steps of --model, and write profile.json for --hardware.
+    """
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from presets import load_model
+    from profiler.run_profile import ProfileOptions, run_profile
+
+    class Bar:
+        def __init__(self, bar: Progress) -> None:
+            self.bar, self.task = bar, bar.add_task("starting", total=None)
+
+        def total(self, units: int) -> None:
+            self.bar.update(self.task, total=units)
+
+        def step(self, what: str) -> None:
+            self.bar.update(self.task, advance=1, description=what)
+
+    def measure():
+        opts = ProfileOptions(out=out, quick=quick, model=load_model(model) if model else None, nproc=nproc,
+                              device=device, calibrate=calibrate)
+        columns = (TextColumn("{task.description:<36}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn())
+        with Progress(*columns, console=err_console, transient=as_json) as bar:
+            return run_profile(opts, Bar(bar))
+
+    result = _run(measure)
+    if result is None:  # a torchrun job wrote it
+        return
+    if as_json:
+        print(result.model_dump_json())
+        return
+    render_profile(result, out)
+
+
+def render_profile(result, out: Path) -> None:
+    inv, hw = result.inventory, result.hardware
+    table = Table(title=f"profile of {result.fingerprint.hostname} ({'quick, ' if result.quick else ''}"
+                        f"{result.duration_s:.0f} s)", title_justify="left")
+    table.add_column("what")
+    table.add_column("measured", justify="right")
+    table.add_column("repeats", justify="right")
+    table.add_row("devices", f"{inv.nodes} node x {inv.devices_per_node} {inv.device_type} ({inv.backend})", "")
+    table.add_row("device", f"{inv.device_name}, {inv.threads_per_device} thread(s)" if inv.device_type == "cpu"
+                  else inv.device_name, "")
+    table.add_row("memory per device", f"{inv.device_memory_gib:,.1f} GiB ({inv.device_reserved_gib:,.2f} reserved)", "")
+    table.add_row("host", f"{inv.cpu_cores} cores, {inv.host_memory_gib:,.1f} GiB RAM", "")
+    table.add_row("links", f"{inv.intra_node_link}; across nodes: {inv.inter_node_link}", "")
+    for m in result.measurements:
+        if m.name.startswith("gemm/"):
+            table.add_row(f"GEMM {m.name[5:]}", f"{m.value * 1e3:,.1f} GFLOP/s", str(m.repeats))
+        elif m.name in ("memory_bandwidth", "host_device/h2d", "host_device/d2h"):
+            table.add_row(m.name.replace("_", " "), f"{m.value:,.1f} GB/s", str(m.repeats))
+        elif m.name == "cpu_adam":
+            table.add_row("CPU AdamW step", f"{m.value / 1e6:,.0f} M params/s", str(m.repeats))
+        elif m.name.endswith("/bandwidth"):
+            op, ranks, scope, _ = m.name.split("/")
+            table.add_row(f"{op.replace('_', '-')} x{ranks} {scope}",
+                          f"{m.value:,.2f} GB/s bus, {getattr(m, 'latency_us', 0):,.0f} µs", "fit")
+    if result.calibration:
+        cal = result.calibration
+        for step in cal.steps:
+            keys = [kv for kv in step.layout.split(",") if kv.split("=")[0] in ("mbs", "seq", "method", "recompute")]
+            table.add_row("step " + " ".join(k for k in keys if k not in ("method=full", "recompute=none")),
+                          f"{_seconds(step.measured_s)} (model {_seconds(step.predicted_after_s)})", str(step.steps))
+        table.add_row("fitted efficiency", f"gemm {hw.efficiency.gemm:.2f}, memory {hw.efficiency.memory_bandwidth:.2f}",
+                      f"{cal.model}, {cal.layers} layers")
+    console.print(table)
+    for note in inv.notes:
+        console.print(f"note: {note}", style="dim")
+    console.print(f"wrote {out}: use it as --hardware {out}")
 
 
 def _gib(nbytes: float) -> str:

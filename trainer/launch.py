@@ -1,0 +1,92 @@
+"""Start the processes a plan needs and run the training loop in each.
+
+One device: in this process. Several: `torchrun` (the field's launcher) re-invokes
+`advisor train --launched`, on one node or, with --nnodes/--node-rank/--master-addr or Slurm's
+environment, on many. Workers use nccl on CUDA and gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from advisor.errors import UsageError
+from advisor.plan import Plan
+from trainer.loop import TrainOptions, train
+
+DEFAULT_PORT = 29513
+
+
+def launch_command(plan_path: Path, out: Path, resume: bool, nproc: int, nnodes: int, node_rank: int,
+                   master_addr: str, master_port: int, extra: list[str]) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+               f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}",
+               "-m", "advisor.cli", "train", str(plan_path), "--out", str(out), "--launched", *extra]
+    if resume:
+        command.append("--resume")
+    return command
+
+
+def slurm_topology() -> tuple[int, int, str] | None:
+    """(nodes, node rank, master address) from Slurm's environment, when run under srun."""
+    if "SLURM_JOB_NUM_NODES" not in os.environ or "SLURM_NODEID" not in os.environ:
+        return None
+    nodes = int(os.environ["SLURM_JOB_NUM_NODES"])
+    master = os.environ.get("MASTER_ADDR")
+    if master is None:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ.get("SLURM_JOB_NODELIST", "")],
+                               capture_output=True, text=True, check=False).stdout.split()
+        master = hosts[0] if hosts else "127.0.0.1"
+    return nodes, int(os.environ["SLURM_NODEID"]), master
+
+
+def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOptions, launched: bool,
+        nnodes: int | None, node_rank: int, master_addr: str, master_port: int, extra: list[str]) -> dict | None:
+    devices = plan.chosen.layout.devices
+    if launched or devices == 1:
+        return _worker(plan, out, resume, options, distributed=launched)
+    topology = slurm_topology()
+    if topology and nnodes is None:
+        nnodes, node_rank, master_addr = topology
+    nnodes = nnodes or 1
+    if devices % nnodes:
+        raise UsageError(f"{devices} processes do not divide over {nnodes} nodes")
+    nproc = devices // nnodes
+    env = dict(os.environ)
+    if not _cuda():  # ranks share the CPU cores; oversubscribed OpenMP threads run 8x slower
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    command = launch_command(plan_path, out, resume, nproc, nnodes, node_rank, master_addr, master_port, extra)
+    result = subprocess.run(command, env=env, check=False)
+    if result.returncode != 0:
+        raise UsageError(f"training processes failed (exit {result.returncode}); see {out}/events.jsonl")
+    return None
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _worker(plan: Plan, out: Path, resume: bool, options: TrainOptions, distributed: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    if distributed:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        options.show_progress = options.show_progress and dist.get_rank() == 0
+    try:
+        return train(plan, out, resume, options)
+    finally:
+        if distributed:
+            # gloo's worker threads can crash the interpreter at exit when collectives are still
+            # referenced (shared/NOTES-cpu-stack.md): drop owners, collect, barrier, destroy
+            gc.collect()
+            dist.barrier()
+            dist.destroy_process_group()

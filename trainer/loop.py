@@ -1,0 +1,311 @@
+"""The staged curriculum loop: reads top to bottom, like nanoGPT's train.py.
+
+For each stage of the task: re-warm the learning rate, train its planned steps on its mixture
+(with replay of earlier stages), guard every step against loss spikes (roll back to the last good
+checkpoint and skip the offending batch), checkpoint on the planned cadence and always at the
+stage end, evaluate every skill seen so far. Everything a run leaves follows the run-dir contract:
+plan.yaml, metrics.jsonl, events.jsonl, checkpoints/, summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from advisor.errors import UsageError
+from advisor.plan import Plan
+from trainer import checkpoint
+from trainer.corpus import ByteTokenizer, load_source, stage_sources
+from trainer.engine import build_model, device, make_engine
+from trainer.schedule import stage_lr
+from trainer.spike import SpikeGuard
+from trainer.stream import Source, StageStream
+
+
+@dataclass
+class TrainOptions:
+    seed: int = 0
+    clip: float = 1.0
+    keep_checkpoints: int = 3
+    max_rollbacks: int = 3
+    spike_lr_factor: float = 0.5  # the learning rate is multiplied by this after each rollback
+    spike_warmup_steps: int = 20
+    eval_sequences: int = 16
+    max_steps_per_stage: int | None = None  # cap for demos and tests
+    weights: str | None = None  # a local HF model folder to fine-tune instead of a random init
+    show_progress: bool = True
+
+
+@dataclass
+class LoopState:
+    """What a resume needs besides the engine: where the curriculum and its data stand."""
+
+    stage: int = 0
+    step_in_stage: int = 0
+    global_step: int = 0
+    positions: list[int] = field(default_factory=list)
+    skips: list[list[int]] = field(default_factory=list)  # [stage, start, end) data windows skipped
+    lr_scale: float = 1.0
+    rollbacks: int = 0
+    spike: dict[str, Any] = field(default_factory=dict)
+
+
+class JsonLines:
+    """Append-only JSON lines, flushed per record (rank 0 writes)."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled = path, enabled
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop metrics a crashed run logged after its last checkpoint (they are redone)."""
+        if not self.enabled or not self.path.is_file():
+            return
+        keep = [line for line in self.path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(self.path)
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _mean_across_ranks(value: float) -> float:
+    if not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return float(tensor.item()) / dist.get_world_size()
+
+
+def _advance(position: int, count: int, stage: int, skips: list[list[int]]) -> int:
+    """The data position after consuming `count` sequences, jumping over skipped windows."""
+    position += count
+    for s, start, end in skips:
+        if s == stage and start <= position < end:
+            position = end
+    return position
+
+
+def _start(position: int, stage: int, skips: list[list[int]]) -> int:
+    for s, start, end in skips:
+        if s == stage and start <= position < end:
+            return end
+    return position
+
+
+def _evaluate(model: torch.nn.Module, sources: list[Source], count: int, dev: torch.device) -> dict[str, float]:
+    """Mean token loss per eval source (first `count` sequences, in order), no gradients."""
+    results = {}
+    model.eval()
+    with torch.no_grad():
+        for source in sources:
+            batch = torch.from_numpy(source.sequences[:count]).to(dev)
+            results[source.name] = float(model(input_ids=batch, labels=batch).loss)
+    model.train()
+    return results
+
+
+def train(plan: Plan, run_dir: Path, resume: bool, options: TrainOptions) -> dict[str, Any]:
+    if plan.task is None or not plan.stages:
+        raise UsageError("the plan has no task stages: plan with --task task.yaml")
+    rank, world = _rank_world()
+    layout = plan.chosen.layout
+    if world != layout.devices:
+        raise UsageError(f"the plan needs {layout.devices} processes, this launch has {world}")
+    main = rank == 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_root = run_dir / "checkpoints"
+    metrics = JsonLines(run_dir / "metrics.jsonl", main)
+    events = JsonLines(run_dir / "events.jsonl", main)
+    if main and not (run_dir / "plan.yaml").is_file():
+        plan.write(run_dir / "plan.yaml")
+    task = plan.task
+    tokenizer = ByteTokenizer()
+    if plan.model.hf_config.get("vocab_size", 0) <= ByteTokenizer.eos_token_id:
+        raise UsageError("the byte-level tokenizer needs a vocabulary of at least 257 tokens")
+    cache = run_dir / "data_cache"
+    dev = device()
+
+    # -- model, engine, and where we stand -------------------------------------------------
+    model = build_model(plan.model, layout, options.seed, options.weights).to(dev)
+    ds_config = None
+    if layout.zero:
+        from planner.export import deepspeed_config
+
+        ds_config = deepspeed_config(plan, layout)
+    engine = make_engine(model, layout, ds_config, options.clip)
+    guard = SpikeGuard(warmup_steps=options.spike_warmup_steps)
+    state = LoopState(positions=[0] * len(task.stages))
+    last = checkpoint.latest(ckpt_root) if resume else None
+    if resume and last is None and main:
+        events.write({"event": "resume", "from": None, "note": "no checkpoint yet: starting fresh"})
+    if last is not None:
+        state = LoopState(**checkpoint.load(last, engine.load))
+        guard.load_state_dict(state.spike)
+        metrics.truncate_after(state.global_step)
+        events.write({"event": "resume", "from": last.name, "step": state.global_step})
+    elif main and not resume:
+        for stale in ("metrics.jsonl", "events.jsonl"):
+            (run_dir / stale).unlink(missing_ok=True)
+
+    def save(reason: str) -> None:
+        state.spike = guard.state_dict()
+        path = checkpoint.save(ckpt_root, state.global_step, vars(state).copy(), engine.save,
+                               options.keep_checkpoints)
+        events.write({"event": "checkpoint", "step": state.global_step, "stage": task.stages[state.stage].name
+                      if state.stage < len(task.stages) else None, "path": str(path.relative_to(run_dir)),
+                      "reason": reason})
+
+    if last is None:
+        save("start")  # the rollback target before the first step
+    step_times: list[float] = []
+    evals: dict[str, dict[str, float]] = {}
+    dp, mbs, gas = layout.dp, layout.mbs, layout.gas
+    per_step = dp * mbs * gas
+    progress = _progress(options.show_progress and main)
+
+    # -- the curriculum ----------------------------------------------------------------------
+    with progress:
+        while state.stage < len(task.stages):
+            index = state.stage
+            stage = task.stages[index]
+            planned = plan.stages[index]
+            steps = min(planned.steps, options.max_steps_per_stage or planned.steps)
+            stream = StageStream(stage_sources(task, index, tokenizer, layout.seq, cache), options.seed, index)
+            bar = progress.add_task(stage.name, total=steps * per_step * layout.seq, loss=float("nan"), tps=0.0)
+            progress.update(bar, completed=state.step_in_stage * per_step * layout.seq)
+            if state.step_in_stage == 0:
+                # a new data distribution moves the loss legitimately: the guard learns it afresh
+                guard = SpikeGuard(warmup_steps=options.spike_warmup_steps)
+                events.write({"event": "stage_start", "stage": stage.name, "step": state.global_step,
+                              "steps": steps, "lr": stage.lr * state.lr_scale, "warmup_steps": stage.warmup_steps})
+            while state.step_in_stage < steps:
+                started = time.perf_counter()
+                position = _start(state.positions[index], index, state.skips)
+                lr = stage_lr(state.step_in_stage, steps, stage.lr * state.lr_scale, stage.warmup_steps,
+                              stage.min_lr_ratio)
+                losses = []
+                for micro in range(gas):
+                    batch = stream.global_batch(position, dp, mbs, gas, rank, micro)
+                    losses.append(engine.micro_step(torch.from_numpy(batch).to(dev)))
+                grad_norm = engine.optimizer_step(lr)
+                loss = _mean_across_ranks(float(np.mean(losses)))
+                reason = guard.check(loss, grad_norm)
+                if reason is not None:  # roll back, skip this batch, cool the learning rate
+                    window = [index, position, _advance(position, per_step, index, [])]
+                    events.write({"event": "spike", "step": state.global_step + 1, "stage": stage.name,
+                                  "loss": loss, "grad_norm": grad_norm, "reason": reason})
+                    rollbacks, skips = state.rollbacks + 1, state.skips + [window]
+                    if rollbacks > options.max_rollbacks:
+                        events.write({"event": "stop", "reason": f"more than {options.max_rollbacks} rollbacks"})
+                        raise RuntimeError(f"training stopped after {options.max_rollbacks} rollbacks: {reason}")
+                    target = checkpoint.latest(ckpt_root)
+                    assert target is not None
+                    state = LoopState(**checkpoint.load(target, engine.load))
+                    guard.load_state_dict(state.spike)
+                    state.rollbacks, state.skips = rollbacks, skips
+                    state.lr_scale *= options.spike_lr_factor
+                    metrics.truncate_after(state.global_step)
+                    events.write({"event": "rollback", "to": target.name, "step": state.global_step,
+                                  "skipped": window[1:], "lr_scale": state.lr_scale})
+                    progress.update(bar, completed=state.step_in_stage * per_step * layout.seq)
+                    continue
+                state.positions[index] = _advance(position, per_step, index, state.skips)
+                state.step_in_stage += 1
+                state.global_step += 1
+                elapsed = time.perf_counter() - started
+                step_times.append(elapsed)
+                tokens_per_s = per_step * layout.seq / elapsed
+                metrics.write({"step": state.global_step, "stage": stage.name, "loss": loss, "lr": lr,
+                               "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "step_s": elapsed})
+                progress.update(bar, advance=per_step * layout.seq, loss=loss, tps=tokens_per_s)
+                if state.step_in_stage % planned.checkpoint_every_steps == 0 and state.step_in_stage < steps:
+                    save("interval")
+
+            # stage end: evaluate every skill seen so far (forgetting shows here), then checkpoint
+            evals[stage.name] = _evaluate_stages(engine.model, task, index, tokenizer, layout.seq, cache, options,
+                                                 dev)
+            events.write({"event": "eval", "stage": stage.name, "step": state.global_step, "losses": evals[stage.name]})
+            events.write({"event": "stage_end", "stage": stage.name, "step": state.global_step})
+            state.stage += 1
+            state.step_in_stage = 0
+            save("stage_end")
+
+    summary = _summary(plan, state, step_times, evals, run_dir)
+    if main:
+        tmp = run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        tmp.replace(run_dir / "summary.json")
+    return summary
+
+
+def _evaluate_stages(model, task, upto: int, tokenizer, seq: int, cache: Path, options: TrainOptions,
+                     dev: torch.device) -> dict[str, float]:
+    """Eval loss per stage (skill) with eval data, for stages 0..upto."""
+    sources = []
+    for stage in task.stages[: upto + 1]:
+        for src in stage.eval_sources:
+            sequences = load_source(src, task, tokenizer, seq, cache)
+            if len(sequences):
+                sources.append(Source(stage.name, sequences, 1.0))
+    module = getattr(model, "module", model)
+    return _evaluate(module, sources, options.eval_sequences, dev)
+
+
+def _peak_bytes() -> tuple[int, str]:
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated"
+    # ru_maxrss is the process's resident high-water mark in KiB: it includes the Python and
+    # library footprint, so on CPU it over-reads tensor memory (see shared/NOTES-cpu-stack.md)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "ru_maxrss (RSS, over-reads tensors)"
+
+
+def _summary(plan: Plan, state: LoopState, step_times: list[float], evals: dict, run_dir: Path) -> dict[str, Any]:
+    peak, how = _peak_bytes()
+    steady = step_times[2:] or step_times
+    predicted = plan.chosen.estimate
+    stages = []
+    for spec in plan.task.stages if plan.task else []:
+        losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line)["stage"] == spec.name] if (run_dir / "metrics.jsonl").is_file() else []
+        stages.append({"name": spec.name, "steps": len(losses), "final_loss": losses[-1] if losses else None,
+                       "eval": evals.get(spec.name, {})})
+    return {
+        "predicted": {"peak_bytes": predicted.memory.peak, "step_s": predicted.time.step_s,
+                      "tokens_per_s": predicted.throughput.tokens_per_s},
+        "measured": {"peak_bytes": peak, "peak_source": how,
+                     "step_s": statistics.median(steady) if steady else None,
+                     "tokens_per_s": (plan.chosen.layout.tokens_per_step / statistics.median(steady))
+                     if steady else None},
+        "steps": state.global_step, "rollbacks": state.rollbacks, "stages": stages,
+        "layout": plan.chosen.layout.short(), "world_size": _rank_world()[1], "pid": os.getpid(),
+        "finished": state.stage >= len(plan.task.stages) if plan.task else True,
+        "nan": any(math.isnan(x) for x in step_times),
+    }
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description:>12}"), BarColumn(), TextColumn("loss {task.fields[loss]:.3f}"),
+                    TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(), disable=not enabled,
+                    transient=False)

@@ -1,0 +1,74 @@
+"""Loss-spike guard: decide, identically on every rank, whether a step went bad.
+
+A step is a spike when its loss is not finite, or (after a warm-up window) the loss exceeds its
+running mean by `loss_sigmas` running standard deviations and by `loss_ratio` times the mean, or
+the gradient norm exceeds its running mean by `grad_sigmas` deviations and by `grad_ratio` times
+(gradient norms are noisy early in a stage: both margins must be crossed). Running statistics are
+exponential moving averages updated with good steps only, so a spike does not excuse the next.
+The decision is taken from values already all-reduced (the loss is averaged over data-parallel
+ranks before it reaches the guard), so every rank agrees without another collective.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _RunningStat:
+    decay: float
+    mean: float = 0.0
+    var: float = 0.0
+    count: int = 0
+
+    def update(self, value: float) -> None:
+        if self.count == 0:
+            self.mean, self.var = value, 0.0
+        else:
+            delta = value - self.mean
+            self.mean += (1 - self.decay) * delta
+            self.var = self.decay * (self.var + (1 - self.decay) * delta * delta)
+        self.count += 1
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(max(self.var, 0.0))
+
+
+@dataclass
+class SpikeGuard:
+    warmup_steps: int = 20
+    loss_sigmas: float = 6.0
+    loss_ratio: float = 1.5
+    grad_sigmas: float = 8.0
+    grad_ratio: float = 3.0
+    decay: float = 0.95
+    loss: _RunningStat = field(init=False)
+    grad: _RunningStat = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.loss = _RunningStat(self.decay)
+        self.grad = _RunningStat(self.decay)
+
+    def check(self, loss: float, grad_norm: float) -> str | None:
+        """The reason this step is a spike, or None (and the statistics absorb the step)."""
+        if not math.isfinite(loss) or not math.isfinite(grad_norm):
+            return f"non-finite loss {loss} or gradient norm {grad_norm}"
+        if self.loss.count >= self.warmup_steps:
+            loss_limit = max(self.loss.mean + self.loss_sigmas * self.loss.std, self.loss.mean * self.loss_ratio)
+            if loss > loss_limit:
+                return f"loss {loss:.4g} above {loss_limit:.4g} (running mean {self.loss.mean:.4g})"
+            grad_limit = max(self.grad.mean + self.grad_sigmas * self.grad.std, self.grad.mean * self.grad_ratio)
+            if grad_norm > grad_limit:
+                return f"gradient norm {grad_norm:.4g} above {grad_limit:.4g} (running mean {self.grad.mean:.4g})"
+        self.loss.update(loss)
+        self.grad.update(grad_norm)
+        return None
+
+    def state_dict(self) -> dict:
+        return {"loss": vars(self.loss).copy(), "grad": vars(self.grad).copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss = _RunningStat(**state["loss"])
+        self.grad = _RunningStat(**state["grad"])

@@ -1,0 +1,75 @@
+"""Deterministic, resumable batches for one curriculum stage.
+
+Each source is a packed array of token sequences (n, seq). A stage mixes its own sources by weight
+and replays earlier stages by share. Which source the i-th sequence of the stage comes from, and
+which of that source's sequences it is, depends only on (seed, stage, i): a resume that knows how
+many sequences the stage consumed continues with exactly the next batch, and a rollback can skip a
+window of data by moving the position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK = 4096  # sequences whose sources are drawn in one vectorised call
+
+
+@dataclass
+class Source:
+    name: str
+    sequences: np.ndarray  # (n, seq) int64 token ids
+    weight: float
+
+
+class StageStream:
+    def __init__(self, sources: list[Source], seed: int, stage_index: int):
+        if not sources or any(len(s.sequences) == 0 for s in sources):
+            empty = [s.name for s in sources if len(s.sequences) == 0] or ["(no sources)"]
+            raise ValueError(f"stage {stage_index} has no data in {', '.join(empty)}")
+        self.sources = sources
+        total = sum(s.weight for s in sources)
+        self.probs = np.array([s.weight / total for s in sources])
+        self.seed = seed
+        self.stage_index = stage_index
+
+    def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng([self.seed, self.stage_index, block])
+        which = rng.choice(len(self.sources), size=BLOCK, p=self.probs)
+        draws = rng.random(BLOCK)
+        return which, draws
+
+    def sequences(self, start: int, count: int) -> np.ndarray:
+        """Sequences start .. start+count-1 of this stage's infinite, reproducible order."""
+        out = []
+        position = start
+        while len(out) < count:
+            block, offset = divmod(position, BLOCK)
+            which, draws = self._block(block)
+            take = min(BLOCK - offset, count - len(out))
+            for j in range(offset, offset + take):
+                source = self.sources[which[j]]
+                # sampled with replacement: any position is computable without the ones before
+                index = int(draws[j] * len(source.sequences))
+                out.append(source.sequences[index])
+            position += take
+        return np.stack(out)
+
+    def global_batch(self, position: int, dp: int, mbs: int, gas: int, rank: int, micro: int) -> np.ndarray:
+        """The micro-batch `micro` of data-parallel rank `rank` for the optimizer step whose data
+        starts at `position`; the step consumes dp*mbs*gas sequences. Laid out so that one rank
+        with dp x gas accumulation sees the same sequences per step as dp ranks."""
+        first = position + (micro * dp + rank) * mbs
+        return self.sequences(first, mbs)
+
+
+def pack(token_lists: list[list[int]], seq: int, eos: int) -> np.ndarray:
+    """Concatenate documents (each closed by `eos`) and cut into full sequences of `seq` tokens;
+    packing wastes no compute on padding. The tail that does not fill a sequence is dropped."""
+    flat: list[int] = []
+    for tokens in token_lists:
+        flat.extend(tokens)
+        flat.append(eos)
+    usable = len(flat) // seq * seq
+    return np.asarray(flat[:usable], dtype=np.int64).reshape(-1, seq)
