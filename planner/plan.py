@@ -236,18 +236,21 @@ def _plan_stages(opts: PlanOptions, plan: Plan, hw: HardwareSpec, seq: int, batc
         layout, est = chosen.layout, chosen.estimate
         method = stage.method or layout.method
         if method != layout.method or opts.per_stage_devices:
+            # The fastest device count whose every device still computes >= the rule's share
+            # (the source article: small sub-tasks get fewer GPUs); failing that, the count that
+            # comes closest to the rule.
             counts = _device_options(opts, plan.gpus_per_node) if opts.per_stage_devices else [layout.devices]
-            best = None
+            options = []
             for count in counts:
                 res, _ = plan_layouts(_request(opts, count, seq, max(batch, count), (method,), hw))
-                if res.solutions and res.solutions[0].meets_compute_rule or res.solutions and count == counts[-1]:
-                    sol = res.solutions[0]
-                    gpu_s = sol.estimate.time.step_s * count
-                    if best is None or gpu_s < best[0]:
-                        best = (gpu_s, sol)
-            if best is None:
+                if res.solutions:
+                    options.append(res.solutions[0])
+            if not options:
                 raise InfeasiblePlan(f"stage '{stage.name}' with method {method} fits no device count")
-            layout, est = best[1].layout, best[1].estimate
+            meeting = [o for o in options if o.meets_compute_rule]
+            best = (max(meeting, key=lambda o: o.estimate.throughput.tokens_per_s) if meeting
+                    else max(options, key=lambda o: o.estimate.compute_fraction))
+            layout, est = best.layout, best.estimate
         stage_nodes = math.ceil(layout.devices / plan.gpus_per_node)
         stages.append(plan_stage(opts.task, stage, layout, est, stage_nodes, opts.mtbf_hours,
                                  opts.checkpoint_write_gbs, opts.min_compute_fraction))
