@@ -128,10 +128,19 @@ def test_poisoned_batch_rolls_back_skips_and_finishes(tmp_path, monkeypatch) -> 
     assert steps == list(range(1, len(steps) + 1))  # the redone steps replace the rolled-back ones
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _train_cli(plan: Path, out: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(out), *extra],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    command = [sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(out),
+               "--master-port", str(_free_port()), *extra]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 @pytest.mark.slow
