@@ -7,6 +7,7 @@ Loaders resolve the CLI's `--model`/`--hardware` arguments: a preset name, or a 
 from __future__ import annotations
 
 import json
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -53,13 +54,27 @@ def load_hardware(ref: str) -> HardwareSpec:
 
 
 def load_hardware_file(path: Path) -> HardwareSpec:
+    """A HardwareSpec file, or a `profile.json` from `advisor profile` (it has `version` and
+    `hardware` keys): that one loads through its versioned schema, and warns on stderr when it
+    was measured on another machine."""
     try:
         text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
+    except OSError as exc:
         raise UsageError(f"cannot read hardware file {path}: {exc}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise UsageError(f"hardware file {path} is corrupt or truncated: {exc}") from None
     if not isinstance(data, dict):
         raise UsageError(f"hardware file {path}: expected a mapping")
+    if "version" in data and "hardware" in data:
+        from profiler.profile_spec import fingerprint_mismatch, profile_from_data
+
+        profile = profile_from_data(data, path)
+        warning = fingerprint_mismatch(profile)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+        return profile.hardware
     return validate(HardwareSpec, data, f"hardware file {path}")
 
 

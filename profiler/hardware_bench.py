@@ -119,7 +119,7 @@ class GemmShape:
     m: int
     k: int
     n: int
-    count: int = 1
+    count: float = 1
     name: str = ""
 
     @property
@@ -155,7 +155,7 @@ def model_gemm_shapes(dims: dict[str, int], tokens: int) -> list[GemmShape]:
 
 
 def square_gemm_shapes(device_type: str) -> list[GemmShape]:
-    sizes = (1024, 2048) if device_type == "cpu" else (4096, 8192)
+    sizes = (512, 1024) if device_type == "cpu" else (4096, 8192)
     return [GemmShape(s, s, s, 1, f"{s}^3") for s in sizes]
 
 
@@ -165,7 +165,14 @@ def bench_gemm(shapes: list[GemmShape], dtype: str, device: torch.device, budget
     per_shape = []
     total_flops = total_s = 0.0
     torch_dtype = TORCH_DTYPES[dtype]
-    for shape in shapes:
+    # A slow dtype (bf16 without hardware support runs ~1 GFLOP/s on some CPUs) would spend
+    # minutes on one call: probe the rate, then shrink a shape's rows so a call fits its budget.
+    probe = torch.ones(256, 256, device=device, dtype=torch_dtype)
+    rate = GemmShape(256, 256, 256).flops / _timed(lambda: torch.matmul(probe, probe), device)()
+    per_call_s = budget_s / len(shapes) / 4
+    for full in shapes:
+        rows = max(16, min(full.m, int(full.m * per_call_s * rate / full.flops)))
+        shape = GemmShape(rows, full.k, full.n, full.count * full.m / rows, full.name)
         a = torch.randn(shape.m, shape.k, device=device).to(torch_dtype)
         b = torch.randn(shape.k, shape.n, device=device).to(torch_dtype)
         call = lambda: torch.matmul(a, b)  # noqa: E731

@@ -9,24 +9,21 @@ How it runs
 * Under torchrun (WORLD_SIZE is set, also multi-node): every process runs its rank's benchmarks;
   rank 0 calibrates and writes the file.
 
-Rank 0 reports progress through a queue (forked ranks) or directly (torchrun); the caller passes
-a `progress(description, advance)` callback (the CLI draws a rich progress bar with it).
+Rank 0 reports progress through a queue (forked ranks) or directly (torchrun) to a `Progress`
+(the CLI draws a rich progress bar with it).
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu") if not os.environ.get("CUDA_VISIBLE_DEVICES") else None
-
 import datetime as dt
 import json
+import os
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from advisor.errors import UsageError
 from advisor.specs import Efficiency, HardwareSpec, ModelSpec
@@ -34,7 +31,21 @@ from profiler import hardware_bench as hb
 from profiler.inventory import process_rss_gib, resolve_device, take_inventory
 from profiler.profile_spec import HardwareProfile, Inventory, Measurement, this_host
 
-Progress = Callable[[str, float], None]
+
+
+class Progress(Protocol):
+    """Where progress goes (the CLI draws a rich progress bar)."""
+
+    def total(self, units: int) -> None: ...
+    def step(self, what: str) -> None: ...  # one unit done; `what` is the next thing shown
+
+
+class NoProgress:
+    def total(self, units: int) -> None:
+        pass
+
+    def step(self, what: str) -> None:
+        pass
 
 
 @dataclass
@@ -148,9 +159,9 @@ def _run_forked(nproc: int, device_type: str, threads: int, quick: bool, dims: d
         )
         while not context.join(timeout=0.1):
             while not queue.empty():
-                progress(queue.get(), 1)
+                progress.step(queue.get())
         while not queue.empty():
-            progress(queue.get(), 1)
+            progress.step(queue.get())
         return json.loads(Path(out_dir, "rank0.json").read_text())
 
 
@@ -247,7 +258,7 @@ def _under_torchrun() -> bool:
 def run_profile(opts: ProfileOptions, progress: Progress | None = None) -> HardwareProfile | None:
     """Profile this machine (or this torchrun job) and write `opts.out`. Returns the profile on
     the process that wrote it, None on the other torchrun ranks."""
-    progress = progress or (lambda what, advance: None)
+    progress = progress or NoProgress()
     started = time.perf_counter()
     device_type = resolve_device(opts.device)
     dims = None
@@ -265,14 +276,13 @@ def run_profile(opts: ProfileOptions, progress: Progress | None = None) -> Hardw
         return None
     from profiler.inventory import cpu_cores
 
-    threads = max(1, cpu_cores() // nproc) if device_type == "cpu" else max(1, cpu_cores() // nproc)
+    threads = max(1, cpu_cores() // nproc)
     calibrating = opts.calibrate and opts.model is not None and device_type == "cpu"
     total = progress_total(len(gemm_dtypes(device_type)), 4 if nproc > 1 else 0, 3 if calibrating else 0)
-    progress(f"inventory ({nproc} x {device_type})", 0)
-    progress("__total__", total)
-    progress("inventory", 1)
+    progress.total(total)
+    progress.step(f"inventory: {nproc} x {device_type}")
     if device_type == "cuda":  # one GPU: no fork, benchmark in this process
-        raw = rank_benchmarks(0, 1, 1, device_type, threads, opts.quick, dims, lambda w: progress(w, 1))
+        raw = rank_benchmarks(0, 1, 1, device_type, threads, opts.quick, dims, progress.step)
     else:
         from trainer.steps import prepare_parent
 
@@ -293,7 +303,7 @@ def _finish(opts: ProfileOptions, raw: dict[str, Any], device_type: str, nproc: 
 
         assert opts.model is not None
         hardware, calibration = calibrate(opts.model, hardware, threads, opts.quick,
-                                          progress=lambda what: progress(what, 1))
+                                          progress=progress.step)
     elif opts.model is None:
         inventory.notes.append("no --model: GEMM shapes are square and no calibration ran "
                                "(efficiency factors 1.0 of the measured rates)")
@@ -308,7 +318,7 @@ def _finish(opts: ProfileOptions, raw: dict[str, Any], device_type: str, nproc: 
     if opts.out is not None:
         hardware.source = str(opts.out)
         profile.write(opts.out)
-    progress("done", 1)
+    progress.step("done")
     return profile
 
 
@@ -326,7 +336,7 @@ def _run_torchrun_rank(opts: ProfileOptions, device_type: str, dims: dict[str, i
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    report = (lambda what: progress(what, 1)) if rank == 0 else (lambda what: None)
+    report = progress.step if rank == 0 else (lambda what: None)
     raw = rank_benchmarks(rank, world, local_world, device_type, threads, opts.quick, dims, report)
     profile = None
     if rank == 0:
@@ -365,7 +375,7 @@ def main() -> None:
     args = parser.parse_args()
     opts = ProfileOptions(out=args.out, quick=args.quick, model=load_model(args.model) if args.model else None,
                           device=args.device)
-    profile = run_profile(opts, progress=lambda what, advance: None)
+    profile = run_profile(opts)
     if profile is not None:
         print(f"wrote {args.out}")
 

@@ -1,0 +1,368 @@
+"""Real training steps of a small HF model on this machine: the shared core of the benches and
+of `advisor profile`'s calibration.
+
+A *run layout* is a plain dict (``world, zero, mbs, seq, gas, recompute, method, dtype``; see
+``LAYOUT_DEFAULTS``): what the CPU benches can run. ``run_layout(spec)`` converts an
+``advisor.specs.Layout``. Each run builds a randomly initialised model (``demo-tiny`` unless an
+HF config is given), wraps it in the back-end the layout names (plain torch, DDP when world > 1,
+DeepSpeed ZeRO when zero > 0) and runs optimizer steps under a ``Meter`` that sees every
+forward, backward and optimizer region.
+
+Ranks are forked from a parent that has already imported torch, transformers and DeepSpeed
+(``launch``), on gloo with a free port: 0.4 s for 2 DDP ranks instead of ~6 s with torchrun
+(shared/NOTES-cpu-stack.md, "Time").
+"""
+
+from __future__ import annotations
+
+import os
+
+# DeepSpeed probes for a GPU at import unless told the accelerator; it must be set before import.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import contextlib
+import gc
+import json
+import logging
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RunLayout = dict[str, Any]
+
+# The `demo-tiny` preset.
+MODEL_CONFIG: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 2048,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
+SEED = 0
+LEARNING_RATE = 1e-4
+
+LORA_CONFIG: dict[str, Any] = {
+    "r": 16,
+    "lora_alpha": 32,
+    "lora_dropout": 0.0,
+    "target_modules": "all-linear",
+    "task_type": "CAUSAL_LM",
+}
+
+# torch DDP settings (its defaults, written out because the cost model has to model them).
+DDP_SETTINGS: dict[str, Any] = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False}
+
+# DeepSpeed ZeRO settings, in elements. Small round numbers so that bucket buffers are visible
+# next to the 3.95 M-parameter model. `stage3_max_reuse_distance` is 0 because the default (1e9)
+# would keep every gathered ZeRO-3 parameter of this small model alive from forward to backward.
+ZERO_SETTINGS: dict[str, Any] = {
+    "reduce_bucket_size": 500_000,
+    "allgather_bucket_size": 500_000,
+    "overlap_comm": False,
+    "contiguous_gradients": True,
+    "stage3_prefetch_bucket_size": 500_000,
+    "stage3_param_persistence_threshold": 0,
+    "stage3_max_live_parameters": 1_000_000,
+    "stage3_max_reuse_distance": 0,
+    "sub_group_size": 1_000_000_000,
+}
+
+LAYOUT_DEFAULTS: RunLayout = {
+    "world": 1,
+    "zero": 0,
+    "mbs": 1,
+    "seq": 256,
+    "gas": 1,
+    "recompute": "none",
+    "method": "full",
+    "dtype": "fp32",
+}
+
+
+def normalize_layout(layout: RunLayout) -> RunLayout:
+    """Fill defaults and reject what these steps do not cover."""
+    full = {**LAYOUT_DEFAULTS, **layout}
+    if full["world"] not in (1, 2) or full["zero"] not in (0, 1, 2, 3):
+        raise ValueError(f"unsupported world/zero: {full}")
+    if full["recompute"] not in ("none", "full") or full["method"] not in ("full", "lora"):
+        raise ValueError(f"unsupported recompute/method: {full}")
+    if full["dtype"] != "fp32":
+        raise ValueError("only fp32 is measured on CPU")
+    return full
+
+
+def run_layout(spec: Any) -> RunLayout:
+    """The run layout of an ``advisor.specs.Layout`` (data parallel only: dp, zero, mbs, gas...)."""
+    if spec.tp != 1 or spec.pp != 1:
+        raise ValueError(f"only data parallel layouts run here (got tp={spec.tp}, pp={spec.pp})")
+    return normalize_layout({
+        "world": spec.dp, "zero": spec.zero, "mbs": spec.mbs, "seq": spec.seq, "gas": spec.gas,
+        "recompute": spec.recompute, "method": spec.method, "dtype": spec.dtype,
+    })
+
+
+def uses_deepspeed(layout: RunLayout) -> bool:
+    """ZeRO 1-3 run through DeepSpeed; ZeRO 0 is plain torch (DDP when world > 1)."""
+    return layout["zero"] > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Meters: what watches the steps (memory in bench/measure_memory.py, wall time here).
+# --------------------------------------------------------------------------------------------
+
+
+class Meter(Protocol):
+    """Watches the steps; regions are entered and left in order, never nested."""
+
+    def attach(self, model: torch.nn.Module, optimizer: Any) -> None: ...  # once both exist
+    def begin(self, step: int, phase: str) -> None: ...  # phase: forward | backward | optimizer
+    def end(self) -> None: ...
+
+
+@contextlib.contextmanager
+def region(meter: Meter, step: int, phase: str) -> Iterator[None]:
+    """Measure the enclosed code as region ``phase`` of optimizer step ``step``."""
+    meter.begin(step, phase)
+    try:
+        yield
+    finally:
+        meter.end()
+
+
+class StepTimer:
+    """Wall time of each optimizer step: from its first forward to the end of its last region."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, float] = {}
+        self.ended: dict[int, float] = {}
+        self._step = 0
+
+    def attach(self, model: torch.nn.Module, optimizer: Any) -> None:
+        pass
+
+    def begin(self, step: int, phase: str) -> None:
+        self._step = step
+        self.started.setdefault(step, time.perf_counter())
+
+    def end(self) -> None:
+        self.ended[self._step] = time.perf_counter()
+
+    def seconds(self) -> list[float]:
+        return [self.ended[s] - self.started[s] for s in sorted(self.started)]
+
+
+# --------------------------------------------------------------------------------------------
+# Training: model, back-end, steps.
+# --------------------------------------------------------------------------------------------
+
+
+def build_model(layout: RunLayout, hf_config: dict[str, Any] | None = None) -> torch.nn.Module:
+    """A randomly initialised fp32 causal LM (``demo-tiny`` by default, else any HF config),
+    with the layout's recomputation and method."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)  # identical init on every rank
+    if hf_config is None:
+        model = LlamaForCausalLM(LlamaConfig(**MODEL_CONFIG, attn_implementation="sdpa"))  # fp32
+    else:
+        cfg = dict(hf_config)
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        config._attn_implementation = "sdpa"
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if layout["recompute"] == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if layout["method"] == "lora":
+        model = get_peft_model(model, LoraConfig(**LORA_CONFIG))
+    model.train()
+    return model
+
+
+def deepspeed_config(layout: RunLayout) -> dict[str, Any]:
+    """DeepSpeed ZeRO config: fp32, torch AdamW, no clipping, our explicit bucket sizes."""
+    return {
+        "train_micro_batch_size_per_gpu": layout["mbs"],
+        "gradient_accumulation_steps": layout["gas"],
+        "train_batch_size": layout["mbs"] * layout["gas"] * layout["world"],
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LEARNING_RATE, "weight_decay": 0.01, "torch_adam": True, "foreach": False},
+        },
+        # DeepSpeed 0.19.8 clips at 1.0 by default; plain AdamW does not clip.
+        "gradient_clipping": 0.0,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "zero_optimization": {"stage": layout["zero"], **ZERO_SETTINGS},
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def random_batch(layout: RunLayout, rank: int, step: int, micro: int, vocab: int | None = None) -> torch.Tensor:
+    """Random token ids, different per rank and micro-batch, reproducible."""
+    gen = torch.Generator().manual_seed(SEED + 1000 * rank + 10 * step + micro)
+    vocab = vocab or MODEL_CONFIG["vocab_size"]
+    return torch.randint(0, vocab, (layout["mbs"], layout["seq"]), generator=gen)
+
+
+def run_steps(
+    layout: RunLayout, steps: int, rank: int, meter: Meter, hf_config: dict[str, Any] | None = None
+) -> None:
+    """Build the back-end for ``layout`` and run ``steps`` optimizer steps under ``meter``."""
+    import deepspeed
+
+    gas = layout["gas"]
+    vocab = int((hf_config or MODEL_CONFIG)["vocab_size"])
+    model = build_model(layout, hf_config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if uses_deepspeed(layout):
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=trainable, config=deepspeed_config(layout)
+        )
+        meter.attach(engine, optimizer)
+        for step in range(1, steps + 1):
+            for micro in range(gas):
+                with region(meter, step, "forward"):
+                    ids = random_batch(layout, rank, step, micro, vocab)
+                    loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+                with region(meter, step, "backward"):
+                    engine.backward(loss)  # ZeRO reduces (and partitions) gradients in here
+                    del ids, loss
+                with region(meter, step, "optimizer"):
+                    engine.step()  # steps the optimizer only at the accumulation boundary
+        del engine, optimizer
+    else:
+        if layout["world"] > 1:
+            model = torch.nn.parallel.DistributedDataParallel(model, **DDP_SETTINGS)
+        optimizer = torch.optim.AdamW(trainable, lr=LEARNING_RATE, foreach=False)
+        meter.attach(model, optimizer)
+        for step in range(1, steps + 1):
+            for micro in range(gas):
+                # DDP would all-reduce every micro-batch; sync only on the last one.
+                last = micro == gas - 1
+                sync = contextlib.nullcontext() if last or layout["world"] == 1 else model.no_sync()
+                with sync:
+                    with region(meter, step, "forward"):
+                        ids = random_batch(layout, rank, step, micro, vocab)
+                        loss = model(input_ids=ids, labels=ids, use_cache=False).loss / gas
+                    with region(meter, step, "backward"):
+                        loss.backward()
+                        del ids, loss
+            with region(meter, step, "optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        del optimizer
+    del model, trainable
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks: fork launching, set-up and the exit-crash-safe teardown.
+# --------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_rank(rank: int, world: int, port: int, distributed: bool, threads: int | None = None) -> None:
+    """Environment, thread count and (if ``distributed``) the gloo process group of one rank."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    # Share the cores: 2 ranks on 2 cores with 2 threads each run about 8x slower.
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # transformers 5 deprecates gradient_checkpointing_enable (now activation_checkpointing_*).
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
+    # DeepSpeed and our collective benchmarks call all_gather_into_tensor, which c10d deprecates.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+    if distributed:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def finish_rank(distributed: bool) -> None:
+    """gloo can crash at exit when a worker thread frees a finished collective while Python
+    finalizes (NOTES, "The exit crash", fix A): the caller has dropped every owner; collect,
+    barrier, then destroy."""
+    if distributed:
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def prepare_parent(layout: RunLayout) -> None:
+    """Import and build native pieces once in the parent, so forked ranks inherit them loaded
+    (each rank would otherwise spend seconds importing the model code)."""
+    import deepspeed  # noqa: F401
+    from peft import get_peft_model  # noqa: F401
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
+
+    if uses_deepspeed(layout):
+        from deepspeed.comm.torch import build_shm_op
+
+        build_shm_op()  # DeepSpeed's CPU comm op: 30-45 s on a cold TORCH_EXTENSIONS_DIR
+
+
+def launch(worker: Callable[..., None], nprocs: int, args: tuple = ()) -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` forked ranks and wait for them."""
+    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="fork")
+
+
+# --------------------------------------------------------------------------------------------
+# Timed steps.
+# --------------------------------------------------------------------------------------------
+
+
+def _timed_worker(rank: int, layout: RunLayout, steps: int, port: int, out_dir: str,
+                  hf_config: dict[str, Any] | None, threads: int | None) -> None:
+    world = layout["world"]
+    distributed = world > 1 or uses_deepspeed(layout)
+    init_rank(rank, world, port, distributed, threads)
+    timer = StepTimer()
+    run_steps(layout, steps, rank, timer, hf_config)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(timer.seconds()))
+    finish_rank(distributed)
+
+
+def time_steps(
+    layout: RunLayout, steps: int = 6, hf_config: dict[str, Any] | None = None, threads: int | None = None,
+    warmup: int = 1,
+) -> dict[str, Any]:
+    """Run ``steps`` optimizer steps of ``layout`` in freshly forked ranks.
+
+    Returns ``step_s`` (the median over the steps after ``warmup`` of the slowest rank's step
+    time), every step's time and the thread count per rank. ``threads`` defaults to the cores
+    shared out evenly between the ranks.
+    """
+    if steps <= warmup:
+        raise ValueError(f"need more than {warmup} steps to time a steady step")
+    layout = normalize_layout(layout)
+    prepare_parent(layout)
+    with tempfile.TemporaryDirectory(prefix="time_steps_") as out_dir:
+        launch(_timed_worker, layout["world"], (layout, steps, free_port(), out_dir, hf_config, threads))
+        per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(layout["world"])]
+    slowest = [max(times) for times in zip(*per_rank)]
+    return {
+        "step_s": statistics.median(slowest[warmup:]),
+        "steps_s": slowest,
+        "threads": threads or max(1, (os.cpu_count() or 1) // layout["world"]),
+        "layout": layout,
+    }
