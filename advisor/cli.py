@@ -231,6 +231,35 @@ def train(
                       f"run dir {out}")
 
 
+@app.command("run")
+def run_all(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="default: the task's model, else demo-tiny"),
+    task: Optional[str] = typer.Option(None, "--task", help="task preset or YAML (default: the generated demo)"),
+    hardware: Optional[str] = typer.Option(None, "--hardware", "-H", help="default: profile this machine"),
+    out: Path = typer.Option(Path("runs/demo"), "--out", help="run directory"),
+    max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (smoke runs)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
+) -> None:
+    """Profile, plan, train and report in one command. With no options: the embedded demo
+    (demo-tiny on a generated curriculum: language, arithmetic, instructions, then a mixed stage)."""
+    from trainer.pipeline import RunOptions, run_pipeline
+
+    def say(text: str) -> None:
+        if not as_json:
+            console.print(f"[bold]advisor run[/bold]: {text}")
+
+    result = _run(lambda: run_pipeline(RunOptions(model=model, task=task, hardware=hardware, out=out,
+                                                  max_steps_per_stage=max_steps_per_stage), say))
+    if as_json:
+        print(json.dumps(result, default=str))
+        return
+    summary = result["summary"] or {}
+    measured = summary.get("measured", {})
+    console.print(f"done in {result['seconds']:.0f} s: {summary.get('steps')} steps, measured step "
+                  f"{_seconds(measured.get('step_s') or 0)}, run dir {result['run_dir']}"
+                  + (f", report {result['report']}" if result["report"] else ""))
+
+
 def render_plan(result) -> None:
     table = Table(title=f"plans for {result.model.name} on {result.nodes} x {result.gpus_per_node} "
                         f"{result.hardware.name} (best first)", title_justify="left")
@@ -293,6 +322,9 @@ def profile(
             self.bar.update(self.task, advance=1, description=what)
 
     def measure():
+        from profiler.inventory import resolve_device
+
+        resolve_device(device)  # refuse MPS and friends before drawing a progress bar
         opts = ProfileOptions(out=out, quick=quick, model=load_model(model) if model else None, nproc=nproc,
                               device=device, calibrate=calibrate)
         columns = (TextColumn("{task.description:<36}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -345,6 +377,234 @@ def render_profile(result, out: Path) -> None:
     for note in inv.notes:
         console.print(f"note: {note}", style="dim")
     console.print(f"wrote {out}: use it as --hardware {out}")
+
+
+report_app = typer.Typer(
+    no_args_is_help=True, rich_markup_mode="rich",
+    help="Reports as one self-contained HTML page, a Markdown twin and PNG charts: capacity (before) and run (after).")
+app.add_typer(report_app, name="report")
+
+
+@report_app.command("capacity")
+def report_capacity(
+    model: str = typer.Option(..., "--model", "-m", help="model preset, HF config.json, or model folder"),
+    tokens: Optional[float] = typer.Option(None, "--tokens", help="tokens to train, e.g. 2e10 (or --task)"),
+    task: Optional[str] = typer.Option(None, "--task", help="task preset or task YAML: its stages' tokens"),
+    hardware: str = typer.Option("h100-80g,a100-80g,rtx4090-24g", "--hardware", "-H",
+                                 help="comma-separated hardware presets or profile.json files"),
+    gpus: str = typer.Option("8,64,512", "--gpus", help="comma-separated GPU counts (whole nodes above one node)"),
+    method: str = typer.Option("full,lora", "--method", help="comma-separated full, lora, qlora; the first is preferred"),
+    price: Optional[str] = typer.Option(
+        None, "--price-per-gpu-hour", help="dollars: 2.5 for all, or h100-80g=2.5,a100-80g=1.6,rtx4090-24g=0.4"),
+    deadline: Optional[str] = typer.Option(None, "--deadline", help="wall-clock limit, e.g. 14d or 36h"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="tokens per sequence (default: task's or 2048)"),
+    global_batch: Optional[int] = typer.Option(
+        None, "--global-batch", min=1, help="sequences per step, the same for every option (default ~2M tokens)"),
+    mtbf_hours: Optional[float] = typer.Option(None, "--mtbf-hours", help="mean time between failures of one node "
+                                               "(default: the planner's 2000)"),
+    restart_minutes: float = typer.Option(10.0, "--restart-minutes", help="time to restart after a failure (assumed)"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", min=1, help="planner processes (default: CPU cores)"),
+    out: Path = typer.Option(Path("capacity-report"), "--out", help="folder for capacity.html, capacity.md, charts/"),
+    as_json: bool = typer.Option(False, "--json", help="print the table of options as one JSON object"),
+) -> None:
+    """For every hardware x GPU count x method: the planner's best plan, its wall-clock time, GPU-hours,
+    cost, MFU, memory headroom, checkpoint and failure overhead; the scaling knee; full against
+    LoRA; and a recommendation with its main risk."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from advisor.task import load_task
+    from planner.plan import parse_duration
+    from presets import load_hardware, load_model
+    from reports.capacity import CapacityRequest, capacity_report, parse_counts, parse_prices
+    from reports.pages import capacity_document
+
+    def build():
+        hws = [load_hardware(h.strip()) for h in hardware.split(",") if h.strip()]
+        command = ["advisor report capacity", f"--model {model}"] + (
+            [f"--tokens {tokens:g}"] if tokens is not None else []) + ([f"--task {task}"] if task else []) + [
+            f"--hardware {hardware}", f"--gpus {gpus}", f"--method {method}"] + [
+            f"{flag} {value}" for flag, value in (("--price-per-gpu-hour", price), ("--deadline", deadline),
+                                                  ("--seq-len", seq_len), ("--global-batch", global_batch),
+                                                  ("--mtbf-hours", mtbf_hours)) if value is not None]
+        extra = {"mtbf_hours": mtbf_hours} if mtbf_hours is not None else {}
+        req = CapacityRequest(
+            model=load_model(model), hardware=hws, gpu_counts=parse_counts(gpus),
+            methods=[m.strip() for m in method.split(",") if m.strip()], tokens=tokens,
+            task=load_task(task) if task else None, seq=seq_len, global_batch=global_batch,
+            prices=parse_prices(price, hws), deadline_s=parse_duration(deadline) if deadline else None,
+            restart_s=restart_minutes * 60, command=" ".join(command), **extra)
+        total = len(hws) * len(req.gpu_counts) * len(req.methods)
+        # no refresh thread: planner workers are forked, and a fork should not copy a running thread
+        with Progress(TextColumn("planning"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                      TimeElapsedColumn(), console=err_console, transient=True, auto_refresh=False) as bar:
+            job = bar.add_task("", total=total)
+
+            def advance(option) -> None:
+                bar.update(job, advance=1, description=f"{option.label} ({option.plan_seconds:.1f} s)")
+                bar.refresh()
+
+            report = capacity_report(req, advance, jobs)
+        written = capacity_document(report).write(out, "capacity")
+        return report, written
+
+    report, written = _run(build)
+    if as_json:
+        print(json.dumps({**report.to_json(), "files": [str(p) for p in written]}))
+        return
+    render_capacity(report, written)
+
+
+def render_capacity(report, written: list[Path]) -> None:
+    table = Table(title=f"capacity options for {report.request.model.name} (planned in {report.seconds:.1f} s)",
+                  title_justify="left")
+    for column in ("option", "days", "GPU-h", "cost", "MFU", "free mem", "ckpt+fail"):
+        table.add_column(column, justify="left" if column == "option" else "right", no_wrap=column == "option")
+    chosen = report.recommendation.option.key if report.recommendation.option else None
+    for o in report.options:
+        label = f"{o.gpus} {o.hardware} {o.method}"
+        if not o.fits:
+            table.add_row(label, "[red]does not fit[/red]", "", "", "", "", "")
+            continue
+        ov = o.overhead
+        table.add_row(f"[bold]{label}[/bold]" if o.key == chosen else label, f"{o.wall_days:,.2f}",
+                      f"{o.gpu_hours:,.0f}", f"${o.cost:,.0f}" if o.cost is not None else "-",
+                      f"{100 * o.mfu:.0f}%", f"{100 * o.headroom:.0f}%",
+                      f"{100 * (ov.checkpoint_fraction + ov.failure_fraction):.1f}%")
+    console.print(table)
+    console.print(f"[bold]recommendation[/bold]: {report.recommendation.text}", highlight=False)
+    console.print(f"[bold]main risk[/bold]: {report.recommendation.main_risk}", highlight=False)
+    for path in written[:2]:
+        console.print(f"wrote {path}")
+    console.print(f"wrote {len(written) - 2} charts in {written[0].parent / 'charts'}", style="dim")
+
+
+@report_app.command("run")
+def report_run(
+    run_dir: Path = typer.Argument(..., help="a run dir from `advisor train` or `advisor run`"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for run.html, run.md, charts/ (default RUN_DIR/report)"),
+    as_json: bool = typer.Option(False, "--json", help="print predicted against measured and per-stage results"),
+) -> None:
+    """Predicted against measured (peak memory, step time, tokens/s), loss and learning rate per
+    stage, spikes and rollbacks, checkpoints, per-skill evaluation, and the plan that ran."""
+    from reports.run_report import run_report
+
+    def build():
+        analysis, document = run_report(run_dir)
+        return analysis, document.write(out or run_dir / "report", "run")
+
+    analysis, written = _run(build)
+    if as_json:
+        print(json.dumps({
+            "comparisons": [{"name": c.key, "predicted": c.predicted, "measured": c.measured, "ratio": c.ratio}
+                            for c in analysis.comparisons],
+            "stages": [vars(s) for s in analysis.stages], "spikes": len(analysis.spikes),
+            "rollbacks": len(analysis.rollbacks), "finished": analysis.finished,
+            "files": [str(p) for p in written]}))
+        return
+    for c in analysis.comparisons:
+        if c.ratio is not None:
+            console.print(f"{c.name}: measured / predicted = {c.ratio:.2f}")
+    for path in written[:2]:
+        console.print(f"wrote {path}")
+
+
+data_app = typer.Typer(
+    no_args_is_help=True, rich_markup_mode="rich",
+    help="Prepare a task's data: clean, deduplicate, grade by difficulty, bucket by length, shard into stages.",
+)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+def data_prepare(
+    task: str = typer.Option(..., "--task", help="task preset (e.g. demo) or task YAML"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output folder (default: the task's data.out, "
+                                                           "relative to the task file)"),
+    micro_batch_tokens: Optional[int] = typer.Option(
+        None, "--micro-batch-tokens", min=8, help="token budget of one micro-batch for the bucket edges"),
+    as_json: bool = typer.Option(False, "--json", help="print the manifest as one JSON object"),
+) -> None:
+    """Clean (exact and MinHash near-duplicate removal, length and character-quality thresholds),
+    grade by difficulty, bucket by length and write tokenised stage shards plus a manifest.
+
+    The folder is written aside and renamed at the end: it is whole or untouched.
+    """
+    from advisor.task import load_task
+    from trainer.data.prepare import prepare
+
+    def compute():
+        spec = load_task(task)
+        log = None if as_json else (lambda message: err_console.print(message, style="dim", highlight=False))
+        return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log)
+
+    folder, manifest = _run(compute)
+    if as_json:
+        print(json.dumps(manifest))
+        return
+    render_data_manifest(manifest)
+    console.print(f"wrote {folder}")
+
+
+@data_app.command("stats")
+def data_stats(
+    directory: Path = typer.Argument(..., help="a folder written by `advisor data prepare` (or its manifest.json)"),
+    as_json: bool = typer.Option(False, "--json", help="print the manifest as one JSON object"),
+) -> None:
+    """Show a prepared folder's manifest: tokens, samples, buckets and padding per stage."""
+    from trainer.data.manifest import read_manifest
+
+    manifest = _run(lambda: read_manifest(directory))
+    if as_json:
+        print(json.dumps(manifest))
+        return
+    render_data_manifest(manifest)
+
+
+@data_app.command("generate-demo")
+def data_generate_demo(
+    out: Path = typer.Option(..., "--out", help="folder: data/*.jsonl and task.yaml go there"),
+    seed: int = typer.Option(0, "--seed", help="random seed (same seed, same files)"),
+    scale: float = typer.Option(1.0, "--scale", min=0.0001, help="multiply every file's size"),
+) -> None:
+    """Generate the embedded demo's curriculum data (language, arithmetic, instructions, eval splits)."""
+    from trainer.data.demo_corpus import generate_demo_corpus
+
+    written = _run(lambda: generate_demo_corpus(out, seed=seed, scale=scale))
+    for path in written.values():
+        console.print(f"wrote {path}")
+
+
+def render_data_manifest(manifest: dict[str, Any]) -> None:
+    table = Table(title=f"prepared data for task {manifest['task']} (seq {manifest['seq_len']}, "
+                        f"micro-batch {manifest['micro_batch_tokens']:,} tokens)", title_justify="left")
+    for column in ("stage", "split", "documents", "samples", "tokens", "padding", "1 bucket"):
+        table.add_column(column, justify="left" if column in ("stage", "split") else "right")
+    buckets = Table(title="length buckets", title_justify="left")
+    for column in ("stage", "split", "edge", "micro-batch", "samples", "tokens", "padding"):
+        buckets.add_column(column, justify="left" if column in ("stage", "split") else "right")
+    notes = []
+    for stage in manifest["stages"]:
+        for split in ("train", "eval"):
+            info = stage.get(split)
+            if not info:
+                continue
+            table.add_row(stage["name"], split, f"{info['documents']:,}", f"{info['samples']:,}", f"{info['tokens']:,}",
+                          f"{100 * info['padding']['bucketed']:.1f}%", f"{100 * info['padding']['one_bucket']:.1f}%")
+            for b in info["buckets"]:
+                buckets.add_row(stage["name"], split, str(b["edge"]), str(b["micro_batch_size"]), f"{b['samples']:,}",
+                                f"{b['tokens']:,}", f"{100 * b['padding_fraction']:.1f}%")
+            if list(info["groups"]) != ["all"]:
+                notes.append(f"{stage['name']} {split} shards by group: "
+                             + ", ".join(f"{g} {v['tokens']:,}" for g, v in info["groups"].items()))
+            dropped = ", ".join(f"{k} {v:,}" for k, v in info["dropped"].items()) or "none"
+            notes.append(f"{stage['name']} {split}: read {info['read']:,} documents, dropped {dropped}")
+    console.print(table)
+    console.print(buckets)
+    for note in notes:
+        console.print(note, highlight=False)
+    planner = {s["name"]: s.get("tokens_with_replay") for s in manifest["stages"]}
+    console.print("tokens per stage for the planner (replay included): "
+                  + ", ".join(f"{k} {v:,}" if v is not None else f"{k} -" for k, v in planner.items()), style="dim")
 
 
 def _gib(nbytes: float) -> str:

@@ -34,6 +34,9 @@ class Efficiency(BaseModel):
     comm_overlap: float = Field(
         0.5, ge=0, le=1, description="share of DP/ZeRO collective time hidden behind compute"
     )
+    micro_batch_overhead_s: float = Field(
+        0.0, ge=0, description="fixed time per micro-batch per stage (kernel launches, Python) that FLOPs miss"
+    )
 
 
 class HardwareSpec(BaseModel):

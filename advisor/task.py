@@ -7,14 +7,106 @@ A task says *what* to train (stages, data, budgets, learning rates); the plan sa
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from advisor.errors import UsageError
 from advisor.specs import Method, validate
+
+
+# --- data preparation (`advisor data prepare`): all optional, with defaults --------------------------
+
+
+class QualityFilters(BaseModel):
+    """Thresholds a document must meet to be kept; `null` turns a check off.
+
+    Set them task-wide under `data.filters`; a stage's or a source's `filters` overrides only the
+    keys it names (e.g. arithmetic data turns `min_alpha_ratio` off)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_chars: Optional[int] = Field(1, ge=0, description="characters, after stripping outer whitespace")
+    max_chars: Optional[int] = Field(None, ge=1)
+    min_tokens: Optional[int] = Field(2, ge=0, description="tokens, end-of-text included")
+    max_tokens: Optional[int] = Field(None, ge=1, description="documents above are dropped, not split")
+    min_alpha_ratio: Optional[float] = Field(None, ge=0, le=1, description="letters / non-space characters")
+    max_digit_ratio: Optional[float] = Field(None, ge=0, le=1, description="digits / non-space characters")
+    max_bad_char_ratio: Optional[float] = Field(
+        0.01, ge=0, le=1, description="(U+FFFD replacement + control characters) / characters")
+    max_top_word_ratio: Optional[float] = Field(
+        None, gt=0, le=1, description="most frequent word / words (catches repetition spam)")
+
+
+class DedupSpec(BaseModel):
+    """Exact duplicates (same text after case and whitespace folding) and near duplicates
+    (MinHash over word n-gram shingles, LSH banding, verified against `threshold`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exact: bool = True
+    near: bool = True
+    threshold: float = Field(0.8, gt=0, le=1, description="estimated Jaccard similarity of shingle sets")
+    shingle_words: int = Field(5, ge=1, description="words per shingle")
+    num_perm: int = Field(128, ge=8, description="MinHash permutations")
+    bands: int = Field(16, ge=1, description="LSH bands (num_perm / bands rows each)")
+
+    @model_validator(mode="after")
+    def _bands_divide(self) -> "DedupSpec":
+        if self.num_perm % self.bands:
+            raise ValueError(f"dedup: bands ({self.bands}) must divide num_perm ({self.num_perm})")
+        return self
+
+
+class DifficultySpec(BaseModel):
+    """How a document is graded and how grades are cut into named bands.
+
+    `by`: length (tokens), field (a numeric field of the row), rule (a built-in rule name,
+    `numbers` or `words`, or `module:function` taking the text and returning a number), loss (mean
+    next-token loss of a small local reference model). Bands: `edges` [e1, e2] give
+    [-inf, e1), [e1, e2), [e2, inf)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    by: Literal["length", "field", "rule", "loss"] = "length"
+    field: Optional[str] = None
+    rule: Optional[str] = None
+    reference_model: Optional[str] = Field(None, description="local model folder, relative to the task file")
+    edges: list[float] = Field(default_factory=list)
+    names: Optional[list[str]] = Field(None, description="band names (default easy/medium/hard for 3 bands)")
+
+
+class BucketSpec(BaseModel):
+    """Length buckets: edges chosen from the length histogram to minimise padding."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    micro_batch_tokens: Optional[int] = Field(
+        None, ge=8, description="token budget of one micro-batch (mbs x seq); default 8 x seq_len")
+    max_buckets: int = Field(8, ge=1, le=64)
+    pad_multiple: int = Field(8, ge=1, description="bucket edges are multiples of this (tensor-core friendly)")
+
+
+class DataPrepSpec(BaseModel):
+    """Task-wide data preparation settings (`data:` in the task file)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokenizer: Optional[str] = Field(
+        None, description="local tokenizer folder or tokenizer.json, relative to the task file "
+                          "(default: the task model's shipped tokenizer)")
+    out: str = Field("prepared", description="output folder, relative to the task file")
+    append_eos: bool = True
+    filters: QualityFilters = Field(default_factory=QualityFilters)
+    dedup: DedupSpec = Field(default_factory=DedupSpec)
+    difficulty: DifficultySpec = Field(default_factory=DifficultySpec)
+    buckets: BucketSpec = Field(default_factory=BucketSpec)
+
+
+TimeBound = Union[float, dt.datetime, dt.date, str]  # a number, or an ISO date (YAML may parse it to a date)
 
 
 class DataSource(BaseModel):
@@ -27,6 +119,14 @@ class DataSource(BaseModel):
     text_field: str = "text"
     weight: float = Field(1.0, gt=0, description="mixture weight within the stage")
     domain: str | None = None
+    # data preparation (optional): per-source overrides and the selection of rows for this stage
+    filters: Optional[QualityFilters] = Field(None, description="overrides of the stage's filters")
+    domain_field: Optional[str] = Field(None, description="row field holding the domain (default: `domain`)")
+    time_field: Optional[str] = Field(None, description="row field holding a time (ISO date or number)")
+    domains: Optional[list[str]] = Field(None, description="keep only rows of these domains")
+    bands: Optional[list[str]] = Field(None, description="keep only rows in these difficulty bands")
+    time_window: Optional[tuple[TimeBound, TimeBound]] = Field(
+        None, description="keep only rows with start <= time < end")
 
 
 class StageSpec(BaseModel):
@@ -46,11 +146,20 @@ class StageSpec(BaseModel):
     method: Method | None = Field(None, description="override the plan's full/lora/qlora for this stage")
     eval_sources: list[DataSource] = Field(default_factory=list)
     eval_tokens: int = Field(0, ge=0, description="tokens evaluated at each evaluation")
+    # data preparation (optional): overrides of the task-wide `data` settings, and how shards split
+    filters: Optional[QualityFilters] = Field(None, description="overrides of the task's data.filters")
+    difficulty: Optional[DifficultySpec] = Field(None, description="overrides of the task's data.difficulty")
+    split_by: Literal["none", "domain", "difficulty", "time"] = Field(
+        "none", description="shard the stage by domain, difficulty band or time window")
+    time_windows: dict[str, tuple[TimeBound, TimeBound]] = Field(
+        default_factory=dict, description="name -> [start, end) for split_by: time")
 
     @model_validator(mode="after")
     def _budget(self) -> "StageSpec":
         if (self.tokens is None) == (self.steps is None):
             raise ValueError(f"stage '{self.name}': give exactly one of tokens or steps")
+        if self.split_by == "time" and not self.time_windows:
+            raise ValueError(f"stage '{self.name}': split_by time needs time_windows")
         return self
 
 
@@ -68,6 +177,7 @@ class TaskSpec(BaseModel):
     stages: list[StageSpec] = Field(min_length=1)
     eval_every_steps: int = Field(0, ge=0, description="0: evaluate at stage ends only")
     base_dir: str = Field(".", description="where relative data paths start (set when loading)")
+    data: DataPrepSpec = Field(default_factory=DataPrepSpec, description="`advisor data prepare` settings")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "TaskSpec":

@@ -295,10 +295,10 @@ def stage_time(
         traffic += ELEMENTWISE_PASSES / 4 * recomputed * kept
     fwd_s = mbs * fwd / tp / flop_rate
     bwd_s = mbs * bwd / tp / flop_rate
-    compute = fwd_s + bwd_s + traffic / byte_rate
+    compute = fwd_s + bwd_s + traffic / byte_rate + hardware.efficiency.micro_batch_overhead_s
     useful = mbs * (layers * (layer.fwd_flops + layer.bwd_flops) + (
         trace.head.fwd_flops + trace.head.bwd_flops if last else 0.0)) / tp / flop_rate
-    useful += ELEMENTWISE_PASSES * layers * kept / byte_rate
+    useful += ELEMENTWISE_PASSES * layers * kept / byte_rate + hardware.efficiency.micro_batch_overhead_s
 
     w = DTYPE_BYTES[layout.dtype]
     hidden_bytes = mbs * trace.seq * trace.hidden_size * w

@@ -138,13 +138,16 @@ def enumerate_shapes(trace: ModelTrace, req: PlanRequest, method: str) -> list[L
                     if sp and tp == 1 or not sp and tp > 1 and True in space.sequence_parallel:
                         continue  # SP dominates at tp > 1: less memory, same traffic (AG + RS = AR)
                     for zero in space.zero_stages:
-                        if zero and dp == 1 and (zero != 2 or "optimizer" not in space.offloads):
+                        if zero and dp == 1 and (zero != 2 or "optimizer" not in space.offloads
+                                                 or hw.device_type == "cpu"):
                             continue  # ZeRO shards across replicas; alone it only serves ZeRO-Offload
                         if zero == 0 and dp > 1 and 1 in space.zero_stages:
                             continue  # ZeRO-1 dominates: same all-reduce, 1/dp of the optimizer
                         for offload in space.offloads:
                             if offload == "optimizer" and zero == 0 or offload == "optimizer+params" and zero != 3:
                                 continue
+                            if offload != "none" and hw.device_type == "cpu":
+                                continue  # on a CPU the device memory is the host memory
                             if dp == 1 and zero and offload == "none":
                                 continue
                             for mode in modes:
@@ -400,7 +403,9 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
             if _accept(est, capacity, min_fraction):  # always, when the ILP mirrors the cost model
                 seen.add(layout.short())
                 found.append(Solution(layout, est, est.time.step_s, est.compute_fraction >= req.min_compute_fraction))
-    found.sort(key=lambda s: s.step_s)
+    # exact ties (e.g. the same tokens in fewer, larger micro-batches) go to fewer micro-batches:
+    # per-launch overheads the model may not know of only shrink with them
+    found.sort(key=lambda s: (float(f"{s.step_s:.9g}"), s.layout.gas))
     status = "optimal" if found else "infeasible"
     return SearchResult(found[: req.top_k], status, time.perf_counter() - started, shapes, ilps, False)
 

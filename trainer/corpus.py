@@ -17,12 +17,50 @@ BYTE_EOS = 256  # byte-level fallback: ids 0-255 are bytes, 256 closes a documen
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: needs no files and no training, fits any vocabulary >= 257."""
+    """UTF-8 bytes as tokens: needs no files and no training, fits any vocabulary >= 257. The
+    fallback when neither the task nor the model preset names a tokenizer."""
 
     eos_token_id = BYTE_EOS
+    name = "bytes"
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+
+class FileTokenizer:
+    """A local tokenizer (the task's `data.tokenizer`, or the one shipped for the model preset)."""
+
+    def __init__(self, path: Path):
+        from trainer.data.tokenizer import TextTokenizer
+
+        self._inner = TextTokenizer(path)
+        if self._inner.eos_id is None:
+            raise UsageError(f"tokenizer {path} has no end-of-text token to separate packed documents")
+        self.eos_token_id = int(self._inner.eos_id)
+        self.vocab_size = self._inner.vocab_size
+        self.name = str(path)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._inner.encode(texts)
+
+
+def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int):
+    """The task's tokenizer, else the model preset's shipped one, else bytes."""
+    from trainer.data.tokenizer import resolve_tokenizer_path
+
+    configured = getattr(getattr(task, "data", None), "tokenizer", None)
+    try:
+        path = resolve_tokenizer_path(configured, model_name, Path(task.base_dir))
+    except UsageError:
+        if configured:
+            raise
+        if vocab_size <= BYTE_EOS:
+            raise UsageError("no tokenizer for this model and its vocabulary is too small for bytes (< 257)") from None
+        return ByteTokenizer()
+    tokenizer = FileTokenizer(path)
+    if tokenizer.vocab_size > vocab_size:
+        raise UsageError(f"tokenizer {path} has {tokenizer.vocab_size} tokens, the model only {vocab_size}")
+    return tokenizer
 
 
 def _read_texts(source: DataSource, base: Path) -> list[str]:
@@ -53,12 +91,12 @@ def _read_texts(source: DataSource, base: Path) -> list[str]:
 
 def load_source(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Path | None) -> np.ndarray:
     base = Path(task.base_dir)
-    key = hashlib.sha256(json.dumps([source.model_dump(), str(base), seq, type(tokenizer).__name__]).encode())
+    key = hashlib.sha256(json.dumps([source.model_dump(), str(base), seq, tokenizer.name]).encode())
     cached = cache / f"{key.hexdigest()[:20]}.npy" if cache else None
     if cached and cached.is_file():
         return np.load(cached)
     texts = _read_texts(source, base)
-    packed = pack([tokenizer.encode(t) for t in texts], seq, tokenizer.eos_token_id)
+    packed = pack(tokenizer.encode_batch(texts), seq, tokenizer.eos_token_id)
     if cached:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(".tmp.npy")

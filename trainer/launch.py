@@ -47,7 +47,9 @@ def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOpti
         nnodes: int | None, node_rank: int, master_addr: str, master_port: int, extra: list[str]) -> dict | None:
     devices = plan.chosen.layout.devices
     if launched or devices == 1:
-        return _worker(plan, out, resume, options, distributed=launched)
+        if not launched and plan.chosen.layout.zero:  # DeepSpeed needs a process group, even of one
+            _single_process_group_env()
+        return _worker(plan, out, resume, options, distributed=launched or bool(plan.chosen.layout.zero))
     topology = slurm_topology()
     if topology and nnodes is None:
         nnodes, node_rank, master_addr = topology
@@ -63,6 +65,17 @@ def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOpti
     if result.returncode != 0:
         raise UsageError(f"training processes failed (exit {result.returncode}); see {out}/events.jsonl")
     return None
+
+
+def _single_process_group_env() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(port))):
+        os.environ.setdefault(key, value)
 
 
 def _cuda() -> bool:

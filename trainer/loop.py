@@ -26,7 +26,7 @@ import torch.distributed as dist
 from advisor.errors import UsageError
 from advisor.plan import Plan
 from trainer import checkpoint
-from trainer.corpus import ByteTokenizer, load_source, stage_sources
+from trainer.corpus import load_source, stage_sources, tokenizer_for
 from trainer.engine import build_model, device, make_engine
 from trainer.schedule import stage_lr
 from trainer.spike import SpikeGuard
@@ -139,9 +139,7 @@ def train(plan: Plan, run_dir: Path, resume: bool, options: TrainOptions) -> dic
     if main and not (run_dir / "plan.yaml").is_file():
         plan.write(run_dir / "plan.yaml")
     task = plan.task
-    tokenizer = ByteTokenizer()
-    if plan.model.hf_config.get("vocab_size", 0) <= ByteTokenizer.eos_token_id:
-        raise UsageError("the byte-level tokenizer needs a vocabulary of at least 257 tokens")
+    tokenizer = tokenizer_for(task, plan.model.name, int(plan.model.hf_config.get("vocab_size", 0)))
     cache = run_dir / "data_cache"
     dev = device()
 
