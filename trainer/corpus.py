@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +100,7 @@ def load_source(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: 
     packed = pack(tokenizer.encode_batch(texts), seq, tokenizer.eos_token_id)
     if cached:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(".tmp.npy")
+        tmp = cached.with_name(f".{cached.stem}.{os.getpid()}.npy")  # ranks may race to write it
         np.save(tmp, packed)
         tmp.replace(cached)
     return packed

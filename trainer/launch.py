@@ -94,12 +94,11 @@ def _worker(plan: Plan, out: Path, resume: bool, options: TrainOptions, distribu
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
         options.show_progress = options.show_progress and dist.get_rank() == 0
-    try:
-        return train(plan, out, resume, options)
-    finally:
-        if distributed:
-            # gloo's worker threads can crash the interpreter at exit when collectives are still
-            # referenced (shared/NOTES-cpu-stack.md): drop owners, collect, barrier, destroy
-            gc.collect()
-            dist.barrier()
-            dist.destroy_process_group()
+    summary = train(plan, out, resume, options)  # on failure torchrun's agent stops the other ranks
+    if distributed:
+        # gloo's worker threads can crash the interpreter at exit when collectives are still
+        # referenced (shared/NOTES-cpu-stack.md): drop owners, collect, barrier, destroy
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
