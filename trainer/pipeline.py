@@ -96,13 +96,10 @@ def run_pipeline(opts: RunOptions, say=print) -> dict[str, Any]:
 
     options = TrainOptions(seed=opts.seed, max_steps_per_stage=opts.max_steps_per_stage)
     summary = run_training(plan, plan_path, out, False, options, False, None, 0, "127.0.0.1", 29513, [])
-    report = None
-    try:
-        from reports.run_report import write_run_report
+    from reports.run_report import run_report
 
-        report = write_run_report(out, out / "report")
-    except ImportError:
-        pass
+    _, document = run_report(out)
+    report = document.write(out / "report", "run")[0]
     return {"run_dir": str(out), "plan": plan.chosen.layout.short(), "hardware_basis": basis,
             "summary": summary, "report": str(report) if report else None,
             "seconds": time.perf_counter() - started}

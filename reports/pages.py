@@ -1,0 +1,221 @@
+"""The two reports as documents: what a manager decides from (capacity) and what an engineer
+checks after a run (run). Numbers come from `reports.capacity` and `reports.run_report`; this
+module only lays them out."""
+
+from __future__ import annotations
+
+import math
+
+from advisor.specs import GiB
+from reports import charts
+from reports.capacity import (CHECKPOINT_WRITE_GBS, COST_SLACK, METHOD_WORDS, SCALING_EFFICIENCY_RULE,
+                              CapacityReport)
+from reports.document import Document, Table, format_number, num, pct, text
+
+PLANNING_MARGIN = 0.05  # the planner keeps peaks under (1 - margin) x usable memory (PlanOptions)
+
+
+def _days(seconds: float) -> float:
+    return seconds / 86400
+
+
+def _tokens(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.3g}{unit}"
+    return f"{n:,.0f}"
+
+
+def capacity_document(report: CapacityReport) -> Document:
+    req, rec = report.request, report.recommendation
+    fitting = [o for o in report.options if o.fits and math.isfinite(o.wall_s)]
+    stuck = [o for o in report.options if o.fits and not math.isfinite(o.wall_s)]
+    refused = [o for o in report.options if not o.fits]
+    tokens = fitting[0].tokens if fitting else (req.tokens or 0)
+    work = f"task '{req.task.name}'" if req.task else f"{_tokens(tokens)} tokens"
+    doc = Document(f"Capacity plan: {req.model.name}, {work}",
+                   f"{len(report.options)} options ({len(req.hardware)} hardware x {len(set(req.gpu_counts))} GPU "
+                   f"counts x {len(req.methods)} methods), planned in {report.seconds:.1f} s")
+    chosen = rec.option.key if rec.option else None
+
+    # -- the decision first ----------------------------------------------------------------------
+    doc.h2("Recommendation", id="recommendation-heading")
+    doc.callout(rec.text, id="recommendation")
+    doc.callout(f"Main risk: {rec.main_risk}.", id="main-risk", kind="risk")
+    if rec.other_risks:
+        doc.p("Other risks:")
+        doc.bullets(rec.other_risks, id="other-risks")
+    if rec.option:
+        o = rec.option
+        assert o.overhead is not None and o.layout is not None
+        k = o.key
+        rows = [
+            [text("wall-clock time (days)"), num(o.wall_days, f"{k}:wall_days")],
+            [text("wall-clock time (hours)"), num(o.wall_s / 3600, f"{k}:wall_hours")],
+            [text("GPU-hours"), num(o.gpu_hours, f"{k}:gpu_hours")],
+            [text("cost ($)"), num(o.cost, f"{k}:cost") if o.cost is not None else text("no price given")],
+            [text("throughput (tokens/s)"), num(o.tokens_per_s, f"{k}:tokens_per_s")],
+            [text("MFU"), pct(o.mfu, f"{k}:mfu")],
+            [text("peak memory per GPU (GiB)"), num(o.peak_bytes / GiB, f"{k}:peak_gib")],
+            [text("memory headroom"), pct(o.headroom, f"{k}:headroom")],
+            [text("checkpoint every (hours)"), num(o.overhead.interval_s / 3600, f"{k}:checkpoint_interval_h")],
+            [text("checkpoint overhead"), pct(o.overhead.checkpoint_fraction, f"{k}:checkpoint_overhead")],
+            [text("expected failures"), num(o.overhead.failures, f"{k}:failures")],
+            [text("failure overhead"), pct(o.overhead.failure_fraction, f"{k}:failure_overhead")],
+            [text("layout"), text(f"`{o.layout.short()}`", wrap=True)],
+        ]
+        doc.table(Table(["the recommended option", o.label], rows, id="chosen"))
+
+    # -- every option --------------------------------------------------------------------------
+    doc.h2("Options that fit", id="options-heading")
+    priced = any(o.cost is not None for o in fitting)
+    headers = ["hardware", "GPUs", "nodes", "method", "days", "GPU-hours"] + (["cost ($)"] if priced else []) + [
+        "tokens/s", "MFU", "peak GiB", "headroom", "ckpt", "failures", "fail. overhead", "compute rule"] + (
+        ["deadline"] if req.deadline_s else [])
+    rows, classes = [], []
+    for o in fitting:
+        assert o.overhead is not None and o.estimate is not None
+        k = o.key
+        row = [text(o.hardware), num(o.gpus, f"{k}:gpus"), num(o.nodes, f"{k}:nodes"), text(o.method),
+               num(o.wall_days, f"{k}:wall_days"), num(o.gpu_hours, f"{k}:gpu_hours")]
+        if priced:
+            row.append(num(o.cost, f"{k}:cost") if o.cost is not None else text("-"))
+        row += [num(o.tokens_per_s, f"{k}:tokens_per_s"), pct(o.mfu, f"{k}:mfu"),
+                num(o.peak_bytes / GiB, f"{k}:peak_gib"), pct(o.headroom, f"{k}:headroom"),
+                pct(o.overhead.checkpoint_fraction, f"{k}:checkpoint_overhead"),
+                num(o.overhead.failures, f"{k}:failures"),
+                pct(o.overhead.failure_fraction, f"{k}:failure_overhead"),
+                text("met" if o.meets_compute_rule else f"{100 * o.estimate.compute_fraction:.0f}% < "
+                     f"{100 * req.min_compute_fraction:.0f}%")]
+        if req.deadline_s:
+            row.append(text("met" if o.meets_deadline else "missed"))
+        rows.append(row)
+        classes.append("chosen" if k == chosen else ("bad" if req.deadline_s and not o.meets_deadline else ""))
+    doc.table(Table(headers, rows, id="options", row_classes=classes,
+                    caption="days and GPU-hours include checkpoint writes and expected failures; "
+                            "ckpt and fail. overhead are shares of the pure training time"))
+    layouts = [[text(o.key), text(f"`{o.layout.short()}`", wide=True)] for o in fitting if o.layout]
+    doc.table(Table(["option", "the planner's best layout"], layouts, id="layouts"))
+    doc.figure("wall_clock", charts.option_bars(report.options, "wall_days", "days", "wall-clock time", chosen),
+               "Wall-clock days per option, including checkpoints and expected failures "
+               "(outlined: recommended; hatched: LoRA).")
+    metric, label = ("cost", "dollars") if req.priced else ("gpu_hours", "GPU-hours")
+    doc.figure("cost", charts.option_bars(report.options, metric, label, f"{label} per option", chosen),
+               f"{label.capitalize()} per option (the whole job, including overheads).")
+    doc.figure("memory", charts.memory_chart(report.options, PLANNING_MARGIN),
+               "Predicted peak memory per GPU as a share of usable memory; the dashed line is the planner's "
+               f"limit ({100 * (1 - PLANNING_MARGIN):.0f}%).")
+
+    doc.h2("Options that do not fit", id="refused-heading")
+    if refused or stuck:
+        rows = [[text(o.hardware), num(o.gpus), text(o.method), text(o.why_not, wide=True),
+                 text("; ".join(o.fixes) or "-", wide=True)] for o in refused]
+        rows += [[text(o.hardware), num(o.gpus), text(o.method),
+                  text("fits, but failures would come faster than the job progresses", wide=True), text("-")]
+                 for o in stuck]
+        doc.table(Table(["hardware", "GPUs", "method", "why", "the planner's nearest changes"], rows, id="refused"))
+    else:
+        doc.p("Every option fits.", id="refused")
+
+    # -- scaling -------------------------------------------------------------------------------
+    doc.h2("Scaling against ideal", id="scaling-heading")
+    doc.p(f"Scaling efficiency at n GPUs = (tokens/s per GPU at n) / (tokens/s per GPU at the smallest count that "
+          f"fits). The knee is the largest GPU count whose efficiency, and that of every tested count below it, "
+          f"stays at or above {100 * SCALING_EFFICIENCY_RULE:.0f}%: the source article's Amdahl rule (keep at least "
+          f"{100 * SCALING_EFFICIENCY_RULE:.0f}% of the work useful). Beyond the knee, more GPUs finish sooner but "
+          f"waste more than a fifth of what they cost. The global batch is held at {req.batch:,} sequences of "
+          f"{req.seq_len:,} tokens for every option, so the knee is only as fine as the GPU counts tested.")
+    rows = []
+    knees = []
+    for curve in report.scaling:
+        for gpus, tps, eff in curve.points:
+            k = f"{curve.hardware}/{gpus}/{curve.method}"
+            base_g, base_t = curve.points[0][0], curve.points[0][1]
+            rows.append([text(curve.hardware), text(curve.method), num(gpus), num(tps, f"{k}:tokens_per_s"),
+                         num(base_t * gpus / base_g, f"{k}:ideal_tokens_per_s"), pct(eff, f"{k}:efficiency"),
+                         text("knee" if gpus == curve.knee else "")])
+        if curve.knee is not None:
+            where = (f"{curve.knee} GPUs (every tested count kept {100 * SCALING_EFFICIENCY_RULE:.0f}%; the real knee "
+                     "may lie further out)" if curve.beyond_range else f"{curve.knee} GPUs")
+            knees.append(f"{curve.hardware}, {curve.method}: knee at {where}")
+    doc.table(Table(["hardware", "method", "GPUs", "tokens/s", "linear ideal", "efficiency", ""], rows, id="scaling"))
+    doc.bullets(knees, id="knees")
+    if report.scaling:
+        doc.figure("scaling", charts.scaling_chart(report.scaling, SCALING_EFFICIENCY_RULE),
+                   "Predicted throughput against GPUs with the linear ideal from the smallest fitting count; "
+                   "the ring marks the knee.")
+
+    # -- methods -------------------------------------------------------------------------------
+    if len(req.methods) > 1:
+        doc.h2("Full fine-tuning against LoRA", id="methods-heading")
+        base, others = req.methods[0], req.methods[1:]
+        rows = []
+        for hw in req.hardware:
+            for gpus in sorted(set(req.gpu_counts)):
+                by = {o.method: o for o in fitting if o.hardware == hw.name and o.gpus == gpus}
+                for other in others:
+                    a, b = by.get(base), by.get(other)
+                    if a is None and b is None:
+                        continue
+                    saving = (1 - b.gpu_hours / a.gpu_hours) if a and b else None
+                    share = (b.estimate.model.trainable_params / b.estimate.model.params) if b and b.estimate else None
+                    rows.append([text(hw.name), num(gpus), text(f"{base} vs {other}"),
+                                 num(a.wall_days, f"{a.key}:wall_days") if a else text("does not fit"),
+                                 num(a.gpu_hours, f"{a.key}:gpu_hours") if a else text("-"),
+                                 num(b.wall_days, f"{b.key}:wall_days") if b else text("does not fit"),
+                                 num(b.gpu_hours, f"{b.key}:gpu_hours") if b else text("-"),
+                                 pct(saving, f"{hw.name}/{gpus}/{other}:saving_vs_{base}") if saving is not None
+                                 else text("-"),
+                                 pct(share, f"{b.key}:trainable_share", 2) if share is not None else text("-")])
+        doc.table(Table(["hardware", "GPUs", "methods", f"{base} days", f"{base} GPU-h", "other days",
+                         "other GPU-h", "GPU-hours saved", "weights trained"], rows, id="methods"))
+        doc.p(f"{METHOD_WORDS.get(others[0], others[0])} trains small adapters and keeps the base weights frozen: it "
+              "needs far less memory and optimizer state, and usually a little less time per token, but it can "
+              "learn less than full fine-tuning; the report cannot judge quality, only cost.")
+        doc.figure("methods", charts.method_chart(report.options, req.methods),
+                   "GPU-hours of each method for every hardware and GPU count.")
+
+    # -- basis -----------------------------------------------------------------------------------
+    doc.h2("Assumptions and basis", id="assumptions")
+    basis = []
+    for hw in req.hardware:
+        if hw.source == "preset":
+            basis.append(f"{hw.name}: preset (datasheet peaks x assumed efficiencies, not measured): {hw.description}")
+        else:
+            basis.append(f"{hw.name}: measured profile `{hw.source}`")
+    model_src = "shipped preset config" if req.model.source == "preset" else f"config `{req.model.source}`"
+    items = [
+        f"Model: {req.model.name} ({model_src}), traced layer by layer under fake tensors (no weights loaded).",
+        *[f"Hardware basis: {b}." for b in basis],
+        f"Work: {work}{f' ({_tokens(tokens)} tokens)' if req.task else ''}; sequence length {req.seq_len:,}; "
+        f"global batch {req.batch:,} "
+        "sequences per optimizer step, the same for every option.",
+        f"Each option's plan is the planner's best layout (`advisor plan --method M --nodes N --gpus-per-node G "
+        f"--seq-len {req.seq_len} --global-batch {req.batch}`): throughput at steady state, memory under "
+        f"{100 * (1 - PLANNING_MARGIN):.0f}% of usable device memory.",
+        f"Failures: MTBF {req.mtbf_hours:,.0f} hours per node (assumed; large fleets report one failure per 1-3 "
+        f"thousand node-hours); expected failures = wall-clock hours x nodes / MTBF; each loses half a checkpoint "
+        f"interval of work plus a restart of {req.restart_s / 60:.0f} minutes (assumed: re-queue, reload, rebuild "
+        "communicators). Wall-clock time counts the failures' own time.",
+        f"Checkpoints: written at {req.checkpoint_write_gbs:g} GB/s per node (assumed"
+        + (", the planner's default" if req.checkpoint_write_gbs == CHECKPOINT_WRITE_GBS else "")
+        + "), trainable weights in fp32 with Adam moments plus frozen weights for full fine-tuning; interval from "
+        "Young's formula sqrt(2 x write time x job MTBF), at most the whole job; overhead = write time / interval.",
+        f"Compute rule: a layout should keep at least {100 * req.min_compute_fraction:.0f}% of every GPU's step in "
+        "computation; options that cannot are the fastest anyway and are flagged.",
+        (f"Prices ($ per GPU-hour): {', '.join(f'{k} {v:g}' for k, v in req.prices.items())}." if req.prices
+         else "Prices: none given; cost is in GPU-hours."),
+        f"Recommendation rule: within the deadline, the fastest option of the first method in --method "
+        f"({', '.join(req.methods)}) that costs at most {100 * (COST_SLACK - 1):.0f}% more than the cheapest "
+        "(the same 80% rule applied to money).",
+        "Not included: evaluation passes, data preparation, queueing before the job starts.",
+    ]
+    if req.deadline_s:
+        items.append(f"Deadline: {format_number(req.deadline_s / 86400)} days.")
+    doc.bullets(items, id="assumption-list")
+    if req.command:
+        doc.h2("Reproduce")
+        doc.code(req.command)
+    return doc
+
+

@@ -1,0 +1,447 @@
+"""The run report: what a training run did against what its plan predicted.
+
+Reads a run dir as the contract in shared/ARCHITECTURE.md describes it (plan.yaml, metrics.jsonl,
+events.jsonl, checkpoints/, summary.json) and tolerates any optional piece missing: a run that
+crashed has no summary, a hand-made dir may have only metrics. A torn last line of a JSON-lines
+file (a crash mid-write) is skipped and reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from advisor.errors import UsageError
+from advisor.plan import Plan, load_plan
+from advisor.specs import GiB
+from reports import charts
+from reports.document import Document, Table, format_number, num, pct, text
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    plan: Plan | None = None
+    plan_raw: dict[str, Any] | None = None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+    checkpoints: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes) found on disk
+    warnings: list[str] = field(default_factory=list)
+
+
+def _json_lines(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    records, bad = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            bad += 1
+    if bad:
+        warnings.append(f"{path.name}: skipped {bad} unreadable line{'s' if bad > 1 else ''}")
+    return records
+
+
+def _dir_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def read_run_dir(path: str | Path) -> RunData:
+    run_dir = Path(path)
+    if not run_dir.is_dir():
+        raise UsageError(f"run dir not found: {run_dir}")
+    data = RunData(run_dir=run_dir)
+    if not any((run_dir / name).exists() for name in ("plan.yaml", "metrics.jsonl", "events.jsonl", "summary.json")):
+        raise UsageError(f"{run_dir} is not a run dir: it has none of plan.yaml, metrics.jsonl, events.jsonl, "
+                         "summary.json")
+    plan_file = run_dir / "plan.yaml"
+    if plan_file.is_file():
+        try:
+            data.plan = load_plan(plan_file)
+        except UsageError as exc:  # another version's plan: keep what can be read
+            data.warnings.append(f"plan.yaml: {exc}")
+            try:
+                raw = yaml.safe_load(plan_file.read_text())
+                data.plan_raw = raw if isinstance(raw, dict) else None
+            except yaml.YAMLError:
+                pass
+    data.metrics = [m for m in _json_lines(run_dir / "metrics.jsonl", data.warnings) if "step" in m]
+    data.events = _json_lines(run_dir / "events.jsonl", data.warnings)
+    summary_file = run_dir / "summary.json"
+    if summary_file.is_file():
+        try:
+            summary = json.loads(summary_file.read_text())
+            data.summary = summary if isinstance(summary, dict) else None
+        except ValueError:
+            data.warnings.append("summary.json: unreadable (the run may have stopped while writing it)")
+    ckpt_dir = run_dir / "checkpoints"
+    if ckpt_dir.is_dir():
+        data.checkpoints = sorted(((p.name, _dir_bytes(p)) for p in ckpt_dir.iterdir()), key=lambda c: c[0])
+    return data
+
+
+# ------------------------------------------------------------------------------------------------
+# what the run did
+
+
+def _event_kind(event: dict[str, Any]) -> str:
+    return str(event.get("event") or event.get("type") or event.get("kind") or "")
+
+
+def _finite(values: list[Any]) -> list[float]:
+    return [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+
+
+@dataclass
+class Comparison:
+    name: str
+    key: str
+    unit: str
+    predicted: float | None
+    measured: float | None
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.predicted and self.measured is not None:
+            return self.measured / self.predicted
+        return None
+
+
+@dataclass
+class StageResult:
+    name: str
+    planned_steps: int | None
+    steps: int
+    first_loss: float | None
+    final_loss: float | None
+    min_loss: float | None
+    peak_lr: float | None
+    final_lr: float | None
+    tokens_per_s: float | None  # median
+    spikes: int
+    rollbacks: int
+    checkpoints: int
+
+
+@dataclass
+class RunAnalysis:
+    data: RunData
+    comparisons: list[Comparison]
+    stages: list[StageResult]
+    spikes: list[dict[str, Any]]
+    rollbacks: list[dict[str, Any]]
+    checkpoint_events: list[dict[str, Any]]
+    evals: dict[str, dict[str, float]]  # after stage -> skill -> eval loss
+    finished: bool | None
+    steps: int
+
+
+def _stage_names(data: RunData) -> list[str]:
+    names: list[str] = []
+    if data.plan and data.plan.task:
+        names = [s.name for s in data.plan.task.stages]
+    elif data.summary and isinstance(data.summary.get("stages"), list):
+        names = [str(s.get("name")) for s in data.summary["stages"] if isinstance(s, dict) and s.get("name")]
+    for m in data.metrics:  # stages the plan does not name (or no plan): in order of appearance
+        if m.get("stage") is not None and str(m["stage"]) not in names:
+            names.append(str(m["stage"]))
+    return names
+
+
+def _stage_at(step: Any, metrics: list[dict[str, Any]]) -> str | None:
+    """The stage that a step belongs to: the stage of the last logged step at or before it."""
+    if not isinstance(step, (int, float)):
+        return None
+    before = [m for m in metrics if m["step"] <= step]
+    after = [m for m in metrics if m["step"] > step]
+    pick = before[-1] if before else (after[0] if after else None)
+    return str(pick["stage"]) if pick and pick.get("stage") is not None else None
+
+
+def analyse(data: RunData) -> RunAnalysis:
+    summary = data.summary or {}
+    predicted = summary.get("predicted") if isinstance(summary.get("predicted"), dict) else {}
+    measured = summary.get("measured") if isinstance(summary.get("measured"), dict) else {}
+    plan_est = data.plan.chosen.estimate if data.plan else None
+    metrics = sorted(data.metrics, key=lambda m: m["step"])
+
+    def pick(source: dict[str, Any], key: str) -> float | None:
+        value = source.get(key)
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+    step_times = _finite([m.get("step_s") for m in metrics])
+    tps = _finite([m.get("tokens_per_s") for m in metrics])
+    pred_peak = pick(predicted, "peak_bytes") or (float(plan_est.memory.peak) if plan_est else None)
+    pred_step = pick(predicted, "step_s") or (plan_est.time.step_s if plan_est else None)
+    pred_tps = pick(predicted, "tokens_per_s") or (plan_est.throughput.tokens_per_s if plan_est else None)
+    meas_step = pick(measured, "step_s")
+    meas_tps = pick(measured, "tokens_per_s")
+    from_metrics = "median of metrics.jsonl"
+    comparisons = [
+        Comparison("peak memory", "peak_bytes", "GiB per device", pred_peak, pick(measured, "peak_bytes"),
+                   str(measured.get("peak_source") or "")),
+        Comparison("step time", "step_s", "s", pred_step,
+                   meas_step if meas_step is not None else (statistics.median(step_times) if step_times else None),
+                   "summary.json" if meas_step is not None else (from_metrics if step_times else "")),
+        Comparison("throughput", "tokens_per_s", "tokens/s", pred_tps,
+                   meas_tps if meas_tps is not None else (statistics.median(tps) if tps else None),
+                   "summary.json" if meas_tps is not None else (from_metrics if tps else "")),
+    ]
+
+    events = data.events
+    spikes = [e for e in events if "spike" in _event_kind(e)]
+    rollbacks = [e for e in events if "rollback" in _event_kind(e)]
+    checkpoint_events = [e for e in events if _event_kind(e) == "checkpoint"]
+    # the trainer's rollback names the checkpoint it returns to, not the stage: it belongs to the
+    # spike that caused it (the checkpoint may be the previous stage's last one), else to its step
+    last_spike_stage = None
+    for e in events:
+        if e in spikes:
+            last_spike_stage = e.get("stage")
+        elif e in rollbacks and e.get("stage") is None:
+            e["stage"] = last_spike_stage if last_spike_stage is not None else _stage_at(e.get("step"), metrics)
+
+    evals: dict[str, dict[str, float]] = {}
+    for e in events:
+        if _event_kind(e) == "eval" and isinstance(e.get("losses"), dict) and e.get("stage") is not None:
+            evals[str(e["stage"])] = {str(k): float(v) for k, v in e["losses"].items() if isinstance(v, (int, float))}
+    for s in summary.get("stages") or []:
+        if isinstance(s, dict) and s.get("name") and isinstance(s.get("eval"), dict) and s["eval"]:
+            evals.setdefault(str(s["name"]), {str(k): float(v) for k, v in s["eval"].items()
+                                               if isinstance(v, (int, float))})
+
+    planned = {s.name: s.steps for s in data.plan.stages} if data.plan else {}
+    stages = []
+    for name in _stage_names(data):
+        rows = [m for m in metrics if str(m.get("stage")) == name]
+        losses = _finite([m.get("loss") for m in rows])
+        lrs = _finite([m.get("lr") for m in rows])
+        stage_tps = _finite([m.get("tokens_per_s") for m in rows])
+        stages.append(StageResult(
+            name=name, planned_steps=planned.get(name), steps=len(rows),
+            first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
+            min_loss=min(losses) if losses else None, peak_lr=max(lrs) if lrs else None,
+            final_lr=lrs[-1] if lrs else None, tokens_per_s=statistics.median(stage_tps) if stage_tps else None,
+            spikes=sum(1 for e in spikes if str(e.get("stage")) == name),
+            rollbacks=sum(1 for e in rollbacks if str(e.get("stage")) == name),
+            checkpoints=sum(1 for e in checkpoint_events if str(e.get("stage")) == name)))
+
+    finished = summary.get("finished") if isinstance(summary.get("finished"), bool) else None
+    if finished is None and data.plan and data.plan.stages and stages:
+        ends = {str(e.get("stage")) for e in events if _event_kind(e) == "stage_end"}
+        finished = all(s.name in ends for s in data.plan.stages) if ends else None
+    steps = int(summary["steps"]) if isinstance(summary.get("steps"), int) else (
+        int(metrics[-1]["step"]) if metrics else 0)
+    return RunAnalysis(data=data, comparisons=comparisons, stages=stages, spikes=spikes, rollbacks=rollbacks,
+                       checkpoint_events=checkpoint_events, evals=evals, finished=finished, steps=steps)
+
+
+# ------------------------------------------------------------------------------------------------
+# the page
+
+
+def _scaled(c: Comparison, value: float | None) -> float | None:
+    if value is None:
+        return None
+    return value / GiB if c.unit.startswith("GiB") else value
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.3g} {unit}"
+    return f"{n:,.0f}"
+
+
+def _verdict(a: RunAnalysis) -> str:
+    parts = []
+    state = {True: "finished", False: "did not finish", None: "has no summary (still running, or it crashed)"}
+    planned = sum(s.planned_steps or 0 for s in a.stages)
+    parts.append(f"The run {state[a.finished]}: {a.steps:,} optimizer steps"
+                 + (f" of {planned:,} planned" if planned else "")
+                 + f", {len(a.spikes)} loss spike{'s' if len(a.spikes) != 1 else ''}, "
+                 f"{len(a.rollbacks)} rollback{'s' if len(a.rollbacks) != 1 else ''}.")
+    for c in a.comparisons:
+        if c.ratio is not None:
+            parts.append(f"Measured {c.name} is {100 * (c.ratio - 1):+.0f}% against the prediction "
+                         f"({format_number(_scaled(c, c.measured) or 0)} vs "
+                         f"{format_number(_scaled(c, c.predicted) or 0)}"
+                         f" {c.unit}).")
+    peak = a.comparisons[0]
+    if peak.note and "rss" in peak.note.lower():
+        parts.append("Peak memory on CPU is the process's resident set, which also counts Python and libraries: "
+                     "it over-reads tensor memory, so a measured peak above the prediction is expected there.")
+    return " ".join(parts)
+
+
+def run_document(a: RunAnalysis) -> Document:
+    data = a.data
+    plan = data.plan
+    raw_model = (data.plan_raw or {}).get("model")
+    title_model = plan.model.name if plan else (raw_model.get("name", "?") if isinstance(raw_model, dict) else "?")
+    doc = Document(f"Run report: {data.run_dir.name}",
+                   f"{title_model}; run dir {data.run_dir}")
+    doc.h2("Summary", id="summary-heading")
+    doc.callout(_verdict(a), id="verdict")
+    if data.warnings:
+        doc.bullets([f"warning: {w}" for w in data.warnings], id="warnings")
+
+    # -- predicted against measured --------------------------------------------------------------
+    doc.h2("Predicted against measured", id="comparison-heading")
+    rows = []
+    for c in a.comparisons:
+        rows.append([text(f"{c.name} ({c.unit})"), num(_scaled(c, c.predicted), f"predicted:{c.key}"),
+                     num(_scaled(c, c.measured), f"measured:{c.key}"), num(c.ratio, f"ratio:{c.key}")])
+    doc.table(Table(["quantity", "predicted", "measured", "ratio"], rows, id="comparison",
+                    caption="predicted: the plan's cost model for the layout that ran; ratio: measured / predicted"))
+    sources = [f"{c.name}: {c.note}" for c in a.comparisons if c.note and c.measured is not None]
+    if sources:
+        doc.p("Measured from " + "; ".join(sources) + ".", id="sources")
+    if any(c.predicted is not None or c.measured is not None for c in a.comparisons):
+        doc.figure("predicted_measured", charts.predicted_measured_chart(
+            [(f"{c.name} ({c.unit})", _scaled(c, c.predicted), _scaled(c, c.measured)) for c in a.comparisons]),
+            "Predicted and measured peak memory, step time and throughput.")
+
+    # -- stages ----------------------------------------------------------------------------------
+    doc.h2("Loss and learning rate per stage", id="stages-heading")
+    if a.stages:
+        rows = []
+        for s in a.stages:
+            k = f"stage:{s.name}"
+            rows.append([text(s.name), num(s.planned_steps, f"{k}:planned_steps"), num(s.steps, f"{k}:steps"),
+                         num(s.first_loss, f"{k}:first_loss"), num(s.final_loss, f"{k}:final_loss"),
+                         num(s.min_loss, f"{k}:min_loss"), num(s.peak_lr, f"{k}:peak_lr"),
+                         num(s.final_lr, f"{k}:final_lr"), num(s.tokens_per_s, f"{k}:tokens_per_s"),
+                         num(s.spikes, f"{k}:spikes"), num(s.rollbacks, f"{k}:rollbacks"),
+                         num(s.checkpoints, f"{k}:checkpoints")])
+        doc.table(Table(["stage", "planned steps", "steps", "first loss", "final loss", "min loss", "peak lr",
+                         "final lr", "tokens/s", "spikes", "rollbacks", "checkpoints"], rows, id="stages"))
+    metrics = sorted(data.metrics, key=lambda m: m["step"])
+    with_loss = [m for m in metrics if isinstance(m.get("loss"), (int, float))]
+    if with_loss:
+        spikes = [(int(e["step"]), float(e["loss"])) for e in a.spikes
+                  if isinstance(e.get("step"), (int, float)) and isinstance(e.get("loss"), (int, float))
+                  and math.isfinite(e["loss"])]
+        rollback_steps = [int(e["step"]) for e in a.rollbacks if isinstance(e.get("step"), (int, float))]
+        doc.figure("loss", charts.loss_chart([int(m["step"]) for m in with_loss], [float(m["loss"]) for m in with_loss],
+                                             [str(m.get("stage")) for m in with_loss], spikes, rollback_steps),
+                   "Training loss per optimizer step by stage; crosses are rejected spikes, dashed lines rollbacks.")
+    with_lr = [m for m in metrics if isinstance(m.get("lr"), (int, float))]
+    if with_lr:
+        doc.figure("lr", charts.lr_chart([int(m["step"]) for m in with_lr], [float(m["lr"]) for m in with_lr],
+                                         [str(m.get("stage")) for m in with_lr]),
+                   "Learning rate per optimizer step.")
+    if not metrics:
+        doc.p("No metrics.jsonl: the run logged no optimizer step.", id="no-metrics")
+
+    # -- spikes and rollbacks --------------------------------------------------------------------
+    doc.h2("Spikes and rollbacks", id="spikes-heading")
+    if a.spikes or a.rollbacks:
+        rows = []
+        for e in (e for e in data.events if e in a.spikes or e in a.rollbacks):  # in the order they happened
+            kind = _event_kind(e)
+            detail = (str(e.get("reason") or "") if kind == "spike" else
+                      f"to {e.get('to', '?')}" + (f", skipped data {e['skipped']}" if e.get("skipped") else "")
+                      + (f", lr x {e['lr_scale']:g}" if isinstance(e.get("lr_scale"), (int, float)) else ""))
+            rows.append([text(kind), num(e.get("step")), text(str(e.get("stage") or "-")),
+                         num(e.get("loss")) if isinstance(e.get("loss"), (int, float)) else text("-"),
+                         num(e.get("grad_norm")) if isinstance(e.get("grad_norm"), (int, float)) else text("-"),
+                         text(detail or "-", wide=True)])
+        doc.table(Table(["event", "step", "stage", "loss", "grad norm", "detail"], rows, id="spikes"))
+    else:
+        doc.p("No loss spikes, no rollbacks.", id="spikes")
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    doc.h2("Checkpoints", id="checkpoints-heading")
+    on_disk = dict(data.checkpoints)
+    if a.checkpoint_events:
+        rows = []
+        for e in a.checkpoint_events:
+            name = Path(str(e.get("path") or "")).name
+            size = on_disk.get(name)
+            rows.append([num(e.get("step")), text(str(e.get("stage") or "-")), text(str(e.get("reason") or "-")),
+                         text(str(e.get("path") or "-")),
+                         num(size / 2**20) if size is not None else text("pruned" if data.checkpoints else "-")])
+        doc.table(Table(["step", "stage", "reason", "path", "on disk (MiB)"], rows, id="checkpoints"))
+    if data.checkpoints:
+        doc.p(f"{len(data.checkpoints)} checkpoint{'s' if len(data.checkpoints) != 1 else ''} on disk in "
+              f"checkpoints/: " + ", ".join(f"{n} ({s / 2**20:,.1f} MiB)" for n, s in data.checkpoints) + ".",
+              id="checkpoints-on-disk")
+    elif not a.checkpoint_events:
+        doc.p("No checkpoints recorded.", id="checkpoints")
+
+    # -- evaluation --------------------------------------------------------------------------------
+    doc.h2("Per-skill evaluation", id="eval-heading")
+    if a.evals:
+        skills = list(dict.fromkeys(skill for losses in a.evals.values() for skill in losses))
+        after = list(a.evals)
+        rows = [[text(f"after {stage}")] + [num(a.evals[stage].get(skill), f"eval:{stage}:{skill}")
+                                            for skill in skills] for stage in after]
+        doc.table(Table(["eval loss"] + skills, rows, id="eval",
+                        caption="rows: when the evaluation ran; columns: the skill (stage) whose held-out data "
+                                "it used"))
+        forgetting = []
+        for skill in skills:
+            seen = [(stage, a.evals[stage][skill]) for stage in after if skill in a.evals[stage]]
+            if len(seen) > 1:
+                best_stage, best = min(seen, key=lambda x: x[1])
+                last_stage, last = seen[-1]
+                if last > best * 1.02:
+                    forgetting.append(f"{skill}: eval loss rose from {format_number(best)} (after {best_stage}) to "
+                                      f"{format_number(last)} (after {last_stage}): forgetting")
+        doc.bullets(forgetting, id="forgetting")
+        doc.figure("eval", charts.eval_chart(after, skills, {(st, sk): v for st, d in a.evals.items()
+                                                           for sk, v in d.items()}),
+                   "Eval loss of each skill after each stage; a bar that grows in later stages is forgetting.")
+    else:
+        doc.p("No evaluation results in events.jsonl or summary.json.", id="eval")
+
+    # -- the plan that ran -----------------------------------------------------------------------
+    doc.h2("The plan that ran", id="plan-heading")
+    if plan:
+        est = plan.chosen.estimate
+        doc.table(Table(["", "plan.yaml"], [
+            [text("model"), text(f"{plan.model.name} ({_count(est.model.params)} parameters, "
+                                 f"{_count(est.model.trainable_params)} trainable)", wrap=True)],
+            [text("hardware"), text(f"{plan.nodes} x {plan.gpus_per_node} {plan.hardware.name} "
+                                    f"({plan.hardware.source})")],
+            [text("layout"), text(f"`{plan.chosen.layout.short()}`", wide=True)],
+            [text("why"), text(plan.chosen.why, wide=True)],
+            [text("task"), text(plan.task.name if plan.task else "-")],
+        ], id="plan"))
+        if plan.stages:
+            rows = [[text(s.name), text(s.method), num(s.devices), num(s.tokens), num(s.steps),
+                     num(s.step_s), num(s.checkpoint_every_steps), pct(s.overhead_fraction),
+                     text("; ".join(s.flags) or "-", wrap=True)] for s in plan.stages]
+            doc.table(Table(["stage", "method", "devices", "tokens", "steps", "step s", "ckpt every", "overhead",
+                             "flags"], rows, id="plan-stages"))
+        doc.bullets([f"note: {n}" for n in plan.notes])
+    elif data.plan_raw:
+        doc.p("plan.yaml could not be read as a plan of this version; its layout: "
+              f"`{json.dumps((data.plan_raw.get('chosen') or {}).get('layout', {}))}`", id="plan")
+    else:
+        doc.p("No plan.yaml in the run dir.", id="plan")
+    return doc
+
+
+def run_report(path: str | Path) -> tuple[RunAnalysis, Document]:
+    analysis = analyse(read_run_dir(path))
+    return analysis, run_document(analysis)
