@@ -27,7 +27,7 @@ CONFIG = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "nu
 WORDS = "the cat sat on a mat and dog ran to big red house with green tree".split()
 
 
-def write_task(root: Path, steps: int = 6, checkpoint_every: int | None = None) -> Path:
+def write_task(root: Path, steps: int = 6, checkpoint_every: int | None = None, repetitive: bool = False) -> Path:
     rng = random.Random(0)
     data = root / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -37,7 +37,10 @@ def write_task(root: Path, steps: int = 6, checkpoint_every: int | None = None) 
             for _ in range(rows):
                 f.write(json.dumps({"text": make()}) + "\n")
 
-    jsonl("lang.jsonl", 200, lambda: " ".join(rng.choice(WORDS) for _ in range(30)))
+    if repetitive:  # learnable to a low loss in a few dozen steps: a noise batch then stands out clearly
+        jsonl("lang.jsonl", 200, lambda: "the cat sat on the mat. " * 6)
+    else:
+        jsonl("lang.jsonl", 200, lambda: " ".join(rng.choice(WORDS) for _ in range(30)))
     jsonl("lang_eval.jsonl", 20, lambda: " ".join(rng.choice(WORDS) for _ in range(30)))
     jsonl("math.jsonl", 200, lambda: " ".join(f"{a}+{b}={a + b}" for a, b in
                                               ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(8))))
@@ -57,8 +60,8 @@ stages:
 
 
 def make_plan_file(root: Path, devices: int = 1, steps: int = 6, checkpoint_every: int | None = None,
-                   layout_fields: dict | None = None) -> Path:
-    task = load_task(str(write_task(root, steps)))
+                   layout_fields: dict | None = None, repetitive: bool = False) -> Path:
+    task = load_task(str(write_task(root, steps, repetitive=repetitive)))
     plan = make_plan(PlanOptions(model=ModelSpec(name="tiny", hf_config=CONFIG), hardware=load_hardware("cpu"),
                                  gpus_per_node=devices, task=task, min_compute_fraction=0.0))
     if layout_fields:
@@ -102,7 +105,7 @@ def test_stage_ends_checkpoint_and_learning_rate_rewarms(tmp_path) -> None:
 def test_poisoned_batch_rolls_back_skips_and_finishes(tmp_path, monkeypatch) -> None:
     import trainer.stream as stream
 
-    plan = load_plan(make_plan_file(tmp_path, steps=30, checkpoint_every=5))
+    plan = load_plan(make_plan_file(tmp_path, steps=30, checkpoint_every=5, repetitive=True))
     poisoned_step = 27  # optimizer step (1-based) of the first stage whose batch is noise
     original = stream.StageStream.global_batch
     per_step = plan.chosen.layout.global_batch

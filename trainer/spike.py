@@ -17,18 +17,23 @@ from dataclasses import dataclass, field
 
 @dataclass
 class _RunningStat:
+    """Exponential moving mean, and a noise scale from successive differences: a falling loss
+    (the normal trend early in a stage) does not inflate it, as a deviation from the mean would."""
+
     decay: float
     mean: float = 0.0
-    var: float = 0.0
+    var: float = 0.0  # EMA of (x_t - x_{t-1})^2 / 2: the step-to-step noise variance
+    last: float = 0.0
     count: int = 0
 
     def update(self, value: float) -> None:
         if self.count == 0:
-            self.mean, self.var = value, 0.0
+            self.mean = value
         else:
-            delta = value - self.mean
-            self.mean += (1 - self.decay) * delta
-            self.var = self.decay * (self.var + (1 - self.decay) * delta * delta)
+            self.mean = self.decay * self.mean + (1 - self.decay) * value
+            diff2 = (value - self.last) ** 2 / 2
+            self.var = diff2 if self.count == 1 else self.decay * self.var + (1 - self.decay) * diff2
+        self.last = value
         self.count += 1
 
     @property
@@ -43,7 +48,7 @@ class SpikeGuard:
     loss_ratio: float = 1.5
     grad_sigmas: float = 8.0
     grad_ratio: float = 3.0
-    decay: float = 0.95
+    decay: float = 0.8  # ~5-step memory: the reference follows a falling loss closely
     loss: _RunningStat = field(init=False)
     grad: _RunningStat = field(init=False)
 
