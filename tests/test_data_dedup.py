@@ -1,0 +1,154 @@
+"""Duplicates planted in a generated corpus are all removed, and nothing else is.
+
+The truth is the generator's own labels, checked by brute force: every planted near duplicate is
+within 5-word-shingle Jaccard >= 0.9 of its original, every other pair of kept documents below 0.6.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from functools import lru_cache
+from itertools import combinations
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from advisor.task import load_task
+from trainer.data.dedup import DocumentHasher, MinHashParams, candidate_probability, words
+from trainer.data.prepare import prepare
+from trainer.data.shards import load_shard
+
+SHINGLE = 5
+
+
+@lru_cache(maxsize=None)
+def shingles(text: str) -> frozenset[tuple[str, ...]]:
+    ws = words(text)
+    return frozenset(tuple(ws[i:i + SHINGLE]) for i in range(max(1, len(ws) - SHINGLE + 1)))
+
+
+def jaccard(a: str, b: str) -> float:
+    sa, sb = shingles(a), shingles(b)
+    return len(sa & sb) / len(sa | sb)
+
+
+def planted_corpus(seed: int = 7) -> tuple[list[dict], list[dict], dict[str, set[tuple[str, int]]]]:
+    """(train rows of two files, eval rows, labels): originals, hard negatives (about half the words
+    changed: similar but not duplicates), exact copies, case/whitespace variants, one-word edits of
+    long documents, a copy in the other file, and copies of eval documents (contamination)."""
+    rng = random.Random(seed)
+    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9))) for _ in range(4000)]
+
+    def doc(n: int) -> str:
+        return " ".join(rng.choice(vocab) for _ in range(n)).capitalize() + "."
+
+    eval_rows = [{"text": doc(rng.randint(40, 80)), "id": f"eval{i}"} for i in range(20)]
+    files: list[list[dict]] = [[], []]
+    labels: dict[str, set[tuple[str, int]]] = {"exact": set(), "near": set(), "kept": set()}
+    originals: list[str] = []
+
+    def add(file: int, text: str, label: str) -> None:
+        files[file].append({"text": text})
+        labels[label].add((f"a{file}.jsonl", len(files[file]) - 1))
+
+    for _ in range(120):
+        text = doc(rng.randint(100, 140))  # one changed word keeps 5-word-shingle Jaccard >= 0.9
+        originals.append(text)
+        add(0, text, "kept")
+    for _ in range(20):  # hard negatives: every second word replaced
+        ws = rng.choice(originals).split()
+        add(0, " ".join(w if i % 2 else rng.choice(vocab) for i, w in enumerate(ws)), "kept")
+    for i in range(15):
+        add(0, originals[i], "exact")
+    for i in range(15, 25):  # case and whitespace changes only
+        add(0, "  " + originals[i].upper().replace(" ", "   \n"), "exact")
+    for i in range(25, 45):  # one word changed in a long document
+        ws = originals[i].split()
+        ws[len(ws) // 2] = "zzplanted"
+        add(0, " ".join(ws), "near")
+    for i in range(45, 55):  # the same document in the second file
+        add(1, originals[i], "exact")
+    for i in range(5):  # an eval document in the train data
+        add(1, eval_rows[i]["text"], "exact")
+    for _ in range(30):
+        add(1, doc(rng.randint(50, 90)), "kept")
+    return files[0] + [{"__file__": 1}] + files[1], eval_rows, labels
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("dedup")
+    rows, eval_rows, labels = planted_corpus()
+    cut = rows.index({"__file__": 1})
+    write_jsonl(tmp / "a0.jsonl", rows[:cut])
+    write_jsonl(tmp / "a1.jsonl", rows[cut + 1:])
+    write_jsonl(tmp / "held_out.jsonl", eval_rows)
+    task = {"name": "dedup", "model": "demo-tiny", "seq_len": 512,
+            "data": {"filters": {"min_tokens": 1}},
+            "stages": [{"name": "only", "tokens": 1000,
+                        "sources": [{"path": "a0.jsonl"}, {"path": "a1.jsonl"}],
+                        "eval_sources": [{"path": "held_out.jsonl"}]}]}
+    (tmp / "task.yaml").write_text(yaml.safe_dump(task))
+    out, manifest = prepare(load_task(str(tmp / "task.yaml")))
+    texts = {("a0.jsonl", i): r["text"] for i, r in enumerate(rows[:cut])}
+    texts |= {("a1.jsonl", i): r["text"] for i, r in enumerate(rows[cut + 1:])}
+    return out, manifest, labels, texts, eval_rows
+
+
+def kept_rows(out: Path, manifest: dict, split: str = "train") -> set[tuple[str, int]]:
+    kept = set()
+    for shard in manifest["stages"][0][split]["shards"]:
+        ds = load_shard(out / shard["path"])
+        kept |= {(s, r) for s, r in zip(ds["source"], ds["row"])}
+    return kept
+
+
+def test_planted_labels_hold_by_brute_force(prepared) -> None:
+    _, _, labels, texts, eval_rows = prepared
+    originals = [texts[k] for k in sorted(labels["kept"])]
+    for key in labels["near"]:
+        assert max(jaccard(texts[key], o) for o in originals) >= 0.9
+    for a, b in combinations(sorted(labels["kept"]), 2):
+        assert jaccard(texts[a], texts[b]) < 0.6, (a, b)
+    for key in labels["kept"]:
+        assert all(jaccard(texts[key], e["text"]) < 0.6 for e in eval_rows)
+
+
+def test_all_planted_duplicates_are_removed_and_nothing_else(prepared) -> None:
+    out, manifest, labels, _, _ = prepared
+    assert kept_rows(out, manifest) == labels["kept"]
+    dropped = manifest["stages"][0]["train"]["dropped"]
+    assert dropped == {"exact_duplicate": len(labels["exact"]), "near_duplicate": len(labels["near"])}
+
+
+def test_eval_documents_are_kept_and_decontaminate_train(prepared) -> None:
+    out, manifest, _, _, eval_rows = prepared
+    assert kept_rows(out, manifest, "eval") == {("held_out.jsonl", i) for i in range(len(eval_rows))}
+
+
+def test_minhash_estimates_jaccard_and_lsh_follows_the_s_curve() -> None:
+    rng = random.Random(3)
+    vocab = [f"w{i}" for i in range(500)]
+    hasher = DocumentHasher(MinHashParams(num_perm=256, bands=16, shingle_words=SHINGLE))
+    base = [rng.choice(vocab) for _ in range(200)]
+    for changed in (5, 20, 60, 120):
+        other = list(base)
+        for i in rng.sample(range(200), changed):
+            other[i] = rng.choice(vocab)
+        a, b = " ".join(base), " ".join(other)
+        sig = hasher.signatures([words(a), words(b)])
+        estimate = float((sig[0] == sig[1]).mean())
+        # standard error of the estimate is sqrt(J(1-J)/k) <= 0.031 for k=256: allow 4 of them
+        assert abs(estimate - jaccard(a, b)) < 0.125, changed
+    assert candidate_probability(0.9, 16, 8) > 0.999 and candidate_probability(0.3, 16, 8) < 0.002
+    # a batch gives each document the signature it gets alone
+    docs = [words(" ".join(rng.choice(vocab) for _ in range(n))) for n in (0, 1, 4, 5, 6, 50)]
+    together = hasher.signatures(docs)
+    assert all(np.array_equal(together[i], hasher.signatures([d])[0]) for i, d in enumerate(docs))

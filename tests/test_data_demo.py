@@ -1,0 +1,117 @@
+"""The embedded demo's data: deterministic, correct answers, sized to demo.yaml, and its tokenizer.
+
+Truths: Python itself recomputes every arithmetic answer and every instruction's response; the
+token budgets come from presets/tasks/demo.yaml; demo-tiny's vocab_size from its preset.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from advisor.cli import app
+from advisor.task import load_task
+from presets import load_model
+from trainer.data.demo_corpus import DEMO_FILES, generate_demo_corpus, iter_documents
+from trainer.data.tokenizer import TOKENIZERS_DIR, load_demo_tokenizer, train_demo_tokenizer
+
+SCALE = 0.25
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("demo")
+    result = CliRunner().invoke(app, ["data", "generate-demo", "--out", str(folder), "--scale", str(SCALE)])
+    assert result.exit_code == 0, result.output
+    return folder
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_path_of_the_demo_task_is_generated(demo_dir: Path) -> None:
+    task = load_task(str(demo_dir / "task.yaml"))
+    assert [s.name for s in task.stages] == ["language", "reasoning", "instructions", "mixed"]
+    for stage in task.stages:
+        for source in [*stage.sources, *stage.eval_sources]:
+            assert (demo_dir / source.path).is_file(), source.path
+
+
+def test_generation_is_deterministic_in_the_seed(tmp_path: Path, demo_dir: Path) -> None:
+    generate_demo_corpus(tmp_path / "again", seed=0, scale=SCALE, write_task=False)
+    generate_demo_corpus(tmp_path / "other", seed=1, scale=SCALE, write_task=False)
+    for name in DEMO_FILES:
+        same = (tmp_path / "again" / "data" / name).read_bytes()
+        assert same == (demo_dir / "data" / name).read_bytes()
+        assert same != (tmp_path / "other" / "data" / name).read_bytes()
+
+
+def test_arithmetic_answers_and_steps_are_right(demo_dir: Path) -> None:
+    rows = read(demo_dir / "data" / "arithmetic.jsonl")
+    assert {r["steps"] for r in rows} == {1, 2, 3, 4}
+    for row in rows:
+        question, answer = re.fullmatch(r"Q: (.+)=\? A: (.+)", row["text"]).groups()
+        assert question.count("+") + question.count("-") + question.count("*") == row["steps"]
+        final = int(answer) if row["steps"] == 1 else int(re.search(r"The answer is (-?\d+)\.$", answer).group(1))
+        assert final == eval(question)  # noqa: S307 - digits and + - * ( ) only
+        for a, op, b, result in re.findall(r"(\d+)([+*-])(\d+)=(-?\d+)\.", answer):
+            assert eval(f"{a}{op}{b}") == int(result)  # noqa: S307
+
+
+def test_instruction_responses_are_right(demo_dir: Path) -> None:
+    rows = read(demo_dir / "data" / "instructions.jsonl") + read(demo_dir / "data" / "mixed.jsonl")
+    assert {r["kind"] for r in rows} == {"reverse", "uppercase", "count", "first_letters", "sort", "repeat"}
+    for row in rows:
+        instruction, response = re.fullmatch(r"Instruction: (.+)\nResponse: (.*)", row["text"]).groups()
+        quoted = re.findall(r"'([^']*)'", instruction)
+        kind = row["kind"]
+        if kind == "reverse":
+            assert response == quoted[0][::-1]
+        elif kind == "uppercase":
+            assert response == quoted[0].upper()
+        elif kind == "count":
+            assert int(response) == quoted[1].count(quoted[0])
+        elif kind == "first_letters":
+            assert response == "".join(w[0] for w in quoted[0].split())
+        elif kind == "sort":
+            assert response.split() == sorted(quoted[0].split())
+        else:
+            times = {"two": 2, "three": 3, "four": 4}[re.search(r"(two|three|four) times", instruction).group(1)]
+            assert response == " ".join([quoted[0]] * times)
+
+
+def test_train_files_hold_about_the_stage_budgets(demo_dir: Path) -> None:
+    """One pass over each stage's own data is its budget (mixed: 40% of it, replay brings the rest)."""
+    tok = load_demo_tokenizer()
+    task = load_task(str(demo_dir / "task.yaml"))
+    for stage in task.stages:
+        texts = [r["text"] for s in stage.sources for r in read(demo_dir / s.path)]
+        tokens = sum(len(ids) + 1 for ids in tok(texts, add_special_tokens=False)["input_ids"])
+        expected = stage.tokens * (1 - sum(stage.replay.values())) * SCALE
+        assert tokens == pytest.approx(expected, rel=0.15), stage.name
+        for source in stage.eval_sources:
+            eval_texts = [r["text"] for r in read(demo_dir / source.path)]
+            eval_tokens = sum(len(ids) + 1 for ids in tok(eval_texts, add_special_tokens=False)["input_ids"])
+            assert eval_tokens >= stage.eval_tokens * SCALE
+
+
+def test_demo_tokenizer_fits_demo_tiny_and_round_trips() -> None:
+    tok = load_demo_tokenizer()
+    assert len(tok) == load_model("demo-tiny").hf_config["vocab_size"] == 2048
+    assert tok.eos_token == "<|endoftext|>" and tok.pad_token_id is not None
+    samples = [next(iter_documents(name))["text"] for name in DEMO_FILES] + ["naïve café, 日本語 🙂\t\n  x"]
+    for text in samples:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert max(ids) < 2048 and tok.decode(ids) == text
+    language = next(iter_documents("language.jsonl"))["text"]
+    assert len(tok(language)["input_ids"]) < len(language.encode()) / 3  # BPE merges: far fewer ids than bytes
+
+
+def test_shipped_tokenizer_is_what_the_code_trains(tmp_path: Path) -> None:
+    train_demo_tokenizer(tmp_path)
+    assert (tmp_path / "tokenizer.json").read_bytes() == (TOKENIZERS_DIR / "demo-tiny" / "tokenizer.json").read_bytes()

@@ -1,0 +1,255 @@
+"""The embedded demo's curriculum data, generated offline and deterministically from a seed.
+
+Three sub-tasks, as the source article orders them:
+- general language: English-like paragraphs from a small grammar and vocabulary shipped here,
+  with a long-tailed number of sentences per paragraph;
+- arithmetic reasoning: multi-step problems with worked steps, graded by the number of steps
+  (field `steps`, 1 to 4);
+- instruction following: reverse, uppercase, count a letter, first letters, sort words, repeat
+  (field `kind`); the mixed stage gets fresh instructions of its own (mixed.jsonl).
+Each has a train file and an eval file (drawn from another random stream), written as jsonl under
+`<out>/data/`, the paths `presets/tasks/demo.yaml` names relative to its base_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from advisor.errors import UsageError
+
+# --- a small English-like grammar -------------------------------------------------------------------
+
+NAMES = ["Anna", "Ben", "Clara", "David", "Emma", "Felix", "Grace", "Hugo", "Iris", "Jack", "Lena", "Max",
+         "Nora", "Oscar", "Paula", "Sam", "Tara", "Victor", "Wendy", "Zoe"]
+DETERMINERS = ["the", "a", "this", "that", "every", "one", "some", "my", "your", "our"]
+ADJECTIVES = ["small", "big", "old", "young", "red", "blue", "green", "quiet", "loud", "happy", "sad", "bright",
+              "dark", "warm", "cold", "quick", "slow", "gentle", "brave", "clever", "tired", "busy", "little",
+              "tall", "short", "soft", "hard", "new", "strange", "friendly", "wild", "calm", "heavy", "light",
+              "sweet", "sharp", "round", "golden", "silver", "wooden"]
+NOUNS = ["cat", "dog", "bird", "fish", "horse", "child", "teacher", "farmer", "doctor", "baker", "sailor",
+         "king", "queen", "friend", "neighbour", "student", "house", "garden", "river", "forest", "mountain",
+         "village", "city", "road", "bridge", "boat", "train", "window", "door", "table", "chair", "book",
+         "letter", "song", "story", "picture", "apple", "bread", "cake", "cup", "lamp", "box", "key", "ball",
+         "tree", "flower", "stone", "cloud", "star", "moon", "sun", "field", "lake", "shop", "school",
+         "market", "kitchen", "ship", "castle", "island"]
+PLACES = ["garden", "forest", "village", "city", "river", "market", "kitchen", "school", "park", "harbour",
+          "library", "station", "castle", "island", "valley", "bakery"]
+# (third person present, past)
+INTRANSITIVE = [("sleeps", "slept"), ("runs", "ran"), ("sings", "sang"), ("laughs", "laughed"),
+                ("waits", "waited"), ("smiles", "smiled"), ("walks", "walked"), ("jumps", "jumped"),
+                ("rests", "rested"), ("dances", "danced"), ("works", "worked"), ("plays", "played"),
+                ("listens", "listened"), ("wanders", "wandered"), ("shines", "shone")]
+TRANSITIVE = [("sees", "saw"), ("finds", "found"), ("likes", "liked"), ("carries", "carried"),
+              ("paints", "painted"), ("opens", "opened"), ("builds", "built"), ("reads", "read"),
+              ("watches", "watched"), ("cleans", "cleaned"), ("follows", "followed"), ("helps", "helped"),
+              ("remembers", "remembered"), ("brings", "brought"), ("visits", "visited"), ("draws", "drew"),
+              ("holds", "held"), ("loves", "loved"), ("sells", "sold"), ("buys", "bought")]
+ADVERBS = ["slowly", "quickly", "quietly", "happily", "carefully", "often", "softly", "always", "today",
+           "again", "together", "alone", "early", "late", "gladly"]
+PREPOSITIONS = ["in", "near", "behind", "under", "over", "beside", "through", "across", "around", "inside"]
+CONNECTIVES = ["and", "but", "because", "so", "while", "when", "after", "before"]
+OPENERS = ["One morning", "Later", "In the evening", "Then", "After a while", "Every day", "Long ago",
+           "That night", "Suddenly", "At noon"]
+
+
+def _noun_phrase(rng: random.Random) -> str:
+    if rng.random() < 0.2:
+        return rng.choice(NAMES)
+    words = [rng.choice(DETERMINERS)]
+    for _ in range(rng.choice((0, 0, 1, 1, 2))):
+        words.append(rng.choice(ADJECTIVES))
+    words.append(rng.choice(NOUNS))
+    return " ".join(words)
+
+
+def _clause(rng: random.Random, past: bool) -> str:
+    subject = _noun_phrase(rng)
+    form = 1 if past else 0
+    shape = rng.random()
+    if shape < 0.35:
+        verb = rng.choice(INTRANSITIVE)[form]
+        parts = [subject, verb]
+        if rng.random() < 0.4:
+            parts.append(rng.choice(ADVERBS))
+        if rng.random() < 0.5:
+            parts += [rng.choice(PREPOSITIONS), "the", rng.choice(PLACES)]
+    else:
+        verb = rng.choice(TRANSITIVE)[form]
+        parts = [subject, verb, _noun_phrase(rng)]
+        if rng.random() < 0.35:
+            parts += [rng.choice(PREPOSITIONS), _noun_phrase(rng)]
+        if rng.random() < 0.2:
+            parts.append(rng.choice(ADVERBS))
+    return " ".join(parts)
+
+
+def sentence(rng: random.Random, past: bool) -> str:
+    text = _clause(rng, past)
+    if rng.random() < 0.3:
+        text = f"{text} {rng.choice(CONNECTIVES)} {_clause(rng, past)}"
+    if rng.random() < 0.15:
+        text = f"{rng.choice(OPENERS)}, {text}"
+    text = text[0].upper() + text[1:]
+    return text + ("!" if rng.random() < 0.05 else ".")
+
+
+def paragraph_sentences(rng: random.Random) -> int:
+    """Long-tailed: lognormal, median about 4 sentences, a few paragraphs of 40 and more."""
+    return max(1, min(60, int(round(rng.lognormvariate(1.4, 0.75)))))
+
+
+def language_document(rng: random.Random) -> dict:
+    past = rng.random() < 0.5
+    return {"text": " ".join(sentence(rng, past) for _ in range(paragraph_sentences(rng)))}
+
+
+# --- arithmetic reasoning -----------------------------------------------------------------------------
+
+def arithmetic_problem(rng: random.Random, steps: int) -> dict:
+    """`steps` operations applied left to right, with the worked steps in the answer."""
+    top = (999, 500, 200, 100)[min(steps, 4) - 1]
+    value = rng.randint(2, top)
+    expression = str(value)
+    worked = []
+    for _ in range(steps):
+        op = rng.choice("+-*") if steps > 1 else rng.choice("+-")
+        operand = rng.randint(2, 9) if op == "*" else rng.randint(2, top)
+        if op == "-" and operand > value:
+            op = "+"
+        result = value + operand if op == "+" else value - operand if op == "-" else value * operand
+        worked.append(f"{value}{op}{operand}={result}.")
+        expression = f"({expression}){op}{operand}" if len(worked) > 1 else f"{expression}{op}{operand}"
+        value = result
+    if steps == 1:
+        text = f"Q: {expression}=? A: {value}"
+    else:
+        text = f"Q: {expression}=? A: {' '.join(worked)} The answer is {value}."
+    return {"text": text, "steps": steps}
+
+
+def arithmetic_document(rng: random.Random) -> dict:
+    return arithmetic_problem(rng, rng.choices((1, 2, 3, 4), weights=(4, 3, 2, 1))[0])
+
+
+# --- instruction following ----------------------------------------------------------------------------
+
+def _phrase(rng: random.Random) -> str:
+    """Mostly three or four words, so that instructions rarely repeat exactly."""
+    size = rng.choices((1, 2, 3, 4), weights=(1, 3, 4, 2))[0]
+    if size == 1:
+        return rng.choice(NOUNS + ADJECTIVES + PLACES)
+    words = [rng.choice(ADJECTIVES) for _ in range(size - 1)] + [rng.choice(NOUNS)]
+    if size == 4 and rng.random() < 0.5:
+        words = [rng.choice(ADJECTIVES), rng.choice(NOUNS), rng.choice(PREPOSITIONS), rng.choice(PLACES)]
+    return " ".join(words)
+
+
+def instruction_document(rng: random.Random) -> dict:
+    kind = rng.choice(("reverse", "uppercase", "count", "first_letters", "sort", "repeat"))
+    phrase = _phrase(rng)
+    noun = "word" if " " not in phrase else "text"
+    if kind == "reverse":
+        instruction, response = f"reverse the {noun} '{phrase}'.", phrase[::-1]
+    elif kind == "uppercase":
+        instruction, response = f"write '{phrase}' in uppercase.", phrase.upper()
+    elif kind == "count":
+        letter = rng.choice(phrase.replace(" ", ""))
+        instruction, response = f"count the letter '{letter}' in '{phrase}'.", str(phrase.count(letter))
+    elif kind == "first_letters":
+        sentence_words = _clause(rng, past=False).split()
+        phrase = " ".join(sentence_words)
+        instruction, response = f"give the first letter of each word in '{phrase}'.", "".join(w[0] for w in sentence_words)
+    elif kind == "sort":
+        items = rng.sample(NOUNS, rng.randint(3, 6))
+        instruction, response = f"sort the words '{' '.join(items)}' alphabetically.", " ".join(sorted(items))
+    else:
+        times = rng.randint(2, 4)
+        instruction = f"repeat the {noun} '{phrase}' {('two', 'three', 'four')[times - 2]} times."
+        response = " ".join([phrase] * times)
+    return {"text": f"Instruction: {instruction}\nResponse: {response}", "kind": kind}
+
+
+# --- files --------------------------------------------------------------------------------------------
+
+Generator = Callable[[random.Random], dict]
+
+DEMO_FILES: dict[str, tuple[Generator, int]] = {
+    # name: (document generator, random stream salt); the mixed stage gets fresh instructions
+    "language.jsonl": (language_document, 1),
+    "language_eval.jsonl": (language_document, 2),
+    "arithmetic.jsonl": (arithmetic_document, 3),
+    "arithmetic_eval.jsonl": (arithmetic_document, 4),
+    "instructions.jsonl": (instruction_document, 5),
+    "instructions_eval.jsonl": (instruction_document, 6),
+    "mixed.jsonl": (instruction_document, 7),
+}
+# mean tokens per document with the demo-tiny tokenizer, end of text included (measured on 35k+ each)
+TOKENS_PER_DOCUMENT = {language_document: 56.3, arithmetic_document: 27.3, instruction_document: 22.3}
+# extra documents for the share that deduplication removes (short instructions repeat; mixed.jsonl
+# also repeats some of instructions.jsonl)
+DUPLICATE_ALLOWANCE = {"instructions.jsonl": 0.03, "mixed.jsonl": 0.05}
+EVAL_MARGIN = 1.1  # an eval file holds a little more than the stage's eval_tokens
+# what the shipped tokenizer (presets/tokenizers/demo-tiny) was trained on: fixed, so that it can be
+# rebuilt byte for byte whatever the task budgets become
+TOKENIZER_TRAINING_DOCUMENTS = {"language.jsonl": 8_900, "arithmetic.jsonl": 9_200, "instructions.jsonl": 6_125}
+
+
+def demo_document_counts(task: Any = None) -> dict[str, int]:
+    """Documents per file, sized from the task's budgets (default: presets/tasks/demo.yaml): one pass
+    over a stage's train data, after deduplication, is about its token budget less its replay share,
+    and an eval file holds a little over the stage's eval_tokens."""
+    if task is None:
+        from advisor.task import load_task
+
+        task = load_task("demo")
+    counts: dict[str, int] = {}
+    for stage in task.stages:
+        for source, tokens, margin in (
+            [(s, (stage.tokens or 0) * (1 - sum(stage.replay.values())) / len(stage.sources), None)
+             for s in stage.sources] + [(s, stage.eval_tokens, EVAL_MARGIN) for s in stage.eval_sources]):
+            name = Path(source.path).name
+            if name not in DEMO_FILES:
+                raise UsageError(f"the demo generator makes {', '.join(DEMO_FILES)}; it has no '{name}'")
+            per_document = TOKENS_PER_DOCUMENT[DEMO_FILES[name][0]]
+            factor = margin if margin is not None else 1 + DUPLICATE_ALLOWANCE.get(name, 0.0)
+            counts[name] = max(counts.get(name, 0), math.ceil(tokens * factor / per_document), 1)
+    return counts
+
+
+def iter_documents(name: str, seed: int = 0, count: int = 1) -> Iterator[dict]:
+    generator, salt = DEMO_FILES[name]
+    rng = random.Random(seed * 1_000_003 + salt)
+    prefix = name.split(".")[0]
+    for i in range(count):
+        yield {"id": f"{prefix}-{i:06d}", **generator(rng)}
+
+
+def generate_demo_corpus(base_dir: Path, seed: int = 0, scale: float = 1.0, write_task: bool = True) -> dict[str, Path]:
+    """Write `<base_dir>/data/*.jsonl` for presets/tasks/demo.yaml (and a copy of it as
+    `<base_dir>/task.yaml`, so that `advisor data prepare --task <base_dir>/task.yaml` finds the
+    data). `scale` multiplies every file's size. Each file is written aside and renamed, so a file
+    is whole or absent. Returns name -> path."""
+    data_dir = Path(base_dir) / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    for name, count in demo_document_counts().items():
+        path = data_dir / name
+        tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for doc in iter_documents(name, seed, max(1, round(count * scale))):
+                f.write(json.dumps(doc, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+        written[name] = path
+    if write_task:
+        from presets import PRESETS_DIR
+
+        task = Path(base_dir) / "task.yaml"
+        shutil.copyfile(PRESETS_DIR / "tasks" / "demo.yaml", task)
+        written["task.yaml"] = task
+    return written

@@ -1,0 +1,639 @@
+"""`advisor data prepare`: clean, grade, bucket and shard a task's data into stage shards.
+
+The steps, in order, for every source file of every stage (each file is read once, however many
+stages use it):
+
+1. scan (streaming, batch by batch): tokenise, measure length and character quality, hash for
+   exact duplicates, MinHash for near duplicates, grade difficulty; spool the token ids and the
+   per-document numbers to disk;
+2. resolve duplicates over the whole task (eval files first, so a train document that repeats an
+   eval document is dropped: decontamination); a document is judged by the thresholds of the
+   stages that read it;
+3. per stage: select rows (domains, difficulty bands, time window), cut documents longer than
+   seq_len into pieces, choose bucket edges from the length histogram, and write the shards;
+4. write the manifest, then move the whole folder into place.
+
+Memory stays flat as the corpus grows: the text and the token ids are never held, only a batch at
+a time; what grows is about a hundred bytes per document of hashes, band keys and masks (see
+bench/data_buckets.py).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+
+from advisor.errors import UsageError
+from advisor.task import DataSource, DifficultySpec, QualityFilters, StageSpec, TaskSpec
+from trainer.data import buckets as bucketing
+from trainer.data.dedup import DocumentHasher, MinHashParams, exact_duplicates, exact_hash, near_duplicates, words
+from trainer.data.difficulty import Grader, band_index, band_names, check_spec, merge_difficulty
+from trainer.data.manifest import (MANIFEST_NAME, MANIFEST_VERSION, default_out_dir, task_fingerprint,
+                                   tokens_with_replay)
+from trainer.data.quality import CHECKS, STAT_COLUMNS, document_stats, failed_check, merge_filters
+from trainer.data.shards import SCHEMA, OutputDir, ShardWriter, shard_path
+from trainer.data.sources import expand_source_path, read_batches, row_location
+from trainer.data.tokenizer import TextTokenizer, resolve_tokenizer_path
+
+SPLITS = ("train", "eval")
+_READ_BATCH = 1000
+_BLOCK = 65536
+NOT_DUPLICATE, EXACT_DUPLICATE, NEAR_DUPLICATE = 0, 1, 2
+
+Log = Callable[[str], None]
+
+
+# --- the plan of work: which files, read how, for which stages ------------------------------------
+
+
+class ColumnSpool:
+    """Per-document numeric columns appended batch by batch to raw files, read back by row range."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self._files: dict[str, Any] = {}
+        self._layout: dict[str, tuple[np.dtype, int]] = {}
+
+    def append(self, name: str, values: np.ndarray) -> None:
+        values = np.ascontiguousarray(values)
+        if name not in self._files:
+            self._files[name] = open(self.folder / f"{name}.bin", "wb")
+            self._layout[name] = (values.dtype, int(np.prod(values.shape[1:], dtype=np.int64)))
+        self._files[name].write(values.tobytes())
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+
+    def has(self, name: str) -> bool:
+        return name in self._layout
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        dtype, width = self._layout[name]
+        size = (self.folder / f"{name}.bin").stat().st_size // (dtype.itemsize * width)
+        stop = size if stop is None else min(stop, size)
+        count = max(0, stop - start)
+        values = np.fromfile(self.folder / f"{name}.bin", dtype=dtype, count=count * width,
+                             offset=start * width * dtype.itemsize)
+        return values.reshape(count, width) if width > 1 else values
+
+    def read_rows(self, name: str, rows: np.ndarray, block_rows: int = 65536) -> np.ndarray:
+        """Rows (sorted) of a wide column, reading the file block by block (flat memory)."""
+        dtype, width = self._layout[name]
+        out = np.empty((len(rows), width), dtype=dtype)
+        if not len(rows):
+            return out
+        for lo in range(int(rows[0]) // block_rows * block_rows, int(rows[-1]) + 1, block_rows):
+            sel = np.flatnonzero((rows >= lo) & (rows < lo + block_rows))
+            if len(sel):
+                block = self.read(name, lo, lo + block_rows)
+                out[sel] = block[rows[sel] - lo]
+        return out
+
+
+@dataclass
+class Unit:
+    """One source file, read once for every stage that uses it."""
+
+    index: int
+    path: Path
+    fmt: str
+    text_field: str
+    domain_fields: set[str] = field(default_factory=set)
+    time_fields: set[str] = field(default_factory=set)
+    graders: dict[str, int] = field(default_factory=dict)   # difficulty spec (json) -> grade column
+    rows: int = 0
+    spool: ColumnSpool | None = None
+    tokens_file: Path | None = None
+    domain_values: dict[str, list[str]] = field(default_factory=dict)  # field -> code -> value
+    duplicate: np.ndarray | None = None  # per row: NOT_DUPLICATE, EXACT_DUPLICATE, NEAR_DUPLICATE
+
+
+@dataclass
+class Entry:
+    """One source of one stage and split, with its merged settings."""
+
+    stage: StageSpec
+    split: str
+    source: DataSource
+    filters: QualityFilters
+    difficulty: DifficultySpec
+    grader_key: str
+    units: list[Unit]
+
+
+@dataclass
+class Context:
+    task: TaskSpec
+    base_dir: Path
+    tokenizer: Any
+    eos_id: int | None
+    hasher: DocumentHasher | None
+    graders: dict[str, Grader]
+    log: Log
+
+
+def _plan_entries(task: TaskSpec, base_dir: Path) -> tuple[list[Entry], list[Unit]]:
+    units: dict[tuple[str, str, str], Unit] = {}
+    entries: list[Entry] = []
+    # eval sources first: they come first in the duplicate order (decontamination of train)
+    ordered = [(stage, "eval", s) for stage in task.stages for s in stage.eval_sources] + \
+              [(stage, "train", s) for stage in task.stages for s in stage.sources]
+    for stage, split, source in ordered:
+        difficulty = merge_difficulty(task.data.difficulty, stage.difficulty)
+        check_spec(difficulty, f"stage '{stage.name}'")
+        _check_selection(stage, source, difficulty)
+        grader_key = json.dumps(difficulty.model_dump(mode="json", exclude={"edges", "names"}), sort_keys=True)
+        entry_units = []
+        for path in expand_source_path(base_dir, source.path, source.format):
+            key = (str(path.resolve()), source.format, source.text_field)
+            unit = units.get(key)
+            if unit is None:
+                unit = units[key] = Unit(index=len(units), path=path, fmt=source.format, text_field=source.text_field)
+            if source.domain_field:
+                unit.domain_fields.add(source.domain_field)
+            if source.time_field:
+                unit.time_fields.add(source.time_field)
+            unit.graders.setdefault(grader_key, len(unit.graders))
+            entry_units.append(unit)
+        entries.append(Entry(stage=stage, split=split, source=source,
+                             filters=merge_filters(task.data.filters, stage.filters, source.filters),
+                             difficulty=difficulty, grader_key=grader_key, units=entry_units))
+    return entries, list(units.values())
+
+
+def _check_selection(stage: StageSpec, source: DataSource, difficulty: DifficultySpec) -> None:
+    where = f"stage '{stage.name}', source '{source.path}'"
+    names = band_names(difficulty)
+    if source.bands:
+        unknown = sorted(set(source.bands) - set(names))
+        if unknown:
+            raise UsageError(f"{where}: unknown difficulty bands {unknown}; the stage's bands are {names}")
+    if (stage.split_by == "domain" or source.domains) and not (source.domain or source.domain_field):
+        raise UsageError(f"{where}: splitting or selecting by domain needs `domain` or `domain_field`")
+    if (stage.split_by == "time" or source.time_window) and not source.time_field:
+        raise UsageError(f"{where}: splitting or selecting by time needs `time_field`")
+    if source.time_window:
+        parse_time(source.time_window[0], where)
+        parse_time(source.time_window[1], where)
+    for name, (start, end) in stage.time_windows.items():
+        parse_time(start, f"stage '{stage.name}' time window '{name}'")
+        parse_time(end, f"stage '{stage.name}' time window '{name}'")
+
+
+def parse_time(value: Any, where: str) -> float:
+    """A number (seconds, or any unit the user keeps to) or an ISO 8601 date/time (UTC if naive)."""
+    if isinstance(value, bool) or value is None:
+        raise UsageError(f"{where}: time {value!r} is not a number or an ISO date")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, (dt.date, dt.datetime)):
+        value = value.isoformat()
+    try:
+        stamp = dt.datetime.fromisoformat(str(value))
+    except ValueError:
+        try:
+            return float(value)
+        except ValueError:
+            raise UsageError(f"{where}: time {value!r} is not a number or an ISO date") from None
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=dt.timezone.utc)
+    return stamp.timestamp()
+
+
+# --- step 1: scan each file once ---------------------------------------------------------------------
+
+
+def _scan_unit(unit: Unit, ctx: Context, spool_root: Path) -> None:
+    dedup = ctx.task.data.dedup
+    unit.spool = spool = ColumnSpool(spool_root / f"unit{unit.index:04d}")
+    unit.tokens_file = spool.folder / "tokens.arrow"
+    domain_codes: dict[str, dict[str, int]] = {f: {} for f in unit.domain_fields}
+    grader_of = {column: ctx.graders[key] for key, column in unit.graders.items()}
+    needs_field = [g.spec.field for g in grader_of.values() if g.spec.by == "field" and g.spec.field]
+    extra = tuple(sorted(unit.domain_fields | unit.time_fields | set(needs_field)))
+    schema = pa.schema([("input_ids", pa.list_(pa.int32()))])
+    with pa.OSFile(str(unit.tokens_file), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for batch in read_batches(unit.path, unit.fmt, unit.text_field, extra, _READ_BATCH):
+            def where(i: int, first: int = batch.first_row) -> str:
+                return row_location(unit.path, unit.fmt, first + i)
+
+            ids = ctx.tokenizer.encode(batch.texts)
+            if ctx.eos_id is not None and ctx.task.data.append_eos:
+                ids = [seq + [ctx.eos_id] for seq in ids]
+            lengths = np.fromiter((len(s) for s in ids), dtype=np.int32, count=len(ids))
+            docs_words = [words(t) for t in batch.texts]
+            stats = document_stats(batch.texts, docs_words)
+            spool.append("row", np.arange(batch.first_row, batch.first_row + len(batch), dtype=np.int64))
+            spool.append("n_tokens", lengths)
+            for name in STAT_COLUMNS:
+                spool.append(name, stats[name])
+            if dedup.exact:
+                spool.append("exact", np.fromiter((exact_hash(t) for t in batch.texts), dtype=np.uint64,
+                                                  count=len(batch)))
+            if dedup.near and ctx.hasher is not None:
+                signatures = ctx.hasher.signatures(docs_words)
+                spool.append("signature", signatures)
+                keys = ctx.hasher.band_keys(signatures)
+                for k in range(keys.shape[1]):
+                    spool.append(f"band{k}", keys[:, k])
+            for column, grader in grader_of.items():
+                values = batch.fields.get(grader.spec.field) if grader.spec.by == "field" else None
+                spool.append(f"grade{column}", grader.grade(batch.texts, ids, values, where))
+            for name in unit.time_fields:
+                spool.append(f"time:{name}", np.array(
+                    [parse_time(v, f"{where(i)}: field '{name}'") for i, v in enumerate(batch.fields[name])]))
+            for name in unit.domain_fields:
+                codes = domain_codes[name]
+                spool.append(f"domain:{name}", np.array(
+                    [-1 if v is None else codes.setdefault(str(v), len(codes)) for v in batch.fields[name]],
+                    dtype=np.int32))
+            writer.write_batch(pa.record_batch([pa.array(ids, type=pa.list_(pa.int32()))], schema=schema))
+            unit.rows += len(batch)
+    spool.close()
+    unit.domain_values = {name: list(codes) for name, codes in domain_codes.items()}
+
+
+# --- step 2: duplicates over the whole task ----------------------------------------------------------
+
+
+def _quality_reasons(unit: Unit, filters: QualityFilters, start: int = 0, stop: int | None = None) -> np.ndarray:
+    assert unit.spool is not None
+    stats = {name: unit.spool.read(name, start, stop) for name in STAT_COLUMNS}
+    return failed_check(stats, unit.spool.read("n_tokens", start, stop), filters)
+
+
+def _resolve_duplicates(entries: list[Entry], units: list[Unit], ctx: Context) -> None:
+    dedup = ctx.task.data.dedup
+    offsets = np.concatenate([[0], np.cumsum([u.rows for u in units])]).astype(np.int64)
+    eligible = np.zeros(offsets[-1], dtype=bool)  # passes the thresholds of at least one stage reading it
+    for entry in entries:
+        for unit in entry.units:
+            for lo in range(0, unit.rows, _BLOCK):
+                hi = min(lo + _BLOCK, unit.rows)
+                eligible[offsets[unit.index] + lo: offsets[unit.index] + hi] |= \
+                    _quality_reasons(unit, entry.filters, lo, hi) == 0
+    duplicate = np.zeros(offsets[-1], dtype=np.uint8)
+    if dedup.exact and len(eligible):
+        hashes = np.concatenate([u.spool.read("exact") for u in units])  # type: ignore[union-attr]
+        duplicate[exact_duplicates(hashes, eligible)] = EXACT_DUPLICATE
+        del hashes
+    if dedup.near and len(eligible):
+        def band_column(k: int) -> np.ndarray:
+            return np.concatenate([u.spool.read(f"band{k}") for u in units])  # type: ignore[union-attr]
+
+        def signature_rows(rows: np.ndarray) -> np.ndarray:
+            owner = np.searchsorted(offsets, rows, side="right") - 1
+            out = np.empty((len(rows), dedup.num_perm), dtype=np.uint32)
+            for u in np.unique(owner):
+                sel = np.flatnonzero(owner == u)
+                out[sel] = units[u].spool.read_rows("signature", rows[sel] - offsets[u])  # type: ignore[union-attr]
+            return out
+
+        near = near_duplicates(band_column, dedup.bands, eligible & (duplicate == NOT_DUPLICATE),
+                               signature_rows, dedup.threshold)
+        duplicate[near] = NEAR_DUPLICATE
+    for unit in units:
+        unit.duplicate = duplicate[offsets[unit.index]: offsets[unit.index + 1]].copy()
+
+
+# --- step 3: select, chunk, bucket and write per stage ----------------------------------------------
+
+
+@dataclass
+class Selection:
+    """The outcome of selecting one entry's rows of one unit."""
+
+    keep: np.ndarray     # bool per row
+    group: np.ndarray    # int16 per row: index into the split's group names
+    band: np.ndarray     # int16 per row
+    grade: np.ndarray    # float64 per row
+
+
+@dataclass
+class SplitResult:
+    read: int = 0
+    documents: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    groups: list[str] = field(default_factory=list)
+    length_counts: np.ndarray | None = None
+    bands: dict[str, list[int]] = field(default_factory=dict)  # band -> [documents, tokens]
+
+    def drop(self, reason: str, count: int) -> None:
+        if count:
+            self.dropped[reason] = self.dropped.get(reason, 0) + int(count)
+
+
+def _chunk_lengths(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces of at most seq_len per document: (document of each piece, its index in the document,
+    its length). A document longer than seq_len gives full pieces and its remainder, if 2 tokens
+    or more (a 1-token piece has nothing to predict)."""
+    full = np.where(lengths > seq_len, lengths // seq_len, 0)
+    rest = np.where(lengths > seq_len, lengths % seq_len, lengths)
+    rest = np.where((lengths > seq_len) & (rest < 2), 0, rest)
+    pieces = full + (rest > 0)
+    doc = np.repeat(np.arange(len(lengths)), pieces)
+    index_in_doc = np.arange(len(doc)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    piece_len = np.where(index_in_doc < full[doc], seq_len, rest[doc])
+    return doc, index_in_doc, piece_len.astype(np.int64)
+
+
+def _select(entry: Entry, unit: Unit, result: SplitResult, group_names: list[str]) -> Selection:
+    stage, source = entry.stage, entry.source
+    spool = unit.spool
+    assert spool is not None and unit.duplicate is not None
+    names = band_names(entry.difficulty)
+    grade = spool.read(f"grade{unit.graders[entry.grader_key]}")
+    band = band_index(grade, entry.difficulty.edges)
+    keep = np.ones(unit.rows, dtype=bool)
+    quality = np.concatenate([_quality_reasons(unit, entry.filters, lo, min(lo + _BLOCK, unit.rows))
+                              for lo in range(0, unit.rows, _BLOCK)]) if unit.rows else np.zeros(0, np.uint8)
+    for code, check in enumerate(CHECKS, 1):
+        result.drop(f"quality:{check}", np.count_nonzero(quality == code))
+    keep &= quality == 0
+    for code, reason in ((EXACT_DUPLICATE, "exact_duplicate"), (NEAR_DUPLICATE, "near_duplicate")):
+        hit = keep & (unit.duplicate == code)
+        result.drop(reason, np.count_nonzero(hit))
+        keep &= ~hit
+    # the domain of each row: the row's field, or the source's constant
+    if source.domain_field:
+        values = unit.domain_values[source.domain_field]
+        codes = spool.read(f"domain:{source.domain_field}")
+        domain = np.array(values + [None], dtype=object)[codes]  # code -1 -> None
+    else:
+        domain = np.full(unit.rows, source.domain, dtype=object)
+    if source.domains is not None:
+        allowed = set(source.domains)
+        wanted = np.fromiter((d is not None and str(d) in allowed for d in domain), dtype=bool, count=unit.rows)
+        result.drop("selection:domain", np.count_nonzero(keep & ~wanted))
+        keep &= wanted
+    if source.bands is not None:
+        wanted = np.isin(band, [names.index(b) for b in source.bands])
+        result.drop("selection:band", np.count_nonzero(keep & ~wanted))
+        keep &= wanted
+    times = spool.read(f"time:{source.time_field}") if source.time_field else None
+    if source.time_window is not None and times is not None:
+        start = parse_time(source.time_window[0], "time_window")
+        end = parse_time(source.time_window[1], "time_window")
+        inside = (times >= start) & (times < end)
+        result.drop("selection:time", np.count_nonzero(keep & ~inside))
+        keep &= inside
+    # the shard group: split_by
+    group = np.zeros(unit.rows, dtype=np.int16)
+    if stage.split_by == "difficulty":
+        labels = np.array(names, dtype=object)[band]
+    elif stage.split_by == "domain":
+        labels = np.array([str(d) if d is not None else "unknown" for d in domain], dtype=object)
+    elif stage.split_by == "time":
+        assert times is not None
+        labels = np.full(unit.rows, None, dtype=object)
+        for name, (lo, hi) in stage.time_windows.items():
+            inside = (times >= parse_time(lo, name)) & (times < parse_time(hi, name)) & (labels == None)  # noqa: E711
+            labels[inside] = name
+        outside = keep & (labels == None)  # noqa: E711
+        result.drop("selection:no_time_window", np.count_nonzero(outside))
+        keep &= ~outside
+    else:
+        labels = np.full(unit.rows, "all", dtype=object)
+    for label in dict.fromkeys(labels[keep].tolist()):  # first-seen order
+        if label not in group_names:
+            group_names.append(label)
+    if keep.any():
+        lookup = {name: g for g, name in enumerate(group_names)}
+        group[keep] = [lookup[label] for label in labels[keep]]
+    return Selection(keep=keep, group=group, band=band, grade=grade)
+
+
+def _prepare_split(stage: StageSpec, split: str, entries: list[Entry], ctx: Context, out: Path,
+                   micro_batch_tokens: int) -> dict[str, Any] | None:
+    if not entries:
+        return None
+    seq_len = ctx.task.seq_len
+    spec = ctx.task.data.buckets
+    result = SplitResult()
+    if stage.split_by == "difficulty":  # groups in curriculum order: easy before hard, windows in time order
+        result.groups = band_names(entries[0].difficulty)
+    elif stage.split_by == "time":
+        result.groups = list(stage.time_windows)
+    selections: list[tuple[Entry, Unit, Selection]] = []
+    length_counts = np.zeros(seq_len + 1, dtype=np.int64)
+    for entry in entries:
+        names = band_names(entry.difficulty)
+        for unit in entry.units:
+            sel = _select(entry, unit, result, result.groups)
+            result.read += unit.rows
+            lengths = unit.spool.read("n_tokens")  # type: ignore[union-attr]
+            kept_lengths = lengths[sel.keep].astype(np.int64)
+            result.documents += len(kept_lengths)
+            piece_doc, _, pieces = _chunk_lengths(kept_lengths, seq_len)
+            length_counts += np.bincount(pieces, minlength=seq_len + 1)
+            doc_tokens = np.bincount(piece_doc, weights=pieces, minlength=len(kept_lengths)).astype(np.int64)
+            for b, name in enumerate(names):
+                in_band = sel.band[sel.keep] == b
+                if in_band.any():
+                    tally = result.bands.setdefault(name, [0, 0])
+                    tally[0] += int(in_band.sum())
+                    tally[1] += int(doc_tokens[in_band].sum())
+            selections.append((entry, unit, sel))
+    if result.documents == 0:
+        files = ", ".join(sorted({str(u.path) for e in entries for u in e.units}))
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(result.dropped.items(), key=lambda kv: -kv[1]))
+        raise UsageError(f"stage '{stage.name}' ({split}): no documents left after filtering; read "
+                         f"{result.read} rows from {files}; dropped: {dropped or 'none'}")
+    lengths_present = np.flatnonzero(length_counts)
+    counts_present = length_counts[lengths_present]
+    edges = bucketing.choose_edges(lengths_present, counts_present, micro_batch_tokens, spec.max_buckets,
+                                   spec.pad_multiple, seq_len)
+    one = bucketing.one_bucket_edges(lengths_present, spec.pad_multiple, seq_len)
+    cost = bucketing.cost_of_edges(lengths_present, counts_present, edges, micro_batch_tokens)
+    cost_one = bucketing.cost_of_edges(lengths_present, counts_present, one, micro_batch_tokens)
+
+    writers: dict[tuple[int, int], ShardWriter] = {}
+    for entry, unit, sel in selections:
+        _write_unit(entry, unit, sel, stage, split, edges, result.groups, writers, out, ctx)
+    shards = []
+    for (g, b), writer in sorted(writers.items()):
+        writer.close()
+        shards.append({"path": str(writer.path.relative_to(out)), "group": result.groups[g], "bucket": edges[b],
+                       "samples": writer.samples, "tokens": writer.tokens})
+    bucket_info = []
+    lower = 0
+    for b, edge in enumerate(edges):
+        in_bucket = (lengths_present > lower) & (lengths_present <= edge)
+        n = int(counts_present[in_bucket].sum())
+        tokens = int((lengths_present[in_bucket] * counts_present[in_bucket]).sum())
+        hist_edges = np.linspace(lower, edge, 9)
+        hist = np.histogram(lengths_present[in_bucket], bins=hist_edges, weights=counts_present[in_bucket])[0]
+        slots = bucketing.bucket_slots(n, edge, micro_batch_tokens) if n else 0
+        bucket_info.append({"edge": edge, "min_length": lower + 1, "micro_batch_size": max(1, micro_batch_tokens // edge),
+                            "samples": n, "tokens": tokens, "slots": slots,
+                            "padding_fraction": round(1 - tokens / slots, 6) if slots else 0.0,
+                            "histogram": {"edges": [round(x, 2) for x in hist_edges.tolist()],
+                                          "counts": [int(c) for c in hist]}})
+        lower = edge
+    samples = int(counts_present.sum())
+    tokens = int((lengths_present * counts_present).sum())
+    groups = {}
+    for s in shards:
+        tally = groups.setdefault(s["group"], {"samples": 0, "tokens": 0})
+        tally["samples"] += s["samples"]
+        tally["tokens"] += s["tokens"]
+    return {
+        "read": result.read, "documents": result.documents, "samples": samples, "tokens": tokens,
+        "dropped": dict(sorted(result.dropped.items())),
+        "length_counts": [[int(length), int(count)] for length, count in zip(lengths_present, counts_present)],
+        "bucket_edges": edges, "buckets": bucket_info,
+        "padding": {"bucketed": round(cost.padding_fraction, 6), "one_bucket": round(cost_one.padding_fraction, 6),
+                    "one_bucket_edge": one[0], "slots_bucketed": cost.slots, "slots_one_bucket": cost_one.slots},
+        "groups": groups,
+        "difficulty": {name: {"documents": d, "tokens": t} for name, (d, t) in result.bands.items()},
+        "shards": shards,
+    }
+
+
+def _write_unit(entry: Entry, unit: Unit, sel: Selection, stage: StageSpec, split: str, edges: list[int],
+                group_names: list[str], writers: dict[tuple[int, int], ShardWriter], out: Path, ctx: Context) -> None:
+    seq_len = ctx.task.seq_len
+    names = np.array(band_names(entry.difficulty), dtype=object)
+    try:
+        source_name = str(unit.path.resolve().relative_to(ctx.base_dir.resolve()))
+    except ValueError:
+        source_name = str(unit.path)
+    if entry.source.domain_field:
+        values = np.array(unit.domain_values[entry.source.domain_field] + [None], dtype=object)
+        domain_all = values[unit.spool.read(f"domain:{entry.source.domain_field}")]  # type: ignore[union-attr]
+    else:
+        domain_all = np.full(unit.rows, entry.source.domain, dtype=object)
+    edge_array = np.asarray(edges)
+    row = 0
+    with pa.OSFile(str(unit.tokens_file), "rb") as source, pa.ipc.open_stream(source) as reader:
+        for batch in reader:
+            n = batch.num_rows
+            keep = sel.keep[row: row + n]
+            if keep.any():
+                kept = np.flatnonzero(keep)
+                ids = batch.column("input_ids")
+                offsets = np.asarray(ids.offsets)
+                values = np.asarray(ids.values)
+                lengths = (offsets[kept + 1] - offsets[kept]).astype(np.int64)
+                piece_doc, piece_index, piece_len = _chunk_lengths(lengths, seq_len)
+                piece_start = offsets[kept][piece_doc] + piece_index * seq_len
+                bucket = np.searchsorted(edge_array, piece_len, side="left")
+                doc_rows = kept[piece_doc] + row
+                group = sel.group[doc_rows]
+                for key in sorted(set(zip(group.tolist(), bucket.tolist()))):
+                    pick = np.flatnonzero((group == key[0]) & (bucket == key[1]))
+                    take_len = piece_len[pick]
+                    new_offsets = np.concatenate([[0], np.cumsum(take_len)]).astype(np.int32)
+                    gather = np.repeat(piece_start[pick] - new_offsets[:-1], take_len) + np.arange(new_offsets[-1])
+                    rows_in_unit = doc_rows[pick]
+                    record = pa.record_batch([
+                        pa.ListArray.from_arrays(pa.array(new_offsets), pa.array(values[gather], type=pa.int32())),
+                        pa.array(take_len, type=pa.int32()),
+                        pa.array(sel.grade[rows_in_unit], type=pa.float64()),
+                        pa.array(names[sel.band[rows_in_unit]].tolist(), type=pa.string()),
+                        pa.array([None if d is None else str(d) for d in domain_all[rows_in_unit]], type=pa.string()),
+                        pa.array([source_name] * len(pick), type=pa.string()),
+                        pa.array(rows_in_unit, type=pa.int64()),
+                        pa.array(piece_index[pick], type=pa.int32()),
+                    ], schema=SCHEMA)
+                    if key not in writers:
+                        path = out / shard_path(stage.name, split, group_names[key[0]], edges[key[1]])
+                        writers[key] = ShardWriter(path)
+                    writers[key].add(record)
+            row += n
+
+
+# --- the entry point ---------------------------------------------------------------------------------
+
+
+def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int | None = None,
+            log: Log | None = None) -> tuple[Path, dict[str, Any]]:
+    """Prepare every stage's shards and the manifest; returns (output folder, manifest)."""
+    started = time.perf_counter()
+    say = log or (lambda message: None)
+    base_dir = Path(task.base_dir)
+    out = Path(out_dir) if out_dir else default_out_dir(task)
+    try:
+        entries, units = _plan_entries(task, base_dir)
+    except UsageError as exc:
+        from presets import PRESETS_DIR
+
+        if "not found" in str(exc) and base_dir.resolve() == (PRESETS_DIR / "tasks").resolve():
+            raise UsageError(f"{exc} (a task preset ships no data: for the demo, run `advisor data generate-demo "
+                             "--out DIR`, then `advisor data prepare --task DIR/task.yaml`)") from None
+        raise
+    fingerprint = task_fingerprint(task)
+    tokenizer_path = resolve_tokenizer_path(task.data.tokenizer, task.model, base_dir)
+    tokenizer = TextTokenizer(tokenizer_path)
+    _check_vocab(task, tokenizer)
+    budget = micro_batch_tokens or task.data.buckets.micro_batch_tokens or 8 * task.seq_len
+    dedup = task.data.dedup
+    hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
+    graders = {}
+    for entry in entries:
+        if entry.grader_key not in graders:
+            graders[entry.grader_key] = Grader(entry.difficulty, base_dir, task.seq_len)
+    ctx = Context(task=task, base_dir=base_dir, tokenizer=tokenizer, eos_id=tokenizer.eos_id,
+                  hasher=hasher, graders=graders, log=say)
+    with OutputDir(out, MANIFEST_NAME) as output:
+        spool_root = output.tmp / "_spool"
+        for unit in units:
+            t0 = time.perf_counter()
+            _scan_unit(unit, ctx, spool_root)
+            say(f"scanned {unit.path} ({unit.rows:,} rows, {time.perf_counter() - t0:.1f} s)")
+        _resolve_duplicates(entries, units, ctx)
+        stages = []
+        for stage in task.stages:
+            summary: dict[str, Any] = {"name": stage.name, "replay": dict(stage.replay)}
+            for split in SPLITS:
+                split_entries = [e for e in entries if e.stage is stage and e.split == split]
+                info = _prepare_split(stage, split, split_entries, ctx, output.tmp, budget)
+                if info is not None:
+                    summary[split] = info
+            own = summary["train"]["tokens"] if "train" in summary else 0
+            summary["tokens"] = own
+            summary["samples"] = summary["train"]["samples"] if "train" in summary else 0
+            summary["tokens_with_replay"] = tokens_with_replay(own, stage.replay)
+            stages.append(summary)
+            say(f"stage {stage.name}: {summary['samples']:,} samples, {own:,} tokens")
+        shutil.rmtree(spool_root, ignore_errors=True)
+        manifest = {
+            "version": MANIFEST_VERSION, "task": task.name, "fingerprint": fingerprint,
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "seq_len": task.seq_len, "micro_batch_tokens": budget,
+            "tokenizer": {"path": str(tokenizer_path), "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
+            "dedup": {"exact": "BLAKE2b-64 of case- and whitespace-folded text" if dedup.exact else None,
+                      "near": (f"MinHash over {dedup.shingle_words}-word shingles, {dedup.num_perm} permutations, "
+                               f"LSH {dedup.bands} bands x {dedup.num_perm // dedup.bands} rows, verified at "
+                               f"estimated Jaccard >= {dedup.threshold}") if dedup.near else None},
+            "sources": [{"path": str(u.path), "rows": u.rows} for u in units],
+            "stages": stages,
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+        (output.tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+    return output.final, manifest
+
+
+def _check_vocab(task: TaskSpec, tokenizer: Any) -> None:
+    if not task.model:
+        return
+    try:
+        from presets import load_model
+
+        vocab = load_model(task.model).hf_config.get("vocab_size")
+    except UsageError:
+        return
+    if vocab and tokenizer.vocab_size > vocab:
+        raise UsageError(f"the tokenizer has {tokenizer.vocab_size:,} tokens but model {task.model} has a vocabulary of "
+                         f"{vocab:,}: set data.tokenizer to the model's tokenizer")

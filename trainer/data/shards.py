@@ -1,0 +1,132 @@
+"""Tokenised shards: Arrow IPC stream files that `datasets.Dataset.from_file` memory-maps directly.
+
+Layout under the output folder: `<stage>/<split>/<group>/bucket-<edge>.arrow`, where group is
+`all`, a domain, a difficulty band or a time window (the stage's `split_by`) and edge is the
+bucket's longest sample. Every sample of a bucket pads to its edge; the manifest gives each
+bucket's micro-batch size for the token budget.
+
+The whole output folder is written aside and renamed into place at the end (`OutputDir`), so a
+reader never sees half a shard or a manifest without its shards.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from advisor.errors import UsageError
+
+SCHEMA = pa.schema([
+    ("input_ids", pa.list_(pa.int32())),
+    ("length", pa.int32()),
+    ("difficulty", pa.float64()),
+    ("band", pa.string()),
+    ("domain", pa.string()),
+    ("source", pa.string()),
+    ("row", pa.int64()),      # 0-based row of the document in its source file
+    ("chunk", pa.int32()),    # which seq_len piece of a longer document
+])
+_FLUSH_ROWS = 8192
+
+
+def safe_name(name: str) -> str:
+    """A folder name for a group: letters, digits, dot, dash and underscore."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "_"
+    return cleaned[:80]
+
+
+def shard_path(stage: str, split: str, group: str, edge: int) -> str:
+    return f"{safe_name(stage)}/{split}/{safe_name(group)}/bucket-{edge:05d}.arrow"
+
+
+class ShardWriter:
+    """Appends record batches to one Arrow stream file, flushing every few thousand rows."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._sink = pa.OSFile(str(path), "wb")
+        self._writer = pa.ipc.new_stream(self._sink, SCHEMA)
+        self._pending: list[pa.RecordBatch] = []
+        self._pending_rows = 0
+        self.samples = 0
+        self.tokens = 0
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        self._pending.append(batch)
+        self._pending_rows += batch.num_rows
+        self.samples += batch.num_rows
+        self.tokens += int(np.asarray(batch.column("length")).sum())
+        if self._pending_rows >= _FLUSH_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            table = pa.Table.from_batches(self._pending, SCHEMA).combine_chunks()
+            for batch in table.to_batches():
+                self._writer.write_batch(batch)
+        self._pending, self._pending_rows = [], 0
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.close()
+        self._sink.close()
+
+
+class OutputDir:
+    """Write into a hidden sibling folder; on success swap it for the final folder, on failure
+    remove it. An existing final folder is replaced only if it holds a previous manifest."""
+
+    def __init__(self, final: Path, marker: str) -> None:
+        self.final = Path(final).resolve()
+        self.marker = marker
+        if self.final.exists() and (not self.final.is_dir() or
+                                    (any(self.final.iterdir()) and not (self.final / marker).is_file())):
+            raise UsageError(f"--out {final}: exists and is not a prepared-data folder (no {marker}); "
+                             "choose another folder")
+        self.tmp = self.final.parent / f".{self.final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+    def __enter__(self) -> "OutputDir":
+        self.tmp.mkdir(parents=True)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        old = None
+        if self.final.exists():
+            old = self.final.parent / f".{self.final.name}.old-{uuid.uuid4().hex[:6]}"
+            os.replace(self.final, old)
+        os.replace(self.tmp, self.final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_shard(path: Path) -> Any:
+    """One shard as a memory-mapped `datasets.Dataset` (columns as in SCHEMA)."""
+    import datasets
+
+    return datasets.Dataset.from_file(str(path))
+
+
+def stage_shards(out_dir: Path, stage: str, split: str = "train") -> list[dict[str, Any]]:
+    """The manifest's shard entries of one stage and split (path made absolute), in curriculum
+    order: groups as the stage lists them, buckets shortest first."""
+    from trainer.data.manifest import read_manifest
+
+    manifest = read_manifest(out_dir)
+    for entry in manifest["stages"]:
+        if entry["name"] == stage:
+            split_info = entry.get(split)
+            if not split_info:
+                return []
+            return [{**s, "path": str(Path(out_dir) / s["path"])} for s in split_info["shards"]]
+    raise UsageError(f"no stage '{stage}' in {out_dir}/manifest.json")

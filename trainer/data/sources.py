@@ -1,0 +1,151 @@
+"""Reading a task's data sources: local files streamed through `datasets`, in batches.
+
+Each file streams on its own so that every problem names the file and the row. When `datasets`
+fails on a line-based file (jsonl, text), the file is rescanned line by line to find the first bad
+line and say what is wrong with it: not UTF-8 (mixed encodings), not JSON, not an object.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from advisor.errors import UsageError
+
+EXTENSIONS = {"jsonl": (".jsonl", ".json"), "json": (".json", ".jsonl"), "parquet": (".parquet",),
+              "text": (".txt", ".text"), "arrow": (".arrow",)}
+_BUILDER = {"jsonl": "json", "json": "json", "parquet": "parquet", "text": "text", "arrow": "arrow"}
+
+
+@dataclass
+class RowBatch:
+    """A batch of rows of one file: texts, 0-based row numbers, and the extra fields asked for."""
+
+    texts: list[str]
+    first_row: int
+    fields: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+def expand_source_path(base_dir: Path, pattern: str, fmt: str) -> list[Path]:
+    """A file, a glob or a folder (its files of the format's extensions), relative to base_dir."""
+    raw = Path(pattern)
+    path = raw if raw.is_absolute() else base_dir / raw
+    if any(ch in pattern for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        if not files:
+            raise UsageError(f"data source '{pattern}': no file matches {path}")
+        return files
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(EXTENSIONS[fmt]))
+        if not files:
+            raise UsageError(f"data source '{pattern}': folder {path} has no {'/'.join(EXTENSIONS[fmt])} files")
+        return files
+    if not path.exists():
+        raise UsageError(f"data source not found: {path}")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"data source {path}: not readable (permissions)")
+    return [path]
+
+
+def _quiet_datasets() -> Any:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing is fetched: local files only
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def read_batches(path: Path, fmt: str, text_field: str, extra_fields: tuple[str, ...] = (),
+                 batch_size: int = 1000) -> Iterator[RowBatch]:
+    """Stream one file in batches; stop with a UsageError that names the file and the row."""
+    datasets = _quiet_datasets()
+    kwargs: dict[str, Any] = {}
+    if fmt == "text":
+        kwargs["keep_linebreaks"] = False
+    try:
+        stream = datasets.load_dataset(_BUILDER[fmt], data_files=str(path), split="train", streaming=True, **kwargs)
+        rows_seen = 0
+        for batch in stream.iter(batch_size=batch_size):
+            column_field = "text" if fmt == "text" else text_field
+            n = len(next(iter(batch.values()))) if batch else 0
+            texts = batch.get(column_field)
+            if texts is None:
+                raise UsageError(f"{row_location(path, fmt, rows_seen)}: no field '{text_field}' "
+                                 f"(fields: {', '.join(sorted(batch)) or 'none'})")
+            for i, text in enumerate(texts):
+                if text is None:
+                    raise UsageError(f"{row_location(path, fmt, rows_seen + i)}: no field '{text_field}'")
+                if not isinstance(text, str):
+                    raise UsageError(f"{row_location(path, fmt, rows_seen + i)}: field '{text_field}' is "
+                                     f"{type(text).__name__}, not a string")
+            extras = {}
+            for name in extra_fields:
+                extras[name] = batch.get(name, [None] * n)
+            yield RowBatch(texts=texts, first_row=rows_seen, fields=extras)
+            rows_seen += n
+    except UsageError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise UsageError(_diagnose(path, fmt) or f"{path}: not UTF-8 ({exc})") from None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise UsageError(_diagnose(path, fmt) or f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # pyarrow and datasets raise their own types
+        raise UsageError(_diagnose(path, fmt) or f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+
+
+def row_location(path: Path, fmt: str, row: int) -> str:
+    """'file, line L (row R)' for line-based files, 'file, row R' for others; rows count from 1."""
+    if fmt in ("jsonl", "text"):
+        line = _line_of_row(path, row, skip_blank=fmt == "jsonl")
+        if line is not None:
+            return f"{path}, line {line} (row {row + 1})"
+    return f"{path}, row {row + 1}"
+
+
+def _line_of_row(path: Path, row: int, skip_blank: bool) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            seen = -1
+            for number, line in enumerate(f, 1):
+                if skip_blank and not line.strip():
+                    continue
+                seen += 1
+                if seen == row:
+                    return number
+    except OSError:
+        return None
+    return None
+
+
+def _diagnose(path: Path, fmt: str) -> str | None:
+    """Find the first bad line of a line-based file and say what is wrong with it."""
+    if fmt not in ("jsonl", "text", "json"):
+        return None
+    try:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    return (f"{path}, line {number}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                            f"{exc.start + 1}); the file mixes encodings: convert it to UTF-8, e.g. "
+                            f"`iconv -f latin1 -t utf-8`")
+                if fmt != "jsonl" or not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    return f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno})"
+                if not isinstance(value, dict):
+                    return f"{path}, line {number}: expected a JSON object, got {type(value).__name__}"
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    return None
