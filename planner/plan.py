@@ -159,8 +159,26 @@ def _total_tokens(opts: PlanOptions, tokens_per_step: int) -> float:
     raise UsageError("--objective cost needs the work to do: --task task.yaml or --tokens N")
 
 
+def _with_manifest_tokens(task: TaskSpec, notes: list[str]) -> TaskSpec:
+    """Stage budgets from `advisor data prepare`'s manifest, when one is there and fresh: the
+    prepared data (after dedup and filters) is what the stages will actually read."""
+    from trainer.data.manifest import manifest_stage_tokens
+
+    counts = manifest_stage_tokens(task)
+    if not counts:
+        return task
+    stages = [s.model_copy(update={"tokens": counts[s.name], "steps": None}) if s.name in counts else s
+              for s in task.stages]
+    notes.append("stage token budgets from the prepared data's manifest: "
+                 + ", ".join(f"{name} {tokens:,}" for name, tokens in counts.items()))
+    return task.model_copy(update={"stages": stages})
+
+
 def make_plan(opts: PlanOptions) -> Plan:
     started = time.perf_counter()
+    notes: list[str] = []
+    if opts.task is not None:
+        opts.task = _with_manifest_tokens(opts.task, notes)
     hw = opts.hardware
     per_node = opts.gpus_per_node or hw.devices_per_node
     if opts.gpus_per_node:
@@ -171,7 +189,6 @@ def make_plan(opts: PlanOptions) -> Plan:
         or default_global_batch(devices, seq)
     methods = _methods(opts)
     capacity = hw.usable_bytes * (1 - opts.memory_margin)
-    notes: list[str] = []
 
     if opts.objective == "throughput":
         result, method = plan_layouts(_request(opts, devices, seq, batch, methods, hw))

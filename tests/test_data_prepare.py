@@ -305,3 +305,24 @@ def test_parquet_arrow_text_and_json_sources_read_the_same_documents(tmp_path: P
     expected = sum(n - (n % SEQ if n > SEQ and n % SEQ < 2 else 0) for n in lengths)
     for stage in manifest["stages"]:
         assert stage["train"]["documents"] == len(rows) and stage["train"]["tokens"] == expected, stage["name"]
+
+
+def test_plan_sizes_stages_from_the_manifest(tmp_path) -> None:
+    """`advisor plan --task` reads the prepared data's token counts when a fresh manifest exists."""
+    from advisor.task import load_task
+    from planner.plan import PlanOptions, make_plan
+    from presets import load_hardware, load_model
+    from trainer.data.demo_corpus import generate_demo_corpus
+    from trainer.data.manifest import manifest_stage_tokens
+    from trainer.data.prepare import prepare
+
+    task_path = generate_demo_corpus(tmp_path, scale=0.02)["task.yaml"]
+    task = load_task(str(task_path))
+    prepare(task)
+    counts = manifest_stage_tokens(task)
+    assert counts
+    plan = make_plan(PlanOptions(model=load_model("demo-tiny"), hardware=load_hardware("cpu"), gpus_per_node=1,
+                                 task=task, min_compute_fraction=0.0))
+    for stage in plan.stages:
+        if stage.name in counts:
+            assert stage.tokens == counts[stage.name]
