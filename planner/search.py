@@ -39,7 +39,6 @@ from planner.cost_model import (
     Placement,
     StageMemory,
     StageTime,
-    check_layout,
     estimate_from_trace,
     stage_memory,
     stage_time,

@@ -194,17 +194,22 @@ def memory_chart(options: list["Option"], margin: float) -> bytes:
 # run report
 
 
+def _plot_by_stage(ax: Any, steps: list[int], values: list[float], stages: list[str]) -> None:
+    """One line per curriculum stage, in the stage's colour."""
+    colors = _colors(stages)
+    for stage in colors:
+        xs = [s for s, st in zip(steps, stages) if st == stage]
+        ys = [v for v, st in zip(values, stages) if st == stage]
+        ax.plot(xs, ys, "-", color=colors[stage], lw=1.6, label=stage)
+
+
 def loss_chart(steps: list[int], losses: list[float], stages: list[str], spikes: list[tuple[int, float]],
                rollbacks: list[int]) -> bytes:
     """Training loss per optimizer step, coloured by stage; spikes crossed, rollbacks as lines."""
     with matplotlib.rc_context(STYLE):
         fig = _figure(WIDTH, 3.8)
         ax = fig.add_subplot()
-        colors = _colors(stages)
-        for stage in colors:
-            xs = [s for s, st in zip(steps, stages) if st == stage]
-            ys = [v for v, st in zip(losses, stages) if st == stage]
-            ax.plot(xs, ys, "-", color=colors[stage], lw=1.6, label=stage)
+        _plot_by_stage(ax, steps, losses, stages)
         if spikes:
             ax.plot([s for s, _ in spikes], [v for _, v in spikes], "x", color="#c0392b", ms=9, mew=2,
                     label="spike (rejected)")
@@ -224,11 +229,7 @@ def lr_chart(steps: list[int], lrs: list[float], stages: list[str]) -> bytes:
     with matplotlib.rc_context(STYLE):
         fig = _figure(WIDTH, 3.0)
         ax = fig.add_subplot()
-        colors = _colors(stages)
-        for stage in colors:
-            xs = [s for s, st in zip(steps, stages) if st == stage]
-            ys = [v for v, st in zip(lrs, stages) if st == stage]
-            ax.plot(xs, ys, "-", color=colors[stage], lw=1.6, label=stage)
+        _plot_by_stage(ax, steps, lrs, stages)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("learning rate")
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
