@@ -6,12 +6,13 @@ Set ADVISOR_DEBUG=1 to see tracebacks of unexpected errors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -204,11 +205,15 @@ def train(
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (demos)"),
     seed: int = typer.Option(0, "--seed"),
     weights: Optional[str] = typer.Option(None, "--weights", help="local HF model folder to start from"),
+    data: Optional[Path] = typer.Option(None, "--data", help="`advisor data prepare` folder: length-bucketed "
+                                        "shards (default: the task's data.out when it is fresh, else raw files)"),
     nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="nodes (default: Slurm's, else 1)"),
     node_rank: int = typer.Option(0, "--node-rank", min=0),
     master_addr: str = typer.Option("127.0.0.1", "--master-addr"),
     master_port: int = typer.Option(29513, "--master-port"),
     launched: bool = typer.Option(False, "--launched", hidden=True, help="set by the launcher in each worker"),
+    engine: Optional[str] = typer.Option(None, "--engine", help="sharded data-parallel back-end: auto (DeepSpeed "
+                                         "for ZeRO, FSDP2 with tp>1), deepspeed or fsdp2; overrides the plan's"),
 ) -> None:
     """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
     every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
@@ -218,9 +223,15 @@ def train(
 
     def go():
         plan = load_plan(plan_file)
-        options = TrainOptions(seed=seed, max_steps_per_stage=max_steps_per_stage, weights=weights)
+        if engine is not None:
+            if engine not in ("auto", "deepspeed", "fsdp2"):
+                raise UsageError(f"--engine {engine}: choose auto, deepspeed or fsdp2")
+            plan = plan.model_copy(update={"engine": engine})
+        options = TrainOptions(seed=seed, max_steps_per_stage=max_steps_per_stage, weights=weights,
+                               data=str(data.resolve()) if data else None)
         extra = ["--seed", str(seed)] + (["--max-steps-per-stage", str(max_steps_per_stage)] if max_steps_per_stage
-                                         else []) + (["--weights", weights] if weights else [])
+                                         else []) + (["--weights", weights] if weights else []) + (
+                    ["--data", options.data] if options.data else []) + (["--engine", engine] if engine else [])
         return run(plan, plan_file, out, resume, options, launched, nnodes, node_rank, master_addr, master_port, extra)
 
     summary = _run(go)
@@ -235,29 +246,79 @@ def train(
 def run_all(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="default: the task's model, else demo-tiny"),
     task: Optional[str] = typer.Option(None, "--task", help="task preset or YAML (default: the generated demo)"),
-    hardware: Optional[str] = typer.Option(None, "--hardware", "-H", help="default: profile this machine"),
+    hardware: Optional[str] = typer.Option(None, "--hardware", "-H", help="default: profile this machine "
+                                           "(or reuse its profile from the last week)"),
+    verify: int = typer.Option(3, "--verify", min=0, help="measure the top K plans for a few steps each and "
+                               "train the fastest measured (0: train the planner's choice untested)"),
+    verify_steps: int = typer.Option(4, "--verify-steps", min=3, help="steps per verification trial "
+                                     "(the first 2 warm up)"),
+    feedback: bool = typer.Option(True, "--feedback/--no-feedback", help="refit the profile's efficiency "
+                                  "factors to this run's measured steps"),
     out: Path = typer.Option(Path("runs/demo"), "--out", help="run directory"),
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (smoke runs)"),
+    seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
 ) -> None:
-    """Profile, plan, train and report in one command. With no options: the embedded demo
-    (demo-tiny on a generated curriculum: language, arithmetic, instructions, then a mixed stage)."""
+    """Profile, plan, verify, train, feed back and report in one command. With no options: the
+    embedded demo (demo-tiny on a generated curriculum: language, arithmetic, instructions, then
+    a mixed stage)."""
     from trainer.pipeline import RunOptions, run_pipeline
 
     def say(text: str) -> None:
         if not as_json:
-            console.print(f"[bold]advisor run[/bold]: {text}")
+            console.print(f"[bold]advisor run[/bold]: {text}", highlight=False)
 
-    result = _run(lambda: run_pipeline(RunOptions(model=model, task=task, hardware=hardware, out=out,
-                                                  max_steps_per_stage=max_steps_per_stage), say))
-    if as_json:
+    def show(verification) -> None:
+        if not as_json:
+            render_verification(verification)
+
+    options = RunOptions(model=model, task=task, hardware=hardware, out=out, max_steps_per_stage=max_steps_per_stage,
+                         seed=seed, verify=verify, verify_steps=verify_steps, feedback=feedback)
+    if as_json:  # stdout carries the JSON alone: the trainer's and DeepSpeed's output goes to stderr
+        with _stdout_to_stderr():
+            result = _run(lambda: run_pipeline(options, say, show))
         print(json.dumps(result, default=str))
         return
+    result = _run(lambda: run_pipeline(options, say, show))
     summary = result["summary"] or {}
-    measured = summary.get("measured", {})
+    measured, predicted = summary.get("measured", {}), summary.get("predicted", {})
     console.print(f"done in {result['seconds']:.0f} s: {summary.get('steps')} steps, measured step "
-                  f"{_seconds(measured.get('step_s') or 0)}, run dir {result['run_dir']}"
-                  + (f", report {result['report']}" if result["report"] else ""))
+                  f"{_seconds(measured.get('step_s') or 0)} (predicted {_seconds(predicted.get('step_s') or 0)}), "
+                  f"run dir {result['run_dir']}" + (f", report {result['report']}" if result["report"] else ""))
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 at stderr (forked and launched workers inherit it), then restore."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _compact_layout(text: str) -> str:
+    """A layout string without the keys that are at their defaults here (tp, pp 1; dtype; seq)."""
+    keep = [kv for kv in text.split(",") if kv not in ("tp=1", "pp=1") and not kv.startswith(("dtype=", "seq="))]
+    return ",".join(keep)
+
+
+def render_verification(verification) -> None:
+    table = Table(title="verification: the top plans, predicted against a few measured steps", title_justify="left")
+    for column in ("#", "layout", "predicted step", "measured step", "error", "measured tokens/s", "harness"):
+        table.add_column(column, justify="left" if column in ("layout", "harness") else "right")
+    for t in verification.trials:
+        chosen = " [green]<- trained[/green]" if t.rank == verification.chosen_rank else ""
+        measured = _seconds(t.measured_step_s) if t.measured_step_s else f"[red]{t.error or 'failed'}[/red]"
+        error = f"{100 * t.step_error:+.0f}%" if t.step_error is not None else "-"
+        tps = f"{t.measured_tokens_per_s:,.0f}" if t.measured_tokens_per_s else "-"
+        table.add_row(f"{t.rank}", _compact_layout(t.layout) + chosen, _seconds(t.predicted_step_s), measured, error, tps,
+                      f"{t.harness}, {t.steps} steps")
+    console.print(table)
 
 
 def render_plan(result) -> None:
@@ -368,11 +429,16 @@ def render_profile(result, out: Path) -> None:
     if result.calibration:
         cal = result.calibration
         for step in cal.steps:
-            keys = [kv for kv in step.layout.split(",") if kv.split("=")[0] in ("mbs", "seq", "method", "recompute")]
-            table.add_row("step " + " ".join(k for k in keys if k not in ("method=full", "recompute=none")),
+            keys = [kv for kv in step.layout.split(",") if kv.split("=")[0] in ("dp", "mbs", "gas", "seq", "method",
+                                                                                 "recompute")]
+            table.add_row("step " + " ".join(k for k in keys if k not in ("method=full", "recompute=none", "dp=1",
+                                                                          "gas=1")),
                           f"{_seconds(step.measured_s)} (model {_seconds(step.predicted_after_s)})", str(step.steps))
-        table.add_row("fitted efficiency", f"gemm {hw.efficiency.gemm:.2f}, memory {hw.efficiency.memory_bandwidth:.2f}",
-                      f"{cal.model}, {cal.layers} layers")
+        eff = hw.efficiency
+        table.add_row("fitted efficiency", f"gemm {eff.gemm:.2f}, memory {eff.memory_bandwidth:.2f}, "
+                      f"LoRA adapters {eff.adapter_gemm or eff.gemm:.2f}", f"{cal.model}, {cal.layers} layers")
+        table.add_row("fitted overheads", f"{_seconds(eff.micro_batch_overhead_s)} per micro-batch, "
+                      f"+{100 * eff.node_contention:.0f}% with the node busy", "")
     console.print(table)
     for note in inv.notes:
         console.print(f"note: {note}", style="dim")

@@ -51,6 +51,8 @@ class Plan(BaseModel):
     gpus_per_node: int
     objective: Literal["throughput", "cost"] = "throughput"
     min_compute_fraction: float = 0.8
+    engine: Literal["auto", "deepspeed", "fsdp2"] = Field(
+        "auto", description="back-end for sharded data parallelism (ZeRO): auto = DeepSpeed, or FSDP2 when tp>1")
     chosen: PlannedLayout
     alternatives: list[PlannedLayout] = Field(
         default_factory=list, description="next best layouts with the same global batch (OOM fallback)")

@@ -287,18 +287,32 @@ def stage_time(
         fwd += recomputed * layer.fwd_flops
     elif layout.recompute == "selective":  # QK^T and attention-over-V forward again
         fwd += recomputed * 4 * trace.seq * trace.seq * trace.num_heads * trace.head_dim
-    flop_rate = hardware.peak_flops(layout.dtype) * hardware.efficiency.gemm
-    byte_rate = hardware.memory_bandwidth_gbs * 1e9 * hardware.efficiency.memory_bandwidth
+    eff = hardware.efficiency
+    flop_rate = hardware.peak_flops(layout.dtype) * eff.gemm
+    adapter_rate = hardware.peak_flops(layout.dtype) * (eff.adapter_gemm or eff.gemm)
+    byte_rate = hardware.memory_bandwidth_gbs * 1e9 * eff.memory_bandwidth
+    # Compute slows down when the other devices of the node compute too (CPU cores share caches
+    # and memory bandwidth; GPUs do not, contention 0).
+    busy = min(layout.devices, hardware.devices_per_node)
+    slowdown = 1 + eff.node_contention * (busy - 1) / max(hardware.devices_per_node - 1, 1)
+    # LoRA adapters run skinny GEMMs (rank r on one side) far below the dense rate: 2 FLOPs per
+    # adapter parameter per token forward, 4 backward (input and weight gradients). They are part
+    # of the traced FLOPs; here they move from the dense rate to the adapter rate.
+    adapter = 2 * layer.trainable_params * trace.seq if layout.method in ("lora", "qlora") else 0.0
+    adapter_fwd = adapter * (layers + (recomputed if layout.recompute == "full" else 0))
+    adapter_bwd = 2 * adapter * layers
     kept = layer_activation_bytes(trace, layout, recompute="none")
     traffic = ELEMENTWISE_PASSES * layers * kept
     if layout.recompute == "full":  # the forward's writes happen twice
         traffic += ELEMENTWISE_PASSES / 4 * recomputed * kept
-    fwd_s = mbs * fwd / tp / flop_rate
-    bwd_s = mbs * bwd / tp / flop_rate
-    compute = fwd_s + bwd_s + traffic / byte_rate + hardware.efficiency.micro_batch_overhead_s
-    useful = mbs * (layers * (layer.fwd_flops + layer.bwd_flops) + (
-        trace.head.fwd_flops + trace.head.bwd_flops if last else 0.0)) / tp / flop_rate
-    useful += ELEMENTWISE_PASSES * layers * kept / byte_rate + hardware.efficiency.micro_batch_overhead_s
+    fwd_s = slowdown * mbs * ((fwd - adapter_fwd) / flop_rate + adapter_fwd / adapter_rate) / tp
+    bwd_s = slowdown * mbs * ((bwd - adapter_bwd) / flop_rate + adapter_bwd / adapter_rate) / tp
+    compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + eff.micro_batch_overhead_s
+    model_flops = layers * (layer.fwd_flops + layer.bwd_flops) + (
+        trace.head.fwd_flops + trace.head.bwd_flops if last else 0.0)
+    adapter_all = 3 * adapter * layers
+    useful = slowdown * mbs * ((model_flops - adapter_all) / flop_rate + adapter_all / adapter_rate) / tp
+    useful += slowdown * ELEMENTWISE_PASSES * layers * kept / byte_rate + eff.micro_batch_overhead_s
 
     w = DTYPE_BYTES[layout.dtype]
     hidden_bytes = mbs * trace.seq * trace.hidden_size * w
@@ -343,7 +357,7 @@ def stage_time(
             offload += 2 * gas * params / dp * w / h2d
     else:
         per_param = ADAM_BYTES_PER_PARAM_CPU if hardware.device_type == "cpu" else ADAM_BYTES_PER_PARAM_FUSED
-        optimizer = updated * per_param / byte_rate
+        optimizer = slowdown * updated * per_param / byte_rate
     return StageTime(
         compute_mb=compute, useful_compute_mb=useful, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,
         dp_comm=dp_comm, dp_hidden_max=window, optimizer=optimizer, offload=offload,

@@ -1,30 +1,36 @@
 """Fit the cost model's efficiency factors to a few real training steps of the target model.
 
-The cost model's step time of a 1-device layout is affine in two reciprocals:
+The cost model's step time of a layout is affine in five unknowns (for fixed everything else):
 
-    t = a * x + b * y + c,   x = 1 / efficiency.gemm,   y = 1 / efficiency.memory_bandwidth
+    x_gemm = 1 / efficiency.gemm             dense GEMM FLOPs at the measured GEMM rate
+    x_memory = 1 / efficiency.memory_bandwidth   memory-bound traffic (element-wise kernels, and on
+                                             CPU the optimizer step) at the measured copy rate
+    x_adapter = 1 / efficiency.adapter_gemm  LoRA adapters' skinny GEMMs
+    overhead = efficiency.micro_batch_overhead_s   fixed time per micro-batch (Python, launches)
+    contention = efficiency.node_contention  slow-down when every device of the node computes
 
-where `a` is the GEMM time at the measured GEMM rate (FLOPs over `peak_tflops`), `b` the time of
-the memory-bound traffic at the measured copy bandwidth (element-wise kernels and, on CPU, the
-optimizer step), and `c` the rest (zero for one device). `decompose` reads a, b and c off the
-cost model itself (planner/cost_model.py, evaluated at three settings of the factors), so the fit
-never re-derives a formula. `fit_factors` then solves the least-squares problem over the
-measured steps, each weighted by 1/t so that every layout counts by its relative error, with
-x >= 1 and y >= 1 (an `Efficiency` is at most 1 of the measured peak).
+`decompose` reads the slope of each unknown off the cost model itself (planner/cost_model.py,
+evaluated at a reference point and with each unknown moved by one), so the fit never re-derives a
+formula. `fit_factors` solves the bounded least-squares problem over the measured steps, each
+weighted by 1/t so that every layout counts by its relative error; an unknown that no measured
+layout depends on (no LoRA layout, one device) keeps its value. The contention multiplies the
+compute, so the step is bilinear in the unknowns: `fit_to_steps` re-linearises and solves again
+until the factors settle. The fitted GEMM and memory factors may exceed 1: a profile's "peak" is
+its own micro-benchmark, and training kernels may beat it.
 
-Which layouts: `fit_layouts` returns one overhead-heavy (mbs 1), one GEMM-heavy (mbs 4) and one
-without a full optimizer (LoRA, mbs 2): LoRA separates the optimizer's memory traffic from the
-GEMMs, and the two micro-batch sizes separate per-token work from per-step work.
+Which layouts (`fit_layouts`): mbs 1 and mbs 4 separate per-token from per-micro-batch work, a
+second micro-batch (gas 2) pins the overhead, seq 512 weighs attention, LoRA separates the
+adapters and the missing optimizer traffic, and one data-parallel step over every device of the
+node measures contention (and the collectives the profile measured).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from advisor.specs import HardwareSpec, Layout, ModelSpec
+from advisor.specs import Efficiency, HardwareSpec, Layout, ModelSpec
 from planner.cost_model import estimate_from_trace
-from profiler.hardware_bench import _nonnegative_lstsq
 from profiler.model_trace import ModelTrace, trace_model
 from profiler.profile_spec import Calibration, CalibrationStep
 
@@ -32,48 +38,102 @@ CALIBRATION_LAYERS = 2  # decoder layers that run (at the model's full width)
 # The first steps run slower while glibc raises its mmap threshold and caches warm up.
 WARMUP_STEPS = 3
 
-
-@dataclass(frozen=True)
-class Terms:
-    """t = gemm_s * x + memory_s * y + rest_s for one layout (x, y: reciprocal efficiencies)."""
-
-    gemm_s: float
-    memory_s: float
-    rest_s: float
-
-    def at(self, gemm: float, memory_bandwidth: float) -> float:
-        return self.gemm_s / gemm + self.memory_s / memory_bandwidth + self.rest_s
+# name -> (Efficiency field, reciprocal?, bounds of the unknown)
+UNKNOWNS: dict[str, tuple[str, bool, tuple[float, float]]] = {
+    "gemm": ("gemm", True, (0.5, 20.0)),
+    "memory_bandwidth": ("memory_bandwidth", True, (0.5, 20.0)),
+    "adapter_gemm": ("adapter_gemm", True, (0.5, 50.0)),
+    "micro_batch_overhead_s": ("micro_batch_overhead_s", False, (0.0, 1.0)),
+    "node_contention": ("node_contention", False, (0.0, 4.0)),
+}
+FACTORS = tuple(UNKNOWNS)
 
 
-def with_factors(hardware: HardwareSpec, gemm: float, memory_bandwidth: float) -> HardwareSpec:
-    eff = hardware.efficiency.model_copy(update={"gemm": gemm, "memory_bandwidth": memory_bandwidth})
+def unknowns_of(eff: Efficiency) -> dict[str, float]:
+    """The fit's variables at these factors (reciprocals of the efficiencies)."""
+    out = {}
+    for name, (fld, reciprocal, _) in UNKNOWNS.items():
+        value = getattr(eff, fld)
+        if value is None:  # adapter_gemm unset: as gemm
+            value = eff.gemm
+        out[name] = 1 / value if reciprocal else value
+    return out
+
+
+def factors_of(unknowns: dict[str, float]) -> dict[str, float]:
+    return {UNKNOWNS[n][0]: (1 / v if UNKNOWNS[n][1] else v) for n, v in unknowns.items()}
+
+
+def with_factors(hardware: HardwareSpec, **factors: float) -> HardwareSpec:
+    eff = hardware.efficiency.model_copy(update=factors)
     return hardware.model_copy(update={"efficiency": eff})
 
 
+@dataclass(frozen=True)
+class Terms:
+    """The step of one layout near `reference`: t = base_s + sum_k slope_k * (u_k - reference_k).
+
+    Exact along each unknown alone; the contention multiplies the compute, so jointly the step is
+    bilinear and `fit_to_steps` re-linearises at each new estimate (Gauss-Newton)."""
+
+    base_s: float
+    slopes: dict[str, float]
+    reference: dict[str, float] = field(default_factory=dict)
+
+    def at(self, eff: Efficiency) -> float:
+        u = unknowns_of(eff)
+        return self.base_s + sum(s * (u[k] - self.reference[k]) for k, s in self.slopes.items())
+
+
 def decompose(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> Terms:
-    """Read the affine terms off the cost model: at (1, 1), at (1/2, 1) and at (1, 1/2)."""
-    base = estimate_from_trace(trace, layout, with_factors(hardware, 1.0, 1.0)).time.step_s
-    slow_gemm = estimate_from_trace(trace, layout, with_factors(hardware, 0.5, 1.0)).time.step_s
-    slow_memory = estimate_from_trace(trace, layout, with_factors(hardware, 1.0, 0.5)).time.step_s
-    gemm_s, memory_s = slow_gemm - base, slow_memory - base
-    return Terms(gemm_s, memory_s, base - gemm_s - memory_s)
+    """Slopes read off the cost model at the hardware's own factors: each unknown moved by one."""
+    reference = unknowns_of(hardware.efficiency)
+
+    def at(unknowns: dict[str, float]) -> float:
+        return estimate_from_trace(trace, layout, with_factors(hardware, **factors_of(unknowns))).time.step_s
+
+    base = at(reference)
+    slopes = {k: at({**reference, k: reference[k] + 1.0}) - base for k in reference}
+    return Terms(base, slopes, reference)
 
 
 def fit_factors(terms: list[Terms], measured_s: list[float]) -> dict[str, float]:
-    """Least squares of relative errors: min sum(((a x + b y + c) / t - 1)^2), x, y >= 1.
+    """One bounded least-squares solve of relative errors, min sum((t_i(u) / m_i - 1)^2).
 
-    Returns {"gemm": 1/x, "memory_bandwidth": 1/y}. With x = 1 + u, y = 1 + v it is a
-    two-unknown non-negative least-squares problem in (u, v)."""
+    Returns the Efficiency fields the measured layouts determine (gemm, memory_bandwidth,
+    adapter_gemm, micro_batch_overhead_s, node_contention); an unknown no layout depends on (no
+    LoRA layout, one device only) is left out, so it keeps its value."""
     import numpy as np
+    from scipy.optimize import lsq_linear
 
     if len(terms) != len(measured_s) or not terms:
         raise ValueError("need one measured time per layout")
-    t = np.array(measured_s, dtype=float)
-    a = np.array([x.gemm_s for x in terms]) / t
-    b = np.array([x.memory_s for x in terms]) / t
-    c = np.array([x.rest_s for x in terms]) / t
-    u, v = _nonnegative_lstsq(np.stack([a, b], axis=1), 1 - a - b - c)
-    return {"gemm": 1 / (1 + u), "memory_bandwidth": 1 / (1 + v)}
+    m = np.array(measured_s, dtype=float)
+    names = [n for n in FACTORS if max(abs(t.slopes[n]) / mi for t, mi in zip(terms, m)) > 1e-9]
+    slopes = np.array([[t.slopes[n] for n in names] for t in terms]) / m[:, None]
+    offset = np.array([t.base_s - sum(t.slopes[n] * t.reference[n] for n in names) for t in terms]) / m
+    lower = np.array([UNKNOWNS[n][2][0] for n in names])
+    upper = np.array([UNKNOWNS[n][2][1] for n in names])
+    solution = lsq_linear(slopes, 1 - offset, bounds=(lower, upper), method="bvls")
+    return factors_of(dict(zip(names, (float(v) for v in solution.x))))
+
+
+def fit_to_steps(cases: list[tuple[ModelTrace, Layout]], measured_s: list[float], hardware: HardwareSpec,
+                 iterations: int = 6) -> dict[str, float]:
+    """The factors that best explain the measured steps of (trace, layout) cases on the real cost
+    model: `fit_factors` re-linearised at each estimate until the factors settle."""
+    factors: dict[str, float] = {}
+    current = hardware
+    for _ in range(iterations):
+        terms = [decompose(trace, layout, current) for trace, layout in cases]
+        new = fit_factors(terms, measured_s)
+        settled = factors and all(abs(new[k] - factors.get(k, float("inf"))) <= 1e-9 * max(1.0, abs(new[k]))
+                                  for k in new)
+        factors = new
+        current = with_factors(hardware, **factors)
+        if settled:
+            break
+    return factors
 
 
 def calibration_model(model: ModelSpec, layers: int = CALIBRATION_LAYERS) -> ModelSpec:
@@ -86,32 +146,42 @@ def calibration_model(model: ModelSpec, layers: int = CALIBRATION_LAYERS) -> Mod
     return ModelSpec(name=f"{model.name}[{cfg[key]} layers]", hf_config=cfg, source=model.source)
 
 
-def fit_layouts(seq: int) -> list[Layout]:
-    return [
+def fit_layouts(seq: int, devices: int, max_seq: int | None = None) -> list[Layout]:
+    """What calibration runs (see the module docstring); the last one on two devices when the
+    node has them (the step harness runs 1 or 2 ranks)."""
+    layouts = [
         Layout(mbs=1, seq=seq, dtype="fp32"),
         Layout(mbs=4, seq=seq, dtype="fp32"),
+        Layout(mbs=1, gas=2, seq=seq, dtype="fp32"),
+        Layout(mbs=1, seq=min(2 * seq, max_seq or 2 * seq), dtype="fp32"),
         Layout(mbs=2, seq=seq, dtype="fp32", method="lora"),
     ]
+    if devices >= 2:
+        layouts.append(Layout(dp=2, mbs=2, seq=seq, dtype="fp32"))
+    return layouts
+
+
+def max_seq(model: ModelSpec) -> int:
+    return int(model.hf_config.get("max_position_embeddings") or model.hf_config.get("n_positions") or 2048)
 
 
 def calibration_seq(model: ModelSpec, quick: bool) -> int:
-    limit = int(model.hf_config.get("max_position_embeddings") or model.hf_config.get("n_positions") or 2048)
-    return min(limit, 256 if quick else 512)
+    return min(max_seq(model), 256 if quick else 512)
 
 
 def calibrate(
     model: ModelSpec, hardware: HardwareSpec, threads: int, quick: bool, steps: int | None = None,
     progress: Any = None,
 ) -> tuple[HardwareSpec, Calibration]:
-    """Run the fit layouts for real (CPU, fp32, one rank of `threads` threads), fit the factors,
+    """Run the fit layouts for real (CPU, fp32, ranks of `threads` threads), fit the factors,
     and return the hardware with them and the record of what was run."""
     from trainer.steps import run_layout, time_steps
 
     small = calibration_model(model)
     seq = calibration_seq(model, quick)
-    layouts = fit_layouts(seq)
+    layouts = fit_layouts(seq, hardware.devices_per_node, max_seq(model))
     steps = steps or (7 if quick else 12)
-    measured, terms = [], []
+    measured, cases = [], []
     for layout in layouts:
         if progress:
             progress(f"calibration {layout.short()}")
@@ -120,16 +190,15 @@ def calibrate(
         measured.append(result["step_s"])
         trace = trace_model(small, layout.seq, dtype=layout.dtype, method=layout.method,
                             lora_rank=layout.lora_rank, device_type=hardware.device_type)
-        terms.append(decompose(trace, layout, hardware))
-    factors = fit_factors(terms, measured)
-    fitted = with_factors(hardware, factors["gemm"], factors["memory_bandwidth"])
-    before = hardware.efficiency
+        cases.append((trace, layout))
+    factors = fit_to_steps(cases, measured, hardware)
+    fitted = with_factors(hardware, **factors)
     record = Calibration(
         model=model.name, layers=int(small.hf_config[_layers(small)]), threads=threads, factors=factors,
         steps=[CalibrationStep(layout=lay.short(), measured_s=m, steps=steps,
-                               predicted_before_s=term.at(before.gemm, before.memory_bandwidth),
-                               predicted_after_s=term.at(factors["gemm"], factors["memory_bandwidth"]))
-               for lay, m, term in zip(layouts, measured, terms)],
+                               predicted_before_s=estimate_from_trace(trace, lay, hardware).time.step_s,
+                               predicted_after_s=estimate_from_trace(trace, lay, fitted).time.step_s)
+               for (trace, lay), m in zip(cases, measured)],
     )
     return fitted, record
 

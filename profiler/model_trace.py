@@ -174,6 +174,32 @@ def _gpu_kernel_contracts(enabled: bool) -> Iterator[None]:
         torch.nn.functional.dropout = original
 
 
+def _count_cpu_attention_flops() -> None:
+    """Teach `FlopCounterMode` the CPU fused attention kernel, which it does not count.
+
+    torch registers FLOP formulas for the CUDA attention kernels only, so both our FlashAttention
+    contract and SDPA on CPU (`_scaled_dot_product_flash_attention_for_cpu`) used to count zero
+    attention FLOPs. We count model FLOPs as Narayanan et al. (2021) and the eager path do: the two
+    s x s matmuls forward (full, not causal-halved) and twice that backward (the kernel's recomputed
+    scores are overhead, not model FLOPs; the fitted GEMM efficiency absorbs them).
+    """
+    import torch
+    from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_flop_count
+
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    if forward in flop_registry or forward.default in flop_registry:
+        return
+
+    @register_flop_formula(forward)
+    def _forward_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    @register_flop_formula(backward)
+    def _backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+        return 2 * sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
 def _register_flash() -> str:
     from transformers import AttentionInterface
 
@@ -266,6 +292,7 @@ def _trace_once(
     except (ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"transformers cannot build a config of type '{cfg.get('model_type')}': {exc}") from None
     attn_impl = _register_flash() if attention == "flash" else attention
+    _count_cpu_attention_flops()
     hf_config.use_cache = False
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     previous_default = torch.get_default_dtype()
@@ -362,7 +389,7 @@ def _position_params(cfg: dict[str, Any], dims: dict[str, int]) -> int:
     return 0
 
 
-TRACE_FORMAT = 1  # bump when what a trace records changes, to invalidate disk caches
+TRACE_FORMAT = 2  # 2: attention FLOPs of the fused CPU kernel counted; bump when what a trace records changes, to invalidate disk caches
 
 
 def _cache_dir() -> Path:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from advisor.errors import UsageError
-from advisor.specs import HardwareSpec, _format_validation_error
+from advisor.specs import HardwareSpec, Layout, _format_validation_error
 
 PROFILE_VERSION = 1
 
@@ -87,6 +87,47 @@ class Calibration(BaseModel):
     method: str = "least squares on measured step times, see profiler/calibrate.py"
 
 
+class Observation(BaseModel):
+    """One measured layout of a real model on this machine (a verification trial or a finished
+    run): what `profiler/feedback.py` refits the efficiency factors on."""
+
+    source: Literal["calibration", "verify", "run"]
+    model: str
+    hf_config: dict[str, Any] = Field(description="the model that ran (the fit re-traces it)")
+    layout: Layout
+    step_s: float = Field(gt=0, description="measured median optimizer step")
+    predicted_step_s: float = Field(description="the cost model's step when it was measured")
+    peak_bytes: int | None = Field(None, description="measured peak per device, if measured")
+    predicted_peak_bytes: int | None = None
+    peak_source: str | None = None
+    threads: int = Field(0, description="CPU threads per rank (0: not a CPU run)")
+    steps: int = 0
+    run_dir: str | None = None
+    at: dt.datetime
+
+
+class FeedbackRound(BaseModel):
+    """One refit: how many observations it used and the step-time error before and after it."""
+
+    at: dt.datetime
+    run_dir: str | None = None
+    added: int
+    used: int
+    factors_before: dict[str, float]
+    factors_after: dict[str, float]
+    error_before: float = Field(description="RMS relative step-time error over the used observations")
+    error_after: float
+    new_error_before: float | None = Field(None, description="the same over this round's new observations")
+
+
+class Feedback(BaseModel):
+    """Measurements fed back into the profile: a bounded history of observations and refits."""
+
+    observations: list[Observation] = Field(default_factory=list)
+    rounds: list[FeedbackRound] = Field(default_factory=list)
+    method: str = "refit of the calibration's least squares over every kept observation, see profiler/feedback.py"
+
+
 class HardwareProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -98,6 +139,7 @@ class HardwareProfile(BaseModel):
     inventory: Inventory
     measurements: list[Measurement] = Field(default_factory=list)
     calibration: Calibration | None = None
+    feedback: Feedback | None = None
     hardware: HardwareSpec
 
     def measurement(self, name: str) -> Measurement:

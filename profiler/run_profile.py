@@ -278,7 +278,10 @@ def run_profile(opts: ProfileOptions, progress: Progress | None = None) -> Hardw
 
     threads = max(1, cpu_cores() // nproc)
     calibrating = opts.calibrate and opts.model is not None and device_type == "cpu"
-    total = progress_total(len(gemm_dtypes(device_type)), 4 if nproc > 1 else 0, 3 if calibrating else 0)
+    from profiler.calibrate import fit_layouts
+
+    total = progress_total(len(gemm_dtypes(device_type)), 4 if nproc > 1 else 0,
+                           len(fit_layouts(256, nproc)) if calibrating else 0)
     progress.total(total)
     progress.step(f"inventory: {nproc} x {device_type}")
     if device_type == "cuda":  # one GPU: no fork, benchmark in this process

@@ -56,6 +56,16 @@ def test_traced_flops_match_narayanan_formula(gpt_eager_trace) -> None:
     assert gpt_eager_trace.flops_per_sequence == pytest.approx(expected, rel=1e-3)
 
 
+@pytest.mark.parametrize("attention,device_type", [("flash", "cuda"), ("sdpa", "cpu")])
+def test_fused_attention_flops_match_narayanan_formula(attention, device_type) -> None:
+    # torch's FlopCounterMode knows no formula for the fused CPU attention kernel, which both our
+    # FlashAttention contract and SDPA on CPU run: without ours, s^2 attention FLOPs counted zero.
+    model = ModelSpec(name="gpt", hf_config=gpt_config(H, L, A, V, S))
+    trace = trace_model(model, S, dtype="fp16", attention=attention, device_type=device_type, use_disk_cache=False)
+    expected = 72 * S * L * H**2 * (1 + S / (6 * H)) + 6 * S * H * V
+    assert trace.flops_per_sequence == pytest.approx(expected, rel=1e-3)
+
+
 def test_traced_parameters_match_gpt_count(gpt_eager_trace) -> None:
     # 12 l h^2 + 13 l h (weights and biases of QKV, proj, MLP, 2 LNs) + V h + s h (positions) + 2h
     expected = 12 * L * H**2 + 13 * L * H + V * H + S * H + 2 * H

@@ -19,7 +19,7 @@ from advisor.specs import Layout
 from planner.cost_model import estimate, estimate_from_trace
 from presets import load_hardware, load_model
 from profiler import run_profile as rp
-from profiler.calibrate import Terms, decompose, fit_factors, with_factors
+from profiler.calibrate import calibration_model, decompose, fit_factors, fit_layouts, fit_to_steps, with_factors
 from profiler.hardware_bench import RING_FACTORS, fit_alpha_beta
 from profiler.model_trace import trace_model
 from profiler.profile_spec import HardwareProfile, Inventory, Measurement, load_profile, this_host
@@ -113,31 +113,49 @@ def test_profile_refuses_mps_by_name() -> None:
 # fitting
 
 
-def test_calibration_terms_are_the_cost_model_at_any_factors() -> None:
-    """decompose() reads t = a/gemm + b/mem + c off the cost model; check it at other factors."""
-    model, hardware = load_model("demo-tiny"), load_hardware("cpu")
-    for layout in (Layout(mbs=4, seq=256, dtype="fp32"), Layout(mbs=2, seq=512, dtype="fp32", method="lora",
-                                                                 recompute="full")):
+def test_calibration_terms_are_the_cost_model_along_each_factor() -> None:
+    """decompose() reads the step's slope in each unknown off the cost model; moving one unknown
+    alone, the affine terms must give the cost model's own step exactly."""
+    model = load_model("demo-tiny")
+    hardware = load_hardware("cpu").model_copy(update={"devices_per_node": 2})
+    moves = ({"gemm": 0.3}, {"memory_bandwidth": 0.2}, {"adapter_gemm": 0.05}, {"micro_batch_overhead_s": 0.01},
+             {"node_contention": 0.7})
+    for layout in (Layout(mbs=4, seq=256, dtype="fp32"), Layout(dp=2, mbs=2, seq=512, dtype="fp32", method="lora",
+                                                                 recompute="full", gas=3)):
         trace = trace_model(model, layout.seq, dtype="fp32", method=layout.method, device_type="cpu")
         terms = decompose(trace, layout, hardware)
-        for gemm, memory in ((0.3, 0.9), (0.8, 0.2)):
-            truth = estimate_from_trace(trace, layout, with_factors(hardware, gemm, memory)).time.step_s
-            assert terms.at(gemm, memory) == pytest.approx(truth, rel=1e-9)
+        for move in moves:
+            moved = with_factors(hardware, **move)
+            truth = estimate_from_trace(trace, layout, moved).time.step_s
+            assert terms.at(moved.efficiency) == pytest.approx(truth, rel=1e-9)
 
 
-def test_fit_recovers_the_factors_that_made_the_step_times() -> None:
-    terms = [Terms(0.10, 0.02, 0.0), Terms(0.40, 0.05, 0.0), Terms(0.15, 0.001, 0.01)]
-    true_gemm, true_memory = 0.62, 0.35
-    measured = [t.at(true_gemm, true_memory) for t in terms]
-    fit = fit_factors(terms, measured)
-    assert fit["gemm"] == pytest.approx(true_gemm, rel=1e-6)
-    assert fit["memory_bandwidth"] == pytest.approx(true_memory, rel=1e-6)
+def _calibration_cases(devices: int):
+    model = calibration_model(load_model("demo-tiny"))
+    return [(trace_model(model, lay.seq, dtype="fp32", method=lay.method, device_type="cpu"), lay)
+            for lay in fit_layouts(256, devices)]
 
 
-def test_fit_keeps_efficiencies_at_most_one() -> None:
-    terms = [Terms(0.10, 0.02, 0.0), Terms(0.40, 0.05, 0.0)]
-    fit = fit_factors(terms, [0.05, 0.2])  # faster than the measured peaks allow
-    assert fit["gemm"] <= 1 and fit["memory_bandwidth"] <= 1
+def test_fit_recovers_the_five_factors_that_made_the_step_times() -> None:
+    hardware = load_hardware("cpu").model_copy(update={"devices_per_node": 2})
+    truth = {"gemm": 0.62, "memory_bandwidth": 0.35, "adapter_gemm": 0.2, "micro_batch_overhead_s": 0.004,
+             "node_contention": 0.3}
+    cases = _calibration_cases(2)
+    made = with_factors(hardware, **truth)
+    measured = [estimate_from_trace(trace, lay, made).time.step_s for trace, lay in cases]
+    fit = fit_to_steps(cases, measured, with_factors(hardware, gemm=1.0, memory_bandwidth=1.0))
+    assert set(fit) == set(truth)
+    for key, value in truth.items():
+        assert fit[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+
+
+def test_fit_leaves_alone_what_no_layout_measures() -> None:
+    """One device and no LoRA layout: contention and the adapter rate are not in the fit."""
+    hardware = load_hardware("cpu").model_copy(update={"devices_per_node": 1})
+    cases = [c for c in _calibration_cases(1) if c[1].method == "full"]
+    terms = [decompose(trace, lay, hardware) for trace, lay in cases]
+    fit = fit_factors(terms, [t.base_s * 1.3 for t in terms])
+    assert set(fit) == {"gemm", "memory_bandwidth", "micro_batch_overhead_s"}
 
 
 @pytest.mark.parametrize("op", list(RING_FACTORS))

@@ -1,4 +1,6 @@
-"""Build the model a plan describes and the engine that trains it (plain, DDP or DeepSpeed ZeRO).
+"""Build the model a plan describes and the engine that trains it: plain, DDP or DeepSpeed ZeRO
+here; tensor parallel, FSDP2 and pipeline engines in `trainer.parallel_engines` (`make_engine`
+dispatches).
 
 Each engine offers the same four operations to the training loop: one micro-step (forward and
 backward of one micro-batch), one optimizer step at a given learning rate (returning the global
@@ -11,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -158,11 +160,43 @@ class DeepSpeedEngine:
                                     load_lr_scheduler_states=False)
 
 
-def make_engine(model: torch.nn.Module, layout: Layout, deepspeed_config: dict[str, Any] | None, clip: float):
-    if layout.tp > 1 or layout.pp > 1:
-        raise UsageError(f"this trainer runs data parallelism and ZeRO so far; the plan asks for tp={layout.tp}, "
-                         f"pp={layout.pp} (plan with --tp-degrees 1 --pp-degrees 1, or wait for the TP/PP back-ends)")
+EngineChoice = Literal["auto", "deepspeed", "fsdp2"]
+
+
+def select_backend(layout: Layout, engine: EngineChoice = "auto") -> str:
+    """Which engine runs `layout`: "pipeline", "sharded" (DTensor TP and/or FSDP2), "deepspeed"
+    or "plain" (one process or DDP). `engine` is the plan's (or `--engine`'s) choice for sharded
+    data parallelism; "auto" takes DeepSpeed for ZeRO unless tensor parallelism needs FSDP2."""
+    if engine not in ("auto", "deepspeed", "fsdp2"):
+        raise UsageError(f"unknown engine {engine!r}: choose auto, deepspeed or fsdp2")
+    if engine == "deepspeed" and (layout.tp > 1 or layout.pp > 1):
+        raise UsageError(f"engine=deepspeed runs data parallelism and ZeRO only; the plan asks for tp={layout.tp}, "
+                         f"pp={layout.pp} (use --engine auto or fsdp2)")
+    if layout.pp > 1:
+        return "pipeline"
+    if layout.tp > 1:
+        return "sharded"
+    if engine == "fsdp2" and (layout.zero or layout.dp > 1):
+        return "sharded"
     if layout.zero:
+        return "deepspeed"
+    return "plain"
+
+
+def make_engine(model: torch.nn.Module, layout: Layout, deepspeed_config: dict[str, Any] | None, clip: float,
+                engine: EngineChoice = "auto"):
+    """The engine for `layout` (see `select_backend`); the DTensor engines live in
+    trainer.parallel_engines."""
+    backend = select_backend(layout, engine)
+    if backend == "pipeline":
+        from trainer.parallel_engines import PipelineEngine
+
+        return PipelineEngine(model, layout, clip)
+    if backend == "sharded":
+        from trainer.parallel_engines import ShardedEngine
+
+        return ShardedEngine(model, layout, clip)
+    if backend == "deepspeed":
         assert deepspeed_config is not None
         return DeepSpeedEngine(model, layout, deepspeed_config, clip)
     return Engine(model, layout, clip)

@@ -2,7 +2,9 @@
 
 One device: in this process. Several: `torchrun` (the field's launcher) re-invokes
 `advisor train --launched`, on one node or, with --nnodes/--node-rank/--master-addr or Slurm's
-environment, on many. Workers use nccl on CUDA and gloo on CPU.
+environment, on many. Workers use nccl on CUDA and gloo on CPU. When a rank runs out of memory
+and names the plan's next layout (trainer/oom.py), the launcher starts the ranks again with
+--resume, and they continue from the last checkpoint with that layout.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import gc
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from advisor.errors import UsageError
 from advisor.plan import Plan
-from trainer.loop import TrainOptions, train
+from trainer.loop import JsonLines, TrainOptions, train
+from trainer.oom import pending_relaunch
 
 DEFAULT_PORT = 29513
 
@@ -60,11 +64,18 @@ def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOpti
     env = dict(os.environ)
     if not _cuda():  # ranks share the CPU cores; oversubscribed OpenMP threads run 8x slower
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    command = launch_command(plan_path, out, resume, nproc, nnodes, node_rank, master_addr, master_port, extra)
-    result = subprocess.run(command, env=env, check=False)
-    if result.returncode != 0:
-        raise UsageError(f"training processes failed (exit {result.returncode}); see {out}/events.jsonl")
-    return None
+    while True:
+        command = launch_command(plan_path, out, resume, nproc, nnodes, node_rank, master_addr, master_port, extra)
+        started = time.time()
+        result = subprocess.run(command, env=env, check=False)
+        if result.returncode == 0:
+            return None
+        fallback = pending_relaunch(out, started)
+        if fallback is None:
+            raise UsageError(f"training processes failed (exit {result.returncode}); see {out}/events.jsonl")
+        # a rank ran out of memory and named the plan's next layout: restart every rank with it
+        JsonLines(out / "events.jsonl", node_rank == 0).write(fallback["event"])
+        resume = True
 
 
 def _single_process_group_env() -> None:

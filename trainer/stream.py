@@ -33,28 +33,32 @@ class StageStream:
         self.probs = np.array([s.weight / total for s in sources])
         self.seed = seed
         self.stage_index = stage_index
+        self._cached: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
-        rng = np.random.default_rng([self.seed, self.stage_index, block])
-        which = rng.choice(len(self.sources), size=BLOCK, p=self.probs)
-        draws = rng.random(BLOCK)
-        return which, draws
+        if self._cached is None or self._cached[0] != block:  # successive steps share a block
+            rng = np.random.default_rng([self.seed, self.stage_index, block])
+            which = rng.choice(len(self.sources), size=BLOCK, p=self.probs)
+            draws = rng.random(BLOCK)
+            self._cached = (block, which, draws)
+        return self._cached[1], self._cached[2]
 
     def sequences(self, start: int, count: int) -> np.ndarray:
         """Sequences start .. start+count-1 of this stage's infinite, reproducible order."""
-        out = []
-        position = start
-        while len(out) < count:
+        out = np.empty((count, self.sources[0].sequences.shape[1]), dtype=self.sources[0].sequences.dtype)
+        position, filled = start, 0
+        while filled < count:
             block, offset = divmod(position, BLOCK)
             which, draws = self._block(block)
-            take = min(BLOCK - offset, count - len(out))
-            for j in range(offset, offset + take):
-                source = self.sources[which[j]]
+            take = min(BLOCK - offset, count - filled)
+            which, draws = which[offset:offset + take], draws[offset:offset + take]
+            for number, source in enumerate(self.sources):
+                rows = np.flatnonzero(which == number)
                 # sampled with replacement: any position is computable without the ones before
-                index = int(draws[j] * len(source.sequences))
-                out.append(source.sequences[index])
+                out[filled + rows] = source.sequences[(draws[rows] * len(source.sequences)).astype(np.int64)]
             position += take
-        return np.stack(out)
+            filled += take
+        return out
 
     def global_batch(self, position: int, dp: int, mbs: int, gas: int, rank: int, micro: int) -> np.ndarray:
         """The micro-batch `micro` of data-parallel rank `rank` for the optimizer step whose data

@@ -1,0 +1,192 @@
+"""`advisor run`: verification trials of the top plans and the feedback of measured steps into the
+profile (profiler/feedback.py, trainer/verify.py, trainer/pipeline.py)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+
+import pytest
+
+from advisor.errors import UsageError
+from advisor.specs import Layout
+from presets import load_hardware, load_model
+from profiler.feedback import (feed_back, observation, predict_step, refit, refit_checked,
+                               relative_errors, rms, with_efficiency)
+from profiler.profile_spec import HardwareProfile, HostFingerprint, Inventory, load_profile
+
+MODEL = load_model("demo-tiny")
+# the "real machine" the synthetic steps come from
+TRUE = {"gemm": 0.55, "memory_bandwidth": 0.4, "adapter_gemm": 0.3, "micro_batch_overhead_s": 0.05}
+
+RUN_1 = [Layout(mbs=m, gas=g, seq=256, dtype="fp32", recompute=r)
+         for m, g, r in ((1, 16, "none"), (4, 4, "none"), (16, 1, "none"), (4, 4, "full"))]
+RUN_2 = [Layout(mbs=m, gas=g, seq=256, dtype="fp32", method=meth)
+         for m, g, meth in ((2, 8, "full"), (8, 2, "full"), (4, 4, "lora"), (2, 8, "lora"))]
+
+
+def _cpu():
+    return with_efficiency(load_hardware("cpu"), {"gemm": 1.0, "memory_bandwidth": 1.0})
+
+
+def _observed(layouts: list[Layout], noise: float, seed: int, source: str = "verify"):
+    """Steps of `layouts` as the TRUE machine would time them, with multiplicative noise."""
+    rng = random.Random(seed)
+    truth = with_efficiency(_cpu(), TRUE)
+    out = []
+    for layout in layouts:
+        obs = observation(source, MODEL, layout, step_s=1.0, predicted_step_s=0.0, threads=1)
+        measured = predict_step(obs, truth) * (1 + rng.uniform(-noise, noise))
+        out.append(obs.model_copy(update={"step_s": measured}))
+    return out
+
+
+def test_refit_recovers_the_factors_that_generated_the_steps() -> None:
+    observations = _observed(RUN_1 + RUN_2, noise=0.0, seed=0)
+    factors = refit(observations, _cpu())
+    for name, value in TRUE.items():
+        assert factors[name] == pytest.approx(value, rel=1e-6), name
+    # and predictions with them match every step
+    assert max(map(abs, relative_errors(observations, with_efficiency(_cpu(), factors)))) < 1e-9
+
+
+def test_adding_a_second_run_never_makes_the_combined_error_worse() -> None:
+    hardware = _cpu()
+    first = _observed(RUN_1, noise=0.08, seed=1)
+    after_first = with_efficiency(hardware, refit(first, hardware))
+    combined = first + _observed(RUN_2, noise=0.08, seed=2)
+    result = refit_checked(combined, after_first)
+    # the factors of the first run's fit are a feasible point of the combined problem: least
+    # squares over the combined set can only match or beat them
+    assert result.error_before == pytest.approx(rms(relative_errors(combined, after_first)))
+    assert result.error_after <= result.error_before + 1e-12
+    assert not result.kept_old
+    # the uncalibrated machine (factors 1, 1) predicts far worse than either
+    assert rms(relative_errors(combined, hardware)) > 3 * result.error_before
+    # with 8% noise the refit predicts the noise-free truth within the noise (the two factors
+    # themselves trade off: these layouts' memory-bound time is a near-constant share of the GEMMs')
+    truth = _observed(RUN_1 + RUN_2, noise=0.0, seed=0)
+    fitted = with_efficiency(hardware, result.factors_after)
+    assert max(map(abs, relative_errors(truth, fitted))) < 0.08
+
+
+def _profile(path, hardware) -> None:
+    inventory = Inventory(device_type="cpu", backend="gloo", device_name="test cpu", devices_per_node=2,
+                          device_memory_gib=8, device_reserved_gib=0.3, cpu_cores=2, threads_per_device=1,
+                          host_memory_gib=16, host_memory_available_gib=12, intra_node_link="shared memory",
+                          inter_node_link="none")
+    fingerprint = HostFingerprint(hostname="test", cpu_model="test cpu", torch_version="x")
+    HardwareProfile(created=dt.datetime.now(dt.timezone.utc), fingerprint=fingerprint, inventory=inventory,
+                    hardware=hardware).write(path)
+
+
+def test_two_runs_the_second_predicts_no_worse_and_the_profile_keeps_the_history(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "profile.json"
+    _profile(path, _cpu())
+    said: list[str] = []
+    first = feed_back(path, _observed(RUN_1, noise=0.05, seed=3), "run1", said.append)
+    second = feed_back(path, _observed(RUN_2, noise=0.05, seed=4), "run2", said.append)
+    assert first is not None and second is not None
+    # run 1 was predicted with the uncalibrated factors, run 2 with those fitted to run 1
+    assert second.new_error_before <= first.new_error_before
+    assert first.new_error_before > 0.3 and second.new_error_before < 0.1
+    assert second.error_after <= second.error_before
+    profile = load_profile(path)
+    assert [r.run_dir for r in profile.feedback.rounds] == ["run1", "run2"]
+    assert len(profile.feedback.observations) == len(RUN_1) + len(RUN_2)
+    assert profile.hardware.efficiency.gemm == pytest.approx(second.factors_after["gemm"])
+    assert any("->" in line and "error" in line for line in said)
+    # the history is bounded: the oldest observations go first
+    monkeypatch.setattr("profiler.feedback.MAX_OBSERVATIONS", 10)
+    third = _observed(RUN_1, noise=0.05, seed=5)
+    feed_back(path, third, "run3", said.append)
+    kept = load_profile(path).feedback.observations
+    assert len(kept) == 10 and [o.step_s for o in kept[-4:]] == [o.step_s for o in third]
+
+
+def test_observations_at_another_thread_count_are_recorded_not_fitted(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    _profile(path, _cpu())
+    other = [o.model_copy(update={"threads": 2}) for o in _observed(RUN_1, noise=0.0, seed=0)]
+    said: list[str] = []
+    assert feed_back(path, other, "run", said.append) is None
+    profile = load_profile(path)
+    assert profile.hardware.efficiency.gemm == 1.0 and len(profile.feedback.observations) == len(RUN_1)
+    assert "another thread count" in said[0]
+
+
+def test_refit_without_observations_is_a_usage_error() -> None:
+    with pytest.raises(UsageError):
+        refit([], _cpu())
+
+
+def test_profile_json_round_trips_the_feedback_record(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    _profile(path, _cpu())
+    feed_back(path, _observed(RUN_1[:2], noise=0.0, seed=0), "run", lambda _: None)
+    data = json.loads(path.read_text())
+    assert set(data["feedback"]) >= {"observations", "rounds"}
+    assert data["feedback"]["rounds"][0]["error_after"] < data["feedback"]["rounds"][0]["error_before"]
+
+
+# --------------------------------------------------------------------------------------------
+# verification: which candidate to train, and what the harnesses run
+
+
+def _trial(rank: int, step_s: float | None):
+    from trainer.verify import Trial
+
+    return Trial(rank=rank, layout=f"#{rank}", predicted_step_s=1.0, predicted_tokens_per_s=4096.0,
+                 predicted_peak_bytes=0, measured_step_s=step_s,
+                 measured_tokens_per_s=4096 / step_s if step_s else None)
+
+
+def test_verification_trains_the_fastest_measured_beyond_the_noise_margin() -> None:
+    from trainer.verify import choose
+
+    assert choose([_trial(1, 2.0), _trial(2, 1.0), _trial(3, 1.5)])[0] == 2
+    assert choose([_trial(1, 1.0), _trial(2, 0.99)])[0] == 1  # 1% faster: noise, the planner's choice stands
+    assert choose([_trial(1, None), _trial(2, 3.0), _trial(3, 2.0)])[0] == 3  # the choice failed its trial
+    assert choose([_trial(1, None), _trial(2, None)])[0] == 1
+    # 10% faster, but the trials' own steps spread by 30%: noise, the planner's choice stands
+    noisy = [_trial(1, 2.2), _trial(2, 2.0)]
+    noisy[0].steps_s, noisy[1].steps_s = [9.0, 9.0, 2.0, 2.6], [9.0, 9.0, 2.0, 2.0]
+    assert choose(noisy)[0] == 1
+
+
+def test_a_verified_candidate_becomes_the_plan_with_its_stages_resized() -> None:
+    from advisor.task import load_task
+    from planner.plan import PlanOptions, make_plan
+    from planner.search import SearchSpace
+    from trainer.verify import Verification, apply
+
+    task = load_task("demo")
+    plan = make_plan(PlanOptions(model=MODEL, hardware=load_hardware("cpu"), gpus_per_node=2, task=task,
+                                 top_k=3, space=SearchSpace(tp_degrees=(1,), pp_degrees=(1,))))
+    second = plan.alternatives[0]
+    trained = apply(plan, Verification(trials=[], chosen_rank=2, seconds=1.0, steps=4, reason="#2 measured faster"))
+    assert trained.chosen.layout == second.layout
+    assert plan.chosen.layout in [p.layout for p in trained.alternatives]
+    assert all(s.layout == second.layout and s.step_s == second.estimate.time.step_s for s in trained.stages)
+    assert [s.steps for s in trained.stages] == [s.steps for s in plan.stages]  # same global batch
+    assert "measured faster" in trained.notes[-1]
+
+
+def test_fork_harness_runs_what_the_trainer_runs() -> None:
+    from trainer.verify import fork_layout
+
+    run = fork_layout(Layout(dp=2, zero=1, mbs=4, gas=2, seq=256, dtype="fp32", recompute="selective"), "cpu")
+    assert run["world"] == 2 and run["recompute"] == "full"  # the trainer recomputes whole layers
+    assert fork_layout(Layout(tp=2, seq=256, dtype="fp32"), "cpu") is None
+    assert fork_layout(Layout(dp=2, seq=256, dtype="fp32"), "cuda") is None
+    assert fork_layout(Layout(dp=1, seq=256, dtype="fp32", recompute="full", recompute_layers=[2]), "cpu") is None
+
+
+def test_bad_verify_options_are_one_line_usage_errors(tmp_path) -> None:
+    from trainer.pipeline import RunOptions, run_pipeline
+
+    with pytest.raises(UsageError, match="--verify"):
+        run_pipeline(RunOptions(out=tmp_path, verify=-1), say=lambda _: None)
+    with pytest.raises(UsageError, match="--verify-steps"):
+        run_pipeline(RunOptions(out=tmp_path, verify_steps=2), say=lambda _: None)

@@ -1,0 +1,154 @@
+"""Tensor, pipeline and FSDP2 engines against the unsplit model: the same per-step losses on the
+same global batch, exact resume from their DCP checkpoints, and one-line errors for what they
+cannot split.
+
+Ranks are forked from this process after it has imported and built the model code once
+(shared/NOTES-cpu-stack.md, "Time"); each rank runs the real staged loop (`trainer.loop.train`).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from advisor.errors import UsageError
+from advisor.plan import load_plan
+from advisor.specs import Layout, ModelSpec
+from test_trainer import CONFIG, _free_port, make_plan_file, read_jsonl
+
+UNSPLIT = {"dp": 1, "tp": 1, "pp": 1, "mbs": 1, "gas": 4, "zero": 0, "dtype": "fp32"}
+STEPS = 3  # optimizer steps per curriculum stage (two stages)
+
+
+def _rank_train(rank: int, world: int, port: int, plan_path: str, run_dir: str, resume: bool) -> None:
+    from trainer.loop import TrainOptions, train
+    from trainer.steps import finish_rank, init_rank
+
+    init_rank(rank, world, port, distributed=world > 1, threads=1)
+    train(load_plan(plan_path), Path(run_dir), resume, TrainOptions(show_progress=False))
+    finish_rank(world > 1)
+
+
+def _plan(root: Path, fields: dict, engine: str = "auto") -> Path:
+    layout = {**UNSPLIT, **fields}
+    path = make_plan_file(root, devices=layout["dp"] * layout["tp"] * layout["pp"], steps=STEPS,
+                          layout_fields=layout)
+    plan = load_plan(path)
+    plan.engine = engine
+    plan.write(path)
+    return path
+
+
+def _train_forked(plan: Path, run_dir: Path, resume: bool = False) -> list[float]:
+    from trainer.steps import free_port, launch
+
+    world = load_plan(plan).chosen.layout.devices
+    launch(_rank_train, world, (world, free_port(), str(plan), str(run_dir), resume))
+    return [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def unsplit_losses(tmp_path_factory) -> list[float]:
+    """One process, 4 micro-batches of 1 sequence per step. Also warms this parent: the model
+    code is imported and built once here instead of in every forked rank (~20 s each)."""
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.pipelining  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
+
+    from trainer.engine import build_model
+
+    build_model(ModelSpec(name="tiny", hf_config=CONFIG), Layout(**UNSPLIT), seed=0)
+    root = tmp_path_factory.mktemp("unsplit")
+    return _train_forked(_plan(root, {}), root / "run")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matches_the_unsplit_model(tmp_path, unsplit_losses) -> None:
+    # q/k/v/gate/up split by columns, o/down by rows: one head and half the MLP per rank
+    losses = _train_forked(_plan(tmp_path, {"tp": 2}), tmp_path / "run")
+    assert len(losses) == len(unsplit_losses) == 2 * STEPS
+    assert losses == pytest.approx(unsplit_losses, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_pipeline_matches_the_unsplit_model_and_resumes_from_a_stage_checkpoint(tmp_path, unsplit_losses) -> None:
+    # 2 stages of one decoder layer, 1F1B over the step's 4 micro-batches
+    plan = _plan(tmp_path, {"pp": 2, "stage_layers": [1, 1]})
+    losses = _train_forked(plan, tmp_path / "run")
+    assert losses == pytest.approx(unsplit_losses, abs=1e-5)
+    summary = (tmp_path / "run" / "summary.json").read_text()
+    assert '"math"' in summary  # both curriculum stages evaluated through the pipeline
+
+    # resume from the first curriculum stage's end: the second stage is redone identically
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / f"step-{STEPS:08d}" / "dcp").is_dir()
+    shutil.rmtree(checkpoints / f"step-{2 * STEPS:08d}")
+    resumed = _train_forked(plan, tmp_path / "run", resume=True)
+    assert resumed == losses
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_match_one_rank_with_twice_the_accumulation(tmp_path, unsplit_losses) -> None:
+    losses = _train_forked(_plan(tmp_path, {"dp": 2, "gas": 2, "zero": 3}, engine="fsdp2"), tmp_path / "run")
+    assert losses == pytest.approx(unsplit_losses, abs=1e-5)
+    assert (tmp_path / "run" / "checkpoints" / f"step-{2 * STEPS:08d}" / "dcp").is_dir()  # DCP, not DeepSpeed's
+
+
+@pytest.mark.slow
+def test_advisor_train_runs_a_tensor_parallel_plan_through_torchrun(tmp_path, unsplit_losses) -> None:
+    plan = _plan(tmp_path, {"tp": 2})
+    command = [sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(tmp_path / "run"),
+               "--master-port", str(_free_port()), "--engine", "fsdp2"]
+    proc = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    losses = [m["loss"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert losses == pytest.approx(unsplit_losses, abs=1e-5)
+    assert load_plan(tmp_path / "run" / "plan.yaml").engine == "fsdp2"  # the override is recorded
+
+
+# -- what the engines refuse, in one line, before any process group exists ----------------------
+
+
+def _tiny_model(**overrides):
+    from trainer.engine import build_model
+
+    return build_model(ModelSpec(name="tiny", hf_config={**CONFIG, **overrides}), Layout(**UNSPLIT), seed=0)
+
+
+@pytest.mark.parametrize("layout, config, message", [
+    ({"tp": 4}, {"num_attention_heads": 2}, "tp=4 does not divide the model's num_attention_heads (2)"),
+    ({"tp": 2}, {"num_attention_heads": 4, "num_key_value_heads": 1}, "num_key_value_heads (1)"),
+    ({"tp": 2}, {"intermediate_size": 63}, "intermediate_size (63)"),
+    ({"pp": 3}, {}, "pp=3 is more pipeline stages than the model's 2 decoder layers"),
+    ({"pp": 2, "method": "lora"}, {}, "method=lora with tp/pp is not supported"),
+    ({"pp": 2}, {"tie_word_embeddings": True}, "tied input/output embeddings"),
+])
+def test_unsupported_splits_fail_with_one_clear_line(layout, config, message) -> None:
+    from trainer.engine import make_engine
+
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
+        make_engine(_tiny_model(**config), Layout(**{**UNSPLIT, **layout}), None, clip=1.0)
+    assert "\n" not in str(error.value)
+
+
+def test_backend_selection_follows_the_plan_engine_field() -> None:
+    from trainer.engine import select_backend
+
+    assert select_backend(Layout(dp=2, zero=3)) == "deepspeed"
+    assert select_backend(Layout(dp=2, zero=3), "fsdp2") == "sharded"
+    assert select_backend(Layout(dp=2, tp=2, zero=1)) == "sharded"  # DeepSpeed has no TP here: FSDP2
+    assert select_backend(Layout(pp=2, gas=4)) == "pipeline"
+    assert select_backend(Layout(dp=2)) == "plain"
+    with pytest.raises(UsageError, match="engine=deepspeed runs data parallelism and ZeRO only"):
+        select_backend(Layout(tp=2), "deepspeed")
+
+
+def test_pipeline_stages_follow_the_plan_split_else_an_even_one() -> None:
+    from trainer.parallel_engines import stage_layer_split
+
+    assert stage_layer_split(Layout(pp=2, stage_layers=[3, 1]), 4) == [3, 1]
+    assert stage_layer_split(Layout(pp=3), 7) == [2, 2, 3]  # the remainder goes to later stages

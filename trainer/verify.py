@@ -1,0 +1,244 @@
+"""Verify a plan before training on it: run each of its top K layouts for a few real steps, measure
+them, and pick the fastest measured (the source article: "run small stress tests to find the batch
+size and split that suit your own hardware").
+
+Two harnesses time a candidate:
+
+* `fork` (CPU layouts that trainer/steps.py covers: data parallel, 1-2 ranks, fp32, full or
+  LoRA): `time_steps` forks gloo ranks from this process and trains the plan's model on random
+  tokens: about a second of start-up per trial.
+* `loop` (everything else, GPUs included): the real training loop (`trainer.launch.run`) on the
+  task's first stage, capped at a few steps, in RUN_DIR/verify/<rank>/ (its checkpoints are
+  removed afterwards). Its summary also gives the measured peak memory.
+
+Every candidate shares the plan's global batch, so the fastest step is the highest tokens/s.
+`verify.json` in the run dir records predicted against measured per candidate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from advisor.plan import Plan, PlannedLayout
+from advisor.specs import Layout
+
+# Switch away from the planner's choice only for a measured gain above this: a trial of a few
+# steps on a shared machine is noisy, and the cost model's ranking is the tie-breaker.
+MIN_GAIN = 0.03
+
+
+@dataclass
+class Trial:
+    """One candidate: what the cost model said and what a few real steps measured."""
+
+    rank: int  # the planner's rank, 1 = its choice
+    layout: str
+    predicted_step_s: float
+    predicted_tokens_per_s: float
+    predicted_peak_bytes: int
+    harness: str = ""
+    threads: int = 0
+    steps: int = 0
+    measured_step_s: float | None = None
+    measured_tokens_per_s: float | None = None
+    steps_s: list[float] = field(default_factory=list)
+    peak_bytes: int | None = None
+    peak_source: str | None = None
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def spread(self) -> float:
+        """Relative spread of the timed steps (after the warm-up): (max - min) / median."""
+        timed = sorted(self.steps_s[2:])
+        return (timed[-1] - timed[0]) / timed[len(timed) // 2] if len(timed) > 1 and timed[0] > 0 else 0.0
+
+    @property
+    def step_error(self) -> float | None:
+        """predicted / measured - 1."""
+        return self.predicted_step_s / self.measured_step_s - 1 if self.measured_step_s else None
+
+
+@dataclass
+class Verification:
+    trials: list[Trial]
+    chosen_rank: int  # the rank of the layout to train (1 when no trial beat the planner's choice)
+    seconds: float
+    steps: int
+    reason: str
+
+
+def training_threads(devices: int, device_type: str) -> int:
+    """CPU threads per rank that training will use: launch.py's OMP_NUM_THREADS for several ranks,
+    this process's torch threads for one."""
+    if device_type != "cpu":
+        return 0
+    if devices == 1:
+        import torch
+
+        return torch.get_num_threads()
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // devices))
+
+
+def fork_layout(layout: Layout, device_type: str) -> dict[str, Any] | None:
+    """The trainer/steps.py run layout of `layout`, or None when that harness cannot run it."""
+    from trainer.steps import normalize_layout
+
+    if (device_type != "cpu" or layout.tp != 1 or layout.pp != 1 or layout.dp > 2 or layout.offload != "none"
+            or layout.dtype != "fp32" or layout.method not in ("full", "lora") or layout.recompute_layers):
+        return None
+    # the trainer recomputes whole layers for "selective" (trainer/engine.py): time what it runs
+    recompute = "none" if layout.recompute == "none" else "full"
+    return normalize_layout({"world": layout.dp, "zero": layout.zero, "mbs": layout.mbs, "seq": layout.seq,
+                             "gas": layout.gas, "recompute": recompute, "method": layout.method,
+                             "dtype": layout.dtype})
+
+
+def candidate_plan(plan: Plan, planned: PlannedLayout, first_stage_only: bool = False) -> Plan:
+    """The plan with `planned` as its chosen layout; its stages re-sized for that layout."""
+    from planner.granularity import plan_stage
+    from planner.plan import PlanOptions
+
+    old = plan.chosen.layout
+    others = [p for p in [plan.chosen, *plan.alternatives] if p.layout != planned.layout]
+    stages = []
+    defaults = PlanOptions(model=plan.model, hardware=plan.hardware)
+    for spec, stage in zip(plan.task.stages if plan.task else [], plan.stages):
+        if stage.layout == old:
+            nodes = max(1, -(-planned.layout.devices // plan.gpus_per_node))
+            stage = plan_stage(plan.task, spec, planned.layout, planned.estimate, nodes, defaults.mtbf_hours,
+                               defaults.checkpoint_write_gbs, plan.min_compute_fraction)
+        stages.append(stage)
+    update: dict[str, Any] = {"chosen": planned, "alternatives": others, "stages": stages}
+    if first_stage_only and plan.task is not None:
+        update["task"] = plan.task.model_copy(update={"stages": plan.task.stages[:1]})
+        update["stages"] = stages[:1]
+    return plan.model_copy(update=update)
+
+
+def _fork_trial(plan: Plan, planned: PlannedLayout, run_layout: dict[str, Any], steps: int, warmup: int,
+                threads: int) -> dict[str, Any]:
+    from trainer.steps import time_steps
+
+    result = time_steps(run_layout, steps=steps, hf_config=plan.model.hf_config, threads=threads, warmup=warmup)
+    return {"step_s": result["step_s"], "steps_s": result["steps_s"]}
+
+
+def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path, run_dir: Path) -> dict[str, Any]:
+    from trainer.launch import run as run_training
+    from trainer.loop import TrainOptions
+    from trainer.steps import free_port
+
+    trial = candidate_plan(plan, planned, first_stage_only=True)
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    (run_dir / "data_cache").mkdir(parents=True, exist_ok=True)
+    (directory / "data_cache").symlink_to((run_dir / "data_cache").resolve())  # tokenise once for all trials
+    plan_path = directory / "plan.yaml"
+    trial.write(plan_path)
+    options = TrainOptions(max_steps_per_stage=steps, show_progress=False, eval_sequences=1)
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+    except ImportError:
+        pass
+    run_training(trial, plan_path, directory, False, options, False, None, 0, "127.0.0.1", free_port(),
+                 ["--max-steps-per-stage", str(steps)])
+    summary = json.loads((directory / "summary.json").read_text())
+    shutil.rmtree(directory / "checkpoints", ignore_errors=True)
+    steps_s = [json.loads(line)["step_s"] for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    measured = summary["measured"]
+    return {"step_s": measured["step_s"], "steps_s": steps_s, "peak_bytes": measured.get("peak_bytes"),
+            "peak_source": measured.get("peak_source")}
+
+
+def verify(plan: Plan, k: int, run_dir: Path, steps: int = 4, warmup: int = 2,
+           say: Callable[[str], None] = print) -> Verification:
+    """Measure the plan's top `k` layouts for `steps` steps each and pick the fastest measured."""
+    started = time.perf_counter()
+    device_type = plan.hardware.device_type
+    candidates = [plan.chosen, *plan.alternatives][:k]
+    trials = []
+    for rank, planned in enumerate(candidates, 1):
+        est, layout = planned.estimate, planned.layout
+        trial = Trial(rank=rank, layout=layout.short(), predicted_step_s=est.time.step_s,
+                      predicted_tokens_per_s=est.throughput.tokens_per_s, predicted_peak_bytes=int(est.memory.peak),
+                      threads=training_threads(layout.devices, device_type))
+        forkable = fork_layout(layout, device_type)
+        trial.harness = "fork" if forkable else "loop"
+        trial.steps = steps if forkable else max(steps, 4)  # the loop leaves its first 2 steps out
+        say(f"verify {rank}/{len(candidates)}: {layout.short()} ({trial.steps} steps, {trial.harness})")
+        began = time.perf_counter()
+        try:
+            if forkable:
+                measured = _fork_trial(plan, planned, forkable, trial.steps, warmup, trial.threads)
+            else:
+                measured = _loop_trial(plan, planned, trial.steps, run_dir / "verify" / str(rank), run_dir)
+        except Exception as exc:  # an OOM or a back-end failure rules the candidate out, not the run
+            trial.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            say(f"verify {rank}: failed ({trial.error})")
+        else:
+            trial.measured_step_s = measured["step_s"]
+            trial.steps_s = list(measured["steps_s"])
+            trial.peak_bytes = measured.get("peak_bytes")
+            trial.peak_source = measured.get("peak_source")
+            if trial.measured_step_s:
+                trial.measured_tokens_per_s = layout.tokens_per_step / trial.measured_step_s
+        trial.seconds = time.perf_counter() - began
+        trials.append(trial)
+    chosen, reason = choose(trials)
+    return Verification(trials=trials, chosen_rank=chosen, seconds=time.perf_counter() - started, steps=steps,
+                        reason=reason)
+
+
+def choose(trials: list[Trial]) -> tuple[int, str]:
+    """The rank to train: the fastest measured, unless it beats the planner's choice by less than
+    the noise (MIN_GAIN, or the larger relative spread of the two trials' timed steps); the
+    planner's choice when nothing measured."""
+    measured = [t for t in trials if t.measured_tokens_per_s]
+    if not measured:
+        return 1, "no trial finished: the planner's choice stands"
+    best = max(measured, key=lambda t: t.measured_tokens_per_s or 0.0)
+    first = next((t for t in measured if t.rank == 1), None)
+    if first is None:
+        return best.rank, f"the planner's choice failed its trial; #{best.rank} measured fastest"
+    if best.rank == 1:
+        return 1, "the planner's choice measured fastest"
+    gain = best.measured_tokens_per_s / first.measured_tokens_per_s - 1  # type: ignore[operator]
+    margin = max(MIN_GAIN, best.spread, first.spread)
+    if gain < margin:
+        return 1, (f"#{best.rank} measured {100 * gain:.1f}% faster, within the {100 * margin:.0f}% noise "
+                   "margin of the trials: the planner's choice stands")
+    return best.rank, f"#{best.rank} measured {100 * gain:.1f}% faster than the planner's choice"
+
+
+def apply(plan: Plan, verification: Verification) -> Plan:
+    """The plan to train: the chosen candidate first, with a note of what the trials measured."""
+    if verification.chosen_rank == 1:
+        chosen = plan
+    else:
+        chosen = candidate_plan(plan, [plan.chosen, *plan.alternatives][verification.chosen_rank - 1])
+    note = (f"verified {len(verification.trials)} layouts for {verification.steps} steps each in "
+            f"{verification.seconds:.0f} s: {verification.reason}")
+    return chosen.model_copy(update={"notes": [*plan.notes, note]})
+
+
+def write_verification(run_dir: Path, verification: Verification) -> Path:
+    """RUN_DIR/verify.json: every candidate's predicted and measured figures and the decision."""
+    record = {"chosen_rank": verification.chosen_rank, "reason": verification.reason,
+              "seconds": verification.seconds, "steps": verification.steps,
+              "trials": [{**asdict(t), "step_error": t.step_error} for t in verification.trials]}
+    path = run_dir / "verify.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+    return path
