@@ -54,6 +54,13 @@ def run_layout_of(text: str) -> dict:
             "method": fields.get("method", "full"), "dtype": "fp32"}
 
 
+def _short(layout: str) -> str:
+    """'dp=1,tp=1,...,mbs=4,...' -> 'mbs=4 seq=256' (the keys that differ from the defaults)."""
+    keep = ("dp", "mbs", "gas", "seq", "method", "recompute")
+    defaults = {"dp=1", "gas=1", "method=full", "recompute=none"}
+    return " ".join(kv for kv in layout.split(",") if kv.split("=")[0] in keep and kv not in defaults)
+
+
 def predict(profile: Path, layout: str) -> dict:
     result = CliRunner().invoke(app, ["estimate", "--model", "demo-tiny", "--hardware", str(profile),
                                       "--layout", f"{layout},dtype=fp32", "--json"])
@@ -98,18 +105,22 @@ def main() -> None:
         print(lines[-1], flush=True)
     within = sum(abs(e) <= GOAL for e in errors)
     cal = profile.calibration
+    eff = hw.efficiency
+    fitted_runs = ", ".join(_short(step.layout) for step in cal.steps) if cal else ""
     summary = (
-        f"\n\n{within} of {len(errors)} layouts within {100 * GOAL:.0f}% (worst {100 * max(map(abs, errors)):.1f}%). "
+        f"\n\n{within} of {len(errors)} layouts within {100 * GOAL:.0f}% (worst {100 * max(map(abs, errors)):.1f}%, "
+        f"mean {100 * sum(errors) / len(errors):+.1f}%). "
         f"Profile: {'`advisor profile --quick --model demo-tiny`' + (f' in {quick_s:.0f} s' if quick_s else '')}; "
         f"GEMM fp32 {hw.peak_tflops['fp32'] * 1e3:.1f} GFLOP/s, copy {hw.memory_bandwidth_gbs:.1f} GB/s, "
         f"all-reduce {hw.intra_node_bandwidth_gbs:.2f} GB/s bus + {hw.intra_node_latency_us:.0f} µs, "
-        f"{threads} thread per device; fitted efficiency gemm {hw.efficiency.gemm:.2f}, "
-        f"memory {hw.efficiency.memory_bandwidth:.2f}"
-        + (f" from {len(cal.steps)} steps of a {cal.layers}-layer cut ({', '.join(s.layout.split(',')[4] + ' ' + s.layout.split(',')[-1] for s in cal.steps)})" if cal else "")
+        f"{threads} thread per device. Fitted: GEMM efficiency {eff.gemm:.2f}, memory {eff.memory_bandwidth:.2f}, "
+        f"LoRA adapters {eff.adapter_gemm or eff.gemm:.2f}, {eff.micro_batch_overhead_s * 1e3:.1f} ms per micro-batch, "
+        f"node contention +{100 * eff.node_contention:.0f}%"
+        + (f", from {len(cal.steps)} layouts of a {cal.layers}-layer cut ({fitted_runs})" if cal else "")
         + ". Measured: median of steps "
-        f"{args.warmup + 1}-{args.steps}, slowest rank. Every layout is held out from the calibration. "
-        "The machine is shared with other jobs (1-minute load average per row): under load, "
-        "wall-clock steps slow down and 2-rank steps most; rerun on a quiet machine for a fresh table."
+        f"{args.warmup + 1}-{args.steps}, slowest rank. Every layout is held out from the calibration (other depth "
+        "and other mbs/seq/gas/recompute/method combinations). The 1-minute load average per row includes this "
+        "bench's own ranks; a busier machine slows wall-clock steps, 2-rank steps most."
     )
     print(summary)
     if not args.no_write:

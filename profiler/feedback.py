@@ -96,10 +96,7 @@ def refit(observations: list[Observation], hardware: HardwareSpec) -> dict[str, 
         raise UsageError("no observations to fit")
     cases = [(_trace(o, hardware), o.layout) for o in observations]
     measured = [o.step_s for o in observations]
-    if hasattr(calibrate, "fit_to_steps"):
-        return dict(calibrate.fit_to_steps(cases, measured, hardware))
-    terms = [calibrate.decompose(trace, layout, hardware) for trace, layout in cases]
-    return dict(calibrate.fit_factors(terms, measured))
+    return dict(calibrate.fit_to_steps(cases, measured, hardware))
 
 
 def factors_of(hardware: HardwareSpec, names: Any) -> dict[str, float]:
