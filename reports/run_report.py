@@ -33,6 +33,8 @@ class RunData:
     events: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
     checkpoints: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes) found on disk
+    verify: dict[str, Any] | None = None  # verify.json: `advisor run`'s trials of the top plans
+    feedback: dict[str, Any] | None = None  # feedback.json: the profile's refit after the run
     warnings: list[str] = field(default_factory=list)
 
 
@@ -55,6 +57,18 @@ def _json_lines(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
     if bad:
         warnings.append(f"{path.name}: skipped {bad} unreadable line{'s' if bad > 1 else ''}")
     return records
+
+
+def _json_object(path: Path, warnings: list[str]) -> dict[str, Any] | None:
+    """A JSON object file, or None when it is absent; unreadable files become a warning."""
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except ValueError:
+        warnings.append(f"{path.name}: unreadable")
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _dir_bytes(path: Path) -> int:
@@ -91,6 +105,8 @@ def read_run_dir(path: str | Path) -> RunData:
             data.summary = summary if isinstance(summary, dict) else None
         except ValueError:
             data.warnings.append("summary.json: unreadable (the run may have stopped while writing it)")
+    for name in ("verify", "feedback"):
+        setattr(data, name, _json_object(run_dir / f"{name}.json", data.warnings))
     ckpt_dir = run_dir / "checkpoints"
     if ckpt_dir.is_dir():
         data.checkpoints = sorted(((p.name, _dir_bytes(p)) for p in ckpt_dir.iterdir()), key=lambda c: c[0])
@@ -320,6 +336,8 @@ def run_document(a: RunAnalysis) -> Document:
             [(f"{c.name} ({c.unit})", _scaled(c, c.predicted), _scaled(c, c.measured)) for c in a.comparisons]),
             "Predicted and measured peak memory, step time and throughput.")
 
+    _verification_section(doc, data)
+
     # -- stages ----------------------------------------------------------------------------------
     doc.h2("Loss and learning rate per stage", id="stages-heading")
     if a.stages:
@@ -440,6 +458,42 @@ def run_document(a: RunAnalysis) -> Document:
     else:
         doc.p("No plan.yaml in the run dir.", id="plan")
     return doc
+
+
+def _verification_section(doc: Document, data: RunData) -> None:
+    """`advisor run` only: the top plans timed before training, and the profile's refit after."""
+    if data.verify is None and data.feedback is None:
+        return
+    doc.h2("Verification and feedback", id="verify-heading")
+    trials = (data.verify or {}).get("trials") or []
+    if trials:
+        chosen = (data.verify or {}).get("chosen_rank")
+        rows = [[num(t.get("rank")), text(f"`{t.get('layout', '?')}`" + (" (trained)" if t.get("rank") == chosen else ""),
+                                           wide=True),
+                 num(t.get("predicted_step_s"), f"verify:{t.get('rank')}:predicted_step_s"),
+                 num(t.get("measured_step_s"), f"verify:{t.get('rank')}:measured_step_s"),
+                 pct(t.get("step_error")) if isinstance(t.get("step_error"), (int, float)) else text("-"),
+                 num(t.get("measured_tokens_per_s")), text(str(t.get("error") or t.get("harness") or "-"))]
+                for t in trials]
+        doc.table(Table(["planner's rank", "layout", "predicted step s", "measured step s", "error", "tokens/s",
+                         "harness"], rows, id="verify",
+                        caption=f"each of the top plans timed for {(data.verify or {}).get('steps', '?')} real steps "
+                                "before training; error: predicted / measured - 1"))
+        if (data.verify or {}).get("reason"):
+            doc.p(f"Decision: {data.verify['reason']}.", id="verify-reason")
+    fb = data.feedback
+    if fb:
+        before, after = fb.get("factors_before") or {}, fb.get("factors_after") or {}
+        rows = [[text(k), num(before.get(k)), num(after.get(k))] for k in after]
+        doc.table(Table(["efficiency factor", "before", "after"], rows, id="feedback",
+                        caption=f"refitted over {fb.get('used', '?')} measured steps of this machine "
+                                f"({fb.get('added', '?')} from this run); profile {fb.get('profile', '?')}"))
+        errors = [(label, fb.get(key)) for label, key in (("this run's steps, predicted before the run",
+                                                           "new_error_before"),
+                                                          ("all steps, before the refit", "error_before"),
+                                                          ("all steps, after the refit", "error_after"))]
+        doc.bullets([f"step-time error (RMS relative), {label}: {100 * value:.1f}%" for label, value in errors
+                     if isinstance(value, (int, float))], id="feedback-errors")
 
 
 def run_report(path: str | Path) -> tuple[RunAnalysis, Document]:

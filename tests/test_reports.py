@@ -504,3 +504,32 @@ def test_plan_file_in_the_run_dir_is_the_one_reported(tmp_path) -> None:
     page = (tmp_path / "r" / "run.html").read_text()
     layout = plan["chosen"]["layout"]
     assert f"dp={layout['dp']},tp={layout['tp']},pp={layout['pp']}" in page
+
+
+def test_run_report_shows_the_verification_trials_and_the_profile_refit(tmp_path) -> None:
+    """`advisor run` leaves verify.json and feedback.json: the report shows each trial's predicted
+    and measured step with its error, the decision, and the factors and errors of the refit."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "stage": "a", "loss": 5.0, "step_s": 1.0}) + "\n")
+    trials = [{"rank": 1, "layout": "dp=2,zero=1,mbs=8", "predicted_step_s": 1.2, "measured_step_s": 1.5,
+               "measured_tokens_per_s": 2730.0, "harness": "fork", "step_error": 1.2 / 1.5 - 1},
+              {"rank": 2, "layout": "dp=2,zero=2,mbs=8", "predicted_step_s": 1.25, "measured_step_s": 1.3,
+               "measured_tokens_per_s": 3150.0, "harness": "fork", "step_error": 1.25 / 1.3 - 1}]
+    (run_dir / "verify.json").write_text(json.dumps({"chosen_rank": 2, "reason": "rank 2 measured 15% faster",
+                                                     "steps": 4, "trials": trials}))
+    (run_dir / "feedback.json").write_text(json.dumps({
+        "profile": "p.json", "added": 3, "used": 9, "factors_before": {"gemm": 0.7, "node_contention": 0.1},
+        "factors_after": {"gemm": 0.65, "node_contention": 0.2}, "error_before": 0.12, "error_after": 0.05,
+        "new_error_before": 0.2}))
+    out = tmp_path / "report"
+    result = runner.invoke(app, ["report", "run", str(run_dir), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    page = (out / "run.html").read_text()
+    values = dict(re.findall(r'data-key="(verify:[^"]+)" data-value="([^"]+)"', page))
+    assert float(values["verify:1:measured_step_s"]) == 1.5 and float(values["verify:2:predicted_step_s"]) == 1.25
+    assert "dp=2,zero=2,mbs=8</code> (trained)" in page or "dp=2,zero=2,mbs=8` (trained)" in page
+    assert "-20.0%" in page and "rank 2 measured 15% faster" in page
+    markdown = (out / "run.md").read_text()
+    assert "| node_contention | 0.100 | 0.200 |" in markdown
+    assert "after the refit: 5.0%" in markdown and "predicted before the run: 20.0%" in markdown
