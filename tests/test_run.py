@@ -190,3 +190,28 @@ def test_bad_verify_options_are_one_line_usage_errors(tmp_path) -> None:
         run_pipeline(RunOptions(out=tmp_path, verify=-1), say=lambda _: None)
     with pytest.raises(UsageError, match="--verify-steps"):
         run_pipeline(RunOptions(out=tmp_path, verify_steps=2), say=lambda _: None)
+
+
+def test_run_trains_only_layouts_the_trainer_runs() -> None:
+    """`run` plans over every engine (TP, PP, ZeRO, FSDP2) and then drops what an engine refuses for
+    this model: here a LoRA plan split by tensor parallelism and one with more stages than layers."""
+    from advisor.task import load_task
+    from planner.plan import PlanOptions, make_plan
+    from trainer.parallelize import unsupported_reason
+    from trainer.pipeline import TRAINER_SPACE, trainable_plan
+
+    plan = make_plan(PlanOptions(model=MODEL, hardware=load_hardware("cpu"), gpus_per_node=2, task=load_task("demo"),
+                                 top_k=3, space=TRAINER_SPACE))
+    lora_tp = plan.chosen.model_copy(update={"layout": plan.chosen.layout.model_copy(
+        update={"dp": 1, "tp": 2, "method": "lora"})})
+    deep_pp = plan.chosen.model_copy(update={"layout": plan.chosen.layout.model_copy(update={"dp": 1, "pp": 8})})
+    assert "LoRA adapters are not split" in unsupported_reason(lora_tp.layout, MODEL.hf_config)
+    assert "more pipeline stages than the model's 4" in unsupported_reason(deep_pp.layout, MODEL.hf_config)
+    broken = plan.model_copy(update={"chosen": lora_tp, "alternatives": [deep_pp, plan.chosen, *plan.alternatives]})
+    said: list[str] = []
+    fixed = trainable_plan(broken, said.append)
+    assert fixed.chosen.layout == plan.chosen.layout
+    assert [p.layout for p in fixed.alternatives] == [p.layout for p in plan.alternatives]
+    assert "not runnable here" in said[0]
+    with pytest.raises(UsageError, match="runs none of the planned layouts"):
+        trainable_plan(plan.model_copy(update={"chosen": lora_tp, "alternatives": [deep_pp]}), said.append)

@@ -71,9 +71,33 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.Module:
     return layers
 
 
+def unsupported_reason(layout: Layout, config: Any) -> str | None:
+    """Why the trainer cannot run `layout` on a model of this HF config (None: it can). Reads the
+    config only, so `advisor run` can filter plans before building anything."""
+    try:
+        _check_config(layout, config)
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
 def check_parallel_layout(model: torch.nn.Module, layout: Layout) -> None:
     """One clear line for every combination the DTensor engines cannot run."""
-    config = model.config
+    _check_config(layout, model.config, n_layers=len(decoder_layers(model)) if layout.pp > 1 else None,
+                  dtensor_engine=True)
+    if layout.tp > 1:
+        first = next(iter(decoder_layers(model).children()))
+        missing = [n for n in COLUMN_PARALLEL + ROW_PARALLEL if not _has(first, n)]
+        if missing:
+            raise UsageError(f"tensor parallelism needs Llama-style projections; this model's layers lack "
+                             f"{', '.join(missing)}")
+
+
+def _check_config(layout: Layout, config: Any, n_layers: int | None = None, dtensor_engine: bool = False) -> None:
+    """`dtensor_engine`: the layout runs on the TP/FSDP2/pipeline engines (always when tp or pp > 1;
+    plain, DDP and DeepSpeed run any HF model, offload and LoRA included)."""
+    if not (dtensor_engine or layout.tp > 1 or layout.pp > 1):
+        return
     if layout.method != "full" and (layout.tp > 1 or layout.pp > 1):
         raise UsageError(f"method={layout.method} with tp/pp is not supported (LoRA adapters are not split); "
                          "plan with tp=1, pp=1 for LoRA")
@@ -85,27 +109,23 @@ def check_parallel_layout(model: torch.nn.Module, layout: Layout) -> None:
         raise UsageError("offload runs through DeepSpeed, which this trainer does not combine with tp/pp or FSDP2")
     if layout.tp == 1 and layout.pp == 1:
         return  # FSDP2 alone shards any HF model
-    layers = decoder_layers(model)
-    n_layers = len(layers)
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
     if layout.tp > 1:
-        for name, value in (("num_attention_heads", config.num_attention_heads),
-                            ("num_key_value_heads", getattr(config, "num_key_value_heads", None)
-                             or config.num_attention_heads),
-                            ("intermediate_size", config.intermediate_size)):
+        heads = get("num_attention_heads")
+        for name, value in (("num_attention_heads", heads), ("num_key_value_heads", get("num_key_value_heads") or heads),
+                            ("intermediate_size", get("intermediate_size"))):
+            if value is None:
+                raise UsageError(f"tensor parallelism needs a Llama-style config; this one has no {name}")
             if value % layout.tp:
                 raise UsageError(f"tp={layout.tp} does not divide the model's {name} ({value})")
-        first = next(iter(layers.children()))
-        missing = [n for n in COLUMN_PARALLEL + ROW_PARALLEL if not _has(first, n)]
-        if missing:
-            raise UsageError(f"tensor parallelism needs Llama-style projections; this model's layers lack "
-                             f"{', '.join(missing)}")
     if layout.pp > 1:
+        n_layers = n_layers or int(get("num_hidden_layers") or 0)
         if layout.pp > n_layers:
             raise UsageError(f"pp={layout.pp} is more pipeline stages than the model's {n_layers} decoder layers")
         if layout.stage_layers and sum(layout.stage_layers) != n_layers:
             raise UsageError(f"stage_layers {layout.stage_layers} sum to {sum(layout.stage_layers)}, "
                              f"the model has {n_layers} decoder layers")
-        if getattr(config, "tie_word_embeddings", False):
+        if get("tie_word_embeddings", False):
             raise UsageError("pp>1 with tied input/output embeddings is not supported (the first and last "
                              "stages would share one weight)")
 

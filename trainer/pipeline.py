@@ -22,16 +22,35 @@ from pathlib import Path
 from typing import Any, Callable
 
 from advisor.errors import UsageError
+from advisor.plan import Plan
 from advisor.specs import HardwareSpec, ModelSpec
+from planner.search import SearchSpace
 
 PROFILE_MAX_AGE_S = 7 * 86400
 DEFAULT_VERIFY = 3  # candidates measured before training (0: train the planner's choice untested)
 DEFAULT_VERIFY_STEPS = 4  # per candidate; the first 2 warm up and are left out
-# What `run` lets the planner choose: data parallelism and ZeRO, which the trainer and both trial
-# harnesses run. Lift the tp/pp restriction once the TP/PP engines (trainer/parallel_engines.py)
-# are proven end to end: the `loop` trial harness already runs any layout the trainer runs.
-TRAINER_TP_DEGREES: tuple[int, ...] = (1,)
-TRAINER_PP_DEGREES: tuple[int, ...] = (1,)
+# What `run` lets the planner choose: everything the trainer's engines run (no sequence
+# parallelism, no interleaved pipeline); `trainable_plan` then drops the combinations an engine
+# refuses for this model (LoRA or offload with tp/pp, tp not dividing the heads, ...).
+TRAINER_SPACE = SearchSpace(max_vpp=1, sequence_parallel=(False,))
+
+
+def trainable_plan(plan: Plan, say=print) -> Plan:
+    """The plan without the layouts this trainer cannot run on its model; the first runnable one
+    becomes the choice (stages re-sized for it)."""
+    from trainer.parallelize import unsupported_reason
+    from trainer.verify import candidate_plan
+
+    candidates = [plan.chosen, *plan.alternatives]
+    reasons = [unsupported_reason(p.layout, plan.model.hf_config) for p in candidates]
+    runnable = [p for p, reason in zip(candidates, reasons) if reason is None]
+    if not runnable:
+        raise UsageError("the trainer runs none of the planned layouts: " + "; ".join(sorted(set(filter(None, reasons)))))
+    if reasons[0] is not None:
+        say(f"the planner's choice {plan.chosen.layout.short()} is not runnable here ({reasons[0]}); "
+            f"taking {runnable[0].layout.short()}")
+        plan = candidate_plan(plan, runnable[0])
+    return plan.model_copy(update={"alternatives": [p for p in runnable if p.layout != plan.chosen.layout]})
 
 
 @dataclass
@@ -117,7 +136,6 @@ def run_pipeline(opts: RunOptions, say: Callable[[str], None] = print,
     """Profile, plan, verify the top plans, train the fastest measured, feed back, report."""
     from advisor.task import load_task
     from planner.plan import PlanOptions, make_plan
-    from planner.search import SearchSpace
     from presets import load_model
     from trainer.launch import run as run_training
     from trainer.loop import TrainOptions
@@ -148,8 +166,8 @@ def run_pipeline(opts: RunOptions, say: Callable[[str], None] = print,
     mark = time.perf_counter()
     plan = make_plan(PlanOptions(model=model, hardware=hardware, gpus_per_node=gpus, task=task, method="auto",
                                  min_compute_fraction=0.8, top_k=max(5, opts.verify),
-                                 space=SearchSpace(tp_degrees=TRAINER_TP_DEGREES,
-                                                   pp_degrees=TRAINER_PP_DEGREES)))
+                                 space=TRAINER_SPACE))
+    plan = trainable_plan(plan, say)
     timings["plan_s"] = time.perf_counter() - mark
     say(f"plan: {plan.chosen.layout.short()}")
 
