@@ -15,7 +15,7 @@ EVAL_SEQUENCES sequences each, after every stage of the staged run (read from it
 checkpoints) and at the end of the one-pot run. Forgetting: how much a skill's loss rose during
 the instruction stage; recovery: how much of that the mixed stage took back.
 
-    python -m bench.curriculum [--scale 0.25] [--no-write]
+    python -m bench.curriculum [--scale 1.0] [--seed 0] [--no-write]
 """
 
 from __future__ import annotations
@@ -89,11 +89,11 @@ def make_plan_for(task):
                                  task=task, space=SearchSpace(tp_degrees=(1,), pp_degrees=(1,), max_micro_batch=4)))
 
 
-def train(plan, run_dir: Path) -> float:
+def train(plan, run_dir: Path, seed: int = 0) -> float:
     from trainer.loop import TrainOptions, train as run_loop
 
     started = time.perf_counter()
-    run_loop(plan, run_dir, False, TrainOptions(keep_checkpoints=1000, show_progress=False))
+    run_loop(plan, run_dir, False, TrainOptions(seed=seed, keep_checkpoints=1000, show_progress=False))
     return time.perf_counter() - started
 
 
@@ -128,7 +128,8 @@ def stage_end_steps(run_dir: Path) -> list[tuple[str, int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", type=float, default=0.25, help="multiplies every stage's token budget")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every stage's token budget")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation and data order of both runs")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args()
     from trainer.data.demo_corpus import generate_demo_corpus
@@ -148,12 +149,12 @@ def main() -> None:
     print(f"layout {layout.short()}; staged steps {[s.steps for s in staged_plan.stages]}, "
           f"one-pot steps {[s.steps for s in pot_plan.stages]}", flush=True)
 
-    staged_s = train(staged_plan, work / "staged")
+    staged_s = train(staged_plan, work / "staged", args.seed)
     loads.append(load_average())
     ends = stage_end_steps(work / "staged")
     staged = evaluate(work / "staged", staged_plan, staged_task, [step for _, step in ends])
     print(f"staged: {staged_s:.0f} s; {staged}", flush=True)
-    pot_s = train(pot_plan, work / "one-pot")
+    pot_s = train(pot_plan, work / "one-pot", args.seed)
     loads.append(load_average())
     pot_end = stage_end_steps(work / "one-pot")
     pot = evaluate(work / "one-pot", pot_plan, pot_task, [pot_end[-1][1]])[0]
@@ -185,7 +186,7 @@ def main() -> None:
         "\n\nForgetting and recovery (staged run): " + "; ".join(lines) + ".\n\n"
         f"Staged minus one-pot at the end (negative: staged better): {diffs}. "
         f"Equal tokens: {tokens:,} staged, {pot_tokens:,} one-pot ({args.scale} x the demo's budgets), layout "
-        f"{layout.short()}, 1 process on this CPU, seed 0 for both. One-pot mixture by tokens drawn: "
+        f"{layout.short()}, 1 process on this CPU, seed {args.seed} for both. One-pot mixture by tokens drawn: "
         + ", ".join(f"{Path(p).stem} {100 * w:.0f}%" for p, w in mixture.items())
         + f". Eval: {EVAL_SEQUENCES} held-out sequences of {layout.seq} tokens per skill. Wall time: staged "
         f"{staged_s:.0f} s, one-pot {pot_s:.0f} s; 1-minute load average {', '.join(loads)} (2 cores, shared)."
@@ -194,7 +195,9 @@ def main() -> None:
     print(body)
     if not args.no_write:
         write_section("curriculum", "Curriculum: staged with a final mixed stage against one-pot on the "
-                      "mixture (demo-tiny, equal tokens)", f"python -m bench.curriculum --scale {args.scale}", body)
+                      "mixture (demo-tiny, equal tokens)",
+                      f"python -m bench.curriculum --scale {args.scale}" + (f" --seed {args.seed}" if args.seed else ""),
+                      body)
 
 
 if __name__ == "__main__":

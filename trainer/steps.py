@@ -52,13 +52,7 @@ MODEL_CONFIG: dict[str, Any] = {
 SEED = 0
 LEARNING_RATE = 1e-4
 
-LORA_CONFIG: dict[str, Any] = {
-    "r": 16,
-    "lora_alpha": 32,
-    "lora_dropout": 0.0,
-    "target_modules": "all-linear",
-    "task_type": "CAUSAL_LM",
-}
+LORA_RANK = 16  # adapters on every linear layer, alpha 2r, no dropout (trainer/engine.py)
 
 # torch DDP settings (its defaults, written out because the cost model has to model them).
 DDP_SETTINGS: dict[str, Any] = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False}
@@ -168,23 +162,17 @@ class StepTimer:
 
 
 def build_model(layout: RunLayout, hf_config: dict[str, Any] | None = None) -> torch.nn.Module:
-    """A randomly initialised fp32 causal LM (``demo-tiny`` by default, else any HF config),
-    with the layout's recomputation and method."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    """A randomly initialised fp32 causal LM (``demo-tiny`` by default, else any HF config), with
+    the layout's recomputation and method: the trainer's own `build_model`, so that benches and
+    calibration time the model `advisor train` runs."""
+    from advisor.specs import Layout, ModelSpec
+    from trainer.engine import build_model as build_trained_model
 
-    torch.manual_seed(SEED)  # identical init on every rank
-    if hf_config is None:
-        model = LlamaForCausalLM(LlamaConfig(**MODEL_CONFIG, attn_implementation="sdpa"))  # fp32
-    else:
-        cfg = dict(hf_config)
-        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-        config._attn_implementation = "sdpa"
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if layout["recompute"] == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if layout["method"] == "lora":
-        model = get_peft_model(model, LoraConfig(**LORA_CONFIG))
+    config = dict(hf_config) if hf_config is not None else {"model_type": "llama", **MODEL_CONFIG}
+    planned = Layout(dp=layout["world"], zero=layout["zero"], mbs=layout["mbs"], seq=layout["seq"], gas=layout["gas"],
+                     recompute=layout["recompute"], method=layout["method"], dtype="fp32",
+                     lora_rank=LORA_RANK)
+    model = build_trained_model(ModelSpec(name="bench", hf_config=config), planned, SEED)  # same init on every rank
     model.train()
     return model
 
