@@ -215,3 +215,25 @@ def test_run_trains_only_layouts_the_trainer_runs() -> None:
     assert "not runnable here" in said[0]
     with pytest.raises(UsageError, match="runs none of the planned layouts"):
         trainable_plan(plan.model_copy(update={"chosen": lora_tp, "alternatives": [deep_pp]}), said.append)
+
+
+@pytest.mark.slow
+def test_verification_times_a_pipeline_candidate_through_the_real_training_loop(tmp_path) -> None:
+    """Layouts the fork harness does not cover (here pp=2) are timed by the real loop under torchrun
+    on the task's first stage, for a few steps; the trial directory loses its checkpoints."""
+    from test_trainer import make_plan_file
+
+    from advisor.plan import load_plan
+    from trainer.verify import verify
+
+    fields = {"dp": 1, "tp": 1, "pp": 2, "zero": 0, "mbs": 1, "gas": 4, "seq": 32, "dtype": "fp32",
+              "recompute": "none", "method": "full", "offload": "none", "sp": False, "vpp": 1,
+              "stage_layers": None, "recompute_layers": None}
+    plan = load_plan(make_plan_file(tmp_path, devices=2, steps=6, layout_fields=fields))
+    said: list[str] = []
+    result = verify(plan, 1, tmp_path / "run", steps=4, say=said.append)
+    trial = result.trials[0]
+    assert trial.harness == "loop" and trial.error is None, (trial.error, said)
+    assert trial.measured_step_s and trial.measured_step_s > 0 and len(trial.steps_s) == 4
+    assert trial.measured_tokens_per_s == pytest.approx(4 * 32 / trial.measured_step_s)
+    assert not (tmp_path / "run" / "verify" / "1" / "checkpoints").exists()
