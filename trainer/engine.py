@@ -67,6 +67,13 @@ def apply_recomputation(model: torch.nn.Module, layout: Layout) -> None:
         layer.gradient_checkpointing = index < keep
 
 
+def forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, gas: int) -> float:
+    """One micro-batch's forward and backward (the loss scaled for accumulation); its mean token loss."""
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    (loss / gas).backward()
+    return float(loss.detach())
+
+
 class Engine:
     """Plain PyTorch (one process) or DDP: AdamW, optional clipping, no_sync while accumulating."""
 
@@ -92,9 +99,7 @@ class Engine:
         boundary = self._micro % self.layout.gas == 0
         sync = contextlib.nullcontext() if boundary or self.world == 1 else self.model.no_sync()
         with sync:
-            loss = self.model(input_ids=input_ids, labels=input_ids).loss
-            (loss / self.layout.gas).backward()
-        return float(loss.detach())
+            return forward_backward(self.model, input_ids, self.layout.gas)
 
     def optimizer_step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from advisor.specs import Layout
+from trainer.engine import forward_backward
 from trainer.parallelize import (
     DTYPES,
     ParallelMesh,
@@ -86,9 +87,7 @@ class ShardedEngine:
         if self.sharded:
             boundary = self._micro % self.layout.gas == 0
             self.model.set_requires_gradient_sync(boundary or self.layout.zero >= 2)
-        loss = self.model(input_ids=input_ids, labels=input_ids).loss
-        (loss / self.layout.gas).backward()
-        return float(loss.detach())
+        return forward_backward(self.model, input_ids, self.layout.gas)
 
     def optimizer_step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
