@@ -135,7 +135,7 @@ def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, t
 
 def _forked_rank(rank: int, world: int, port: int, device_type: str, threads: int, quick: bool,
                  dims: dict[str, int] | None, queue: Any, out_dir: str) -> None:
-    from trainer.steps import finish_rank, init_rank
+    from profiler.ranks import finish_rank, init_rank
 
     init_rank(rank, world, port, distributed=world > 1, threads=threads)
     report = (lambda what: queue.put(what)) if rank == 0 else (lambda what: None)
@@ -149,7 +149,7 @@ def _run_forked(nproc: int, device_type: str, threads: int, quick: bool, dims: d
                 progress: Progress) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from trainer.steps import free_port
+    from profiler.ranks import free_port
 
     queue = mp.get_context("fork").SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="advisor_profile_") as out_dir:

@@ -179,7 +179,7 @@ def _direct_all_reduce(rank: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainer.steps import finish_rank, init_rank
+    from profiler.ranks import finish_rank, init_rank
 
     init_rank(rank, 2, port, distributed=True, threads=1)
     buffer = torch.ones(SIZE // 4)
@@ -209,7 +209,7 @@ def test_profile_all_reduce_matches_a_direct_measurement(tmp_path: Path, monkeyp
     figure = profile.measurement(f"all_reduce/2/intra/{SIZE}")
     assert figure.repeats >= 3
 
-    from trainer.steps import free_port, launch
+    from profiler.ranks import free_port, launch
 
     launch(_direct_all_reduce, 2, (free_port(), str(tmp_path / "direct.json")))
     seconds = statistics.median(json.loads((tmp_path / "direct.json").read_text()))

@@ -25,7 +25,7 @@ STEPS = 3  # optimizer steps per curriculum stage (two stages)
 
 def _rank_train(rank: int, world: int, port: int, plan_path: str, run_dir: str, resume: bool) -> None:
     from trainer.loop import TrainOptions, train
-    from trainer.steps import finish_rank, init_rank
+    from profiler.ranks import finish_rank, init_rank
 
     init_rank(rank, world, port, distributed=world > 1, threads=1)
     train(load_plan(plan_path), Path(run_dir), resume, TrainOptions(show_progress=False))
@@ -43,7 +43,7 @@ def _plan(root: Path, fields: dict, engine: str = "auto") -> Path:
 
 
 def _train_forked(plan: Path, run_dir: Path, resume: bool = False) -> list[float]:
-    from trainer.steps import free_port, launch
+    from profiler.ranks import free_port, launch
 
     world = load_plan(plan).chosen.layout.devices
     launch(_rank_train, world, (world, free_port(), str(plan), str(run_dir), resume))

@@ -188,7 +188,7 @@ def run_pipeline(opts: RunOptions, say: Callable[[str], None] = print,
     options = TrainOptions(seed=opts.seed, max_steps_per_stage=opts.max_steps_per_stage)
     extra = ["--seed", str(opts.seed)] + (["--max-steps-per-stage", str(opts.max_steps_per_stage)]
                                           if opts.max_steps_per_stage else [])
-    from trainer.steps import free_port
+    from profiler.ranks import free_port
 
     summary = run_training(plan, plan_path, out, False, options, False, None, 0, "127.0.0.1", free_port(), extra)
     if summary is None and (out / "summary.json").is_file():  # several processes: rank 0 wrote it

@@ -21,20 +21,16 @@ import os
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import contextlib
-import gc
 import json
-import logging
-import socket
 import statistics
 import tempfile
 import time
-import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from profiler.ranks import finish_rank, free_port, init_rank, launch  # noqa: F401  (re-exported for callers)
 
 RunLayout = dict[str, Any]
 
@@ -259,43 +255,6 @@ def run_steps(
 # --------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def init_rank(rank: int, world: int, port: int, distributed: bool, threads: int | None = None) -> None:
-    """Environment, thread count and (if ``distributed``) the gloo process group of one rank."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    # Share the cores: 2 ranks on 2 cores with 2 threads each run about 8x slower.
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    # transformers 5 deprecates gradient_checkpointing_enable (now activation_checkpointing_*).
-    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
-    # DeepSpeed and our collective benchmarks call all_gather_into_tensor, which c10d deprecates.
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
-    if distributed:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
-def finish_rank(distributed: bool) -> None:
-    """gloo can crash at exit when a worker thread frees a finished collective while Python
-    finalizes (NOTES, "The exit crash", fix A): the caller has dropped every owner; collect,
-    barrier, then destroy."""
-    if distributed:
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def prepare_parent(layout: RunLayout) -> None:
     """Import and build native pieces once in the parent, so forked ranks inherit them loaded
     (each rank would otherwise spend seconds importing the model code)."""
@@ -308,10 +267,6 @@ def prepare_parent(layout: RunLayout) -> None:
 
         build_shm_op()  # DeepSpeed's CPU comm op: 30-45 s on a cold TORCH_EXTENSIONS_DIR
 
-
-def launch(worker: Callable[..., None], nprocs: int, args: tuple = ()) -> None:
-    """Run ``worker(rank, *args)`` in ``nprocs`` forked ranks and wait for them."""
-    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="fork")
 
 
 # --------------------------------------------------------------------------------------------

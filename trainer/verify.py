@@ -133,7 +133,7 @@ def _fork_trial(plan: Plan, planned: PlannedLayout, run_layout: dict[str, Any], 
 def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path, run_dir: Path) -> dict[str, Any]:
     from trainer.launch import run as run_training
     from trainer.loop import TrainOptions
-    from trainer.steps import free_port
+    from profiler.ranks import free_port
 
     trial = candidate_plan(plan, planned, first_stage_only=True)
     if directory.exists():
