@@ -50,19 +50,31 @@ code { font-size: .85em; background: #f5f7f9; padding: 0 .2em; border-radius: 3p
 """
 
 
-def format_number(x: float) -> str:
-    """About three significant digits, thousands separated, never in exponent form."""
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-" if x is None else ("inf" if x > 0 else "-inf")
+def format_number(x: float | None) -> str:
+    """About three significant digits, thousands separated; exponent form only from 1e15 up.
+
+    Total over every float: None is "-", nan "nan", infinities "inf"/"-inf", and a value that rounds
+    to zero at eight decimals reads "0" (a fitted factor at its bound is exactly 0.0).
+    """
+    if x is None:
+        return "-"
     if isinstance(x, int):
         return f"{x:,}"
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
     ax = abs(x)
+    if ax >= 1e15:
+        return f"{x:.2e}"
     if ax >= 100:
         return f"{x:,.0f}"
     if ax >= 10:
         return f"{x:,.1f}"
     if ax >= 1:
         return f"{x:,.2f}"
+    if ax < 5e-9:
+        return "0"
     decimals = min(8, 2 - math.floor(math.log10(ax)))
     return f"{x:.{decimals}f}"
 
@@ -87,6 +99,8 @@ def pct(fraction: float | None, key: str | None = None, decimals: int = 1) -> Ce
     """A fraction shown as a percentage; data-value keeps the fraction."""
     if fraction is None:
         return Cell("-", numeric=True)
+    if not math.isfinite(fraction):
+        return Cell(format_number(float(fraction)), key, float(fraction), numeric=True)
     return Cell(f"{100 * fraction:.{decimals}f}%", key, float(fraction), numeric=True)
 
 
