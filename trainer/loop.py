@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from advisor.errors import UsageError
 from advisor.plan import Plan, StagePlan
+from advisor.specs import Layout
 from advisor.task import StageSpec
 from planner.export import deepspeed_config
 from trainer import checkpoint
@@ -107,7 +108,7 @@ def _sum_across_ranks(values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
-def _saved_layout(path: Path | None, default: Any) -> Any:
+def _saved_layout(path: Path | None, default: Layout) -> Layout:
     """The layout a checkpoint was trained with after an OOM fallback, else `default`."""
     if path is None:
         return default
@@ -172,6 +173,7 @@ def train(plan: Plan, run_dir: Path, resume: bool, options: TrainOptions) -> dic
                 run.record(stage, step)
                 if run.checkpoint_due(stage):
                     run.save("interval")
+            run.evaluate(stage)
             run.end_stage(stage)
     return run.finish()
 
@@ -232,7 +234,7 @@ class _Run:
         else start fresh: clear a previous run's logs and save the rollback target of step 1."""
         last = checkpoint.latest(self.ckpt_root) if resume else None
         self.layout = _saved_layout(last, self.plan.chosen.layout)
-        self.failed_layouts: list[Any] = []
+        self.failed_layouts: list[Layout] = []
         if resume:  # the launcher restarted the ranks after an out-of-memory: the layout they switch to
             self.layout, self.failed_layouts = relaunch_layout(self.run_dir, self.layout, self.world)
         self.prepared = prepared_dir(self.task, self.options.data, self.layout.seq, self.vocab)
@@ -335,13 +337,17 @@ class _Run:
     def _show_progress(self, stage: _Stage) -> None:
         self.progress.update(stage.bar, completed=self.state.step_in_stage * self.per_step * self.layout.seq)
 
-    def end_stage(self, stage: _Stage) -> None:
-        """Evaluate every skill seen so far (forgetting shows here), then checkpoint."""
+    def evaluate(self, stage: _Stage) -> None:
+        """Eval loss of every skill seen so far, at the stage end: forgetting shows here."""
         name = stage.spec.name
         self.evals[name] = _evaluate_stages(self.engine.model, self.task, stage.index, self.tokenizer,
                                             self.layout.seq, self.cache, self.options, self.dev)
         self.events.write({"event": "eval", "stage": name, "step": self.state.global_step, "losses": self.evals[name]})
         self.scalars.evals(self.state.global_step, self.evals[name])
+
+    def end_stage(self, stage: _Stage) -> None:
+        """Log the stage's padding and end, move the curriculum on, and checkpoint."""
+        name = stage.spec.name
         if name in self.state.padding:
             self.events.write({"event": "data_padding", "stage": name, **_padding_report(self.state.padding[name])})
         self.events.write({"event": "stage_end", "stage": name, "step": self.state.global_step})
