@@ -98,7 +98,7 @@ def test_stage_ends_checkpoint_and_learning_rate_rewarms(tmp_path) -> None:
         assert lrs[:3] == pytest.approx([stage_lr(i, steps, stage.lr, 2, stage.min_lr_ratio) for i in range(3)])
         assert lrs[2] == pytest.approx(stage.lr) and lrs[-1] < lrs[2]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["finished"] and summary["steps"] == len(metrics)
+    assert summary["finished"] and summary["steps"] == len(metrics) and summary["nan"] is False
     assert set(summary["stages"][1]["eval"]) == {"language", "math"}  # forgetting is measured
 
 
@@ -129,6 +129,24 @@ def test_poisoned_batch_rolls_back_skips_and_finishes(tmp_path, monkeypatch) -> 
     assert summary["finished"] and summary["rollbacks"] == 1
     steps = [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
     assert steps == list(range(1, len(steps) + 1))  # the redone steps replace the rolled-back ones
+
+
+def test_summary_says_nan_when_a_step_had_a_non_finite_loss(tmp_path, monkeypatch) -> None:
+    import trainer.loop as loop
+
+    plan = load_plan(make_plan_file(tmp_path, steps=4))
+    all_reduce, calls = loop._sum_across_ranks, []
+
+    def nan_loss_at_step_3(values):  # the step's loss as the loop sees it, after the all-reduce
+        calls.append(values)
+        summed = all_reduce(values)
+        return [float("nan"), *summed[1:]] if len(calls) == 3 else summed
+
+    monkeypatch.setattr(loop, "_sum_across_ranks", nan_loss_at_step_3)
+    summary = train(plan, tmp_path / "run", resume=False, options=TrainOptions(show_progress=False))
+    assert summary["finished"] and summary["rollbacks"] == 1  # the guard rolled the step back
+    assert all(m["loss"] == m["loss"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["nan"] is True
 
 
 def _free_port() -> int:

@@ -12,6 +12,7 @@ import numpy as np
 
 from advisor.errors import UsageError
 from advisor.task import DataSource, StageSpec, TaskSpec
+from trainer.data.tokenizer import TextTokenizer, resolve_tokenizer_path
 from trainer.stream import Source, pack
 
 BYTE_EOS = 256  # byte-level fallback: ids 0-255 are bytes, 256 closes a document
@@ -32,8 +33,6 @@ class FileTokenizer:
     """A local tokenizer (the task's `data.tokenizer`, or the one shipped for the model preset)."""
 
     def __init__(self, path: Path):
-        from trainer.data.tokenizer import TextTokenizer
-
         self._inner = TextTokenizer(path)
         if self._inner.eos_id is None:
             raise UsageError(f"tokenizer {path} has no end-of-text token to separate packed documents")
@@ -47,8 +46,6 @@ class FileTokenizer:
 
 def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int):
     """The task's tokenizer, else the model preset's shipped one, else bytes."""
-    from trainer.data.tokenizer import resolve_tokenizer_path
-
     configured = getattr(getattr(task, "data", None), "tokenizer", None)
     try:
         path = resolve_tokenizer_path(configured, model_name, Path(task.base_dir))

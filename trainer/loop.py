@@ -24,7 +24,10 @@ import torch
 import torch.distributed as dist
 
 from advisor.errors import UsageError
-from advisor.plan import Plan
+from advisor.plan import Plan, StagePlan
+from advisor.specs import Layout
+from advisor.task import StageSpec
+from planner.export import deepspeed_config
 from trainer import checkpoint
 from trainer.corpus import load_source, stage_sources, tokenizer_for
 from trainer.engine import build_model, device, make_engine, select_backend
@@ -105,19 +108,7 @@ def _sum_across_ranks(values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
-def _build_engine(plan: Plan, layout: Any, options: TrainOptions, dev: torch.device, prepared: Path | None):
-    model = build_model(plan.model, layout, options.seed, options.weights).to(dev)
-    if prepared is not None:
-        mask_padding(model)  # bucketed micro-batches mark padding -1
-    ds_config = None
-    if select_backend(layout, plan.engine) == "deepspeed":
-        from planner.export import deepspeed_config
-
-        ds_config = deepspeed_config(plan, layout)
-    return make_engine(model, layout, ds_config, options.clip, plan.engine)
-
-
-def _saved_layout(path: Path | None, default: Any) -> Any:
+def _saved_layout(path: Path | None, default: Layout) -> Layout:
     """The layout a checkpoint was trained with after an OOM fallback, else `default`."""
     if path is None:
         return default
@@ -162,212 +153,330 @@ def _evaluate(model: torch.nn.Module, sources: list[Source], count: int, dev: to
 
 
 def train(plan: Plan, run_dir: Path, resume: bool, options: TrainOptions) -> dict[str, Any]:
-    if plan.task is None or not plan.stages:
-        raise UsageError("the plan has no task stages: plan with --task task.yaml")
-    rank, world = _rank_world()
-    layout = plan.chosen.layout
-    if world != layout.devices:
-        raise UsageError(f"the plan needs {layout.devices} processes, this launch has {world}")
-    main = rank == 0
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_root = run_dir / "checkpoints"
-    metrics = JsonLines(run_dir / "metrics.jsonl", main)
-    events = JsonLines(run_dir / "events.jsonl", main)
-    if main and not (run_dir / "plan.yaml").is_file():
-        plan.write(run_dir / "plan.yaml")
-    task = plan.task
-    tokenizer = tokenizer_for(task, plan.model.name, int(plan.model.hf_config.get("vocab_size", 0)))
-    cache = run_dir / "data_cache"
-    dev = device()
+    """Run the plan's curriculum in `run_dir` (resuming from its last checkpoint when `resume`).
 
-    # -- model, engine, and where we stand -------------------------------------------------
-    last = checkpoint.latest(ckpt_root) if resume else None
-    layout = _saved_layout(last, layout)
-    failed_layouts: list[Any] = []
-    if resume:  # the launcher restarted the ranks after an out-of-memory: the layout they switch to
-        layout, failed_layouts = relaunch_layout(run_dir, layout, world)
-    vocab = int(plan.model.hf_config.get("vocab_size", 0))
-    prepared = prepared_dir(task, options.data, layout.seq, vocab)
-    inject = OOMInjector()
-    engine = _build_engine(plan, layout, options, dev, prepared)
-    guard = SpikeGuard(warmup_steps=options.spike_warmup_steps)
-    state = LoopState(positions=[0] * len(task.stages))
-    if resume and last is None and main:
-        events.write({"event": "resume", "from": None, "note": "no checkpoint yet: starting fresh"})
-    if last is not None:
-        state = LoopState(**checkpoint.load(last, engine.load))
-        guard.load_state_dict(state.spike)
-        metrics.truncate_after(state.global_step)
-        events.write({"event": "resume", "from": last.name, "step": state.global_step})
-    elif main and not resume:
+    Every rank runs this; rank 0 writes the run dir's files. A step is redone, not counted, after an
+    out-of-memory fallback or a spike rollback: both restore the last checkpoint first."""
+    run = _Run(plan, run_dir, options)
+    run.restore_or_start(resume)
+    with run.progress, run.scalars:
+        while run.state.stage < len(run.task.stages):
+            stage = run.start_stage()
+            while run.state.step_in_stage < stage.steps:
+                step = run.take_step(stage)
+                if step is None:  # out of memory: fell back to the plan's next layout
+                    continue
+                reason = run.guard.check(step.loss, step.grad_norm)
+                if reason is not None:
+                    run.roll_back(stage, step, reason)
+                    continue
+                run.record(stage, step)
+                if run.checkpoint_due(stage):
+                    run.save("interval")
+            run.evaluate(stage)
+            run.end_stage(stage)
+    return run.finish()
+
+
+@dataclass
+class _Stage:
+    """The stage being trained: its spec, its plan, the steps it runs, its data and progress bar."""
+
+    index: int
+    spec: StageSpec
+    planned: StagePlan
+    steps: int
+    stream: Any  # StageStream, or BucketStream for prepared data
+    bar: Any
+
+
+@dataclass
+class _Step:
+    """One optimizer step, taken but not yet judged by the spike guard."""
+
+    started: float  # time.perf_counter() at its start
+    position: int  # data position of its first sequence
+    lr: float
+    loss: float  # averaged over the ranks
+    grad_norm: float
+    usage: list[float]  # prepared data: real tokens, token slots, slots without buckets (this replica)
+
+
+class _Run:
+    """Everything one training run holds besides `LoopState`: its files, layout, engine and guard."""
+
+    def __init__(self, plan: Plan, run_dir: Path, options: TrainOptions):
+        if plan.task is None or not plan.stages:
+            raise UsageError("the plan has no task stages: plan with --task task.yaml")
+        self.rank, self.world = _rank_world()
+        if self.world != plan.chosen.layout.devices:
+            raise UsageError(f"the plan needs {plan.chosen.layout.devices} processes, this launch has {self.world}")
+        self.plan, self.run_dir, self.options, self.task = plan, run_dir, options, plan.task
+        self.main = self.rank == 0
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt_root = run_dir / "checkpoints"
+        self.metrics = JsonLines(run_dir / "metrics.jsonl", self.main)
+        self.events = JsonLines(run_dir / "events.jsonl", self.main)
+        self.scalars = ScalarLog(run_dir / "tensorboard", self.main)  # opens lazily, after any purge is set
+        if self.main and not (run_dir / "plan.yaml").is_file():
+            plan.write(run_dir / "plan.yaml")
+        self.vocab = int(plan.model.hf_config.get("vocab_size", 0))
+        self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab)
+        self.cache = run_dir / "data_cache"
+        self.dev = device()
+        self.step_times: list[float] = []
+        self.evals: dict[str, dict[str, float]] = {}
+
+    # -- set-up: layout, engine, and where the run stands ------------------------------------------
+
+    def restore_or_start(self, resume: bool) -> None:
+        """Resume from the last checkpoint (with the layout it, or an OOM relaunch, switched to),
+        else start fresh: clear a previous run's logs and save the rollback target of step 1."""
+        last = checkpoint.latest(self.ckpt_root) if resume else None
+        self.layout = _saved_layout(last, self.plan.chosen.layout)
+        self.failed_layouts: list[Layout] = []
+        if resume:  # the launcher restarted the ranks after an out-of-memory: the layout they switch to
+            self.layout, self.failed_layouts = relaunch_layout(self.run_dir, self.layout, self.world)
+        self.prepared = prepared_dir(self.task, self.options.data, self.layout.seq, self.vocab)
+        self.inject = OOMInjector()
+        self.engine = self._build_engine()
+        self.guard = self._fresh_guard()
+        self.state = LoopState(positions=[0] * len(self.task.stages))
+        if resume and last is None and self.main:
+            self.events.write({"event": "resume", "from": None, "note": "no checkpoint yet: starting fresh"})
+        if last is not None:
+            self._restore(last)
+            self.events.write({"event": "resume", "from": last.name, "step": self.state.global_step})
+        elif self.main and not resume:
+            self._clear_previous_run()
+        if self.prepared is not None:
+            self.events.write({"event": "data", "source": "prepared", "dir": str(self.prepared)})
+        if last is None:
+            self.save("start")  # the rollback target before the first step
+        self.per_step = self.layout.global_batch
+        self.progress = _progress(self.options.show_progress and self.main)
+        self.failed_layouts.append(self.layout)
+        if self.layout != self.plan.chosen.layout:  # checkpoints remember the fallback for later resumes
+            self.state.layout = self.layout.model_dump(mode="json")
+            self.state.oom_fallbacks = max(self.state.oom_fallbacks, len(self.failed_layouts) - 1)
+
+    def _clear_previous_run(self) -> None:
         for stale in ("metrics.jsonl", "events.jsonl", RELAUNCH):
-            (run_dir / stale).unlink(missing_ok=True)
-        for old in (run_dir / "tensorboard").glob("events.out.tfevents.*"):
+            (self.run_dir / stale).unlink(missing_ok=True)
+        for old in (self.run_dir / "tensorboard").glob("events.out.tfevents.*"):
             old.unlink()
-    scalars = ScalarLog(run_dir / "tensorboard", main, purge_after=state.global_step if last else None)
-    if prepared is not None:
-        events.write({"event": "data", "source": "prepared", "dir": str(prepared)})
 
-    def save(reason: str) -> None:
-        state.spike = guard.state_dict()
-        path = checkpoint.save(ckpt_root, state.global_step, vars(state).copy(), engine.save,
-                               options.keep_checkpoints)
-        events.write({"event": "checkpoint", "step": state.global_step, "stage": task.stages[state.stage].name
-                      if state.stage < len(task.stages) else None, "path": str(path.relative_to(run_dir)),
-                      "reason": reason})
+    def _build_engine(self) -> Any:
+        model = build_model(self.plan.model, self.layout, self.options.seed, self.options.weights).to(self.dev)
+        if self.prepared is not None:
+            mask_padding(model)  # bucketed micro-batches mark padding -1
+        ds_config = None
+        if select_backend(self.layout, self.plan.engine) == "deepspeed":
+            ds_config = deepspeed_config(self.plan, self.layout)
+        return make_engine(model, self.layout, ds_config, self.options.clip, self.plan.engine)
 
-    if last is None:
-        save("start")  # the rollback target before the first step
-    step_times: list[float] = []
-    evals: dict[str, dict[str, float]] = {}
-    dp, mbs, gas = layout.dp, layout.mbs, layout.gas
-    per_step = dp * mbs * gas
-    progress = _progress(options.show_progress and main)
-    failed_layouts.append(layout)
-    if layout != plan.chosen.layout:  # checkpoints remember the fallback for later resumes
-        state.layout = layout.model_dump(mode="json")
-        state.oom_fallbacks = max(state.oom_fallbacks, len(failed_layouts) - 1)
+    def _fresh_guard(self) -> SpikeGuard:
+        return SpikeGuard(warmup_steps=self.options.spike_warmup_steps)
 
-    def make_stream(index: int):
-        if prepared is not None:  # length-bucketed micro-batches of the current layout's token budget
-            return bucket_stream(prepared, task, index, layout.seq, layout.mbs, options.seed)
-        return StageStream(stage_sources(task, index, tokenizer, layout.seq, cache), options.seed, index)
+    def _make_stream(self, index: int) -> Any:
+        if self.prepared is not None:  # length-bucketed micro-batches of the current layout's token budget
+            return bucket_stream(self.prepared, self.task, index, self.layout.seq, self.layout.mbs, self.options.seed)
+        return StageStream(stage_sources(self.task, index, self.tokenizer, self.layout.seq, self.cache),
+                           self.options.seed, index)
 
-    # -- the curriculum ----------------------------------------------------------------------
-    with progress, scalars:
-        while state.stage < len(task.stages):
-            index = state.stage
-            stage = task.stages[index]
-            planned = plan.stages[index]
-            steps = min(planned.steps, options.max_steps_per_stage or planned.steps)
-            stream = make_stream(index)
-            bar = progress.add_task(stage.name, total=steps * per_step * layout.seq, loss=float("nan"), tps=0.0)
-            progress.update(bar, completed=state.step_in_stage * per_step * layout.seq)
-            if state.step_in_stage == 0:
-                # a new data distribution moves the loss legitimately: the guard learns it afresh
-                guard = SpikeGuard(warmup_steps=options.spike_warmup_steps)
-                events.write({"event": "stage_start", "stage": stage.name, "step": state.global_step,
-                              "steps": steps, "lr": stage.lr * state.lr_scale, "warmup_steps": stage.warmup_steps})
-            while state.step_in_stage < steps:
-                started = time.perf_counter()
-                position = _start(state.positions[index], index, state.skips)
-                lr = stage_lr(state.step_in_stage, steps, stage.lr * state.lr_scale, stage.warmup_steps,
-                              stage.min_lr_ratio)
-                losses = []
-                usage = [0, 0, 0]  # prepared data: real tokens, token slots, slots without buckets
-                data_rank = getattr(engine, "data_rank", rank)  # TP/PP ranks of one replica read the same data
-                try:
-                    for micro in range(gas):
-                        batch = stream.global_batch(position, dp, mbs, gas, data_rank, micro)
-                        if prepared is not None:
-                            usage = [a + b for a, b in zip(usage, stream.usage(position, dp, mbs, data_rank, micro))]
-                        inject.check(state.global_step + 1, micro, batch)
-                        losses.append(engine.micro_step(torch.from_numpy(batch).to(dev)))
-                    grad_norm = engine.optimizer_step(lr)
-                except Exception as exc:  # out of memory: the plan's next layout, from the last checkpoint
-                    if not is_oom(exc):
-                        raise
-                    replacement, skipped = next_layout(plan, failed_layouts)
-                    target = checkpoint.latest(ckpt_root)
-                    assert target is not None
-                    fallback = {"event": "oom_fallback", "step": state.global_step + 1, "stage": stage.name,
-                                "error": str(exc)[:300], "failed": layout.short(),
-                                "replacement": replacement.short() if replacement else None,
-                                "from": target.name, "skipped": skipped}
-                    if replacement is not None and world > 1:  # the others may be stuck in a collective
-                        request_relaunch(run_dir, replacement, failed_layouts, {**fallback, "relaunch": True})
-                        raise UsageError(f"out of memory at step {state.global_step + 1} with {layout.short()}: the "
-                                         f"launcher restarts the ranks with {replacement.short()}") from None
-                    events.write(fallback)
-                    if replacement is None:
-                        events.write({"event": "stop", "reason": "out of memory: no fallback left in the plan"})
-                        raise UsageError(f"out of memory at step {state.global_step + 1} with {layout.short()}: "
-                                         "no fallback left in the plan; plan with a smaller micro-batch, "
-                                         "recomputation or more devices") from None
-                    carried = (state.skips, state.rollbacks, state.lr_scale, state.oom_fallbacks + 1)
-                    engine = None  # drop the failed engine's model, gradients and optimizer state
-                    free_memory()
-                    layout = replacement
-                    failed_layouts.append(layout)
-                    engine = _build_engine(plan, layout, options, dev, prepared)
-                    state = LoopState(**checkpoint.load(target, engine.load))
-                    state.skips, state.rollbacks, state.lr_scale, state.oom_fallbacks = carried
-                    state.layout = layout.model_dump(mode="json")
-                    guard.load_state_dict(state.spike)
-                    if state.step_in_stage == 0:
-                        guard = SpikeGuard(warmup_steps=options.spike_warmup_steps)
-                    metrics.truncate_after(state.global_step)
-                    scalars.truncate_after(state.global_step)
-                    dp, mbs, gas = layout.dp, layout.mbs, layout.gas
-                    stream = make_stream(index)
-                    progress.update(bar, completed=state.step_in_stage * per_step * layout.seq)
-                    continue
-                step_losses = [x for x in losses if x is not None]  # a pipeline returns None until the gas-th
-                loss_sum, *usage = _sum_across_ranks([float(np.mean(step_losses)), *usage])
-                loss = loss_sum / world
-                usage = [u * dp / world for u in usage]  # the world/dp ranks of a replica read the same data
-                reason = guard.check(loss, grad_norm)
-                if reason is not None:  # roll back, skip this batch, cool the learning rate
-                    window = [index, position, _advance(position, per_step, index, [])]
-                    events.write({"event": "spike", "step": state.global_step + 1, "stage": stage.name,
-                                  "loss": loss, "grad_norm": grad_norm, "reason": reason})
-                    rollbacks, skips = state.rollbacks + 1, state.skips + [window]
-                    if rollbacks > options.max_rollbacks:
-                        events.write({"event": "stop", "reason": f"more than {options.max_rollbacks} rollbacks"})
-                        raise RuntimeError(f"training stopped after {options.max_rollbacks} rollbacks: {reason}")
-                    target = checkpoint.latest(ckpt_root)
-                    assert target is not None
-                    state = LoopState(**checkpoint.load(target, engine.load))
-                    guard.load_state_dict(state.spike)
-                    state.rollbacks, state.skips = rollbacks, skips
-                    state.lr_scale *= options.spike_lr_factor
-                    metrics.truncate_after(state.global_step)
-                    scalars.truncate_after(state.global_step)
-                    events.write({"event": "rollback", "to": target.name, "step": state.global_step,
-                                  "skipped": window[1:], "lr_scale": state.lr_scale})
-                    progress.update(bar, completed=state.step_in_stage * per_step * layout.seq)
-                    continue
-                state.positions[index] = _advance(position, per_step, index, state.skips)
-                state.step_in_stage += 1
-                state.global_step += 1
-                elapsed = time.perf_counter() - started
-                step_times.append(elapsed)
-                if prepared is not None:  # real tokens: padding is not throughput
-                    counts = state.padding.setdefault(stage.name, [0, 0, 0])
-                    state.padding[stage.name] = [a + int(b) for a, b in zip(counts, usage)]
-                tokens_per_s = (usage[0] if prepared is not None else per_step * layout.seq) / elapsed
-                record = {"step": state.global_step, "stage": stage.name, "loss": loss, "lr": lr,
-                          "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "step_s": elapsed}
-                metrics.write(record)
-                scalars.metrics(record)
-                progress.update(bar, advance=per_step * layout.seq, loss=loss, tps=tokens_per_s)
-                if state.step_in_stage % planned.checkpoint_every_steps == 0 and state.step_in_stage < steps:
-                    save("interval")
+    # -- checkpoints -------------------------------------------------------------------------------
 
-            # stage end: evaluate every skill seen so far (forgetting shows here), then checkpoint
-            evals[stage.name] = _evaluate_stages(engine.model, task, index, tokenizer, layout.seq, cache, options,
-                                                 dev)
-            events.write({"event": "eval", "stage": stage.name, "step": state.global_step, "losses": evals[stage.name]})
-            scalars.evals(state.global_step, evals[stage.name])
-            if stage.name in state.padding:
-                events.write({"event": "data_padding", "stage": stage.name,
-                              **_padding_report(state.padding[stage.name])})
-            events.write({"event": "stage_end", "stage": stage.name, "step": state.global_step})
-            state.stage += 1
-            state.step_in_stage = 0
-            save("stage_end")
+    def save(self, reason: str) -> None:
+        self.state.spike = self.guard.state_dict()
+        path = checkpoint.save(self.ckpt_root, self.state.global_step, vars(self.state).copy(), self.engine.save,
+                               self.options.keep_checkpoints)
+        stages = self.task.stages
+        self.events.write({"event": "checkpoint", "step": self.state.global_step,
+                           "stage": stages[self.state.stage].name if self.state.stage < len(stages) else None,
+                           "path": str(path.relative_to(self.run_dir)), "reason": reason})
 
-    summary = _summary(plan, state, step_times, evals, run_dir)
-    summary["layout_used"] = layout.short()
-    summary["oom_fallbacks"] = state.oom_fallbacks
-    summary["data"] = {"source": "prepared" if prepared is not None else "raw",
-                       "dir": str(prepared) if prepared is not None else None,
-                       "padding": {name: _padding_report(c) for name, c in state.padding.items()}}
-    if main:
-        tmp = run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(run_dir / "summary.json")
-    return summary
+    def _restore(self, target: Path, **kept: Any) -> None:
+        """Load the checkpoint `target` into the engine, the loop state (but for the fields in
+        `kept`) and the spike guard; the logged steps after it will be redone."""
+        self.state = LoopState(**checkpoint.load(target, self.engine.load))
+        for name, value in kept.items():
+            setattr(self.state, name, value)
+        self.guard.load_state_dict(self.state.spike)
+        self.metrics.truncate_after(self.state.global_step)
+        self.scalars.truncate_after(self.state.global_step)
+
+    def _last_checkpoint(self) -> Path:
+        target = checkpoint.latest(self.ckpt_root)
+        assert target is not None  # the loop saves one before its first step
+        return target
+
+    # -- a stage -----------------------------------------------------------------------------------
+
+    def start_stage(self) -> _Stage:
+        index = self.state.stage
+        spec, planned = self.task.stages[index], self.plan.stages[index]
+        steps = min(planned.steps, self.options.max_steps_per_stage or planned.steps)
+        stream = self._make_stream(index)
+        bar = self.progress.add_task(spec.name, total=steps * self.per_step * self.layout.seq, loss=float("nan"),
+                                     tps=0.0)
+        stage = _Stage(index, spec, planned, steps, stream, bar)
+        self._show_progress(stage)
+        if self.state.step_in_stage == 0:
+            # a new data distribution moves the loss legitimately: the guard learns it afresh
+            self.guard = self._fresh_guard()
+            self.events.write({"event": "stage_start", "stage": spec.name, "step": self.state.global_step,
+                               "steps": steps, "lr": spec.lr * self.state.lr_scale,
+                               "warmup_steps": spec.warmup_steps})
+        return stage
+
+    def checkpoint_due(self, stage: _Stage) -> bool:
+        """On the planned cadence, but not at the stage end (that checkpoint follows the eval)."""
+        done = self.state.step_in_stage
+        return done % stage.planned.checkpoint_every_steps == 0 and done < stage.steps
+
+    def _show_progress(self, stage: _Stage) -> None:
+        self.progress.update(stage.bar, completed=self.state.step_in_stage * self.per_step * self.layout.seq)
+
+    def evaluate(self, stage: _Stage) -> None:
+        """Eval loss of every skill seen so far, at the stage end: forgetting shows here."""
+        name = stage.spec.name
+        self.evals[name] = _evaluate_stages(self.engine.model, self.task, stage.index, self.tokenizer,
+                                            self.layout.seq, self.cache, self.options, self.dev)
+        self.events.write({"event": "eval", "stage": name, "step": self.state.global_step, "losses": self.evals[name]})
+        self.scalars.evals(self.state.global_step, self.evals[name])
+
+    def end_stage(self, stage: _Stage) -> None:
+        """Log the stage's padding and end, move the curriculum on, and checkpoint."""
+        name = stage.spec.name
+        if name in self.state.padding:
+            self.events.write({"event": "data_padding", "stage": name, **_padding_report(self.state.padding[name])})
+        self.events.write({"event": "stage_end", "stage": name, "step": self.state.global_step})
+        self.state.stage += 1
+        self.state.step_in_stage = 0
+        self.save("stage_end")
+
+    # -- a step ------------------------------------------------------------------------------------
+
+    def take_step(self, stage: _Stage) -> _Step | None:
+        """Accumulate the step's micro-batches and take the optimizer step; None when that ran out
+        of memory and the run fell back to the plan's next layout (the step is then redone)."""
+        started = time.perf_counter()
+        position = _start(self.state.positions[stage.index], stage.index, self.state.skips)
+        lr = stage_lr(self.state.step_in_stage, stage.steps, stage.spec.lr * self.state.lr_scale,
+                      stage.spec.warmup_steps, stage.spec.min_lr_ratio)
+        try:
+            losses, usage = self._accumulate(stage, position)
+            grad_norm = self.engine.optimizer_step(lr)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            error = str(exc)
+        else:
+            step_losses = [x for x in losses if x is not None]  # a pipeline returns None until the gas-th
+            loss_sum, *usage = _sum_across_ranks([float(np.mean(step_losses)), *usage])
+            usage = [u * self.layout.dp / self.world for u in usage]  # the world/dp ranks of a replica read alike
+            return _Step(started, position, lr, loss_sum / self.world, grad_norm, usage)
+        self.fall_back(stage, error)  # out of the except block: the failed step's tensors are freed
+        return None
+
+    def _accumulate(self, stage: _Stage, position: int) -> tuple[list[float | None], list[int]]:
+        layout = self.layout
+        losses = []
+        usage = [0, 0, 0]  # prepared data: real tokens, token slots, slots without buckets
+        data_rank = getattr(self.engine, "data_rank", self.rank)  # TP/PP ranks of one replica read the same data
+        for micro in range(layout.gas):
+            batch = stage.stream.global_batch(position, layout.dp, layout.mbs, layout.gas, data_rank, micro)
+            if self.prepared is not None:
+                micro_usage = stage.stream.usage(position, layout.dp, layout.mbs, data_rank, micro)
+                usage = [a + b for a, b in zip(usage, micro_usage)]
+            self.inject.check(self.state.global_step + 1, micro, batch)
+            losses.append(self.engine.micro_step(torch.from_numpy(batch).to(self.dev)))
+        return losses, usage
+
+    def record(self, stage: _Stage, step: _Step) -> None:
+        """Count a good step: advance the data, log its metrics."""
+        state = self.state
+        state.positions[stage.index] = _advance(step.position, self.per_step, stage.index, state.skips)
+        state.step_in_stage += 1
+        state.global_step += 1
+        elapsed = time.perf_counter() - step.started
+        self.step_times.append(elapsed)
+        if self.prepared is not None:  # real tokens: padding is not throughput
+            counts = state.padding.setdefault(stage.spec.name, [0, 0, 0])
+            state.padding[stage.spec.name] = [a + int(b) for a, b in zip(counts, step.usage)]
+        tokens = step.usage[0] if self.prepared is not None else self.per_step * self.layout.seq
+        record = {"step": state.global_step, "stage": stage.spec.name, "loss": step.loss, "lr": step.lr,
+                  "grad_norm": step.grad_norm, "tokens_per_s": tokens / elapsed, "step_s": elapsed}
+        self.metrics.write(record)
+        self.scalars.metrics(record)
+        self.progress.update(stage.bar, advance=self.per_step * self.layout.seq, loss=step.loss,
+                             tps=record["tokens_per_s"])
+
+    # -- the two ways back to the last checkpoint ----------------------------------------------------
+
+    def fall_back(self, stage: _Stage, error: str) -> None:
+        """Out of memory: switch to the plan's next layout that these processes can run, from the
+        last checkpoint (several ranks: ask the launcher to restart them all with it)."""
+        replacement, skipped = next_layout(self.plan, self.failed_layouts)
+        target = self._last_checkpoint()
+        step, failed = self.state.global_step + 1, self.layout.short()
+        fallback = {"event": "oom_fallback", "step": step, "stage": stage.spec.name, "error": error[:300],
+                    "failed": failed, "replacement": replacement.short() if replacement else None,
+                    "from": target.name, "skipped": skipped}
+        if replacement is not None and self.world > 1:  # the others may be stuck in a collective
+            request_relaunch(self.run_dir, replacement, self.failed_layouts, {**fallback, "relaunch": True})
+            raise UsageError(f"out of memory at step {step} with {failed}: the launcher restarts the ranks "
+                             f"with {replacement.short()}")
+        self.events.write(fallback)
+        if replacement is None:
+            self.events.write({"event": "stop", "reason": "out of memory: no fallback left in the plan"})
+            raise UsageError(f"out of memory at step {step} with {failed}: no fallback left in the plan; plan "
+                             "with a smaller micro-batch, recomputation or more devices")
+        state = self.state
+        self.engine = None  # drop the failed engine's model, gradients and optimizer state
+        free_memory()
+        self.layout = replacement
+        self.failed_layouts.append(replacement)
+        self.engine = self._build_engine()
+        self._restore(target, skips=state.skips, rollbacks=state.rollbacks, lr_scale=state.lr_scale,
+                      oom_fallbacks=state.oom_fallbacks + 1, layout=replacement.model_dump(mode="json"))
+        if self.state.step_in_stage == 0:
+            self.guard = self._fresh_guard()  # as a resume at a stage start does
+        stage.stream = self._make_stream(stage.index)
+        self._show_progress(stage)
+
+    def roll_back(self, stage: _Stage, step: _Step, reason: str) -> None:
+        """A loss spike: back to the last checkpoint, skip this step's batch, cool the learning rate."""
+        window = [stage.index, step.position, _advance(step.position, self.per_step, stage.index, [])]
+        self.events.write({"event": "spike", "step": self.state.global_step + 1, "stage": stage.spec.name,
+                           "loss": step.loss, "grad_norm": step.grad_norm, "reason": reason})
+        rollbacks = self.state.rollbacks + 1
+        if rollbacks > self.options.max_rollbacks:
+            self.events.write({"event": "stop", "reason": f"more than {self.options.max_rollbacks} rollbacks"})
+            raise RuntimeError(f"training stopped after {self.options.max_rollbacks} rollbacks: {reason}")
+        target = self._last_checkpoint()
+        self._restore(target, rollbacks=rollbacks, skips=self.state.skips + [window])
+        self.state.lr_scale *= self.options.spike_lr_factor
+        self.events.write({"event": "rollback", "to": target.name, "step": self.state.global_step,
+                           "skipped": window[1:], "lr_scale": self.state.lr_scale})
+        self._show_progress(stage)
+
+    # -- the end -----------------------------------------------------------------------------------
+
+    def finish(self) -> dict[str, Any]:
+        """summary.json: predicted against measured, per-stage results, what the run had to change."""
+        summary = _summary(self.plan, self.state, self.step_times, self.evals, self.run_dir)
+        summary["layout_used"] = self.layout.short()
+        summary["oom_fallbacks"] = self.state.oom_fallbacks
+        prepared = self.prepared
+        summary["data"] = {"source": "prepared" if prepared is not None else "raw",
+                           "dir": str(prepared) if prepared is not None else None,
+                           "padding": {name: _padding_report(c) for name, c in self.state.padding.items()}}
+        if self.main:
+            tmp = self.run_dir / "summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=2))
+            tmp.replace(self.run_dir / "summary.json")
+        return summary
 
 
 def _evaluate_stages(model, task, upto: int, tokenizer, seq: int, cache: Path, options: TrainOptions,
@@ -395,10 +504,10 @@ def _summary(plan: Plan, state: LoopState, step_times: list[float], evals: dict,
     peak, how = _peak_bytes()
     steady = step_times[2:] or step_times
     predicted = plan.chosen.estimate
+    metrics = _read_jsonl(run_dir / "metrics.jsonl")
     stages = []
     for spec in plan.task.stages if plan.task else []:
-        losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                  if json.loads(line)["stage"] == spec.name] if (run_dir / "metrics.jsonl").is_file() else []
+        losses = [m["loss"] for m in metrics if m["stage"] == spec.name]
         stages.append({"name": spec.name, "steps": len(losses), "final_loss": losses[-1] if losses else None,
                        "eval": evals.get(spec.name, {})})
     return {
@@ -411,8 +520,20 @@ def _summary(plan: Plan, state: LoopState, step_times: list[float], evals: dict,
         "steps": state.global_step, "rollbacks": state.rollbacks, "stages": stages,
         "layout": plan.chosen.layout.short(), "world_size": _rank_world()[1], "pid": os.getpid(),
         "finished": state.stage >= len(plan.task.stages) if plan.task else True,
-        "nan": any(math.isnan(x) for x in step_times),
+        "nan": _non_finite_seen(metrics, _read_jsonl(run_dir / "events.jsonl")),
     }
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _non_finite_seen(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
+    """Whether any step of the run had a non-finite loss or gradient norm. The guard rolls such a
+    step back, so it is in events.jsonl (a spike), not metrics.jsonl; both files span resumes."""
+    steps = [*metrics, *(e for e in events if e["event"] == "spike")]
+    return any(isinstance(value, float) and not math.isfinite(value)
+               for step in steps for value in (step.get("loss"), step.get("grad_norm")))
 
 
 def _progress(enabled: bool):

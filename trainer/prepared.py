@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from advisor.errors import UsageError
 from advisor.task import TaskSpec
+from trainer.data.manifest import default_out_dir, read_manifest, task_fingerprint
+from trainer.data.shards import stage_shards
 
 PAD = -1
 BLOCK = 4096  # micro-batches whose sources are drawn in one vectorised call
@@ -34,8 +37,6 @@ def prepared_dir(task: TaskSpec, explicit: str | None, seq: int, vocab_size: int
     """The prepared-data folder to train from: `explicit` (`advisor train --data DIR`), else the
     task's `data.out` when a fresh manifest is there (the one `advisor plan --task` sized the
     stages from), else None (train from the raw sources)."""
-    from trainer.data.manifest import default_out_dir, read_manifest, task_fingerprint
-
     folder = Path(explicit) if explicit else default_out_dir(task)
     if not explicit and not (folder / "manifest.json").is_file():
         return None
@@ -88,8 +89,6 @@ class Samples:
 
 
 def read_shard(path: str, edge: int) -> Samples:
-    import pyarrow as pa
-
     with pa.OSFile(path, "rb") as f:
         column = pa.ipc.open_stream(f).read_all().column("input_ids").combine_chunks()
     offsets = np.asarray(column.offsets, dtype=np.int64)
@@ -189,8 +188,6 @@ class BucketStream:
 def bucket_stream(folder: Path, task: TaskSpec, index: int, seq: int, mbs: int, seed: int) -> BucketStream:
     """The stage's own shards (weighted by their tokens: the prepared mixture) plus the replayed
     stages' shards by their share, as `stage_sources` mixes raw sources."""
-    from trainer.data.shards import stage_shards
-
     stage = task.stages[index]
     own_share = 1.0 - sum(stage.replay.values())
     budget = mbs * seq

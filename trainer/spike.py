@@ -1,10 +1,10 @@
 """Loss-spike guard: decide, identically on every rank, whether a step went bad.
 
-A step is a spike when its loss is not finite, or (after a warm-up window) the loss exceeds its
-running mean by `loss_sigmas` running standard deviations and by `loss_ratio` times the mean, or
-the gradient norm exceeds its running mean by `grad_sigmas` deviations and by `grad_ratio` times
-(gradient norms are noisy early in a stage: both margins must be crossed). Running statistics are
-exponential moving averages updated with good steps only, so a spike does not excuse the next.
+A step is a spike when its loss or gradient norm is not finite, or (after a warm-up window) the
+loss or the gradient norm crosses its threshold: its running mean plus so many running standard
+deviations, and so many times that mean (gradient norms are noisy early in a stage: both margins
+must be crossed). Running statistics are exponential moving averages updated with good steps
+only, so a spike does not excuse the next.
 The decision is taken from values already all-reduced (the loss is averaged over data-parallel
 ranks before it reaches the guard), so every rank agrees without another collective.
 """
@@ -41,13 +41,23 @@ class _RunningStat:
         return math.sqrt(max(self.var, 0.0))
 
 
+@dataclass(frozen=True)
+class _Threshold:
+    """A value is out of line when it exceeds its running mean by `sigmas` deviations *and* by
+    `ratio` times the mean (one margin alone trips on the noise early in a stage)."""
+
+    sigmas: float
+    ratio: float
+
+    def limit(self, stat: _RunningStat) -> float:
+        return max(stat.mean + self.sigmas * stat.std, stat.mean * self.ratio)
+
+
 @dataclass
 class SpikeGuard:
     warmup_steps: int = 20
-    loss_sigmas: float = 6.0
-    loss_ratio: float = 1.5
-    grad_sigmas: float = 8.0
-    grad_ratio: float = 3.0
+    loss_threshold: _Threshold = _Threshold(sigmas=6.0, ratio=1.5)
+    grad_threshold: _Threshold = _Threshold(sigmas=8.0, ratio=3.0)
     decay: float = 0.8  # ~5-step memory: the reference follows a falling loss closely
     loss: _RunningStat = field(init=False)
     grad: _RunningStat = field(init=False)
@@ -61,10 +71,10 @@ class SpikeGuard:
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             return f"non-finite loss {loss} or gradient norm {grad_norm}"
         if self.loss.count >= self.warmup_steps:
-            loss_limit = max(self.loss.mean + self.loss_sigmas * self.loss.std, self.loss.mean * self.loss_ratio)
+            loss_limit = self.loss_threshold.limit(self.loss)
             if loss > loss_limit:
                 return f"loss {loss:.4g} above {loss_limit:.4g} (running mean {self.loss.mean:.4g})"
-            grad_limit = max(self.grad.mean + self.grad_sigmas * self.grad.std, self.grad.mean * self.grad_ratio)
+            grad_limit = self.grad_threshold.limit(self.grad)
             if grad_norm > grad_limit:
                 return f"gradient norm {grad_norm:.4g} above {grad_limit:.4g} (running mean {self.grad.mean:.4g})"
         self.loss.update(loss)
