@@ -1,5 +1,5 @@
 """`advisor run`: verification trials of the top plans and the feedback of measured steps into the
-profile (profiler/feedback.py, trainer/verify.py, trainer/pipeline.py)."""
+profile (profiler/feedback.py, trainer/verify.py, advisor/cli/run_chain.py)."""
 
 from __future__ import annotations
 
@@ -184,12 +184,12 @@ def test_fork_harness_runs_what_the_trainer_runs() -> None:
 
 
 def test_bad_verify_options_are_one_line_usage_errors(tmp_path) -> None:
-    from trainer.pipeline import RunOptions, run_pipeline
+    from advisor.cli.run_chain import RunOptions, run_chain
 
     with pytest.raises(UsageError, match="--verify"):
-        run_pipeline(RunOptions(out=tmp_path, verify=-1), say=lambda _: None)
+        run_chain(RunOptions(out=tmp_path, verify=-1), say=lambda _: None)
     with pytest.raises(UsageError, match="--verify-steps"):
-        run_pipeline(RunOptions(out=tmp_path, verify_steps=2), say=lambda _: None)
+        run_chain(RunOptions(out=tmp_path, verify_steps=2), say=lambda _: None)
 
 
 def test_run_trains_only_layouts_the_trainer_runs() -> None:
@@ -198,7 +198,7 @@ def test_run_trains_only_layouts_the_trainer_runs() -> None:
     from advisor.task import load_task
     from planner.plan import PlanOptions, make_plan
     from trainer.parallelize import unsupported_reason
-    from trainer.pipeline import TRAINER_SPACE, trainable_plan
+    from advisor.cli.run_chain import TRAINER_SPACE, trainable_plan
 
     plan = make_plan(PlanOptions(model=MODEL, hardware=load_hardware("cpu"), gpus_per_node=2, task=load_task("demo"),
                                  top_k=3, space=TRAINER_SPACE))
