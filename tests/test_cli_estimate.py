@@ -46,6 +46,15 @@ def test_estimate_defaults_dtype_to_fp32_on_cpu() -> None:
     assert json.loads(result.stdout)["layout"]["dtype"] == "fp32"
 
 
+
+def test_the_compute_rule_verdict_uses_the_requested_threshold() -> None:
+    args = ("estimate", "--model", "demo-tiny", "--hardware", "a100-80g", "--layout", "tp=2,pp=2,mbs=1,gas=4")
+    fraction = json.loads(run(*args, "--json").stdout)["compute_fraction"]
+    below, above = fraction - 0.05, min(1.0, fraction + 0.05)
+    assert "(ok)" in " ".join(run(*args, "--min-compute-fraction", f"{below}").stdout.split())
+    text = " ".join(run(*args, "--min-compute-fraction", f"{above}").stdout.split())
+    assert f"below the {100 * above:.0f}% rule" in text
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -1,5 +1,5 @@
 """`advisor run`: verification trials of the top plans and the feedback of measured steps into the
-profile (profiler/feedback.py, trainer/verify.py, trainer/pipeline.py)."""
+profile (profiler/feedback.py, trainer/verify.py, advisor/cli/run_chain.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,21 @@ import random
 
 import pytest
 
+from advisor.cli.run_chain import TRAINER_SPACE, RunOptions, run_chain, trainable_plan
 from advisor.errors import UsageError
+from advisor.plan import load_plan
 from advisor.specs import Layout
+from advisor.task import load_task
+from planner.plan import PlanOptions, make_plan
+from planner.search import SearchSpace
 from presets import load_hardware, load_model
 from profiler.feedback import (feed_back, observation, predict_step, refit, refit_checked,
                                relative_errors, rms, with_efficiency)
 from profiler.profile_spec import HardwareProfile, HostFingerprint, Inventory, load_profile
+from trainer.parallelize import unsupported_reason
+from trainer.verify import Trial, Verification, apply, choose, verify
+
+from test_trainer import make_plan_file  # the tiny model's plan file, shared with the trainer's tests
 
 MODEL = load_model("demo-tiny")
 # the "real machine" the synthetic steps come from
@@ -135,16 +144,12 @@ def test_profile_json_round_trips_the_feedback_record(tmp_path) -> None:
 
 
 def _trial(rank: int, step_s: float | None):
-    from trainer.verify import Trial
-
     return Trial(rank=rank, layout=f"#{rank}", predicted_step_s=1.0, predicted_tokens_per_s=4096.0,
                  predicted_peak_bytes=0, measured_step_s=step_s,
                  measured_tokens_per_s=4096 / step_s if step_s else None)
 
 
 def test_verification_trains_the_fastest_measured_beyond_the_noise_margin() -> None:
-    from trainer.verify import choose
-
     assert choose([_trial(1, 2.0), _trial(2, 1.0), _trial(3, 1.5)])[0] == 2
     assert choose([_trial(1, 1.0), _trial(2, 0.99)])[0] == 1  # 1% faster: noise, the planner's choice stands
     assert choose([_trial(1, None), _trial(2, 3.0), _trial(3, 2.0)])[0] == 3  # the choice failed its trial
@@ -156,11 +161,6 @@ def test_verification_trains_the_fastest_measured_beyond_the_noise_margin() -> N
 
 
 def test_a_verified_candidate_becomes_the_plan_with_its_stages_resized() -> None:
-    from advisor.task import load_task
-    from planner.plan import PlanOptions, make_plan
-    from planner.search import SearchSpace
-    from trainer.verify import Verification, apply
-
     task = load_task("demo")
     plan = make_plan(PlanOptions(model=MODEL, hardware=load_hardware("cpu"), gpus_per_node=2, task=task,
                                  top_k=3, space=SearchSpace(tp_degrees=(1,), pp_degrees=(1,))))
@@ -184,22 +184,15 @@ def test_fork_harness_runs_what_the_trainer_runs() -> None:
 
 
 def test_bad_verify_options_are_one_line_usage_errors(tmp_path) -> None:
-    from trainer.pipeline import RunOptions, run_pipeline
-
     with pytest.raises(UsageError, match="--verify"):
-        run_pipeline(RunOptions(out=tmp_path, verify=-1), say=lambda _: None)
+        run_chain(RunOptions(out=tmp_path, verify=-1), say=lambda _: None)
     with pytest.raises(UsageError, match="--verify-steps"):
-        run_pipeline(RunOptions(out=tmp_path, verify_steps=2), say=lambda _: None)
+        run_chain(RunOptions(out=tmp_path, verify_steps=2), say=lambda _: None)
 
 
 def test_run_trains_only_layouts_the_trainer_runs() -> None:
     """`run` plans over every engine (TP, PP, ZeRO, FSDP2) and then drops what an engine refuses for
     this model: here a LoRA plan split by tensor parallelism and one with more stages than layers."""
-    from advisor.task import load_task
-    from planner.plan import PlanOptions, make_plan
-    from trainer.parallelize import unsupported_reason
-    from trainer.pipeline import TRAINER_SPACE, trainable_plan
-
     plan = make_plan(PlanOptions(model=MODEL, hardware=load_hardware("cpu"), gpus_per_node=2, task=load_task("demo"),
                                  top_k=3, space=TRAINER_SPACE))
     lora_tp = plan.chosen.model_copy(update={"layout": plan.chosen.layout.model_copy(
@@ -221,11 +214,6 @@ def test_run_trains_only_layouts_the_trainer_runs() -> None:
 def test_verification_times_a_pipeline_candidate_through_the_real_training_loop(tmp_path) -> None:
     """Layouts the fork harness does not cover (here pp=2) are timed by the real loop under torchrun
     on the task's first stage, for a few steps; the trial directory loses its checkpoints."""
-    from test_trainer import make_plan_file
-
-    from advisor.plan import load_plan
-    from trainer.verify import verify
-
     fields = {"dp": 1, "tp": 1, "pp": 2, "zero": 0, "mbs": 1, "gas": 4, "seq": 32, "dtype": "fp32",
               "recompute": "none", "method": "full", "offload": "none", "sp": False, "vpp": 1,
               "stage_layers": None, "recompute_layers": None}

@@ -16,19 +16,27 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from advisor.errors import UsageError
 from advisor.plan import Plan
-from trainer.loop import JsonLines, TrainOptions, train
+from profiler.ranks import free_port
+from trainer.loop import JsonLines, train
 from trainer.oom import pending_relaunch
+from trainer.options import TrainOptions, train_argv
 
 DEFAULT_PORT = 29513
 
 
-def launch_command(plan_path: Path, out: Path, resume: bool, nproc: int, nnodes: int, node_rank: int,
-                   master_addr: str, master_port: int, extra: list[str]) -> list[str]:
+def launch_command(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOptions, nproc: int,
+                   nnodes: int, node_rank: int, master_addr: str, master_port: int) -> list[str]:
+    """torchrun re-invoking `advisor train --launched` with every option, and the plan's engine (it may
+    override the plan file's)."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
                f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}",
-               "-m", "advisor.cli", "train", str(plan_path), "--out", str(out), "--launched", *extra]
+               "-m", "advisor.cli", "train", str(plan_path), "--out", str(out), "--launched", *train_argv(options),
+               "--engine", plan.engine]
     if resume:
         command.append("--resume")
     return command
@@ -48,7 +56,7 @@ def slurm_topology() -> tuple[int, int, str] | None:
 
 
 def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOptions, launched: bool,
-        nnodes: int | None, node_rank: int, master_addr: str, master_port: int, extra: list[str]) -> dict | None:
+        nnodes: int | None, node_rank: int, master_addr: str, master_port: int) -> dict | None:
     devices = plan.chosen.layout.devices
     if launched or devices == 1:
         if not launched and plan.chosen.layout.zero:  # DeepSpeed needs a process group, even of one
@@ -65,7 +73,8 @@ def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOpti
     if not _cuda():  # ranks share the CPU cores; oversubscribed OpenMP threads run 8x slower
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     while True:
-        command = launch_command(plan_path, out, resume, nproc, nnodes, node_rank, master_addr, master_port, extra)
+        command = launch_command(plan, plan_path, out, resume, options, nproc, nnodes, node_rank, master_addr,
+                                 master_port)
         started = time.time()
         result = subprocess.run(command, env=env, check=False)
         if result.returncode == 0:
@@ -79,26 +88,17 @@ def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOpti
 
 
 def _single_process_group_env() -> None:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(port))):
         os.environ.setdefault(key, value)
 
 
 def _cuda() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
 def _worker(plan: Plan, out: Path, resume: bool, options: TrainOptions, distributed: bool) -> dict:
-    import torch
-    import torch.distributed as dist
-
     if distributed:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():

@@ -33,26 +33,12 @@ from trainer.corpus import load_source, stage_sources, tokenizer_for
 from trainer.engine import build_model, device, make_engine, select_backend
 from trainer.oom import (RELAUNCH, OOMInjector, free_memory, is_oom, next_layout, relaunch_layout,
                          request_relaunch)
+from trainer.options import TrainOptions
 from trainer.prepared import bucket_stream, mask_padding, prepared_dir
 from trainer.scalars import ScalarLog
 from trainer.schedule import stage_lr
 from trainer.spike import SpikeGuard
 from trainer.stream import Source, StageStream
-
-
-@dataclass
-class TrainOptions:
-    seed: int = 0
-    clip: float = 1.0
-    keep_checkpoints: int = 3
-    max_rollbacks: int = 3
-    spike_lr_factor: float = 0.5  # the learning rate is multiplied by this after each rollback
-    spike_warmup_steps: int = 20
-    eval_sequences: int = 16
-    max_steps_per_stage: int | None = None  # cap for demos and tests
-    weights: str | None = None  # a local HF model folder to fine-tune instead of a random init
-    show_progress: bool = True
-    data: str | None = None  # `advisor data prepare` folder; default: the task's data.out when fresh
 
 
 @dataclass

@@ -25,8 +25,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from advisor.plan import Plan, PlannedLayout
 from advisor.specs import Layout
+from planner.granularity import plan_stage
+from planner.plan import PlanOptions
+from profiler.ranks import free_port
+from trainer.launch import run as run_training
+from trainer.options import TrainOptions
+from trainer.steps import normalize_layout, time_steps
 
 # Switch away from the planner's choice only for a measured gain above this: a trial of a few
 # steps on a shared machine is noisy, and the cost model's ranking is the tie-breaker.
@@ -80,16 +88,12 @@ def training_threads(devices: int, device_type: str) -> int:
     if device_type != "cpu":
         return 0
     if devices == 1:
-        import torch
-
         return torch.get_num_threads()
     return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // devices))
 
 
 def fork_layout(layout: Layout, device_type: str) -> dict[str, Any] | None:
     """The trainer/steps.py run layout of `layout`, or None when that harness cannot run it."""
-    from trainer.steps import normalize_layout
-
     if (device_type != "cpu" or layout.tp != 1 or layout.pp != 1 or layout.dp > 2 or layout.offload != "none"
             or layout.dtype != "fp32" or layout.method not in ("full", "lora") or layout.recompute_layers):
         return None
@@ -102,9 +106,6 @@ def fork_layout(layout: Layout, device_type: str) -> dict[str, Any] | None:
 
 def candidate_plan(plan: Plan, planned: PlannedLayout, first_stage_only: bool = False) -> Plan:
     """The plan with `planned` as its chosen layout; its stages re-sized for that layout."""
-    from planner.granularity import plan_stage
-    from planner.plan import PlanOptions
-
     old = plan.chosen.layout
     others = [p for p in [plan.chosen, *plan.alternatives] if p.layout != planned.layout]
     stages = []
@@ -124,17 +125,11 @@ def candidate_plan(plan: Plan, planned: PlannedLayout, first_stage_only: bool = 
 
 def _fork_trial(plan: Plan, planned: PlannedLayout, run_layout: dict[str, Any], steps: int, warmup: int,
                 threads: int) -> dict[str, Any]:
-    from trainer.steps import time_steps
-
     result = time_steps(run_layout, steps=steps, hf_config=plan.model.hf_config, threads=threads, warmup=warmup)
     return {"step_s": result["step_s"], "steps_s": result["steps_s"]}
 
 
 def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path, run_dir: Path) -> dict[str, Any]:
-    from trainer.launch import run as run_training
-    from trainer.loop import TrainOptions
-    from profiler.ranks import free_port
-
     trial = candidate_plan(plan, planned, first_stage_only=True)
     if directory.exists():
         shutil.rmtree(directory)
@@ -144,15 +139,9 @@ def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path,
     plan_path = directory / "plan.yaml"
     trial.write(plan_path)
     options = TrainOptions(max_steps_per_stage=steps, show_progress=False, eval_sequences=1)
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-    except ImportError:
-        pass
-    run_training(trial, plan_path, directory, False, options, False, None, 0, "127.0.0.1", free_port(),
-                 ["--max-steps-per-stage", str(steps)])
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    run_training(trial, plan_path, directory, False, options, False, None, 0, "127.0.0.1", free_port())
     summary = json.loads((directory / "summary.json").read_text())
     shutil.rmtree(directory / "checkpoints", ignore_errors=True)
     steps_s = [json.loads(line)["step_s"] for line in (directory / "metrics.jsonl").read_text().splitlines()]

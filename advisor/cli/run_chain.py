@@ -1,10 +1,11 @@
-"""`advisor run`: profile -> plan -> verify -> train -> feed back -> report, in one go.
+"""The `advisor run` chain: profile -> plan -> verify -> train -> feed back -> report, in one go.
 
-With no options it runs the embedded demo: it generates the bundled curriculum (language,
-arithmetic reasoning, instructions, then a mixed stage) into the run directory, profiles this
-machine (or reuses a profile of it younger than a week), plans `demo-tiny` on it, measures the
-top plans for a few steps (trainer/verify.py) and trains the fastest measured, then feeds the
-measured steps back into the profile (profiler/feedback.py) and writes the run report.
+The CLI's composition of every package (this is why it lives here, above reports): with no options
+it runs the embedded demo: it generates the bundled curriculum (language, arithmetic reasoning,
+instructions, then a mixed stage) into the run directory, profiles this machine (or reuses a profile
+of it younger than a week), plans `demo-tiny` on it, measures the top plans for a few steps
+(trainer/verify.py) and trains the fastest measured, then feeds the measured steps back into the
+profile (profiler/feedback.py) and writes the run report.
 
 Files it adds to the run dir: `verify.json` (predicted against measured per candidate) and
 `feedback.json` (the refit: factors and step-time error before and after); `events.jsonl` gets
@@ -13,18 +14,34 @@ one `verify` event per candidate and one `feedback` event after training.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from advisor.cli.common import MIN_COMPUTE_FRACTION
 from advisor.errors import UsageError
 from advisor.plan import Plan
 from advisor.specs import HardwareSpec, ModelSpec
+from advisor.task import TaskSpec, load_task
+from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
+from presets import load_hardware, load_model
+from profiler.feedback import feed_back, observation
+from profiler.profile_spec import FeedbackRound, fingerprint_mismatch, load_profile, looks_like_profile, this_host
+from profiler.ranks import free_port
+from profiler.run_profile import ProfileOptions, run_profile
+from reports.run_report import run_report
+from trainer.data.demo_corpus import generate_demo_corpus
+from trainer.launch import run as run_training
+from trainer.options import TrainOptions
+from trainer.parallelize import unsupported_reason
+from trainer.verify import (Verification, apply, candidate_plan, training_threads, verify,
+                            write_verification)
 
 PROFILE_MAX_AGE_S = 7 * 86400
 DEFAULT_VERIFY = 3  # candidates measured before training (0: train the planner's choice untested)
@@ -38,9 +55,6 @@ TRAINER_SPACE = SearchSpace(max_vpp=1, sequence_parallel=(False,))
 def trainable_plan(plan: Plan, say=print) -> Plan:
     """The plan without the layouts this trainer cannot run on its model; the first runnable one
     becomes the choice (stages re-sized for it)."""
-    from trainer.parallelize import unsupported_reason
-    from trainer.verify import candidate_plan
-
     candidates = [plan.chosen, *plan.alternatives]
     reasons = [unsupported_reason(p.layout, plan.model.hf_config) for p in candidates]
     runnable = [p for p, reason in zip(candidates, reasons) if reason is None]
@@ -67,8 +81,6 @@ class RunOptions:
 
 
 def _cached_profile_path() -> Path:
-    from profiler.profile_spec import this_host
-
     host = this_host()
     root = Path(os.environ.get("ADVISOR_CACHE", Path.home() / ".cache" / "advisor"))
     return root / "profiles" / f"{host.hostname}.json"
@@ -77,8 +89,6 @@ def _cached_profile_path() -> Path:
 def _fresh_profile(path: Path) -> bool:
     """A profile of this machine younger than a week (by its `created` stamp: feedback rewrites
     the file, so its modification time says nothing about the measurements' age)."""
-    from profiler.profile_spec import fingerprint_mismatch, load_profile
-
     if not path.is_file():
         return False
     try:
@@ -92,9 +102,6 @@ def _fresh_profile(path: Path) -> bool:
 def _hardware(opts: RunOptions, model: ModelSpec, say: Callable[[str], None]) -> tuple[HardwareSpec, str, Path | None]:
     """The hardware to plan on, what it came from, and the profile file that feedback updates
     (None for a preset): the one named, a fresh profile of this machine, or a new one."""
-    from presets import load_hardware
-    from profiler.profile_spec import looks_like_profile
-
     if opts.hardware:
         hardware = load_hardware(opts.hardware)
         path = Path(opts.hardware)
@@ -109,8 +116,6 @@ def _hardware(opts: RunOptions, model: ModelSpec, say: Callable[[str], None]) ->
     if _fresh_profile(path):
         say(f"reusing the profile of this machine from {path}")
         return load_hardware(str(path)), str(path), path
-    from profiler.run_profile import ProfileOptions, run_profile
-
     say("profiling this machine (--quick)")
     path.parent.mkdir(parents=True, exist_ok=True)
     profile = run_profile(ProfileOptions(out=path, quick=True, model=model))
@@ -131,90 +136,39 @@ def _write_json(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
-def run_pipeline(opts: RunOptions, say: Callable[[str], None] = print,
-                 show_verification: Callable[[Any], None] | None = None) -> dict[str, Any]:
+def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
+              show_verification: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """Profile, plan, verify the top plans, train the fastest measured, feed back, report."""
-    from advisor.task import load_task
-    from planner.plan import PlanOptions, make_plan
-    from presets import load_model
-    from trainer.launch import run as run_training
-    from trainer.loop import TrainOptions
-    from trainer.verify import apply, training_threads, verify, write_verification
-
     if opts.verify < 0 or opts.verify_steps < 3:
         raise UsageError("--verify takes 0 or more candidates and --verify-steps at least 3 (2 warm up)")
     started = time.perf_counter()
     timings: dict[str, float] = {}
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
-    task_ref = opts.task
-    if task_ref is None:  # the embedded demo: its data is generated, never downloaded
-        from trainer.data.demo_corpus import generate_demo_corpus
-
-        say(f"generating the demo curriculum into {out}/data")
-        task_ref = str(generate_demo_corpus(out)["task.yaml"])
-    task = load_task(task_ref)
+    task = load_task(_task_ref(opts, say))
     model = load_model(opts.model or task.model or "demo-tiny")
-    mark = time.perf_counter()
-    hardware, basis, profile_path = _hardware(opts, model, say)
-    timings["profile_s"] = time.perf_counter() - mark
-
-    # Every device of the node, as the profile measured them (on CPU a device is a share of the
-    # cores: the profile's per-device figures hold only at that thread count).
-    gpus = hardware.devices_per_node
-    say(f"planning {model.name} on {gpus} x {hardware.name}")
-    mark = time.perf_counter()
-    plan = make_plan(PlanOptions(model=model, hardware=hardware, gpus_per_node=gpus, task=task, method="auto",
-                                 min_compute_fraction=0.8, top_k=max(5, opts.verify),
-                                 space=TRAINER_SPACE))
-    plan = trainable_plan(plan, say)
-    timings["plan_s"] = time.perf_counter() - mark
+    with _timed(timings, "profile_s"):
+        hardware, basis, profile_path = _hardware(opts, model, say)
+    with _timed(timings, "plan_s"):
+        plan = _plan(model, hardware, task, opts, say)
     say(f"plan: {plan.chosen.layout.short()}")
-
     verification = None
     if opts.verify > 0:
-        mark = time.perf_counter()
-        verification = verify(plan, opts.verify, out, steps=opts.verify_steps, say=say)
-        timings["verify_s"] = time.perf_counter() - mark
-        write_verification(out, verification)
-        if show_verification:
-            show_verification(verification)
-        plan = apply(plan, verification)
-        say(f"verify: {verification.reason}; training {plan.chosen.layout.short()}")
+        with _timed(timings, "verify_s"):
+            verification = verify(plan, opts.verify, out, steps=opts.verify_steps, say=say)
+        plan = _take_verified(plan, verification, out, say, show_verification)
     plan_path = out / "plan.yaml"
     plan.write(plan_path)
-
-    mark = time.perf_counter()
-    options = TrainOptions(seed=opts.seed, max_steps_per_stage=opts.max_steps_per_stage)
-    extra = ["--seed", str(opts.seed)] + (["--max-steps-per-stage", str(opts.max_steps_per_stage)]
-                                          if opts.max_steps_per_stage else [])
-    from profiler.ranks import free_port
-
-    summary = run_training(plan, plan_path, out, False, options, False, None, 0, "127.0.0.1", free_port(), extra)
-    if summary is None and (out / "summary.json").is_file():  # several processes: rank 0 wrote it
-        summary = json.loads((out / "summary.json").read_text())
-    timings["train_s"] = time.perf_counter() - mark
-
+    with _timed(timings, "train_s"):
+        summary = _train(plan, plan_path, opts)
     events = [{"event": "verify", **asdict(t)} for t in (verification.trials if verification else [])]
     round_ = None
     if opts.feedback and profile_path is not None:
-        new = _observations(plan, verification, summary, out, training_threads(plan.chosen.layout.devices,
-                                                                                hardware.device_type))
-        if new:
-            from profiler.feedback import feed_back
-
-            round_ = feed_back(profile_path, new, str(out), say)
-            if round_ is not None:
-                _write_json(out / "feedback.json", {"profile": str(profile_path), **round_.model_dump(mode="json")})
-                events.append({"event": "feedback", "profile": str(profile_path),
-                               "error_before": round_.error_before, "error_after": round_.error_after,
-                               "factors_after": round_.factors_after})
+        threads = training_threads(plan.chosen.layout.devices, hardware.device_type)
+        round_ = _feed_back(profile_path, _observations(plan, verification, summary, out, threads), out, say, events)
     elif opts.feedback:
         say(f"feedback: --hardware {opts.hardware} is a preset, not a profile: nothing to update")
     _append_events(out, events)
-
-    from reports.run_report import run_report
-
     _, document = run_report(out)
     report = document.write(out / "report", "run")[0]
     return {"run_dir": str(out), "plan": plan.chosen.layout.short(), "hardware_basis": basis,
@@ -223,10 +177,71 @@ def run_pipeline(opts: RunOptions, say: Callable[[str], None] = print,
             "timings": timings, "seconds": time.perf_counter() - started}
 
 
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    """Record the seconds the block took under `key` (not when it fails: the run stops then)."""
+    mark = time.perf_counter()
+    yield
+    timings[key] = time.perf_counter() - mark
+
+
+def _task_ref(opts: RunOptions, say: Callable[[str], None]) -> str:
+    """The task to train: the one named, or the embedded demo's, generated (never downloaded) into the run dir."""
+    if opts.task is not None:
+        return opts.task
+    say(f"generating the demo curriculum into {opts.out}/data")
+    return str(generate_demo_corpus(opts.out)["task.yaml"])
+
+
+def _plan(model: ModelSpec, hardware: HardwareSpec, task: TaskSpec, opts: RunOptions,
+          say: Callable[[str], None]) -> Plan:
+    """The planner's ranking over what this trainer runs, on every device of the node as the profile
+    measured them (on CPU a device is a share of the cores: the profile's per-device figures hold
+    only at that thread count)."""
+    gpus = hardware.devices_per_node
+    say(f"planning {model.name} on {gpus} x {hardware.name}")
+    plan = make_plan(PlanOptions(model=model, hardware=hardware, gpus_per_node=gpus, task=task, method="auto",
+                                 min_compute_fraction=MIN_COMPUTE_FRACTION, top_k=max(5, opts.verify),
+                                 space=TRAINER_SPACE))
+    return trainable_plan(plan, say)
+
+
+def _take_verified(plan: Plan, verification: Verification, out: Path, say: Callable[[str], None],
+                   show_verification: Callable[[Any], None] | None) -> Plan:
+    """Record and show the trials, and make the fastest measured the plan to train."""
+    write_verification(out, verification)
+    if show_verification:
+        show_verification(verification)
+    plan = apply(plan, verification)
+    say(f"verify: {verification.reason}; training {plan.chosen.layout.short()}")
+    return plan
+
+
+def _train(plan: Plan, plan_path: Path, opts: RunOptions) -> dict[str, Any] | None:
+    """Train the plan in the run dir; the summary, also when rank 0 of several processes wrote it."""
+    out = opts.out
+    options = TrainOptions(seed=opts.seed, max_steps_per_stage=opts.max_steps_per_stage)
+    summary = run_training(plan, plan_path, out, False, options, False, None, 0, "127.0.0.1", free_port())
+    if summary is None and (out / "summary.json").is_file():  # several processes: rank 0 wrote it
+        summary = json.loads((out / "summary.json").read_text())
+    return summary
+
+
+def _feed_back(profile_path: Path, new: list, out: Path, say: Callable[[str], None],
+               events: list[dict[str, Any]]) -> FeedbackRound | None:
+    """Refit the profile to this run's measured steps; write feedback.json and add a `feedback` event."""
+    if not new:
+        return None
+    round_ = feed_back(profile_path, new, str(out), say)
+    if round_ is not None:
+        _write_json(out / "feedback.json", {"profile": str(profile_path), **round_.model_dump(mode="json")})
+        events.append({"event": "feedback", "profile": str(profile_path), "error_before": round_.error_before,
+                       "error_after": round_.error_after, "factors_after": round_.factors_after})
+    return round_
+
+
 def _observations(plan, verification, summary: dict[str, Any] | None, out: Path, threads: int) -> list:
     """The measured steps of this run: each finished trial, and the training run itself."""
-    from profiler.feedback import observation
-
     new = []
     candidates = [plan.chosen, *plan.alternatives]
     by_layout = {p.layout.short(): p for p in candidates}

@@ -1,0 +1,55 @@
+"""What every verb shares: the two consoles, the error wrapper, the layout help text, the compute rule."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Callable, Iterator
+
+import typer
+from rich.console import Console
+
+from advisor.errors import UsageError
+from advisor.specs import LAYOUT_KEYS_HELP
+
+console = Console()
+err_console = Console(stderr=True)
+
+# The source article's Amdahl rule: keep compute >= 80% of every device's step (--min-compute-fraction).
+MIN_COMPUTE_FRACTION = 0.8
+
+LAYOUT_HELP = "Layout keys (comma-separated key=value; left-out keys take defaults):\n\n" + "\n\n".join(
+    f"[bold]{k}[/bold]: {v}" for k, v in LAYOUT_KEYS_HELP.items()
+)
+
+
+def exit_on_error(action: Callable[[], Any]) -> Any:
+    """Run `action`; turn user errors into one clear line and exit code 2."""
+    try:
+        return action()
+    except UsageError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except (KeyboardInterrupt, typer.Exit):
+        raise
+    except Exception as exc:  # an unexpected failure: say what, hide the traceback unless asked
+        if os.environ.get("ADVISOR_DEBUG"):
+            raise
+        err_console.print(f"[red]internal error:[/red] {type(exc).__name__}: {exc} "
+                          "(rerun with ADVISOR_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 at stderr (forked and launched workers inherit it), then restore."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

@@ -1,0 +1,74 @@
+"""`advisor data`: prepare a task's data (prepare), show a prepared folder (stats), generate the demo's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from advisor.cli.common import console, err_console, exit_on_error
+from advisor.cli.render import render_data_manifest
+from advisor.task import load_task
+from trainer.data.demo_corpus import generate_demo_corpus
+from trainer.data.manifest import read_manifest
+
+data_app = typer.Typer(
+    no_args_is_help=True, rich_markup_mode="rich",
+    help="Prepare a task's data: clean, deduplicate, grade by difficulty, bucket by length, shard into stages.",
+)
+
+
+@data_app.command("prepare")
+def data_prepare(
+    task: str = typer.Option(..., "--task", help="task preset (e.g. demo) or task YAML"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output folder (default: the task's data.out, "
+                                                           "relative to the task file)"),
+    micro_batch_tokens: Optional[int] = typer.Option(
+        None, "--micro-batch-tokens", min=8, help="token budget of one micro-batch for the bucket edges"),
+    as_json: bool = typer.Option(False, "--json", help="print the manifest as one JSON object"),
+) -> None:
+    """Clean (exact and MinHash near-duplicate removal, length and character-quality thresholds),
+    grade by difficulty, bucket by length and write tokenised stage shards plus a manifest.
+
+    The folder is written aside and renamed at the end: it is whole or untouched.
+    """
+    from trainer.data.prepare import prepare  # deferred: imports datasets/pyarrow (0.5 s at every start)
+
+    def compute():
+        spec = load_task(task)
+        log = None if as_json else (lambda message: err_console.print(message, style="dim", highlight=False))
+        return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log)
+
+    folder, manifest = exit_on_error(compute)
+    if as_json:
+        print(json.dumps(manifest))
+        return
+    render_data_manifest(manifest)
+    console.print(f"wrote {folder}")
+
+
+@data_app.command("stats")
+def data_stats(
+    directory: Path = typer.Argument(..., help="a folder written by `advisor data prepare` (or its manifest.json)"),
+    as_json: bool = typer.Option(False, "--json", help="print the manifest as one JSON object"),
+) -> None:
+    """Show a prepared folder's manifest: tokens, samples, buckets and padding per stage."""
+    manifest = exit_on_error(lambda: read_manifest(directory))
+    if as_json:
+        print(json.dumps(manifest))
+        return
+    render_data_manifest(manifest)
+
+
+@data_app.command("generate-demo")
+def data_generate_demo(
+    out: Path = typer.Option(..., "--out", help="folder: data/*.jsonl and task.yaml go there"),
+    seed: int = typer.Option(0, "--seed", help="random seed (same seed, same files)"),
+    scale: float = typer.Option(1.0, "--scale", min=0.0001, help="multiply every file's size"),
+) -> None:
+    """Generate the embedded demo's curriculum data (language, arithmetic, instructions, eval splits)."""
+    written = exit_on_error(lambda: generate_demo_corpus(out, seed=seed, scale=scale))
+    for path in written.values():
+        console.print(f"wrote {path}")

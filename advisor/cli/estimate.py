@@ -1,0 +1,58 @@
+"""`advisor estimate`: the cost model's memory and step time for one layout."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, exit_on_error
+from advisor.cli.render import render_estimate
+from advisor.errors import UsageError
+from advisor.specs import Estimate, parse_layout_string, resolve_layout
+from planner.cost_model import estimate as run_estimate
+from presets import load_hardware, load_model
+
+HELP = "Predict per-device memory and step time of one layout, before anything runs.\n\n" + LAYOUT_HELP
+
+
+def estimate(
+    model: str = typer.Option(..., "--model", "-m", help="model preset, HF config.json, or model folder"),
+    hardware: str = typer.Option(..., "--hardware", "-H", help="hardware preset or profile.json"),
+    layout: str = typer.Option("", "--layout", "-l", help="e.g. 'tp=8,pp=4,zero=1,mbs=1,gas=16,recompute=selective'"),
+    nodes: Optional[int] = typer.Option(
+        None, "--nodes", min=1, help="number of nodes (default: 1, or dp*tp*pp when the layout sets dp)"),
+    gpus_per_node: Optional[int] = typer.Option(
+        None, "--gpus-per-node", min=1, help="devices per node (default: the hardware's)"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="tokens per sequence (layout seq)"),
+    attention: Optional[str] = typer.Option(
+        None, "--attention", help="flash | sdpa | eager (default: flash on GPUs, sdpa on CPU)"),
+    min_compute_fraction: float = typer.Option(
+        MIN_COMPUTE_FRACTION, "--min-compute-fraction", help="Amdahl rule: compute share of every device's step"),
+    as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object (the contract)"),
+) -> None:
+    result: Estimate = exit_on_error(
+        lambda: estimate_layout(model, hardware, layout, nodes, gpus_per_node, seq_len, attention))
+    if as_json:
+        print(result.model_dump_json())
+        return
+    render_estimate(result, min_compute_fraction)
+
+
+def estimate_layout(model: str, hardware: str, layout: str, nodes: int | None, gpus_per_node: int | None,
+                    seq_len: int | None, attention: str | None) -> Estimate:
+    """Resolve the presets and the layout on its device count, then ask the cost model."""
+    hw = load_hardware(hardware)
+    spec = load_model(model)
+    if attention not in (None, "flash", "sdpa", "eager"):
+        raise UsageError(f"--attention must be flash, sdpa or eager (got {attention})")
+    per_node = gpus_per_node or hw.devices_per_node
+    given = parse_layout_string(layout)
+    if nodes is None and gpus_per_node is None and "dp" in given:  # the layout names the devices
+        devices = given["dp"] * given.get("tp", 1) * given.get("pp", 1)
+    else:
+        devices = (nodes or 1) * per_node
+    if gpus_per_node:
+        hw = hw.model_copy(update={"devices_per_node": gpus_per_node})
+    lay = resolve_layout(layout, devices, hw, seq_len)
+    return run_estimate(spec, hw, lay, attention=attention)

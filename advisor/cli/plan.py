@@ -1,0 +1,92 @@
+"""`advisor plan`: the planner's ranked layouts for a model on some hardware, and the files to launch them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from advisor.cli.common import MIN_COMPUTE_FRACTION, console, exit_on_error
+from advisor.cli.render import render_plan
+from advisor.task import load_task
+from planner.export import export
+from planner.plan import PlanOptions, make_plan, parse_duration
+from presets import load_hardware, load_model
+
+
+def plan(
+    model: str = typer.Option(..., "--model", "-m", help="model preset, HF config.json, or model folder"),
+    hardware: str = typer.Option(..., "--hardware", "-H", help="hardware preset or profile.json"),
+    nodes: int = typer.Option(1, "--nodes", min=1, help="nodes available (the cost objective may use fewer)"),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, help="default: the hardware's"),
+    task: Optional[str] = typer.Option(None, "--task", help="task preset (e.g. demo) or task YAML: sizes stages"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="tokens per sequence"),
+    global_batch: Optional[int] = typer.Option(
+        None, "--global-batch", min=1, help="sequences per optimizer step, held fixed (= dp*mbs*gas)"),
+    method: str = typer.Option("full", "--method", help="full | lora | qlora | auto (full if it fits, then LoRA, QLoRA)"),
+    objective: str = typer.Option("throughput", "--objective", help="throughput | cost (fewest GPU-hours by --deadline)"),
+    deadline: Optional[str] = typer.Option(None, "--deadline", help="for --objective cost: e.g. 14d, 36h"),
+    tokens: Optional[float] = typer.Option(None, "--tokens", help="for --objective cost without --task: tokens to train"),
+    price: Optional[float] = typer.Option(None, "--price-per-gpu-hour", help="adds the cost in dollars"),
+    min_compute_fraction: float = typer.Option(
+        MIN_COMPUTE_FRACTION, "--min-compute-fraction", help="Amdahl rule: compute share of every device's step"),
+    top: int = typer.Option(5, "--top", min=1, help="how many plans to rank"),
+    mtbf_hours: float = typer.Option(2000.0, "--mtbf-hours", help="mean time between failures of one node"),
+    per_stage_devices: bool = typer.Option(
+        False, "--per-stage-devices", help="let stages run on different device counts (e.g. LoRA on fewer)"),
+    allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let tp span nodes"),
+    attention: Optional[str] = typer.Option(None, "--attention", help="flash | sdpa | eager"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write plan.yaml for `advisor train`"),
+    export_dir: Optional[Path] = typer.Option(
+        None, "--export", help="write deepspeed.json, accelerate.yaml, torchrun.sh, slurm.sbatch there"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object: plans best first, solver"),
+) -> None:
+    """Choose the layout (dp/tp/pp/vpp/sp, ZeRO, offload, micro-batch and accumulation, per-stage
+    recomputation, layer split, method) with an ILP, rank the best, and say why.
+
+    Infeasible requests exit with code 2 and list the nearest feasible changes.
+    """
+    def compute():
+        spec_task = load_task(task) if task else None
+        opts = PlanOptions(
+            model=load_model(model), hardware=load_hardware(hardware), nodes=nodes, gpus_per_node=gpus_per_node,
+            task=spec_task, seq=seq_len, global_batch=global_batch, method=method,
+            objective=objective, deadline_s=parse_duration(deadline) if deadline else None, tokens=tokens,
+            price_per_gpu_hour=price, min_compute_fraction=min_compute_fraction, top_k=top, mtbf_hours=mtbf_hours,
+            per_stage_devices=per_stage_devices, allow_cross_node_tp=allow_cross_node_tp, attention=attention,
+        )
+        result = make_plan(opts)
+        return result, write_plan_files(result, out, export_dir)
+
+    result, written = exit_on_error(compute)
+    if as_json:
+        print(json.dumps(plan_json(result)))
+        return
+    render_plan(result)
+    for path in written:
+        console.print(f"wrote {path}")
+
+
+def write_plan_files(result, out: Path | None, export_dir: Path | None) -> list[Path]:
+    """plan.yaml for `advisor train` and the launcher files, where asked."""
+    written = []
+    if out:
+        result.write(out)
+        written.append(out)
+    if export_dir:
+        written += export(result, export_dir)
+    return written
+
+
+def plan_json(result) -> dict[str, Any]:
+    """The `plan --json` contract: plans best first, the solver's record, stages, notes."""
+    plans = [result.chosen, *result.alternatives]
+    return {
+        "plans": [{"layout": p.layout.model_dump(mode="json"), "estimate": p.estimate.model_dump(mode="json"),
+                   "why": p.why, "meets_compute_rule": p.meets_compute_rule} for p in plans],
+        "solver": result.solver,
+        "stages": [s.model_dump(mode="json") for s in result.stages],
+        "notes": result.notes,
+    }

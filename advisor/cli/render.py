@@ -1,0 +1,214 @@
+"""How the verbs show their results on the console: tables, and numbers in the units people read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from advisor.cli.common import console
+from advisor.specs import Estimate, GiB
+
+
+def format_gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:,.2f}"
+
+
+def format_seconds(s: float) -> str:
+    if s == 0:
+        return "0"
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} µs"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:,.2f} s"
+
+
+def render_estimate(result: Estimate, min_compute_fraction: float) -> None:
+    mem, t, thr = result.memory, result.time, result.throughput
+    lay = result.layout
+    console.print(
+        f"[bold]{lay.short()}[/bold] on {result.devices} x {result.hardware} ({result.nodes} node"
+        f"{'s' if result.nodes != 1 else ''}); {result.model.params / 1e9:,.3f} B params, "
+        f"{result.model.trainable_params / 1e9:,.3f} B trainable"
+    )
+    mem_table = Table(title=f"memory per device (GiB), pipeline stage {mem.stage}", title_justify="left")
+    mem_table.add_column("part")
+    mem_table.add_column("GiB", justify="right")
+    for name in ("weights", "gradients", "optimizer", "activations", "other"):
+        mem_table.add_row(name, format_gib(getattr(mem, name)))
+    verdict = "[green]fits[/green]" if mem.fits else "[red]does not fit[/red]"
+    mem_table.add_row("[bold]peak[/bold]", f"[bold]{format_gib(mem.peak)}[/bold]")
+    mem_table.add_row("capacity", f"{format_gib(mem.capacity)}  {verdict}")
+
+    time_table = Table(title="time per optimizer step", title_justify="left")
+    time_table.add_column("part")
+    time_table.add_column("time", justify="right")
+    time_table.add_column("share", justify="right")
+    for name, value in (("compute", t.compute_s), ("exposed comm", t.comm_exposed_s),
+                        ("pipeline bubble", t.bubble_s), ("optimizer", t.optimizer_s),
+                        ("offload", t.offload_s)):
+        time_table.add_row(name, format_seconds(value), f"{100 * value / t.step_s:.1f}%" if t.step_s else "")
+    time_table.add_row("[bold]step[/bold]", f"[bold]{format_seconds(t.step_s)}[/bold]", "")
+    console.print(mem_table)
+    console.print(time_table)
+    rule = ("[green]ok[/green]" if result.compute_fraction >= min_compute_fraction
+            else f"[yellow]below the {100 * min_compute_fraction:.0f}% rule[/yellow]")
+    console.print(
+        f"throughput {thr.tokens_per_s:,.0f} tokens/s, {thr.model_tflops_per_device:,.1f} model TFLOP/s per "
+        f"device, MFU {100 * thr.mfu:.1f}%; compute {100 * result.compute_fraction:.1f}% of the step ({rule})"
+    )
+    for note in result.notes:
+        console.print(f"note: {note}", style="dim")
+
+
+def render_plan(result) -> None:
+    table = Table(title=f"plans for {result.model.name} on {result.nodes} x {result.gpus_per_node} "
+                        f"{result.hardware.name} (best first)", title_justify="left")
+    for column in ("#", "layout", "peak GiB", "step", "tokens/s", "MFU", "compute"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    for i, p in enumerate([result.chosen, *result.alternatives], 1):
+        e = p.estimate
+        flag = "" if p.meets_compute_rule else " [yellow]<rule[/yellow]"
+        table.add_row(str(i), p.layout.short(), format_gib(e.memory.peak), format_seconds(e.time.step_s),
+                      f"{e.throughput.tokens_per_s:,.0f}", f"{100 * e.throughput.mfu:.0f}%",
+                      f"{100 * e.compute_fraction:.0f}%{flag}")
+    console.print(table)
+    console.print(f"[bold]why #1[/bold]: {result.chosen.why}")
+    for i, p in enumerate(result.alternatives, 2):
+        console.print(f"why #{i}: {p.why}", style="dim")
+    if result.stages:
+        stages = Table(title="curriculum stages", title_justify="left")
+        for column in ("stage", "method", "devices", "tokens", "steps", "hours", "ckpt every", "overhead", "flags"):
+            stages.add_column(column)
+        for s in result.stages:
+            stages.add_row(s.name, s.method, str(s.devices), f"{s.tokens:,}", f"{s.steps:,}", f"{s.hours:.2f}",
+                           f"{s.checkpoint_every_steps} steps", f"{100 * s.overhead_fraction:.1f}%",
+                           "; ".join(s.flags))
+        console.print(stages)
+    for note in result.notes:
+        console.print(f"note: {note}")
+    solver = result.solver
+    console.print(f"solver: {solver.get('status')}, {solver.get('ilps')} ILPs over {solver.get('shapes')} shapes "
+                  f"in {solver.get('seconds', 0):.2f} s", style="dim")
+
+
+def compact_layout(text: str) -> str:
+    """A layout string without the keys that are at their defaults here (tp, pp 1; dtype; seq)."""
+    keep = [kv for kv in text.split(",") if kv not in ("tp=1", "pp=1") and not kv.startswith(("dtype=", "seq="))]
+    return ",".join(keep)
+
+
+def render_verification(verification) -> None:
+    table = Table(title="verification: the top plans, predicted against a few measured steps", title_justify="left")
+    for column in ("#", "layout", "predicted step", "measured step", "error", "measured tokens/s", "harness"):
+        table.add_column(column, justify="left" if column in ("layout", "harness") else "right")
+    for t in verification.trials:
+        chosen = " [green]<- trained[/green]" if t.rank == verification.chosen_rank else ""
+        measured = format_seconds(t.measured_step_s) if t.measured_step_s else f"[red]{t.error or 'failed'}[/red]"
+        error = f"{100 * t.step_error:+.0f}%" if t.step_error is not None else "-"
+        tps = f"{t.measured_tokens_per_s:,.0f}" if t.measured_tokens_per_s else "-"
+        table.add_row(f"{t.rank}", compact_layout(t.layout) + chosen, format_seconds(t.predicted_step_s), measured, error, tps,
+                      f"{t.harness}, {t.steps} steps")
+    console.print(table)
+
+
+def render_profile(result, out: Path) -> None:
+    inv, hw = result.inventory, result.hardware
+    table = Table(title=f"profile of {result.fingerprint.hostname} ({'quick, ' if result.quick else ''}"
+                        f"{result.duration_s:.0f} s)", title_justify="left")
+    table.add_column("what")
+    table.add_column("measured", justify="right")
+    table.add_column("repeats", justify="right")
+    table.add_row("devices", f"{inv.nodes} node x {inv.devices_per_node} {inv.device_type} ({inv.backend})", "")
+    table.add_row("device", f"{inv.device_name}, {inv.threads_per_device} thread(s)" if inv.device_type == "cpu"
+                  else inv.device_name, "")
+    table.add_row("memory per device", f"{inv.device_memory_gib:,.1f} GiB ({inv.device_reserved_gib:,.2f} reserved)", "")
+    table.add_row("host", f"{inv.cpu_cores} cores, {inv.host_memory_gib:,.1f} GiB RAM", "")
+    table.add_row("links", f"{inv.intra_node_link}; across nodes: {inv.inter_node_link}", "")
+    for m in result.measurements:
+        if m.name.startswith("gemm/"):
+            table.add_row(f"GEMM {m.name[5:]}", f"{m.value * 1e3:,.1f} GFLOP/s", str(m.repeats))
+        elif m.name in ("memory_bandwidth", "host_device/h2d", "host_device/d2h"):
+            table.add_row(m.name.replace("_", " "), f"{m.value:,.1f} GB/s", str(m.repeats))
+        elif m.name == "cpu_adam":
+            table.add_row("CPU AdamW step", f"{m.value / 1e6:,.0f} M params/s", str(m.repeats))
+        elif m.name.endswith("/bandwidth"):
+            op, ranks, scope, _ = m.name.split("/")
+            table.add_row(f"{op.replace('_', '-')} x{ranks} {scope}",
+                          f"{m.value:,.2f} GB/s bus, {getattr(m, 'latency_us', 0):,.0f} µs", "fit")
+    if result.calibration:
+        cal = result.calibration
+        for step in cal.steps:
+            keys = [kv for kv in step.layout.split(",") if kv.split("=")[0] in ("dp", "mbs", "gas", "seq", "method",
+                                                                                 "recompute")]
+            table.add_row("step " + " ".join(k for k in keys if k not in ("method=full", "recompute=none", "dp=1",
+                                                                          "gas=1")),
+                          f"{format_seconds(step.measured_s)} (model {format_seconds(step.predicted_after_s)})", str(step.steps))
+        eff = hw.efficiency
+        table.add_row("fitted efficiency", f"gemm {eff.gemm:.2f}, memory {eff.memory_bandwidth:.2f}, "
+                      f"LoRA adapters {eff.adapter_gemm or eff.gemm:.2f}", f"{cal.model}, {cal.layers} layers")
+        table.add_row("fitted overheads", f"{format_seconds(eff.micro_batch_overhead_s)} per micro-batch, "
+                      f"+{100 * eff.node_contention:.0f}% with the node busy", "")
+    console.print(table)
+    for note in inv.notes:
+        console.print(f"note: {note}", style="dim")
+    console.print(f"wrote {out}: use it as --hardware {out}")
+
+
+def render_capacity(report, written: list[Path]) -> None:
+    table = Table(title=f"capacity options for {report.request.model.name} (planned in {report.seconds:.1f} s)",
+                  title_justify="left")
+    for column in ("option", "days", "GPU-h", "cost", "MFU", "free mem", "ckpt+fail"):
+        table.add_column(column, justify="left" if column == "option" else "right", no_wrap=column == "option")
+    chosen = report.recommendation.option.key if report.recommendation.option else None
+    for o in report.options:
+        label = f"{o.gpus} {o.hardware} {o.method}"
+        if not o.fits:
+            table.add_row(label, "[red]does not fit[/red]", "", "", "", "", "")
+            continue
+        ov = o.overhead
+        table.add_row(f"[bold]{label}[/bold]" if o.key == chosen else label, f"{o.wall_days:,.2f}",
+                      f"{o.gpu_hours:,.0f}", f"${o.cost:,.0f}" if o.cost is not None else "-",
+                      f"{100 * o.mfu:.0f}%", f"{100 * o.headroom:.0f}%",
+                      f"{100 * (ov.checkpoint_fraction + ov.failure_fraction):.1f}%")
+    console.print(table)
+    console.print(f"[bold]recommendation[/bold]: {report.recommendation.text}", highlight=False)
+    console.print(f"[bold]main risk[/bold]: {report.recommendation.main_risk}", highlight=False)
+    for path in written[:2]:
+        console.print(f"wrote {path}")
+    console.print(f"wrote {len(written) - 2} charts in {written[0].parent / 'charts'}", style="dim")
+
+
+def render_data_manifest(manifest: dict[str, Any]) -> None:
+    table = Table(title=f"prepared data for task {manifest['task']} (seq {manifest['seq_len']}, "
+                        f"micro-batch {manifest['micro_batch_tokens']:,} tokens)", title_justify="left")
+    for column in ("stage", "split", "documents", "samples", "tokens", "padding", "1 bucket"):
+        table.add_column(column, justify="left" if column in ("stage", "split") else "right")
+    buckets = Table(title="length buckets", title_justify="left")
+    for column in ("stage", "split", "edge", "micro-batch", "samples", "tokens", "padding"):
+        buckets.add_column(column, justify="left" if column in ("stage", "split") else "right")
+    notes = []
+    for stage in manifest["stages"]:
+        for split in ("train", "eval"):
+            info = stage.get(split)
+            if not info:
+                continue
+            table.add_row(stage["name"], split, f"{info['documents']:,}", f"{info['samples']:,}", f"{info['tokens']:,}",
+                          f"{100 * info['padding']['bucketed']:.1f}%", f"{100 * info['padding']['one_bucket']:.1f}%")
+            for b in info["buckets"]:
+                buckets.add_row(stage["name"], split, str(b["edge"]), str(b["micro_batch_size"]), f"{b['samples']:,}",
+                                f"{b['tokens']:,}", f"{100 * b['padding_fraction']:.1f}%")
+            if list(info["groups"]) != ["all"]:
+                notes.append(f"{stage['name']} {split} shards by group: "
+                             + ", ".join(f"{g} {v['tokens']:,}" for g, v in info["groups"].items()))
+            dropped = ", ".join(f"{k} {v:,}" for k, v in info["dropped"].items()) or "none"
+            notes.append(f"{stage['name']} {split}: read {info['read']:,} documents, dropped {dropped}")
+    console.print(table)
+    console.print(buckets)
+    for note in notes:
+        console.print(note, highlight=False)
+    planner = {s["name"]: s.get("tokens_with_replay") for s in manifest["stages"]}
+    console.print("tokens per stage for the planner (replay included): "
+                  + ", ".join(f"{k} {v:,}" if v is not None else f"{k} -" for k, v in planner.items()), style="dim")

@@ -1,0 +1,57 @@
+"""`advisor run`: profile, plan, verify, train, feed back and report in one command (advisor/cli/run_chain.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from advisor.cli.common import console, exit_on_error, stdout_to_stderr
+from advisor.cli.render import format_seconds, render_verification
+
+
+def run_all(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="default: the task's model, else demo-tiny"),
+    task: Optional[str] = typer.Option(None, "--task", help="task preset or YAML (default: the generated demo)"),
+    hardware: Optional[str] = typer.Option(None, "--hardware", "-H", help="default: profile this machine "
+                                           "(or reuse its profile from the last week)"),
+    verify: int = typer.Option(3, "--verify", min=0, help="measure the top K plans for a few steps each and "
+                               "train the fastest measured (0: train the planner's choice untested)"),
+    verify_steps: int = typer.Option(4, "--verify-steps", min=3, help="steps per verification trial "
+                                     "(the first 2 warm up)"),
+    feedback: bool = typer.Option(True, "--feedback/--no-feedback", help="refit the profile's efficiency "
+                                  "factors to this run's measured steps"),
+    out: Path = typer.Option(Path("runs/demo"), "--out", help="run directory"),
+    max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (smoke runs)"),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
+) -> None:
+    """Profile, plan, verify, train, feed back and report in one command. With no options: the
+    embedded demo (demo-tiny on a generated curriculum: language, arithmetic, instructions, then
+    a mixed stage)."""
+    from advisor.cli.run_chain import RunOptions, run_chain  # deferred: imports torch/deepspeed (2.6 s)
+
+    def say(text: str) -> None:
+        if not as_json:
+            console.print(f"[bold]advisor run[/bold]: {text}", highlight=False)
+
+    def show(verification) -> None:
+        if not as_json:
+            render_verification(verification)
+
+    options = RunOptions(model=model, task=task, hardware=hardware, out=out, max_steps_per_stage=max_steps_per_stage,
+                         seed=seed, verify=verify, verify_steps=verify_steps, feedback=feedback)
+    if as_json:  # stdout carries the JSON alone: the trainer's and DeepSpeed's output goes to stderr
+        with stdout_to_stderr():
+            result = exit_on_error(lambda: run_chain(options, say, show))
+        print(json.dumps(result, default=str))
+        return
+    result = exit_on_error(lambda: run_chain(options, say, show))
+    summary = result["summary"] or {}
+    measured, predicted = summary.get("measured", {}), summary.get("predicted", {})
+    console.print(f"done in {result['seconds']:.0f} s: {summary.get('steps')} steps, measured step "
+                  f"{format_seconds(measured.get('step_s') or 0)} "
+                  f"(predicted {format_seconds(predicted.get('step_s') or 0)}), "
+                  f"run dir {result['run_dir']}" + (f", report {result['report']}" if result["report"] else ""))

@@ -1,0 +1,67 @@
+"""`advisor train`: run a plan. Also what every launched worker runs, with the options as flags
+(trainer/options.py writes them; this verb reads every one back)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from advisor.cli.common import console, exit_on_error
+from advisor.cli.render import format_seconds
+from advisor.errors import UsageError
+from advisor.plan import load_plan
+from trainer.options import TrainOptions
+
+DEFAULTS = TrainOptions()
+
+
+def train(
+    plan_file: Path = typer.Argument(..., help="plan.yaml from `advisor plan --task ... --out plan.yaml`"),
+    out: Path = typer.Option(Path("runs/latest"), "--out", help="run directory (metrics, events, checkpoints)"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the run directory's last checkpoint"),
+    max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (demos)"),
+    seed: int = typer.Option(DEFAULTS.seed, "--seed"),
+    weights: Optional[str] = typer.Option(None, "--weights", help="local HF model folder to start from"),
+    data: Optional[Path] = typer.Option(None, "--data", help="`advisor data prepare` folder: length-bucketed "
+                                        "shards (default: the task's data.out when it is fresh, else raw files)"),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="nodes (default: Slurm's, else 1)"),
+    node_rank: int = typer.Option(0, "--node-rank", min=0),
+    master_addr: str = typer.Option("127.0.0.1", "--master-addr"),
+    master_port: int = typer.Option(29513, "--master-port"),
+    launched: bool = typer.Option(False, "--launched", hidden=True, help="set by the launcher in each worker"),
+    engine: Optional[str] = typer.Option(None, "--engine", help="sharded data-parallel back-end: auto (DeepSpeed "
+                                         "for ZeRO, FSDP2 with tp>1), deepspeed or fsdp2; overrides the plan's"),
+    # The loop's other options: hidden, set by callers (verification trials) and passed on to the workers.
+    clip: float = typer.Option(DEFAULTS.clip, "--clip", hidden=True, help="gradient-norm clip"),
+    keep_checkpoints: int = typer.Option(DEFAULTS.keep_checkpoints, "--keep-checkpoints", hidden=True),
+    max_rollbacks: int = typer.Option(DEFAULTS.max_rollbacks, "--max-rollbacks", hidden=True),
+    spike_lr_factor: float = typer.Option(DEFAULTS.spike_lr_factor, "--spike-lr-factor", hidden=True),
+    spike_warmup_steps: int = typer.Option(DEFAULTS.spike_warmup_steps, "--spike-warmup-steps", hidden=True),
+    eval_sequences: int = typer.Option(DEFAULTS.eval_sequences, "--eval-sequences", hidden=True),
+    show_progress: bool = typer.Option(DEFAULTS.show_progress, "--show-progress/--no-show-progress", hidden=True),
+) -> None:
+    """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
+    every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
+    from trainer.launch import run  # deferred: imports torch/deepspeed (2.3 s)
+
+    def go():
+        plan = load_plan(plan_file)
+        if engine is not None:
+            if engine not in ("auto", "deepspeed", "fsdp2"):
+                raise UsageError(f"--engine {engine}: choose auto, deepspeed or fsdp2")
+            plan = plan.model_copy(update={"engine": engine})
+        options = TrainOptions(seed=seed, clip=clip, keep_checkpoints=keep_checkpoints, max_rollbacks=max_rollbacks,
+                               spike_lr_factor=spike_lr_factor, spike_warmup_steps=spike_warmup_steps,
+                               eval_sequences=eval_sequences, max_steps_per_stage=max_steps_per_stage,
+                               weights=weights, show_progress=show_progress,
+                               data=str(data.resolve()) if data else None)
+        return run(plan, plan_file, out, resume, options, launched, nnodes, node_rank, master_addr, master_port)
+
+    summary = exit_on_error(go)
+    if summary and not launched:
+        measured, predicted = summary["measured"], summary["predicted"]
+        console.print(f"trained {summary['steps']} steps ({summary['rollbacks']} rollbacks); step "
+                      f"{format_seconds(measured['step_s'] or 0)} measured vs "
+                      f"{format_seconds(predicted['step_s'])} predicted; run dir {out}")
