@@ -158,10 +158,9 @@ def plan(
 
     Infeasible requests exit with code 2 and list the nearest feasible changes.
     """
-    from advisor.task import load_task
     from planner.export import export
     from planner.plan import PlanOptions, make_plan, parse_duration
-    from presets import load_hardware, load_model
+    from presets import load_hardware, load_model, load_task
 
     def compute():
         spec_task = load_task(task) if task else None
@@ -217,7 +216,7 @@ def train(
 ) -> None:
     """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
     every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
-    from advisor.plan import load_plan
+    from advisor.plan_file import load_plan
     from trainer.launch import run
     from trainer.loop import TrainOptions
 
@@ -369,8 +368,10 @@ def profile(
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from planner.calibration import calibrate as fit_calibration
     from presets import load_model
     from profiler.run_profile import ProfileOptions, run_profile
+    from trainer.steps import prepare_parent, run_layout, time_steps
 
     class Bar:
         def __init__(self, bar: Progress) -> None:
@@ -391,7 +392,16 @@ def profile(
         columns = (TextColumn("{task.description:<36}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=as_json) as bar:
-            return run_profile(opts, Bar(bar))
+            measured = run_profile(opts, Bar(bar),
+                                   step_runner=lambda layout, **kw: time_steps(run_layout(layout), **kw),
+                                   prepare_forks=lambda: prepare_parent({"zero": 0}))
+        if measured is None:
+            return None
+        fitted = measured.profile
+        if measured.calibration_steps is not None:
+            fitted = fit_calibration(fitted, measured.calibration_steps)
+        fitted.write(out)
+        return fitted
 
     result = _run(measure)
     if result is None:  # a torchrun job wrote it
@@ -478,9 +488,8 @@ def report_capacity(
     LoRA; and a recommendation with its main risk."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from advisor.task import load_task
     from planner.plan import parse_duration
-    from presets import load_hardware, load_model
+    from presets import load_hardware, load_model, load_task
     from reports.capacity import CapacityRequest, capacity_report, parse_counts, parse_prices
     from reports.pages import capacity_document
 
@@ -595,7 +604,7 @@ def data_prepare(
 
     The folder is written aside and renamed at the end: it is whole or untouched.
     """
-    from advisor.task import load_task
+    from presets import load_task
     from trainer.data.prepare import prepare
 
     def compute():

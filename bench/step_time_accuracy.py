@@ -28,7 +28,7 @@ from benchmarks_md import write_section  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from advisor.cli import app  # noqa: E402
-from profiler.profile_spec import load_profile  # noqa: E402
+from advisor.profile import load_profile  # noqa: E402
 from trainer.steps import time_steps  # noqa: E402
 
 # dp is always written out: without it `estimate` fills dp with every device of the node.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from advisor.plan import StagePlan
+from advisor.plan_file import StagePlan
 from advisor.specs import DTYPE_BYTES, Estimate, Layout
 from advisor.task import StageSpec, TaskSpec
 

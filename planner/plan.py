@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from advisor.errors import UsageError
-from advisor.plan import Plan, PlannedLayout, StagePlan
+from advisor.plan_file import Plan, PlannedLayout, StagePlan
 from advisor.specs import GiB, HardwareSpec, ModelSpec
 from advisor.task import TaskSpec
 from planner.explain import why

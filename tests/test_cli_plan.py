@@ -8,7 +8,7 @@ import yaml
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.plan import load_plan
+from advisor.plan_file import load_plan
 from planner.granularity import young_interval_s
 
 runner = CliRunner()

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from advisor.cli import app
 from advisor.errors import UsageError
-from advisor.task import load_task
+from presets import load_task
 from trainer.data import manifest_stage_tokens
 from trainer.data.manifest import read_manifest
 from trainer.data.prepare import prepare
@@ -309,7 +309,7 @@ def test_parquet_arrow_text_and_json_sources_read_the_same_documents(tmp_path: P
 
 def test_plan_sizes_stages_from_the_manifest(tmp_path) -> None:
     """`advisor plan --task` reads the prepared data's token counts when a fresh manifest exists."""
-    from advisor.task import load_task
+    from presets import load_task
     from planner.plan import PlanOptions, make_plan
     from presets import load_hardware, load_model
     from trainer.data.demo_corpus import generate_demo_corpus

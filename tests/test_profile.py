@@ -19,10 +19,12 @@ from advisor.specs import Layout
 from planner.cost_model import estimate, estimate_from_trace
 from presets import load_hardware, load_model
 from profiler import run_profile as rp
-from profiler.calibrate import calibration_model, decompose, fit_factors, fit_layouts, fit_to_steps, with_factors
+from profiler.calibration_steps import calibration_model, fit_layouts
+from planner.calibration import decompose, fit_factors, fit_to_steps, with_factors
 from profiler.hardware_bench import RING_FACTORS, fit_alpha_beta
 from profiler.model_trace import trace_model
-from profiler.profile_spec import HardwareProfile, Inventory, Measurement, load_profile, this_host
+from advisor.profile import HardwareProfile, Inventory, Measurement, load_profile
+from profiler.inventory import this_host
 
 runner = CliRunner()
 
@@ -202,9 +204,12 @@ def test_profile_all_reduce_matches_a_direct_measurement(tmp_path: Path, monkeyp
     tiny = rp.Budget(gemm_s=0.2, memory_s=0.1, adam_s=0.1, collective_s=0.6, copy_bytes=8 << 20,
                      collective_sizes=[1 << 20, SIZE])
     monkeypatch.setattr(rp.Budget, "of", classmethod(lambda cls, quick, device_type: tiny))
-    profile = rp.run_profile(rp.ProfileOptions(out=tmp_path / "p.json", quick=True, nproc=2, device="cpu",
-                                               calibrate=False))
-    assert profile is not None and profile.inventory.devices_per_node == 2
+    measured = rp.run_profile(rp.ProfileOptions(out=tmp_path / "p.json", quick=True, nproc=2, device="cpu",
+                                                calibrate=False))
+    assert measured is not None and measured.calibration_steps is None
+    profile = measured.profile
+    assert profile.inventory.devices_per_node == 2
+    profile.write(tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json").inventory.backend == "gloo"
     figure = profile.measurement(f"all_reduce/2/intra/{SIZE}")
     assert figure.repeats >= 3

@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 
 from advisor.cli import app
 from advisor.specs import GiB
-from advisor.task import load_task
+from presets import load_task
 from browser import render
 from planner.granularity import failure_overhead
 from planner.plan import InfeasiblePlan, PlanOptions, make_plan

@@ -12,9 +12,9 @@ import pytest
 from advisor.errors import UsageError
 from advisor.specs import Layout
 from presets import load_hardware, load_model
-from profiler.feedback import (feed_back, observation, predict_step, refit, refit_checked,
+from planner.feedback import (feed_back, observation, predict_step, refit, refit_checked,
                                relative_errors, rms, with_efficiency)
-from profiler.profile_spec import HardwareProfile, HostFingerprint, Inventory, load_profile
+from advisor.profile import HardwareProfile, HostFingerprint, Inventory, load_profile
 
 MODEL = load_model("demo-tiny")
 # the "real machine" the synthetic steps come from
@@ -156,7 +156,7 @@ def test_verification_trains_the_fastest_measured_beyond_the_noise_margin() -> N
 
 
 def test_a_verified_candidate_becomes_the_plan_with_its_stages_resized() -> None:
-    from advisor.task import load_task
+    from presets import load_task
     from planner.plan import PlanOptions, make_plan
     from planner.search import SearchSpace
     from trainer.verify import Verification, apply
@@ -195,7 +195,7 @@ def test_bad_verify_options_are_one_line_usage_errors(tmp_path) -> None:
 def test_run_trains_only_layouts_the_trainer_runs() -> None:
     """`run` plans over every engine (TP, PP, ZeRO, FSDP2) and then drops what an engine refuses for
     this model: here a LoRA plan split by tensor parallelism and one with more stages than layers."""
-    from advisor.task import load_task
+    from presets import load_task
     from planner.plan import PlanOptions, make_plan
     from trainer.parallelize import unsupported_reason
     from trainer.pipeline import TRAINER_SPACE, trainable_plan
@@ -223,7 +223,7 @@ def test_verification_times_a_pipeline_candidate_through_the_real_training_loop(
     on the task's first stage, for a few steps; the trial directory loses its checkpoints."""
     from test_trainer import make_plan_file
 
-    from advisor.plan import load_plan
+    from advisor.plan_file import load_plan
     from trainer.verify import verify
 
     fields = {"dp": 1, "tp": 1, "pp": 2, "zero": 0, "mbs": 1, "gas": 4, "seq": 32, "dtype": "fp32",

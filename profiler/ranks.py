@@ -1,0 +1,61 @@
+"""Ranks on this machine: fork launching, per-rank set-up and the exit-crash-safe teardown.
+
+Ranks are forked from a parent that has already imported torch, transformers and DeepSpeed, on gloo
+with a free port: 0.4 s for 2 ranks instead of ~6 s with torchrun (shared/NOTES-cpu-stack.md, "Time").
+The profiler's collective benchmarks and the trainer's timed steps both start ranks this way.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import warnings
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_rank(rank: int, world: int, port: int, distributed: bool, threads: int | None = None) -> None:
+    """Environment, thread count and (if ``distributed``) the gloo process group of one rank."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    # Share the cores: 2 ranks on 2 cores with 2 threads each run about 8x slower.
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # transformers 5 deprecates gradient_checkpointing_enable (now activation_checkpointing_*).
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
+    # DeepSpeed and our collective benchmarks call all_gather_into_tensor, which c10d deprecates.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+    if distributed:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def finish_rank(distributed: bool) -> None:
+    """gloo can crash at exit when a worker thread frees a finished collective while Python
+    finalizes (NOTES, "The exit crash", fix A): the caller has dropped every owner; collect,
+    barrier, then destroy."""
+    if distributed:
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def launch(worker: Callable[..., None], nprocs: int, args: tuple = ()) -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` forked ranks and wait for them."""
+    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="fork")
