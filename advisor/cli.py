@@ -161,12 +161,13 @@ def plan(
     from planner.export import export
     from planner.plan import PlanOptions, make_plan, parse_duration
     from presets import load_hardware, load_model, load_task
+    from trainer.data.manifest import manifest_stage_tokens
 
     def compute():
         spec_task = load_task(task) if task else None
         opts = PlanOptions(
             model=load_model(model), hardware=load_hardware(hardware), nodes=nodes, gpus_per_node=gpus_per_node,
-            task=spec_task, seq=seq_len, global_batch=global_batch, method=method, objective=objective,
+            task=spec_task, stage_tokens=manifest_stage_tokens(spec_task) if spec_task else None, seq=seq_len, global_batch=global_batch, method=method, objective=objective,
             deadline_s=parse_duration(deadline) if deadline else None, tokens=tokens, price_per_gpu_hour=price,
             min_compute_fraction=min_compute_fraction, top_k=top, mtbf_hours=mtbf_hours,
             per_stage_devices=per_stage_devices, allow_cross_node_tp=allow_cross_node_tp, attention=attention,
@@ -492,6 +493,7 @@ def report_capacity(
     from presets import load_hardware, load_model, load_task
     from reports.capacity import CapacityRequest, capacity_report, parse_counts, parse_prices
     from reports.pages import capacity_document
+    from trainer.data.manifest import manifest_stage_tokens
 
     def build():
         hws = [load_hardware(h.strip()) for h in hardware.split(",") if h.strip()]
@@ -502,10 +504,12 @@ def report_capacity(
                                                   ("--seq-len", seq_len), ("--global-batch", global_batch),
                                                   ("--mtbf-hours", mtbf_hours)) if value is not None]
         extra = {"mtbf_hours": mtbf_hours} if mtbf_hours is not None else {}
+        spec_task = load_task(task) if task else None
         req = CapacityRequest(
             model=load_model(model), hardware=hws, gpu_counts=parse_counts(gpus),
             methods=[m.strip() for m in method.split(",") if m.strip()], tokens=tokens,
-            task=load_task(task) if task else None, seq=seq_len, global_batch=global_batch,
+            task=spec_task, stage_tokens=manifest_stage_tokens(spec_task) if spec_task else None, seq=seq_len,
+            global_batch=global_batch,
             prices=parse_prices(price, hws), deadline_s=parse_duration(deadline) if deadline else None,
             restart_s=restart_minutes * 60, command=" ".join(command), **extra)
         total = len(hws) * len(req.gpu_counts) * len(req.methods)

@@ -34,6 +34,8 @@ class PlanOptions:
     nodes: int = 1
     gpus_per_node: int | None = None
     task: TaskSpec | None = None
+    # tokens per stage from `advisor data prepare`'s manifest, when one is there and fresh (the caller reads it)
+    stage_tokens: dict[str, int] | None = None
     seq: int | None = None
     global_batch: int | None = None
     method: str = "full"  # full | lora | qlora | auto
@@ -159,12 +161,9 @@ def _total_tokens(opts: PlanOptions, tokens_per_step: int) -> float:
     raise UsageError("--objective cost needs the work to do: --task task.yaml or --tokens N")
 
 
-def _with_manifest_tokens(task: TaskSpec, notes: list[str]) -> TaskSpec:
-    """Stage budgets from `advisor data prepare`'s manifest, when one is there and fresh: the
-    prepared data (after dedup and filters) is what the stages will actually read."""
-    from trainer.data.manifest import manifest_stage_tokens
-
-    counts = manifest_stage_tokens(task)
+def _with_prepared_tokens(task: TaskSpec, counts: dict[str, int] | None, notes: list[str]) -> TaskSpec:
+    """Stage budgets from `advisor data prepare`'s manifest: the prepared data (after dedup and
+    filters) is what the stages will actually read."""
     if not counts:
         return task
     stages = [s.model_copy(update={"tokens": counts[s.name], "steps": None}) if s.name in counts else s
@@ -178,7 +177,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     started = time.perf_counter()
     notes: list[str] = []
     if opts.task is not None:
-        opts.task = _with_manifest_tokens(opts.task, notes)
+        opts.task = _with_prepared_tokens(opts.task, opts.stage_tokens, notes)
     hw = opts.hardware
     per_node = opts.gpus_per_node or hw.devices_per_node
     if opts.gpus_per_node:

@@ -42,6 +42,7 @@ class CapacityRequest:
     methods: list[str] = field(default_factory=lambda: ["full", "lora"])
     tokens: float | None = None
     task: TaskSpec | None = None
+    stage_tokens: dict[str, int] | None = None  # per stage, from the prepared data's manifest
     seq: int | None = None
     global_batch: int | None = None
     prices: dict[str, float] = field(default_factory=dict)  # hardware name -> $ per GPU-hour
@@ -255,6 +256,7 @@ def plan_option(req: CapacityRequest, hw: HardwareSpec, gpus: int, method: str) 
     nodes, per_node = split
     option.nodes = nodes
     opts = PlanOptions(model=req.model, hardware=hw, nodes=nodes, gpus_per_node=per_node, task=req.task,
+                       stage_tokens=req.stage_tokens,
                        seq=req.seq_len, global_batch=req.batch, method=method, tokens=req.tokens,
                        min_compute_fraction=req.min_compute_fraction, top_k=1, mtbf_hours=req.mtbf_hours,
                        checkpoint_write_gbs=req.checkpoint_write_gbs)
