@@ -22,6 +22,7 @@ from advisor.specs import (
     ModelSpec,
     ThroughputEstimate,
     TimeEstimate,
+    layers_per_stage,
 )
 from planner import collectives
 from planner.memory import (
@@ -34,7 +35,6 @@ from planner.memory import (
     logits_transient_bytes,
     micro_batches_in_flight,
     model_state_bytes,
-    stage_layers,
 )
 from profiler.model_trace import ModelTrace, trace_model
 
@@ -367,7 +367,7 @@ def stage_time(
 
 def default_split(trace: ModelTrace, layout: Layout) -> tuple[list[int], list[int]]:
     """The layout's (layers, recomputed layers) per stage, filling the defaults."""
-    split = layout.stage_layers or stage_layers(trace.num_layers, layout.pp)
+    split = layers_per_stage(trace.num_layers, layout)
     recomputed = layout.recompute_layers or (split if layout.recompute != "none" else [0] * layout.pp)
     return split, [min(r, n) for r, n in zip(recomputed, split)]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, PlannedLayout, StagePlan
-from advisor.specs import GiB, HardwareSpec, ModelSpec
+from advisor.specs import MEMORY_MARGIN, MIN_COMPUTE_FRACTION, GiB, HardwareSpec, ModelSpec
 from advisor.task import TaskSpec
 from planner.explain import why
 from planner.granularity import plan_stage
@@ -43,12 +43,12 @@ class PlanOptions:
     deadline_s: float | None = None
     tokens: float | None = None
     price_per_gpu_hour: float | None = None
-    min_compute_fraction: float = 0.8
+    min_compute_fraction: float = MIN_COMPUTE_FRACTION
     top_k: int = 5
     mtbf_hours: float = 2000.0  # per node; large fleets report ~1 failure per 1-3k node-hours
     checkpoint_write_gbs: float = 2.0  # per node, to the checkpoint file system (assumed)
     per_stage_devices: bool = False
-    memory_margin: float = 0.05
+    memory_margin: float = MEMORY_MARGIN
     allow_cross_node_tp: bool = False
     attention: str | None = None
     dtype: str | None = None

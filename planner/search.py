@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import pulp
 
 from advisor.errors import UsageError
-from advisor.specs import Estimate, HardwareSpec, Layout, ModelSpec
+from advisor.specs import MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, HardwareSpec, Layout, ModelSpec
 from planner.cost_model import (
     Placement,
     StageMemory,
@@ -73,8 +73,8 @@ class PlanRequest:
     global_batch: int
     dtype: str
     space: SearchSpace = field(default_factory=SearchSpace)
-    min_compute_fraction: float = 0.8
-    memory_margin: float = 0.05  # share of usable memory kept free for fragmentation
+    min_compute_fraction: float = MIN_COMPUTE_FRACTION
+    memory_margin: float = MEMORY_MARGIN
     top_k: int = 5
     attention: str | None = None
 

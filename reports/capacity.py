@@ -19,7 +19,7 @@ from multiprocessing import get_context
 from typing import Any, Callable
 
 from advisor.errors import UsageError
-from advisor.specs import GiB, Estimate, HardwareSpec, Layout, ModelSpec
+from advisor.specs import MIN_COMPUTE_FRACTION, GiB, Estimate, HardwareSpec, Layout, ModelSpec
 from advisor.task import TaskSpec
 from planner.granularity import FailureOverhead, checkpoint_write_s, failure_overhead
 from planner.plan import InfeasiblePlan, PlanOptions, default_global_batch, make_plan
@@ -28,7 +28,7 @@ _PLAN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanOptions)}
 MTBF_HOURS = float(_PLAN_DEFAULTS["mtbf_hours"])  # per node, the planner's assumption
 CHECKPOINT_WRITE_GBS = float(_PLAN_DEFAULTS["checkpoint_write_gbs"])  # per node, the planner's assumption
 RESTART_S = 600.0  # re-queue, reload the last checkpoint, rebuild NCCL communicators: assumed 10 minutes
-SCALING_EFFICIENCY_RULE = 0.8  # the source article's Amdahl rule: keep >= 80% of the work useful
+SCALING_EFFICIENCY_RULE = MIN_COMPUTE_FRACTION  # the same 80% rule, applied to scaling: keep >= 80% of the work useful
 COST_SLACK = 1 / SCALING_EFFICIENCY_RULE  # so a recommendation may cost up to 1.25x the cheapest
 HEADROOM_RISK = 0.10  # less free memory than this at the peak is an OOM risk worth naming
 DEADLINE_MARGIN_RISK = 0.20
@@ -50,7 +50,7 @@ class CapacityRequest:
     mtbf_hours: float = MTBF_HOURS
     checkpoint_write_gbs: float = CHECKPOINT_WRITE_GBS
     restart_s: float = RESTART_S
-    min_compute_fraction: float = 0.8
+    min_compute_fraction: float = MIN_COMPUTE_FRACTION
     command: str = ""
 
     def __post_init__(self) -> None:
