@@ -18,7 +18,8 @@ from advisor.task import TaskSpec
 from planner.explain import why
 from planner.granularity import plan_stage
 from planner.memory import HOST_MEMORY_USABLE
-from planner.search import PlanRequest, SearchResult, SearchSpace, plan_layouts, validate_request
+from planner.search import PlanRequest, SearchResult, SearchSpace, Solution, plan_layouts, validate_request
+from planner.time_to_train import RESTART_S, checkpoint_write_s, time_to_train
 
 METHOD_ORDER = ("full", "lora", "qlora")
 
@@ -47,6 +48,7 @@ class PlanOptions:
     top_k: int = 5
     mtbf_hours: float = 2000.0  # per node; large fleets report ~1 failure per 1-3k node-hours
     checkpoint_write_gbs: float = 2.0  # per node, to the checkpoint file system (assumed)
+    restart_s: float = RESTART_S  # per failure
     per_stage_devices: bool = False
     memory_margin: float = MEMORY_MARGIN
     allow_cross_node_tp: bool = False
@@ -161,6 +163,13 @@ def _total_tokens(opts: PlanOptions, tokens_per_step: int) -> float:
     raise UsageError("--objective cost needs the work to do: --task task.yaml or --tokens N")
 
 
+def _time_to_train(opts: PlanOptions, sol: Solution, nodes: int) -> float:
+    """Wall-clock seconds of the whole job on this layout: training, checkpoints, expected failures."""
+    train_s = _total_tokens(opts, sol.layout.tokens_per_step) / sol.estimate.throughput.tokens_per_s
+    write_s = checkpoint_write_s(sol.estimate, sol.layout, nodes, opts.checkpoint_write_gbs)
+    return time_to_train(train_s, write_s, nodes, opts.mtbf_hours, opts.restart_s).wall_s
+
+
 def _with_prepared_tokens(task: TaskSpec, counts: dict[str, int] | None, notes: list[str]) -> TaskSpec:
     """Stage budgets from `advisor data prepare`'s manifest: the prepared data (after dedup and
     filters) is what the stages will actually read."""
@@ -201,10 +210,10 @@ def make_plan(opts: PlanOptions) -> Plan:
             if not res.solutions:
                 continue
             sol = res.solutions[0]
-            hours = _total_tokens(opts, sol.layout.tokens_per_step) / sol.estimate.throughput.tokens_per_s / 3600
-            if hours * 3600 > opts.deadline_s:
+            wall_s = _time_to_train(opts, sol, math.ceil(count / per_node))
+            if wall_s > opts.deadline_s:
                 continue
-            gpu_hours = hours * count
+            gpu_hours = wall_s / 3600 * count
             if best is None or gpu_hours < best[0]:
                 best = (gpu_hours, res, meth, count)
         if best is None:
@@ -269,5 +278,5 @@ def _plan_stages(opts: PlanOptions, plan: Plan, hw: HardwareSpec, seq: int, batc
             layout, est = best.layout, best.estimate
         stage_nodes = math.ceil(layout.devices / plan.gpus_per_node)
         stages.append(plan_stage(opts.task, stage, layout, est, stage_nodes, opts.mtbf_hours,
-                                 opts.checkpoint_write_gbs, opts.min_compute_fraction))
+                                 opts.checkpoint_write_gbs, opts.min_compute_fraction, opts.restart_s))
     return stages

@@ -21,13 +21,12 @@ from typing import Any, Callable
 from advisor.errors import UsageError
 from advisor.specs import MIN_COMPUTE_FRACTION, GiB, Estimate, HardwareSpec, Layout, ModelSpec
 from advisor.task import TaskSpec
-from planner.granularity import FailureOverhead, checkpoint_write_s, failure_overhead
+from planner.time_to_train import RESTART_S, FailureOverhead, checkpoint_write_s, time_to_train
 from planner.plan import InfeasiblePlan, PlanOptions, default_global_batch, make_plan
 
 _PLAN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanOptions)}
 MTBF_HOURS = float(_PLAN_DEFAULTS["mtbf_hours"])  # per node, the planner's assumption
 CHECKPOINT_WRITE_GBS = float(_PLAN_DEFAULTS["checkpoint_write_gbs"])  # per node, the planner's assumption
-RESTART_S = 600.0  # re-queue, reload the last checkpoint, rebuild NCCL communicators: assumed 10 minutes
 SCALING_EFFICIENCY_RULE = MIN_COMPUTE_FRACTION  # the same 80% rule, applied to scaling: keep >= 80% of the work useful
 COST_SLACK = 1 / SCALING_EFFICIENCY_RULE  # so a recommendation may cost up to 1.25x the cheapest
 HEADROOM_RISK = 0.10  # less free memory than this at the peak is an OOM risk worth naming
@@ -259,7 +258,7 @@ def plan_option(req: CapacityRequest, hw: HardwareSpec, gpus: int, method: str) 
                        stage_tokens=req.stage_tokens,
                        seq=req.seq_len, global_batch=req.batch, method=method, tokens=req.tokens,
                        min_compute_fraction=req.min_compute_fraction, top_k=1, mtbf_hours=req.mtbf_hours,
-                       checkpoint_write_gbs=req.checkpoint_write_gbs)
+                       checkpoint_write_gbs=req.checkpoint_write_gbs, restart_s=req.restart_s)
     try:
         plan = make_plan(opts)
     except InfeasiblePlan as exc:
@@ -286,7 +285,7 @@ def plan_option(req: CapacityRequest, hw: HardwareSpec, gpus: int, method: str) 
     option.layout, option.estimate = layout, est
     option.meets_compute_rule = chosen.meets_compute_rule
     option.tokens = tokens
-    option.overhead = failure_overhead(train_s, write_s, nodes, req.mtbf_hours, req.restart_s)
+    option.overhead = time_to_train(train_s, write_s, nodes, req.mtbf_hours, req.restart_s)
     option.notes = list(plan.notes)
     option.plan_seconds = time.perf_counter() - started
     return option

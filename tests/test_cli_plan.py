@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from advisor.cli import app
 from advisor.plan_file import load_plan
-from planner.granularity import young_interval_s
+from planner.time_to_train import young_interval_s
 
 runner = CliRunner()
 
