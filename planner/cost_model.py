@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from advisor.errors import UsageError
+from advisor.layout_rules import ModelShape, layout_problem, tp_crosses_nodes
 from advisor.specs import (
     DTYPE_BYTES,
     GiB,
@@ -62,36 +63,24 @@ class Placement:
     def of(cls, layout: Layout, devices_per_node: int) -> "Placement":
         return cls(
             nodes=math.ceil(layout.devices / devices_per_node),
-            # a TP group stays in one node only if it tiles the node
-            tp_spans_nodes=layout.tp > devices_per_node or devices_per_node % layout.tp != 0,
+            tp_spans_nodes=tp_crosses_nodes(layout.tp, devices_per_node),
             dp_spans_nodes=layout.tp * layout.dp > devices_per_node,
             pp_spans_nodes=layout.tp * layout.dp * layout.pp > devices_per_node,
         )
 
 
+def model_shape(trace: ModelTrace) -> ModelShape:
+    return ModelShape(num_heads=trace.num_heads, num_kv_heads=trace.num_kv_heads,
+                      intermediate_size=trace.intermediate_size, num_layers=trace.num_layers)
+
+
 def check_layout(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> list[str]:
     """Reject splits the back-ends cannot run; return warnings for legal but doubtful ones."""
     notes = []
-    if trace.num_heads % layout.tp:
-        raise UsageError(f"tp={layout.tp} does not divide the {trace.num_heads} attention heads")
-    kv = trace.num_kv_heads
-    if kv % layout.tp and layout.tp % kv:
-        raise UsageError(f"tp={layout.tp} and the {kv} key/value heads do not divide one another")
-    if layout.tp > 1 and trace.intermediate_size % layout.tp:
-        raise UsageError(f"tp={layout.tp} does not divide the MLP width {trace.intermediate_size}")
-    if layout.pp > trace.num_layers:
-        raise UsageError(f"pp={layout.pp} exceeds the {trace.num_layers} decoder layers")
-    if layout.vpp > 1 and trace.num_layers % (layout.pp * layout.vpp):
-        raise UsageError(
-            f"interleaving needs layers divisible by pp*vpp: {trace.num_layers} % {layout.pp * layout.vpp} != 0"
-        )
-    if layout.vpp > 1 and layout.gas % layout.pp:
-        raise UsageError(f"interleaved 1F1B needs gas divisible by pp (gas={layout.gas}, pp={layout.pp})")
-    if layout.vpp > 1 and layout.stage_layers and len(set(layout.stage_layers)) > 1:
-        raise UsageError("interleaved 1F1B (vpp>1) needs the same number of layers on every stage")
-    if layout.stage_layers and sum(layout.stage_layers) != trace.num_layers:
-        raise UsageError(f"stage_layers sum to {sum(layout.stage_layers)}, the model has {trace.num_layers} layers")
-    if layout.tp > hardware.devices_per_node or hardware.devices_per_node % layout.tp:
+    problem = layout_problem(layout, model_shape(trace))
+    if problem:
+        raise UsageError(problem)
+    if tp_crosses_nodes(layout.tp, hardware.devices_per_node):
         notes.append(f"tp={layout.tp} crosses nodes ({hardware.devices_per_node} devices per node): slow")
     if layout.method == "qlora" and hardware.device_type == "cpu":
         notes.append("QLoRA needs bitsandbytes with CUDA to be fast; on CPU it runs a slow fallback")
