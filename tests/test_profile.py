@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -218,7 +217,12 @@ def test_profile_all_reduce_matches_a_direct_measurement(tmp_path: Path, monkeyp
 
     launch(_direct_all_reduce, 2, (free_port(), str(tmp_path / "direct.json")))
     seconds = statistics.median(json.loads((tmp_path / "direct.json").read_text()))
-    direct_bus_gbs = RING_FACTORS["all_reduce"](2)[1] * SIZE / seconds / 1e9  # nccl-tests busbw
-    # the same link measured twice on a shared 2-core machine: agree within a factor of 1.5
+    bus_factor = RING_FACTORS["all_reduce"](2)[1]  # nccl-tests busbw: 2(n-1)/n of the bytes
+    # the figure is the bus bandwidth of the profile's own median sample, exactly
+    assert figure.value == pytest.approx(bus_factor * SIZE / figure.median_s / 1e9, rel=1e-9)
+    assert figure.min_s <= figure.median_s <= figure.max_s
+    direct_bus_gbs = bus_factor * SIZE / seconds / 1e9
+    # The same link measured twice, seconds apart, on a 2-core machine shared with other jobs. Not
+    # tighter: 19 runs under a load average of 3-5 gave ratios 0.65-3.5 (16 of them within 0.65-1.5).
     assert figure.value == pytest.approx(direct_bus_gbs, rel=0.5), (figure.value, direct_bus_gbs)
-    assert profile.hardware.intra_node_bandwidth_gbs > 0 and os.cpu_count()
+    assert profile.hardware.intra_node_bandwidth_gbs > 0
