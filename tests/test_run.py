@@ -98,7 +98,7 @@ def test_two_runs_the_second_predicts_no_worse_and_the_profile_keeps_the_history
     assert profile.hardware.efficiency.gemm == pytest.approx(second.factors_after["gemm"])
     assert any("->" in line and "error" in line for line in said)
     # the history is bounded: the oldest observations go first
-    monkeypatch.setattr("profiler.feedback.MAX_OBSERVATIONS", 10)
+    monkeypatch.setattr("planner.feedback.MAX_OBSERVATIONS", 10)
     third = _observed(RUN_1, noise=0.05, seed=5)
     feed_back(path, third, "run3", said.append)
     kept = load_profile(path).feedback.observations
