@@ -7,7 +7,7 @@ How it runs
 * Plain invocation with `--nproc N` on CUDA: it re-launches itself under
   `torchrun --nproc-per-node N -m profiler.run_profile ...` (CUDA must not be forked).
 * Under torchrun (WORLD_SIZE is set, also multi-node): every process runs its rank's benchmarks;
-  rank 0 builds the profile and `main` writes it.
+  rank 0 builds the profile and `main` (the torchrun entry point) writes it.
 
 Calibration steps (CPU, with --model) run through the step runner the caller hands in; the caller
 (the CLI, the composition root) then fits the factors to them (planner.calibration.calibrate) and
@@ -269,7 +269,7 @@ def run_profile(opts: ProfileOptions, progress: Progress | None = None, step_run
                 prepare_forks: Callable[[], None] | None = None) -> MeasuredProfile | None:
     """Profile this machine (or this torchrun job); the caller writes it. Returns the measured
     profile on rank 0, None on the other torchrun ranks and in the process that relaunched itself
-    under torchrun (rank 0 of that job wrote the file).
+    under torchrun (rank 0 of that job wrote `opts.out`).
 
     `step_runner` runs the calibration steps (none without it); `prepare_forks` runs before the
     benchmark ranks fork, so that they inherit what it imports (as the calibration ranks will)."""
@@ -345,8 +345,6 @@ def _run_torchrun_rank(opts: ProfileOptions, device_type: str, dims: dict[str, i
     if rank == 0:  # no step runner under torchrun: `main` has none to hand in
         measured = _finish(opts, raw, device_type, local_world, world // local_world, threads, None, progress,
                            started)
-        if opts.out is not None:
-            measured.profile.write(opts.out)  # before the barrier: the relaunching parent reads it after
     dist.barrier()
     dist.destroy_process_group()
     return measured
@@ -377,7 +375,9 @@ def main() -> None:
     args = parser.parse_args()
     opts = ProfileOptions(out=args.out, quick=args.quick, model=load_model(args.model) if args.model else None,
                           device=args.device)
-    if run_profile(opts) is not None:
+    measured = run_profile(opts)  # no step runner here: this entry point only measures
+    if measured is not None:
+        measured.profile.write(args.out)
         print(f"wrote {args.out}")
 
 
