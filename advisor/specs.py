@@ -21,6 +21,12 @@ Method = Literal["full", "lora", "qlora"]
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 
+# The source article's rule: every device should spend at least this share of the step computing
+# (the rest is exposed communication, pipeline bubbles, offload traffic); the planner's default.
+MIN_COMPUTE_FRACTION = 0.8
+# Share of usable device memory the planner keeps free for allocator fragmentation.
+MEMORY_MARGIN = 0.05
+
 
 class Efficiency(BaseModel):
     """Fractions of datasheet peak that real kernels reach (the cost model's calibration knobs)."""
@@ -216,6 +222,17 @@ LAYOUT_KEYS_HELP: dict[str, str] = {
     "stage_layers": "decoder layers per pipeline stage, '/'-separated, e.g. 19/20/21/20 (default: even)",
     "recompute_layers": "per stage, how many layers use `recompute`, e.g. 4/3/1/0 (default: all)",
 }
+
+
+def layers_per_stage(n_layers: int, layout: Layout) -> list[int]:
+    """Decoder layers per pipeline stage: the layout's own split, else even with any remainder on
+    the later stages (the first stage already holds the embedding and the most micro-batches in
+    flight, the last the LM head and loss). The planner's cost model and the trainer's stage cut
+    both read this, so what is predicted is what runs."""
+    if layout.stage_layers:
+        return list(layout.stage_layers)
+    base, extra = divmod(n_layers, layout.pp)
+    return [base + (1 if stage >= layout.pp - extra else 0) for stage in range(layout.pp)]
 
 
 def _format_validation_error(exc: ValidationError, what: str) -> str:

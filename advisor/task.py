@@ -194,17 +194,9 @@ class TaskSpec(BaseModel):
         return stage.tokens if stage.tokens is not None else stage.steps * tokens_per_step  # type: ignore[operator]
 
 
-def load_task(ref: str) -> TaskSpec:
-    """A task preset name (e.g. `demo`) or a path to a task YAML."""
-    from presets import PRESETS_DIR, preset_names
-
-    path = Path(ref)
-    if not path.is_file():
-        if ref.endswith((".yaml", ".yml")) or "/" in ref:
-            raise UsageError(f"task file not found: {ref}")
-        if ref not in preset_names("tasks"):
-            raise UsageError(f"unknown task preset '{ref}'; available: {', '.join(preset_names('tasks'))}")
-        path = PRESETS_DIR / "tasks" / f"{ref}.yaml"
+def read_task_file(path: Path) -> TaskSpec:
+    """Read and validate a task YAML; relative data paths start at its folder unless it says otherwise.
+    (`presets.load_task` also resolves task preset names.)"""
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:

@@ -44,7 +44,7 @@ def load_average() -> str:
 
 
 def scaled_task(task_path: Path, scale: float):
-    from advisor.task import load_task
+    from presets import load_task
 
     task = load_task(str(task_path))
     # budgets and learning-rate warm-ups shrink together, or a short stage would be all warm-up

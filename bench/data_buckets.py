@@ -41,7 +41,7 @@ SEED = 0
 
 CHILD = textwrap.dedent("""
     import json, resource, sys, time
-    from advisor.task import load_task
+    from presets import load_task
     from trainer.data.prepare import prepare
     import datasets, tokenizers, pyarrow  # the imports every run pays, before the baseline
     try:

@@ -57,7 +57,7 @@ def advisor_run(cache: Path, out: Path, steps_per_stage: int, verify: int) -> tu
 
 def search_space(profile: Path) -> list:
     """Every uniform layout the planner enumerates for 2 devices at tp = pp = 1, full method."""
-    from advisor.task import load_task
+    from presets import load_task
     from planner.search import PlanRequest, SearchSpace, enumerate_shapes
     from presets import load_hardware, load_model
     from profiler.model_trace import trace_model

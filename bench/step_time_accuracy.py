@@ -2,7 +2,7 @@
 
 1. Profile: `advisor profile --quick --model demo-tiny --out PROFILE` (skipped with --profile).
    Its calibration ran a 2-layer cut of demo-tiny at seq 256 (mbs 1, mbs 4, LoRA mbs 2) to fit
-   the GEMM and memory efficiencies (profiler/calibrate.py).
+   the GEMM and memory efficiencies (planner/calibration.py).
 2. Measure: every layout below trains the full 4-layer demo-tiny (fp32, AdamW; DDP over forked
    gloo ranks for 2 ranks) for STEPS optimizer steps, one thread per rank (a device is one core,
    as in the profile); the figure is the median step after WARMUP steps, of the slowest rank.
@@ -28,7 +28,7 @@ from benchmarks_md import write_section  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from advisor.cli import app  # noqa: E402
-from profiler.profile_spec import load_profile  # noqa: E402
+from advisor.profile import load_profile  # noqa: E402
 from trainer.steps import time_steps  # noqa: E402
 
 # dp is always written out: without it `estimate` fills dp with every device of the node.

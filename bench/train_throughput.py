@@ -33,9 +33,8 @@ WARMUP = 2
 
 def make_bench_plan(model: str, root: Path, steps: int):
     """A one-stage plan of `steps` steps for `model` on the demo curriculum, 1 process."""
-    from advisor.task import load_task
     from planner.plan import PlanOptions, make_plan
-    from presets import load_hardware, load_model
+    from presets import load_hardware, load_model, load_task
     from trainer.data.demo_corpus import generate_demo_corpus
 
     generate_demo_corpus(root, seed=0, scale=0.05)

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from advisor.errors import UsageError
+from advisor.layout_rules import ModelShape, layout_problem, tp_crosses_nodes
 from advisor.specs import (
     DTYPE_BYTES,
     GiB,
@@ -22,6 +23,7 @@ from advisor.specs import (
     ModelSpec,
     ThroughputEstimate,
     TimeEstimate,
+    layers_per_stage,
 )
 from planner import collectives
 from planner.memory import (
@@ -34,7 +36,6 @@ from planner.memory import (
     logits_transient_bytes,
     micro_batches_in_flight,
     model_state_bytes,
-    stage_layers,
 )
 from profiler.model_trace import ModelTrace, trace_model
 
@@ -62,36 +63,24 @@ class Placement:
     def of(cls, layout: Layout, devices_per_node: int) -> "Placement":
         return cls(
             nodes=math.ceil(layout.devices / devices_per_node),
-            # a TP group stays in one node only if it tiles the node
-            tp_spans_nodes=layout.tp > devices_per_node or devices_per_node % layout.tp != 0,
+            tp_spans_nodes=tp_crosses_nodes(layout.tp, devices_per_node),
             dp_spans_nodes=layout.tp * layout.dp > devices_per_node,
             pp_spans_nodes=layout.tp * layout.dp * layout.pp > devices_per_node,
         )
 
 
+def model_shape(trace: ModelTrace) -> ModelShape:
+    return ModelShape(num_heads=trace.num_heads, num_kv_heads=trace.num_kv_heads,
+                      intermediate_size=trace.intermediate_size, num_layers=trace.num_layers)
+
+
 def check_layout(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> list[str]:
     """Reject splits the back-ends cannot run; return warnings for legal but doubtful ones."""
     notes = []
-    if trace.num_heads % layout.tp:
-        raise UsageError(f"tp={layout.tp} does not divide the {trace.num_heads} attention heads")
-    kv = trace.num_kv_heads
-    if kv % layout.tp and layout.tp % kv:
-        raise UsageError(f"tp={layout.tp} and the {kv} key/value heads do not divide one another")
-    if layout.tp > 1 and trace.intermediate_size % layout.tp:
-        raise UsageError(f"tp={layout.tp} does not divide the MLP width {trace.intermediate_size}")
-    if layout.pp > trace.num_layers:
-        raise UsageError(f"pp={layout.pp} exceeds the {trace.num_layers} decoder layers")
-    if layout.vpp > 1 and trace.num_layers % (layout.pp * layout.vpp):
-        raise UsageError(
-            f"interleaving needs layers divisible by pp*vpp: {trace.num_layers} % {layout.pp * layout.vpp} != 0"
-        )
-    if layout.vpp > 1 and layout.gas % layout.pp:
-        raise UsageError(f"interleaved 1F1B needs gas divisible by pp (gas={layout.gas}, pp={layout.pp})")
-    if layout.vpp > 1 and layout.stage_layers and len(set(layout.stage_layers)) > 1:
-        raise UsageError("interleaved 1F1B (vpp>1) needs the same number of layers on every stage")
-    if layout.stage_layers and sum(layout.stage_layers) != trace.num_layers:
-        raise UsageError(f"stage_layers sum to {sum(layout.stage_layers)}, the model has {trace.num_layers} layers")
-    if layout.tp > hardware.devices_per_node or hardware.devices_per_node % layout.tp:
+    problem = layout_problem(layout, model_shape(trace))
+    if problem:
+        raise UsageError(problem)
+    if tp_crosses_nodes(layout.tp, hardware.devices_per_node):
         notes.append(f"tp={layout.tp} crosses nodes ({hardware.devices_per_node} devices per node): slow")
     if layout.method == "qlora" and hardware.device_type == "cpu":
         notes.append("QLoRA needs bitsandbytes with CUDA to be fast; on CPU it runs a slow fallback")
@@ -274,12 +263,35 @@ class StageTime:
         return max(self.dp_comm * (1 - self.dp_overlap), self.dp_comm - self.dp_hidden_max)
 
 
-def stage_time(
-    trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, stage: int, layers: int,
-    recomputed: int,
-) -> StageTime:
-    tp, mbs, pp, dp, gas = layout.tp, layout.mbs, layout.pp, layout.dp, layout.gas
-    first, last = stage == 0, stage == pp - 1
+@dataclass(frozen=True)
+class _Rates:
+    """What one device achieves on this layout: dense and adapter GEMM FLOP/s, memory bytes/s, and
+    the slow-down of its compute when the node's other devices compute too."""
+
+    flop: float
+    adapter: float
+    byte: float
+    slowdown: float
+
+
+def _rates(layout: Layout, hardware: HardwareSpec) -> _Rates:
+    eff = hardware.efficiency
+    # Compute slows down when the other devices of the node compute too (CPU cores share caches
+    # and memory bandwidth; GPUs do not, contention 0).
+    busy = min(layout.devices, hardware.devices_per_node)
+    return _Rates(
+        flop=hardware.peak_flops(layout.dtype) * eff.gemm,
+        adapter=hardware.peak_flops(layout.dtype) * (eff.adapter_gemm or eff.gemm),
+        byte=hardware.memory_bandwidth_gbs * 1e9 * eff.memory_bandwidth,
+        slowdown=1 + eff.node_contention * (busy - 1) / max(hardware.devices_per_node - 1, 1),
+    )
+
+
+def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overhead_s: float, layers: int,
+                         recomputed: int, last: bool) -> tuple[float, float, float]:
+    """(compute, useful compute, backward) seconds of one micro-batch on one stage; useful leaves
+    out the recomputed forward."""
+    tp, mbs = layout.tp, layout.mbs
     layer = trace.layer
     fwd = layers * layer.fwd_flops + (trace.head.fwd_flops if last else 0.0)
     bwd = layers * layer.bwd_flops + (trace.head.bwd_flops if last else 0.0)
@@ -287,14 +299,7 @@ def stage_time(
         fwd += recomputed * layer.fwd_flops
     elif layout.recompute == "selective":  # QK^T and attention-over-V forward again
         fwd += recomputed * 4 * trace.seq * trace.seq * trace.num_heads * trace.head_dim
-    eff = hardware.efficiency
-    flop_rate = hardware.peak_flops(layout.dtype) * eff.gemm
-    adapter_rate = hardware.peak_flops(layout.dtype) * (eff.adapter_gemm or eff.gemm)
-    byte_rate = hardware.memory_bandwidth_gbs * 1e9 * eff.memory_bandwidth
-    # Compute slows down when the other devices of the node compute too (CPU cores share caches
-    # and memory bandwidth; GPUs do not, contention 0).
-    busy = min(layout.devices, hardware.devices_per_node)
-    slowdown = 1 + eff.node_contention * (busy - 1) / max(hardware.devices_per_node - 1, 1)
+    slowdown, flop_rate, adapter_rate, byte_rate = rates.slowdown, rates.flop, rates.adapter, rates.byte
     # LoRA adapters run skinny GEMMs (rank r on one side) far below the dense rate: 2 FLOPs per
     # adapter parameter per token forward, 4 backward (input and weight gradients). They are part
     # of the traced FLOPs; here they move from the dense rate to the adapter rate.
@@ -307,57 +312,82 @@ def stage_time(
         traffic += ELEMENTWISE_PASSES / 4 * recomputed * kept
     fwd_s = slowdown * mbs * ((fwd - adapter_fwd) / flop_rate + adapter_fwd / adapter_rate) / tp
     bwd_s = slowdown * mbs * ((bwd - adapter_bwd) / flop_rate + adapter_bwd / adapter_rate) / tp
-    compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + eff.micro_batch_overhead_s
+    compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + overhead_s
     model_flops = layers * (layer.fwd_flops + layer.bwd_flops) + (
         trace.head.fwd_flops + trace.head.bwd_flops if last else 0.0)
     adapter_all = 3 * adapter * layers
     useful = slowdown * mbs * ((model_flops - adapter_all) / flop_rate + adapter_all / adapter_rate) / tp
-    useful += slowdown * ELEMENTWISE_PASSES * layers * kept / byte_rate + eff.micro_batch_overhead_s
+    useful += slowdown * ELEMENTWISE_PASSES * layers * kept / byte_rate + overhead_s
+    return compute, useful, bwd_s
 
-    w = DTYPE_BYTES[layout.dtype]
-    hidden_bytes = mbs * trace.seq * trace.hidden_size * w
+
+def _activation_comm(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, layers: int,
+                     recomputed: int, first: bool, last: bool) -> tuple[float, float]:
+    """(tensor-parallel, pipeline) communication seconds of one micro-batch on one stage."""
+    tp = layout.tp
+    hidden_bytes = layout.mbs * trace.seq * trace.hidden_size * DTYPE_BYTES[layout.dtype]
     all_reduces = 4 * layers + (2 * recomputed if layout.recompute == "full" else 0) + first + last
     tp_comm = all_reduces * collectives.all_reduce_s(hidden_bytes, tp, hardware, placement.tp_spans_nodes)
     pp_comm = 0.0
-    if pp > 1:
+    if layout.pp > 1:
         # Megatron's scatter/gather optimisation (Narayanan et al. 2021, section 4.1): each TP rank
         # sends 1/tp of the boundary activation across nodes, then the TP group all-gathers it.
         boundaries = (0 if first else 1) + (0 if last else 1)
         send = collectives.send_recv_s(hidden_bytes / tp, hardware, placement.pp_spans_nodes)
         gather = 0.0 if layout.sp else collectives.all_gather_s(hidden_bytes, tp, hardware, placement.tp_spans_nodes)
         pp_comm = layout.vpp * boundaries * (send + gather)
+    return tp_comm, pp_comm
 
-    params, trainable, _ = _stage_params(trace, layers, first, last, pp)
-    params, trainable = params / tp, trainable / tp
-    grad_bytes = trainable * (w if layout.method == "full" else ADAPTER_BYTES)
-    weight_bytes = params * w
-    spans = placement.dp_spans_nodes
-    dp_comm, window = 0.0, 0.0
-    if dp > 1:
-        if layout.zero <= 1:  # one all-reduce after the last micro-batch, overlapped with its backward
-            dp_comm = collectives.all_reduce_s(grad_bytes, dp, hardware, spans)
-            window = bwd_s
-        elif layout.zero == 2:  # DeepSpeed reduce-scatters every micro-batch, gathers weights once
-            dp_comm = gas * collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
-            dp_comm += collectives.all_gather_s(weight_bytes, dp, hardware, spans)
-            window = gas * bwd_s
-        else:  # ZeRO-3 gathers weights for forward and backward of every micro-batch
-            per_mb = 2 * collectives.all_gather_s(weight_bytes, dp, hardware, spans)
-            per_mb += collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
-            dp_comm = gas * per_mb
-            window = gas * compute
 
-    updated = trainable / (dp if layout.zero >= 1 else 1)
-    offload = 0.0
-    if layout.offload != "none":
-        optimizer = updated / hardware.cpu_adam_params_per_s
-        h2d = hardware.host_to_device_gbs * 1e9
-        offload = 2 * updated * w / h2d  # gradients down, updated weights up
-        if layout.offload == "optimizer+params":  # weights stream in for forward and backward
-            offload += 2 * gas * params / dp * w / h2d
-    else:
+def _gradient_comm(layout: Layout, hardware: HardwareSpec, placement: Placement, grad_bytes: float,
+                   weight_bytes: float, bwd_s: float, compute: float) -> tuple[float, float]:
+    """(data-parallel communication of one step, the compute it can hide under)."""
+    dp, gas, spans = layout.dp, layout.gas, placement.dp_spans_nodes
+    if dp <= 1:
+        return 0.0, 0.0
+    if layout.zero <= 1:  # one all-reduce after the last micro-batch, overlapped with its backward
+        return collectives.all_reduce_s(grad_bytes, dp, hardware, spans), bwd_s
+    if layout.zero == 2:  # DeepSpeed reduce-scatters every micro-batch, gathers weights once
+        dp_comm = gas * collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
+        dp_comm += collectives.all_gather_s(weight_bytes, dp, hardware, spans)
+        return dp_comm, gas * bwd_s
+    # ZeRO-3 gathers weights for forward and backward of every micro-batch
+    per_mb = 2 * collectives.all_gather_s(weight_bytes, dp, hardware, spans)
+    per_mb += collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
+    return gas * per_mb, gas * compute
+
+
+def _optimizer_time(layout: Layout, hardware: HardwareSpec, rates: _Rates, params: float,
+                    trainable: float) -> tuple[float, float]:
+    """(optimizer step, offload traffic) seconds of one step on one device."""
+    w = DTYPE_BYTES[layout.dtype]
+    updated = trainable / (layout.dp if layout.zero >= 1 else 1)
+    if layout.offload == "none":
         per_param = ADAM_BYTES_PER_PARAM_CPU if hardware.device_type == "cpu" else ADAM_BYTES_PER_PARAM_FUSED
-        optimizer = slowdown * updated * per_param / byte_rate
+        return rates.slowdown * updated * per_param / rates.byte, 0.0
+    optimizer = updated / hardware.cpu_adam_params_per_s
+    h2d = hardware.host_to_device_gbs * 1e9
+    offload = 2 * updated * w / h2d  # gradients down, updated weights up
+    if layout.offload == "optimizer+params":  # weights stream in for forward and backward
+        offload += 2 * layout.gas * params / layout.dp * w / h2d
+    return optimizer, offload
+
+
+def stage_time(
+    trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, stage: int, layers: int,
+    recomputed: int,
+) -> StageTime:
+    first, last = stage == 0, stage == layout.pp - 1
+    rates = _rates(layout, hardware)
+    compute, useful, bwd_s = _micro_batch_compute(trace, layout, rates, hardware.efficiency.micro_batch_overhead_s,
+                                                  layers, recomputed, last)
+    tp_comm, pp_comm = _activation_comm(trace, layout, hardware, placement, layers, recomputed, first, last)
+    params, trainable, _ = _stage_params(trace, layers, first, last, layout.pp)
+    params, trainable = params / layout.tp, trainable / layout.tp
+    w = DTYPE_BYTES[layout.dtype]
+    grad_bytes = trainable * (w if layout.method == "full" else ADAPTER_BYTES)
+    dp_comm, window = _gradient_comm(layout, hardware, placement, grad_bytes, params * w, bwd_s, compute)
+    optimizer, offload = _optimizer_time(layout, hardware, rates, params, trainable)
     return StageTime(
         compute_mb=compute, useful_compute_mb=useful, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,
         dp_comm=dp_comm, dp_hidden_max=window, optimizer=optimizer, offload=offload,
@@ -367,7 +397,7 @@ def stage_time(
 
 def default_split(trace: ModelTrace, layout: Layout) -> tuple[list[int], list[int]]:
     """The layout's (layers, recomputed layers) per stage, filling the defaults."""
-    split = layout.stage_layers or stage_layers(trace.num_layers, layout.pp)
+    split = layers_per_stage(trace.num_layers, layout)
     recomputed = layout.recompute_layers or (split if layout.recompute != "none" else [0] * layout.pp)
     return split, [min(r, n) for r, n in zip(recomputed, split)]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from advisor.plan import Plan
+from advisor.plan_file import Plan
 from advisor.specs import Layout
 from planner.cost_model import zero_bucket_elems
 from profiler.model_trace import trace_model

@@ -92,16 +92,6 @@ def model_state_bytes(
     return ModelStates(weights, grads, optim, host)
 
 
-def stage_layers(num_layers: int, pp: int) -> list[int]:
-    """Decoder layers per pipeline stage: even, with any remainder on the later stages.
-
-    The first stage already holds the embedding and the most micro-batches in flight, so it gets
-    the smaller share (the planner may choose another split).
-    """
-    base, extra = divmod(num_layers, pp)
-    return [base + (1 if stage >= pp - extra else 0) for stage in range(pp)]
-
-
 def micro_batches_in_flight(stage: int, layout: Layout) -> float:
     """Micro-batches whose activations a stage holds at its peak, in whole-stage units.
 

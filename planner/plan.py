@@ -12,13 +12,14 @@ import time
 from dataclasses import dataclass, field
 
 from advisor.errors import UsageError
-from advisor.plan import Plan, PlannedLayout, StagePlan
-from advisor.specs import GiB, HardwareSpec, ModelSpec
+from advisor.plan_file import Plan, PlannedLayout, StagePlan
+from advisor.specs import MEMORY_MARGIN, MIN_COMPUTE_FRACTION, GiB, HardwareSpec, ModelSpec
 from advisor.task import TaskSpec
 from planner.explain import why
 from planner.granularity import plan_stage
 from planner.memory import HOST_MEMORY_USABLE
-from planner.search import PlanRequest, SearchResult, SearchSpace, plan_layouts, validate_request
+from planner.search import PlanRequest, SearchResult, SearchSpace, Solution, plan_layouts, validate_request
+from planner.time_to_train import RESTART_S, checkpoint_write_s, time_to_train
 
 METHOD_ORDER = ("full", "lora", "qlora")
 
@@ -34,6 +35,8 @@ class PlanOptions:
     nodes: int = 1
     gpus_per_node: int | None = None
     task: TaskSpec | None = None
+    # tokens per stage from `advisor data prepare`'s manifest, when one is there and fresh (the caller reads it)
+    stage_tokens: dict[str, int] | None = None
     seq: int | None = None
     global_batch: int | None = None
     method: str = "full"  # full | lora | qlora | auto
@@ -41,12 +44,13 @@ class PlanOptions:
     deadline_s: float | None = None
     tokens: float | None = None
     price_per_gpu_hour: float | None = None
-    min_compute_fraction: float = 0.8
+    min_compute_fraction: float = MIN_COMPUTE_FRACTION
     top_k: int = 5
     mtbf_hours: float = 2000.0  # per node; large fleets report ~1 failure per 1-3k node-hours
     checkpoint_write_gbs: float = 2.0  # per node, to the checkpoint file system (assumed)
+    restart_s: float = RESTART_S  # per failure
     per_stage_devices: bool = False
-    memory_margin: float = 0.05
+    memory_margin: float = MEMORY_MARGIN
     allow_cross_node_tp: bool = False
     attention: str | None = None
     dtype: str | None = None
@@ -159,12 +163,16 @@ def _total_tokens(opts: PlanOptions, tokens_per_step: int) -> float:
     raise UsageError("--objective cost needs the work to do: --task task.yaml or --tokens N")
 
 
-def _with_manifest_tokens(task: TaskSpec, notes: list[str]) -> TaskSpec:
-    """Stage budgets from `advisor data prepare`'s manifest, when one is there and fresh: the
-    prepared data (after dedup and filters) is what the stages will actually read."""
-    from trainer.data.manifest import manifest_stage_tokens
+def _time_to_train(opts: PlanOptions, sol: Solution, nodes: int) -> float:
+    """Wall-clock seconds of the whole job on this layout: training, checkpoints, expected failures."""
+    train_s = _total_tokens(opts, sol.layout.tokens_per_step) / sol.estimate.throughput.tokens_per_s
+    write_s = checkpoint_write_s(sol.estimate, sol.layout, nodes, opts.checkpoint_write_gbs)
+    return time_to_train(train_s, write_s, nodes, opts.mtbf_hours, opts.restart_s).wall_s
 
-    counts = manifest_stage_tokens(task)
+
+def _with_prepared_tokens(task: TaskSpec, counts: dict[str, int] | None, notes: list[str]) -> TaskSpec:
+    """Stage budgets from `advisor data prepare`'s manifest: the prepared data (after dedup and
+    filters) is what the stages will actually read."""
     if not counts:
         return task
     stages = [s.model_copy(update={"tokens": counts[s.name], "steps": None}) if s.name in counts else s
@@ -178,7 +186,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     started = time.perf_counter()
     notes: list[str] = []
     if opts.task is not None:
-        opts.task = _with_manifest_tokens(opts.task, notes)
+        opts.task = _with_prepared_tokens(opts.task, opts.stage_tokens, notes)
     hw = opts.hardware
     per_node = opts.gpus_per_node or hw.devices_per_node
     if opts.gpus_per_node:
@@ -202,10 +210,10 @@ def make_plan(opts: PlanOptions) -> Plan:
             if not res.solutions:
                 continue
             sol = res.solutions[0]
-            hours = _total_tokens(opts, sol.layout.tokens_per_step) / sol.estimate.throughput.tokens_per_s / 3600
-            if hours * 3600 > opts.deadline_s:
+            wall_s = _time_to_train(opts, sol, math.ceil(count / per_node))
+            if wall_s > opts.deadline_s:
                 continue
-            gpu_hours = hours * count
+            gpu_hours = wall_s / 3600 * count
             if best is None or gpu_hours < best[0]:
                 best = (gpu_hours, res, meth, count)
         if best is None:
@@ -270,5 +278,5 @@ def _plan_stages(opts: PlanOptions, plan: Plan, hw: HardwareSpec, seq: int, batc
             layout, est = best.layout, best.estimate
         stage_nodes = math.ceil(layout.devices / plan.gpus_per_node)
         stages.append(plan_stage(opts.task, stage, layout, est, stage_nodes, opts.mtbf_hours,
-                                 opts.checkpoint_write_gbs, opts.min_compute_fraction))
+                                 opts.checkpoint_write_gbs, opts.min_compute_fraction, opts.restart_s))
     return stages

@@ -34,12 +34,14 @@ from dataclasses import dataclass, field
 import pulp
 
 from advisor.errors import UsageError
-from advisor.specs import Estimate, HardwareSpec, Layout, ModelSpec
+from advisor.layout_rules import pipeline_problem, tensor_parallel_problem, tp_crosses_nodes
+from advisor.specs import MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, HardwareSpec, Layout, ModelSpec
 from planner.cost_model import (
     Placement,
     StageMemory,
     StageTime,
     estimate_from_trace,
+    model_shape,
     stage_memory,
     stage_time,
 )
@@ -73,8 +75,8 @@ class PlanRequest:
     global_batch: int
     dtype: str
     space: SearchSpace = field(default_factory=SearchSpace)
-    min_compute_fraction: float = 0.8
-    memory_margin: float = 0.05  # share of usable memory kept free for fragmentation
+    min_compute_fraction: float = MIN_COMPUTE_FRACTION
+    memory_margin: float = MEMORY_MARGIN
     top_k: int = 5
     attention: str | None = None
 
@@ -112,16 +114,15 @@ def enumerate_shapes(trace: ModelTrace, req: PlanRequest, method: str) -> list[L
     # time, so "none" (k = 0 in the full-recompute family) dominates it.
     modes = RECOMPUTE_MODES if trace.layer.act_scores_bytes > 0 else ("full",)
     out = []
+    shape = model_shape(trace)
     tps = space.tp_degrees or tuple(_divisors(req.devices))
     for tp in tps:
-        if req.devices % tp or trace.num_heads % tp:
+        if req.devices % tp or tensor_parallel_problem(tp, shape):
             continue
-        if trace.num_kv_heads % tp and tp % trace.num_kv_heads or trace.intermediate_size % tp:
-            continue
-        if (tp > hw.devices_per_node or hw.devices_per_node % tp) and not space.allow_cross_node_tp:
+        if tp_crosses_nodes(tp, hw.devices_per_node) and not space.allow_cross_node_tp:
             continue
         for pp in space.pp_degrees or tuple(_divisors(req.devices // tp)):
-            if (req.devices // tp) % pp or pp > trace.num_layers:
+            if (req.devices // tp) % pp or pipeline_problem(pp, 1, 1, None, trace.num_layers):
                 continue
             dp = req.devices // (tp * pp)
             if req.global_batch % dp:
@@ -132,7 +133,7 @@ def enumerate_shapes(trace: ModelTrace, req: PlanRequest, method: str) -> list[L
                     break
                 gas = per_replica // mbs
                 vpps = [1] + [v for v in range(2, space.max_vpp + 1)
-                              if pp > 1 and trace.num_layers % (pp * v) == 0 and gas % pp == 0]
+                              if pp > 1 and not pipeline_problem(pp, v, gas, None, trace.num_layers)]
                 for vpp, sp in itertools.product(vpps, space.sequence_parallel):
                     if sp and tp == 1 or not sp and tp > 1 and True in space.sequence_parallel:
                         continue  # SP dominates at tp > 1: less memory, same traffic (AG + RS = AR)

@@ -1,7 +1,8 @@
 """Preset data shipped with the package: hardware, model configs and tasks, as YAML files.
 
-Loaders resolve the CLI's `--model`/`--hardware` arguments: a preset name, or a path (an HF
-`config.json` or model folder for models; a `profile.json` for hardware).
+Loaders resolve the CLI's `--model`/`--hardware`/`--task` arguments: a preset name, or a path (an HF
+`config.json` or model folder for models; a `profile.json` for hardware; a task YAML). They only
+read and validate, through the file formats of `advisor/`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any
 import yaml
 
 from advisor.errors import UsageError
+from advisor.profile import fingerprint_mismatch, looks_like_profile, profile_from_data
 from advisor.specs import HardwareSpec, ModelSpec, validate
+from advisor.task import TaskSpec, read_task_file
 
 PRESETS_DIR = Path(__file__).resolve().parent
 KINDS = ("hardware", "models", "tasks")
@@ -67,9 +70,7 @@ def load_hardware_file(path: Path) -> HardwareSpec:
         raise UsageError(f"hardware file {path} is corrupt or truncated: {exc}") from None
     if not isinstance(data, dict):
         raise UsageError(f"hardware file {path}: expected a mapping")
-    if "version" in data and "hardware" in data:
-        from profiler.profile_spec import fingerprint_mismatch, profile_from_data
-
+    if looks_like_profile(data):
         profile = profile_from_data(data, path)
         warning = fingerprint_mismatch(profile)
         if warning:
@@ -98,3 +99,15 @@ def load_model(ref: str) -> ModelSpec:
         raise UsageError(f"model config not found: {ref}")
     data = preset_data("models", ref)
     return validate(ModelSpec, {"name": ref, "hf_config": data["hf_config"]}, f"model preset '{ref}'")
+
+
+def load_task(ref: str) -> TaskSpec:
+    """A task preset name (e.g. `demo`) or a path to a task YAML."""
+    path = Path(ref)
+    if not path.is_file():
+        if ref.endswith((".yaml", ".yml")) or "/" in ref:
+            raise UsageError(f"task file not found: {ref}")
+        if ref not in preset_names("tasks"):
+            raise UsageError(f"unknown task preset '{ref}'; available: {', '.join(preset_names('tasks'))}")
+        path = PRESETS_DIR / "tasks" / f"{ref}.yaml"
+    return read_task_file(path)

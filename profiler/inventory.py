@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
 from advisor.errors import UsageError
-from profiler.profile_spec import Inventory, cpu_model_name
+from advisor.profile import HostFingerprint, Inventory, cpu_model_name
 
 GiB = 1024**3
 
@@ -126,4 +127,14 @@ def take_inventory(device_type: str, devices_per_node: int, nodes: int = 1, thre
         host_memory_available_gib=available,
         intra_node_link="shared memory (gloo over loopback TCP)" if devices_per_node > 1 else "none (one device)",
         inter_node_link=_network() if nodes > 1 else "none (one node)", notes=notes,
+    )
+
+
+def this_host(device_names: list[str] | None = None) -> HostFingerprint:
+    """The fingerprint a new profile records: host, CPU, and the torch and CUDA it measured with."""
+    import torch  # heavy: only when a profile is written
+
+    return HostFingerprint(
+        hostname=socket.gethostname(), cpu_model=cpu_model_name(), torch_version=torch.__version__,
+        device_names=device_names or [], cuda_version=torch.version.cuda,
     )

@@ -282,6 +282,8 @@ def _trace_once(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils.flop_counter import FlopCounterMode
+
+    from profiler.hardware_bench import TORCH_DTYPES  # imports torch: deferred like the imports above
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(cfg)
@@ -294,7 +296,7 @@ def _trace_once(
     attn_impl = _register_flash() if attention == "flash" else attention
     _count_cpu_attention_flops()
     hf_config.use_cache = False
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     previous_default = torch.get_default_dtype()
     # Build on the meta device (no init work, no memory), add adapters there, then give the
     # parameters fake storage: building directly under FakeTensorMode is slower and breaks peft.

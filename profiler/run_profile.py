@@ -7,7 +7,11 @@ How it runs
 * Plain invocation with `--nproc N` on CUDA: it re-launches itself under
   `torchrun --nproc-per-node N -m profiler.run_profile ...` (CUDA must not be forked).
 * Under torchrun (WORLD_SIZE is set, also multi-node): every process runs its rank's benchmarks;
-  rank 0 calibrates and writes the file.
+  rank 0 builds the profile and `main` (the torchrun entry point) writes it.
+
+Calibration steps (CPU, with --model) run through the step runner the caller hands in; the caller
+(the CLI, the composition root) then fits the factors to them (planner.calibration.calibrate) and
+writes the profile. Nothing here decides or trains.
 
 Rank 0 reports progress through a queue (forked ranks) or directly (torchrun) to a `Progress`
 (the CLI draws a rich progress bar with it).
@@ -26,11 +30,14 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from advisor.errors import UsageError
+from advisor.profile import HardwareProfile, Inventory, Measurement
 from advisor.specs import Efficiency, HardwareSpec, ModelSpec
+from presets import load_model
 from profiler import hardware_bench as hb
-from profiler.inventory import process_rss_gib, resolve_device, take_inventory
-from profiler.profile_spec import HardwareProfile, Inventory, Measurement, this_host
-
+from profiler.calibration_steps import CalibrationSteps, StepRunner, fit_layouts, measure_calibration_steps
+from profiler.inventory import cpu_cores, process_rss_gib, resolve_device, take_inventory, this_host
+from profiler.model_trace import architecture_dims
+from profiler.ranks import finish_rank, free_port, init_rank
 
 
 class Progress(Protocol):
@@ -56,6 +63,15 @@ class ProfileOptions:
     nproc: int | None = None
     device: str = "auto"
     calibrate: bool = True
+
+
+@dataclass
+class MeasuredProfile:
+    """The profile as measured (efficiency factors 1.0 of the measured rates) and, when they ran,
+    the calibration steps whose fit (planner.calibration.calibrate) completes it."""
+
+    profile: HardwareProfile
+    calibration_steps: CalibrationSteps | None = None
 
 
 @dataclass
@@ -135,8 +151,6 @@ def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, t
 
 def _forked_rank(rank: int, world: int, port: int, device_type: str, threads: int, quick: bool,
                  dims: dict[str, int] | None, queue: Any, out_dir: str) -> None:
-    from profiler.ranks import finish_rank, init_rank
-
     init_rank(rank, world, port, distributed=world > 1, threads=threads)
     report = (lambda what: queue.put(what)) if rank == 0 else (lambda what: None)
     result = rank_benchmarks(rank, world, world, device_type, threads, quick, dims, report)
@@ -148,8 +162,6 @@ def _forked_rank(rank: int, world: int, port: int, device_type: str, threads: in
 def _run_forked(nproc: int, device_type: str, threads: int, quick: bool, dims: dict[str, int] | None,
                 progress: Progress) -> dict[str, Any]:
     import torch.multiprocessing as mp
-
-    from profiler.ranks import free_port
 
     queue = mp.get_context("fork").SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="advisor_profile_") as out_dir:
@@ -246,8 +258,6 @@ def default_nproc(device_type: str) -> int:
 
     if device_type == "cuda":
         return torch.cuda.device_count()
-    from profiler.inventory import cpu_cores
-
     return cpu_cores()
 
 
@@ -255,17 +265,18 @@ def _under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def run_profile(opts: ProfileOptions, progress: Progress | None = None) -> HardwareProfile | None:
-    """Profile this machine (or this torchrun job) and write `opts.out`. Returns the profile on
-    the process that wrote it, None on the other torchrun ranks."""
+def run_profile(opts: ProfileOptions, progress: Progress | None = None, step_runner: StepRunner | None = None,
+                prepare_forks: Callable[[], None] | None = None) -> MeasuredProfile | None:
+    """Profile this machine (or this torchrun job); the caller writes it. Returns the measured
+    profile on rank 0, None on the other torchrun ranks and in the process that relaunched itself
+    under torchrun (rank 0 of that job wrote `opts.out`).
+
+    `step_runner` runs the calibration steps (none without it); `prepare_forks` runs before the
+    benchmark ranks fork, so that they inherit what it imports (as the calibration ranks will)."""
     progress = progress or NoProgress()
     started = time.perf_counter()
     device_type = resolve_device(opts.device)
-    dims = None
-    if opts.model is not None:
-        from profiler.model_trace import architecture_dims
-
-        dims = architecture_dims(opts.model.hf_config)
+    dims = architecture_dims(opts.model.hf_config) if opts.model is not None else None
     if _under_torchrun():
         return _run_torchrun_rank(opts, device_type, dims, progress, started)
     nproc = opts.nproc or default_nproc(device_type)
@@ -274,12 +285,8 @@ def run_profile(opts: ProfileOptions, progress: Progress | None = None) -> Hardw
     if device_type == "cuda" and nproc > 1:
         _relaunch_under_torchrun(opts, nproc)
         return None
-    from profiler.inventory import cpu_cores
-
     threads = max(1, cpu_cores() // nproc)
-    calibrating = opts.calibrate and opts.model is not None and device_type == "cpu"
-    from profiler.calibrate import fit_layouts
-
+    calibrating = opts.calibrate and opts.model is not None and device_type == "cpu" and step_runner is not None
     total = progress_total(len(gemm_dtypes(device_type)), 4 if nproc > 1 else 0,
                            len(fit_layouts(256, nproc)) if calibrating else 0)
     progress.total(total)
@@ -287,25 +294,23 @@ def run_profile(opts: ProfileOptions, progress: Progress | None = None) -> Hardw
     if device_type == "cuda":  # one GPU: no fork, benchmark in this process
         raw = rank_benchmarks(0, 1, 1, device_type, threads, opts.quick, dims, progress.step)
     else:
-        from trainer.steps import prepare_parent
-
-        prepare_parent({"zero": 0})  # imports shared by forked ranks (and the calibration)
+        if prepare_forks:
+            prepare_forks()
         raw = _run_forked(nproc, device_type, threads, opts.quick, dims, progress)
-    return _finish(opts, raw, device_type, nproc, 1, threads, calibrating, progress, started)
+    return _finish(opts, raw, device_type, nproc, 1, threads, step_runner if calibrating else None, progress,
+                   started)
 
 
 def _finish(opts: ProfileOptions, raw: dict[str, Any], device_type: str, nproc: int, nodes: int, threads: int,
-            calibrating: bool, progress: Progress, started: float) -> HardwareProfile:
+            step_runner: StepRunner | None, progress: Progress, started: float) -> MeasuredProfile:
     reserve = raw.get("reserved_gib", raw["rss_gib"])
     inventory = take_inventory(device_type, nproc, nodes, threads, reserved_gib=reserve)
     label = "cpu" if device_type == "cpu" else inventory.device_name.replace(" ", "-").lower()
     hardware = hardware_from(raw, inventory, name=f"profile:{label}")
-    calibration = None
-    if calibrating:
-        from profiler.calibrate import calibrate
-
+    steps = None
+    if step_runner is not None:
         assert opts.model is not None
-        hardware, calibration = calibrate(opts.model, hardware, threads, opts.quick,
+        steps = measure_calibration_steps(opts.model, hardware.devices_per_node, threads, opts.quick, step_runner,
                                           progress=progress.step)
     elif opts.model is None:
         inventory.notes.append("no --model: GEMM shapes are square and no calibration ran "
@@ -315,24 +320,19 @@ def _finish(opts: ProfileOptions, raw: dict[str, Any], device_type: str, nproc: 
     names = [inventory.device_name] * nproc
     profile = HardwareProfile(
         created=dt.datetime.now(dt.timezone.utc), quick=opts.quick, fingerprint=this_host(names),
-        inventory=inventory, measurements=measurements_of(raw), calibration=calibration, hardware=hardware,
+        inventory=inventory, measurements=measurements_of(raw), hardware=hardware,
         duration_s=time.perf_counter() - started,
     )
-    if opts.out is not None:
-        hardware.source = str(opts.out)
-        profile.write(opts.out)
     progress.step("done")
-    return profile
+    return MeasuredProfile(profile, steps)
 
 
 def _run_torchrun_rank(opts: ProfileOptions, device_type: str, dims: dict[str, int] | None, progress: Progress,
-                       started: float) -> HardwareProfile | None:
+                       started: float) -> MeasuredProfile | None:
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    from profiler.inventory import cpu_cores
-
     threads = max(1, cpu_cores() // local_world)
     if device_type == "cuda":
         import torch
@@ -341,14 +341,13 @@ def _run_torchrun_rank(opts: ProfileOptions, device_type: str, dims: dict[str, i
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     report = progress.step if rank == 0 else (lambda what: None)
     raw = rank_benchmarks(rank, world, local_world, device_type, threads, opts.quick, dims, report)
-    profile = None
-    if rank == 0:
-        calibrating = opts.calibrate and opts.model is not None and device_type == "cpu"
-        profile = _finish(opts, raw, device_type, local_world, world // local_world, threads, calibrating,
-                          progress, started)
+    measured = None
+    if rank == 0:  # no step runner under torchrun: `main` has none to hand in
+        measured = _finish(opts, raw, device_type, local_world, world // local_world, threads, None, progress,
+                           started)
     dist.barrier()
     dist.destroy_process_group()
-    return profile
+    return measured
 
 
 def _relaunch_under_torchrun(opts: ProfileOptions, nproc: int) -> None:
@@ -368,8 +367,6 @@ def main() -> None:
     """`python -m profiler.run_profile` (what `advisor profile --nproc N` runs under torchrun)."""
     import argparse
 
-    from presets import load_model
-
     parser = argparse.ArgumentParser(description="advisor profile, one process of a torchrun job")
     parser.add_argument("--out", type=Path, default=Path("profile.json"))
     parser.add_argument("--quick", action="store_true")
@@ -378,8 +375,9 @@ def main() -> None:
     args = parser.parse_args()
     opts = ProfileOptions(out=args.out, quick=args.quick, model=load_model(args.model) if args.model else None,
                           device=args.device)
-    profile = run_profile(opts)
-    if profile is not None:
+    measured = run_profile(opts)  # no step runner here: this entry point only measures
+    if measured is not None:
+        measured.profile.write(args.out)
         print(f"wrote {args.out}")
 
 

@@ -19,16 +19,15 @@ from multiprocessing import get_context
 from typing import Any, Callable
 
 from advisor.errors import UsageError
-from advisor.specs import GiB, Estimate, HardwareSpec, Layout, ModelSpec
+from advisor.specs import MIN_COMPUTE_FRACTION, GiB, Estimate, HardwareSpec, Layout, ModelSpec
 from advisor.task import TaskSpec
-from planner.granularity import FailureOverhead, checkpoint_write_s, failure_overhead
+from planner.time_to_train import RESTART_S, FailureOverhead, checkpoint_write_s, time_to_train
 from planner.plan import InfeasiblePlan, PlanOptions, default_global_batch, make_plan
 
 _PLAN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanOptions)}
 MTBF_HOURS = float(_PLAN_DEFAULTS["mtbf_hours"])  # per node, the planner's assumption
 CHECKPOINT_WRITE_GBS = float(_PLAN_DEFAULTS["checkpoint_write_gbs"])  # per node, the planner's assumption
-RESTART_S = 600.0  # re-queue, reload the last checkpoint, rebuild NCCL communicators: assumed 10 minutes
-SCALING_EFFICIENCY_RULE = 0.8  # the source article's Amdahl rule: keep >= 80% of the work useful
+SCALING_EFFICIENCY_RULE = MIN_COMPUTE_FRACTION  # the same 80% rule, applied to scaling: keep >= 80% of the work useful
 COST_SLACK = 1 / SCALING_EFFICIENCY_RULE  # so a recommendation may cost up to 1.25x the cheapest
 HEADROOM_RISK = 0.10  # less free memory than this at the peak is an OOM risk worth naming
 DEADLINE_MARGIN_RISK = 0.20
@@ -42,6 +41,7 @@ class CapacityRequest:
     methods: list[str] = field(default_factory=lambda: ["full", "lora"])
     tokens: float | None = None
     task: TaskSpec | None = None
+    stage_tokens: dict[str, int] | None = None  # per stage, from the prepared data's manifest
     seq: int | None = None
     global_batch: int | None = None
     prices: dict[str, float] = field(default_factory=dict)  # hardware name -> $ per GPU-hour
@@ -49,7 +49,7 @@ class CapacityRequest:
     mtbf_hours: float = MTBF_HOURS
     checkpoint_write_gbs: float = CHECKPOINT_WRITE_GBS
     restart_s: float = RESTART_S
-    min_compute_fraction: float = 0.8
+    min_compute_fraction: float = MIN_COMPUTE_FRACTION
     command: str = ""
 
     def __post_init__(self) -> None:
@@ -255,9 +255,10 @@ def plan_option(req: CapacityRequest, hw: HardwareSpec, gpus: int, method: str) 
     nodes, per_node = split
     option.nodes = nodes
     opts = PlanOptions(model=req.model, hardware=hw, nodes=nodes, gpus_per_node=per_node, task=req.task,
+                       stage_tokens=req.stage_tokens,
                        seq=req.seq_len, global_batch=req.batch, method=method, tokens=req.tokens,
                        min_compute_fraction=req.min_compute_fraction, top_k=1, mtbf_hours=req.mtbf_hours,
-                       checkpoint_write_gbs=req.checkpoint_write_gbs)
+                       checkpoint_write_gbs=req.checkpoint_write_gbs, restart_s=req.restart_s)
     try:
         plan = make_plan(opts)
     except InfeasiblePlan as exc:
@@ -284,7 +285,7 @@ def plan_option(req: CapacityRequest, hw: HardwareSpec, gpus: int, method: str) 
     option.layout, option.estimate = layout, est
     option.meets_compute_rule = chosen.meets_compute_rule
     option.tokens = tokens
-    option.overhead = failure_overhead(train_s, write_s, nodes, req.mtbf_hours, req.restart_s)
+    option.overhead = time_to_train(train_s, write_s, nodes, req.mtbf_hours, req.restart_s)
     option.notes = list(plan.notes)
     option.plan_seconds = time.perf_counter() - started
     return option

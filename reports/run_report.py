@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from advisor.errors import UsageError
-from advisor.plan import Plan, load_plan
+from advisor.plan_file import Plan, load_plan
 from advisor.specs import GiB
 from reports import charts
 from reports.document import Document, Table, format_number, num, pct, text

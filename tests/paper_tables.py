@@ -60,6 +60,10 @@ says so.
 #   * (The brief that commissioned this file quoted os_g_gb = 41.25 for 7.5B at dp = 4; the paper
 #     prints 41.3, which is what is stored here.)
 
+# How each model's column was printed (see "Rounding as printed" above): "round" to the digits
+# shown, or "truncate" integers (their non-integer cells, 62.5 and 15.6, are rounded).
+ZERO_TABLE1_PRINTED = {7.5e9: "round", 128e9: "truncate", 1e12: "truncate"}
+
 ZERO_K = 12  # optimizer-state multiplier for mixed-precision Adam (ZeRO section 3.1)
 ZERO_BYTES_PER_GB = 1e9  # the paper's GB is decimal (see above)
 

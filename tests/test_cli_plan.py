@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from advisor.cli import app
 from advisor.errors import UsageError
-from advisor.plan import load_plan
+from advisor.plan_file import load_plan
 from advisor.specs import Layout, resolve_layout
 from planner.cost_model import estimate
-from planner.granularity import young_interval_s
+from planner.time_to_train import young_interval_s
 from presets import load_hardware, load_model
 
 runner = CliRunner()

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 import trainer.launch
 from advisor.cli import app
-from advisor.plan import load_plan
+from advisor.plan_file import load_plan
 from trainer.launch import launch_command
 from trainer.options import TrainOptions, train_argv
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from advisor.task import load_task
+from presets import load_task
 from trainer.data.dedup import DocumentHasher, MinHashParams, candidate_probability, words
 from trainer.data.prepare import prepare
 from trainer.data.shards import load_shard

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.task import load_task
+from presets import load_task
 from presets import load_model
 from trainer.data.demo_corpus import DEMO_FILES, generate_demo_corpus, iter_documents
 from trainer.data.tokenizer import TOKENIZERS_DIR, load_demo_tokenizer, train_demo_tokenizer

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from advisor.cli import app
 from advisor.errors import UsageError
-from advisor.task import load_task
+from presets import load_task
 from trainer.data import manifest_stage_tokens
 from trainer.data.manifest import read_manifest
 from trainer.data.prepare import prepare
@@ -309,9 +309,8 @@ def test_parquet_arrow_text_and_json_sources_read_the_same_documents(tmp_path: P
 
 def test_plan_sizes_stages_from_the_manifest(tmp_path) -> None:
     """`advisor plan --task` reads the prepared data's token counts when a fresh manifest exists."""
-    from advisor.task import load_task
     from planner.plan import PlanOptions, make_plan
-    from presets import load_hardware, load_model
+    from presets import load_hardware, load_model, load_task
     from trainer.data.demo_corpus import generate_demo_corpus
     from trainer.data.manifest import manifest_stage_tokens
     from trainer.data.prepare import prepare
@@ -322,7 +321,7 @@ def test_plan_sizes_stages_from_the_manifest(tmp_path) -> None:
     counts = manifest_stage_tokens(task)
     assert counts
     plan = make_plan(PlanOptions(model=load_model("demo-tiny"), hardware=load_hardware("cpu"), gpus_per_node=1,
-                                 task=task, min_compute_fraction=0.0))
+                                 task=task, stage_tokens=counts, min_compute_fraction=0.0))
     for stage in plan.stages:
         if stage.name in counts:
             assert stage.tokens == counts[stage.name]

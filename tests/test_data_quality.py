@@ -13,7 +13,8 @@ from collections import Counter
 import pytest
 import yaml
 
-from advisor.task import QualityFilters, load_task
+from advisor.task import QualityFilters
+from presets import load_task
 from trainer.data.prepare import prepare
 from trainer.data.quality import CHECKS, document_stats, merge_filters
 from trainer.data.dedup import words

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -19,10 +18,12 @@ from advisor.specs import Layout
 from planner.cost_model import estimate, estimate_from_trace
 from presets import load_hardware, load_model
 from profiler import run_profile as rp
-from profiler.calibrate import calibration_model, decompose, fit_factors, fit_layouts, fit_to_steps, with_factors
+from profiler.calibration_steps import calibration_model, fit_layouts
+from planner.calibration import decompose, fit_factors, fit_to_steps, with_factors
 from profiler.hardware_bench import RING_FACTORS, fit_alpha_beta
 from profiler.model_trace import trace_model
-from profiler.profile_spec import HardwareProfile, Inventory, Measurement, load_profile, this_host
+from advisor.profile import HardwareProfile, Inventory, Measurement, load_profile
+from profiler.inventory import this_host
 
 runner = CliRunner()
 
@@ -202,9 +203,12 @@ def test_profile_all_reduce_matches_a_direct_measurement(tmp_path: Path, monkeyp
     tiny = rp.Budget(gemm_s=0.2, memory_s=0.1, adam_s=0.1, collective_s=0.6, copy_bytes=8 << 20,
                      collective_sizes=[1 << 20, SIZE])
     monkeypatch.setattr(rp.Budget, "of", classmethod(lambda cls, quick, device_type: tiny))
-    profile = rp.run_profile(rp.ProfileOptions(out=tmp_path / "p.json", quick=True, nproc=2, device="cpu",
-                                               calibrate=False))
-    assert profile is not None and profile.inventory.devices_per_node == 2
+    measured = rp.run_profile(rp.ProfileOptions(out=tmp_path / "p.json", quick=True, nproc=2, device="cpu",
+                                                calibrate=False))
+    assert measured is not None and measured.calibration_steps is None
+    profile = measured.profile
+    assert profile.inventory.devices_per_node == 2
+    profile.write(tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json").inventory.backend == "gloo"
     figure = profile.measurement(f"all_reduce/2/intra/{SIZE}")
     assert figure.repeats >= 3
@@ -213,7 +217,12 @@ def test_profile_all_reduce_matches_a_direct_measurement(tmp_path: Path, monkeyp
 
     launch(_direct_all_reduce, 2, (free_port(), str(tmp_path / "direct.json")))
     seconds = statistics.median(json.loads((tmp_path / "direct.json").read_text()))
-    direct_bus_gbs = RING_FACTORS["all_reduce"](2)[1] * SIZE / seconds / 1e9  # nccl-tests busbw
-    # the same link measured twice on a shared 2-core machine: agree within a factor of 1.5
+    bus_factor = RING_FACTORS["all_reduce"](2)[1]  # nccl-tests busbw: 2(n-1)/n of the bytes
+    # the figure is the bus bandwidth of the profile's own median sample, exactly
+    assert figure.value == pytest.approx(bus_factor * SIZE / figure.median_s / 1e9, rel=1e-9)
+    assert figure.min_s <= figure.median_s <= figure.max_s
+    direct_bus_gbs = bus_factor * SIZE / seconds / 1e9
+    # The same link measured twice, seconds apart, on a 2-core machine shared with other jobs. Not
+    # tighter: 19 runs under a load average of 3-5 gave ratios 0.65-3.5 (16 of them within 0.65-1.5).
     assert figure.value == pytest.approx(direct_bus_gbs, rel=0.5), (figure.value, direct_bus_gbs)
-    assert profile.hardware.intra_node_bandwidth_gbs > 0 and os.cpu_count()
+    assert profile.hardware.intra_node_bandwidth_gbs > 0

@@ -28,9 +28,9 @@ from typer.testing import CliRunner
 
 from advisor.cli import app
 from advisor.specs import GiB
-from advisor.task import load_task
+from presets import load_task
 from browser import render
-from planner.granularity import failure_overhead
+from planner.time_to_train import time_to_train
 from planner.plan import InfeasiblePlan, PlanOptions, make_plan
 from presets import load_hardware, load_model, preset_data
 from reports.capacity import scaling_curves
@@ -190,7 +190,7 @@ def test_failure_overhead_is_youngs_interval_plus_expected_lost_work() -> None:
     # 8 nodes, 2000 h MTBF per node: the job fails every 900,000 s. A 60 s checkpoint write gives
     # Young's interval sqrt(2 * 60 * 900000) = 10,392.3 s; 100 h of training needs 35 checkpoints
     # (2,100 s); a failure loses 5,196.2 + 600 s; wall = 362,100 / (1 - 5,796.2 / 900,000) = 364,447 s.
-    ov = failure_overhead(train_s=360_000, write_s=60, nodes=8, mtbf_hours=2000, restart_s=600)
+    ov = time_to_train(train_s=360_000, write_s=60, nodes=8, mtbf_hours=2000, restart_s=600)
     assert ov.interval_s == pytest.approx(10_392.30, abs=0.01)
     assert ov.checkpoints == 35 and ov.checkpoint_s == 2_100
     assert ov.lost_per_failure_s == pytest.approx(5_796.15, abs=0.01)
@@ -198,7 +198,7 @@ def test_failure_overhead_is_youngs_interval_plus_expected_lost_work() -> None:
     assert ov.failures == pytest.approx(ov.wall_s / 3600 * 8 / 2000)
     assert ov.wall_s == pytest.approx(360_000 + ov.checkpoint_s + ov.failures * ov.lost_per_failure_s)
     # a short job checkpoints once, at its end, and never more often than it runs
-    short = failure_overhead(train_s=100, write_s=60, nodes=1, mtbf_hours=2000, restart_s=600)
+    short = time_to_train(train_s=100, write_s=60, nodes=1, mtbf_hours=2000, restart_s=600)
     assert short.interval_s == 100 and short.checkpoints == 1
 
 

@@ -11,15 +11,15 @@ import pytest
 
 from advisor.cli.run_chain import TRAINER_SPACE, RunOptions, run_chain, trainable_plan
 from advisor.errors import UsageError
-from advisor.plan import load_plan
+from advisor.plan_file import load_plan
 from advisor.specs import Layout
-from advisor.task import load_task
+from presets import load_task
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from presets import load_hardware, load_model
-from profiler.feedback import (feed_back, observation, predict_step, refit, refit_checked,
+from planner.feedback import (feed_back, observation, predict_step, refit, refit_checked,
                                relative_errors, rms, with_efficiency)
-from profiler.profile_spec import HardwareProfile, HostFingerprint, Inventory, load_profile
+from advisor.profile import HardwareProfile, HostFingerprint, Inventory, load_profile
 from trainer.parallelize import unsupported_reason
 from trainer.verify import Trial, Verification, apply, choose, verify
 
@@ -107,7 +107,7 @@ def test_two_runs_the_second_predicts_no_worse_and_the_profile_keeps_the_history
     assert profile.hardware.efficiency.gemm == pytest.approx(second.factors_after["gemm"])
     assert any("->" in line and "error" in line for line in said)
     # the history is bounded: the oldest observations go first
-    monkeypatch.setattr("profiler.feedback.MAX_OBSERVATIONS", 10)
+    monkeypatch.setattr("planner.feedback.MAX_OBSERVATIONS", 10)
     third = _observed(RUN_1, noise=0.05, seed=5)
     feed_back(path, third, "run3", said.append)
     kept = load_profile(path).feedback.observations

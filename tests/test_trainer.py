@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from advisor.plan import load_plan
+from advisor.plan_file import load_plan
 from planner.plan import PlanOptions, make_plan
 from advisor.specs import ModelSpec
-from advisor.task import load_task
+from presets import load_task
 from presets import load_hardware
 from trainer.loop import TrainOptions, train
 from trainer.schedule import stage_lr

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from advisor.errors import UsageError
-from advisor.plan import load_plan
+from advisor.plan_file import load_plan
 from advisor.specs import ModelSpec
-from advisor.task import load_task
+from presets import load_task
 from planner.plan import PlanOptions, make_plan
 from presets import load_hardware
 from test_trainer import CONFIG, _free_port, make_plan_file, read_jsonl, write_task

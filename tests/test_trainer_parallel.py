@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from advisor.errors import UsageError
-from advisor.plan import load_plan
+from advisor.plan_file import load_plan
 from advisor.specs import Layout, ModelSpec
 from test_trainer import CONFIG, _free_port, make_plan_file, read_jsonl
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from advisor.errors import UsageError
-from advisor.plan import Plan
+from advisor.plan_file import Plan
 from profiler.ranks import free_port
 from trainer.loop import JsonLines, train
 from trainer.oom import pending_relaunch

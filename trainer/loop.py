@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from advisor.errors import UsageError
-from advisor.plan import Plan, StagePlan
+from advisor.plan_file import Plan, StagePlan
 from advisor.specs import Layout
 from advisor.task import StageSpec
 from planner.export import deepspeed_config

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from advisor.errors import UsageError
-from advisor.plan import Plan
+from advisor.plan_file import Plan
 from advisor.specs import Layout
 
 ENV = "ADVISOR_INJECT_OOM"

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from advisor.plan import Plan, PlannedLayout
+from advisor.plan_file import Plan, PlannedLayout
 from advisor.specs import Layout
 from planner.granularity import plan_stage
 from planner.plan import PlanOptions

@@ -1,4 +1,5 @@
-"""What every verb shares: the two consoles, the error wrapper, the layout help text, the compute rule."""
+"""What every verb shares: the two consoles, the error wrapper, the layout help text, the compute rule,
+and the stage token counts a task's prepared data gives the planner."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ import typer
 from rich.console import Console
 
 from advisor.errors import UsageError
-from advisor.specs import LAYOUT_KEYS_HELP
+from advisor.specs import LAYOUT_KEYS_HELP, MIN_COMPUTE_FRACTION  # noqa: F401  (the verbs' default)
+from advisor.task import TaskSpec
+from trainer.data.manifest import manifest_stage_tokens
 
 console = Console()
 err_console = Console(stderr=True)
-
-# The source article's Amdahl rule: keep compute >= 80% of every device's step (--min-compute-fraction).
-MIN_COMPUTE_FRACTION = 0.8
 
 LAYOUT_HELP = "Layout keys (comma-separated key=value; left-out keys take defaults):\n\n" + "\n\n".join(
     f"[bold]{k}[/bold]: {v}" for k, v in LAYOUT_KEYS_HELP.items()
@@ -53,3 +53,8 @@ def stdout_to_stderr() -> Iterator[None]:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+
+
+def stage_tokens(task: TaskSpec | None) -> dict[str, int] | None:
+    """Each stage's tokens from the task's prepared data when it is fresh (None: the task file's)."""
+    return manifest_stage_tokens(task) if task is not None else None

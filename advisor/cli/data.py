@@ -10,7 +10,7 @@ import typer
 
 from advisor.cli.common import console, err_console, exit_on_error
 from advisor.cli.render import render_data_manifest
-from advisor.task import load_task
+from presets import load_task
 from trainer.data.demo_corpus import generate_demo_corpus
 from trainer.data.manifest import read_manifest
 

@@ -8,9 +8,9 @@ from typing import Any, Optional
 
 import typer
 
-from advisor.cli.common import MIN_COMPUTE_FRACTION, console, exit_on_error
+from advisor.cli.common import MIN_COMPUTE_FRACTION, console, exit_on_error, stage_tokens
 from advisor.cli.render import render_plan
-from advisor.task import load_task
+from presets import load_task
 from planner.export import export
 from planner.plan import PlanOptions, make_plan, parse_duration
 from presets import load_hardware, load_model
@@ -52,7 +52,7 @@ def plan(
         spec_task = load_task(task) if task else None
         opts = PlanOptions(
             model=load_model(model), hardware=load_hardware(hardware), nodes=nodes, gpus_per_node=gpus_per_node,
-            task=spec_task, seq=seq_len, global_batch=global_batch, method=method,
+            task=spec_task, stage_tokens=stage_tokens(spec_task), seq=seq_len, global_batch=global_batch, method=method,
             objective=objective, deadline_s=parse_duration(deadline) if deadline else None, tokens=tokens,
             price_per_gpu_hour=price, min_compute_fraction=min_compute_fraction, top_k=top, mtbf_hours=mtbf_hours,
             per_stage_devices=per_stage_devices, allow_cross_node_tp=allow_cross_node_tp, attention=attention,

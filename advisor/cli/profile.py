@@ -41,7 +41,8 @@ def profile(
     """Measure this machine (devices, GEMM per dtype, memory, host<->device, CPU Adam, collectives),
     calibrate the cost model on a few real steps of --model, and write profile.json for --hardware.
     """
-    from profiler.run_profile import ProfileOptions, run_profile  # deferred: imports torch/deepspeed (1.6 s)
+    # deferred: imports torch, transformers and deepspeed (about 2 s)
+    from advisor.cli.compose import ProfileOptions, profile_this_machine
 
     def measure():
         resolve_device(device)  # refuse MPS and friends before drawing a progress bar
@@ -50,7 +51,7 @@ def profile(
         columns = (TextColumn("{task.description:<36}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=as_json) as bar:
-            return run_profile(opts, ProgressBar(bar))
+            return profile_this_machine(opts, ProgressBar(bar))
 
     result = exit_on_error(measure)
     if result is None:  # a torchrun job wrote it

@@ -9,9 +9,9 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from advisor.cli.common import console, err_console, exit_on_error
+from advisor.cli.common import console, err_console, exit_on_error, stage_tokens
 from advisor.cli.render import render_capacity
-from advisor.task import load_task
+from presets import load_task
 from planner.plan import parse_duration
 from presets import load_hardware, load_model
 
@@ -58,10 +58,11 @@ def report_capacity(
                                                   ("--seq-len", seq_len), ("--global-batch", global_batch),
                                                   ("--mtbf-hours", mtbf_hours)) if value is not None]
         extra = {"mtbf_hours": mtbf_hours} if mtbf_hours is not None else {}
+        spec_task = load_task(task) if task else None
         req = CapacityRequest(
             model=load_model(model), hardware=hws, gpu_counts=parse_counts(gpus),
-            methods=[m.strip() for m in method.split(",") if m.strip()], tokens=tokens,
-            task=load_task(task) if task else None, seq=seq_len, global_batch=global_batch,
+            methods=[m.strip() for m in method.split(",") if m.strip()], tokens=tokens, task=spec_task,
+            stage_tokens=stage_tokens(spec_task), seq=seq_len, global_batch=global_batch,
             prices=parse_prices(price, hws), deadline_s=parse_duration(deadline) if deadline else None,
             restart_s=restart_minutes * 60, command=" ".join(command), **extra)
         total = len(hws) * len(req.gpu_counts) * len(req.methods)

@@ -23,18 +23,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from advisor.cli.common import MIN_COMPUTE_FRACTION
+from advisor.cli.common import MIN_COMPUTE_FRACTION, stage_tokens
+from advisor.cli.compose import profile_this_machine
 from advisor.errors import UsageError
-from advisor.plan import Plan
+from advisor.plan_file import Plan
 from advisor.specs import HardwareSpec, ModelSpec
 from advisor.task import TaskSpec, load_task
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from presets import load_hardware, load_model
-from profiler.feedback import feed_back, observation
-from profiler.profile_spec import FeedbackRound, fingerprint_mismatch, load_profile, looks_like_profile, this_host
+from planner.feedback import feed_back, observation
+from advisor.profile import FeedbackRound, fingerprint_mismatch, load_profile, looks_like_profile
+from profiler.inventory import this_host
 from profiler.ranks import free_port
-from profiler.run_profile import ProfileOptions, run_profile
+from profiler.run_profile import ProfileOptions
 from reports.run_report import run_report
 from trainer.data.demo_corpus import generate_demo_corpus
 from trainer.launch import run as run_training
@@ -118,7 +120,7 @@ def _hardware(opts: RunOptions, model: ModelSpec, say: Callable[[str], None]) ->
         return load_hardware(str(path)), str(path), path
     say("profiling this machine (--quick)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    profile = run_profile(ProfileOptions(out=path, quick=True, model=model))
+    profile = profile_this_machine(ProfileOptions(out=path, quick=True, model=model))
     if profile is None:
         raise UsageError("profiling did not return a profile")
     return load_hardware(str(path)), str(path), path
@@ -200,7 +202,8 @@ def _plan(model: ModelSpec, hardware: HardwareSpec, task: TaskSpec, opts: RunOpt
     only at that thread count)."""
     gpus = hardware.devices_per_node
     say(f"planning {model.name} on {gpus} x {hardware.name}")
-    plan = make_plan(PlanOptions(model=model, hardware=hardware, gpus_per_node=gpus, task=task, method="auto",
+    plan = make_plan(PlanOptions(model=model, hardware=hardware, gpus_per_node=gpus, task=task,
+                                 stage_tokens=stage_tokens(task), method="auto",
                                  min_compute_fraction=MIN_COMPUTE_FRACTION, top_k=max(5, opts.verify),
                                  space=TRAINER_SPACE))
     return trainable_plan(plan, say)

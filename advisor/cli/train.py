@@ -11,7 +11,7 @@ import typer
 from advisor.cli.common import console, exit_on_error
 from advisor.cli.render import format_seconds
 from advisor.errors import UsageError
-from advisor.plan import load_plan
+from advisor.plan_file import load_plan
 from trainer.options import TrainOptions
 
 DEFAULTS = TrainOptions()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from advisor.errors import UsageError
+from presets import load_task
 
 # --- a small English-like grammar -------------------------------------------------------------------
 
@@ -205,8 +206,6 @@ def demo_document_counts(task: Any = None) -> dict[str, int]:
     over a stage's train data, after deduplication, is about its token budget less its replay share,
     and an eval file holds a little over the stage's eval_tokens."""
     if task is None:
-        from advisor.task import load_task
-
         task = load_task("demo")
     counts: dict[str, int] = {}
     for stage in task.stages:

@@ -4,7 +4,7 @@ Every `advisor run` measures real steps: the verification trials of its top plan
 training run itself. Each becomes an `Observation` (layout, model, measured step and peak memory,
 the cost model's prediction at the time). `feed_back` appends them to a bounded history kept in
 the profile (`profile.feedback.observations`, oldest dropped first), refits the efficiency
-factors over the whole history with the calibration's own least squares (profiler/calibrate.py:
+factors over the whole history with the calibration's own least squares (planner/calibration.py:
 `decompose` reads the slopes off the cost model, `fit_to_steps` minimises the squared relative
 step-time errors), and writes the profile back atomically with a `FeedbackRound`: the
 RMS relative error over the history before and after the refit, and the error of the new
@@ -31,8 +31,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from advisor.errors import UsageError
-from advisor.specs import HardwareSpec, Layout, ModelSpec
-from profiler.profile_spec import (Feedback, FeedbackRound, HardwareProfile, Observation, load_profile)
+from advisor.profile import Feedback, FeedbackRound, HardwareProfile, Observation, load_profile
+from advisor.specs import HardwareSpec, Layout, ModelSpec, parse_layout_string
+from planner.calibration import fit_to_steps, with_factors
+from planner.cost_model import estimate_from_trace
+from presets import load_model
+from profiler.calibration_steps import calibration_model
+from profiler.model_trace import trace_model
 
 MAX_OBSERVATIONS = 48  # history kept in the profile: about a dozen runs of 3 trials and a run
 MAX_ROUNDS = 24
@@ -58,8 +63,6 @@ def observation(source: str, model: ModelSpec, layout: Layout, step_s: float, pr
 
 
 def _trace(obs: Observation, hardware: HardwareSpec):
-    from profiler.model_trace import trace_model
-
     layout = obs.layout
     return trace_model(ModelSpec(name=obs.model, hf_config=obs.hf_config), layout.seq, dtype=layout.dtype,
                        method=layout.method, lora_rank=layout.lora_rank, device_type=hardware.device_type)
@@ -67,8 +70,6 @@ def _trace(obs: Observation, hardware: HardwareSpec):
 
 def predict_step(obs: Observation, hardware: HardwareSpec) -> float:
     """The cost model's step time of the observed layout on `hardware`."""
-    from planner.cost_model import estimate_from_trace
-
     return estimate_from_trace(_trace(obs, hardware), obs.layout, hardware).time.step_s
 
 
@@ -82,24 +83,21 @@ def rms(errors: list[float]) -> float:
 
 
 def with_efficiency(hardware: HardwareSpec, factors: dict[str, float]) -> HardwareSpec:
-    known = {k: v for k, v in factors.items() if k in type(hardware.efficiency).model_fields}
-    return hardware.model_copy(update={"efficiency": hardware.efficiency.model_copy(update=known)})
+    return with_factors(hardware, **{k: v for k, v in factors.items() if k in type(hardware.efficiency).model_fields})
 
 
 def refit(observations: list[Observation], hardware: HardwareSpec) -> dict[str, float]:
     """The efficiency factors that minimise the squared relative step-time errors over
-    `observations`: the calibration's own fit (calibrate.fit_to_steps, least squares on the slopes
-    calibrate.decompose reads off the cost model). Factors no observation depends on are left out."""
-    from profiler import calibrate
-
+    `observations`: the calibration's own fit (calibration.fit_to_steps, least squares on the slopes
+    calibration.decompose reads off the cost model). Factors no observation depends on are left out."""
     if not observations:
         raise UsageError("no observations to fit")
     cases = [(_trace(o, hardware), o.layout) for o in observations]
     measured = [o.step_s for o in observations]
-    return dict(calibrate.fit_to_steps(cases, measured, hardware))
+    return dict(fit_to_steps(cases, measured, hardware))
 
 
-def factors_of(hardware: HardwareSpec, names: Any) -> dict[str, float]:
+def current_efficiencies(hardware: HardwareSpec, names: Any) -> dict[str, float]:
     """The current value of each named Efficiency field (an unset adapter_gemm reads as gemm)."""
     eff = hardware.efficiency
     out = {}
@@ -124,7 +122,7 @@ def refit_checked(observations: list[Observation], hardware: HardwareSpec) -> Re
     """Refit, and keep the result only if the real cost model's error over the set does not rise."""
     errors_before = relative_errors(observations, hardware)
     factors = refit(observations, hardware)
-    before = factors_of(hardware, [*FITTED, *(k for k in factors if k not in FITTED)])
+    before = current_efficiencies(hardware, [*FITTED, *(k for k in factors if k not in FITTED)])
     fitted = with_efficiency(hardware, factors)
     errors_after = relative_errors(observations, fitted)
     after = {**before, **factors}
@@ -147,10 +145,6 @@ def comparable(obs: Observation, profile: HardwareProfile) -> bool:
 
 def calibration_observations(profile: HardwareProfile) -> list[Observation]:
     """The profile's calibration steps as observations (the cut model they ran), when its model loads."""
-    from advisor.specs import parse_layout_string
-    from presets import load_model
-    from profiler.calibrate import calibration_model
-
     cal = profile.calibration
     if cal is None:
         return []

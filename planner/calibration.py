@@ -18,25 +18,22 @@ compute, so the step is bilinear in the unknowns: `fit_to_steps` re-linearises a
 until the factors settle. The fitted GEMM and memory factors may exceed 1: a profile's "peak" is
 its own micro-benchmark, and training kernels may beat it.
 
-Which layouts (`fit_layouts`): mbs 1 and mbs 4 separate per-token from per-micro-batch work, a
-second micro-batch (gas 2) pins the overhead, seq 512 weighs attention, LoRA separates the
-adapters and the missing optimizer traffic, and one data-parallel step over every device of the
-node measures contention (and the collectives the profile measured).
+The steps themselves are measured by the profiler (profiler/calibration_steps.py); `calibrate`
+fits the factors to them and records the fit in the profile.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from advisor.specs import Efficiency, HardwareSpec, Layout, ModelSpec
+import numpy as np
+from scipy.optimize import lsq_linear
+
+from advisor.profile import Calibration, CalibrationStep, HardwareProfile
+from advisor.specs import Efficiency, HardwareSpec, Layout
 from planner.cost_model import estimate_from_trace
-from profiler.model_trace import ModelTrace, trace_model
-from profiler.profile_spec import Calibration, CalibrationStep
-
-CALIBRATION_LAYERS = 2  # decoder layers that run (at the model's full width)
-# The first steps run slower while glibc raises its mmap threshold and caches warm up.
-WARMUP_STEPS = 3
+from profiler.calibration_steps import CalibrationSteps
+from profiler.model_trace import ModelTrace, _layers_key, trace_model
 
 # name -> (Efficiency field, reciprocal?, bounds of the unknown)
 UNKNOWNS: dict[str, tuple[str, bool, tuple[float, float]]] = {
@@ -60,7 +57,8 @@ def unknowns_of(eff: Efficiency) -> dict[str, float]:
     return out
 
 
-def factors_of(unknowns: dict[str, float]) -> dict[str, float]:
+def efficiencies_of(unknowns: dict[str, float]) -> dict[str, float]:
+    """The Efficiency fields these fit variables stand for (inverse of `unknowns_of`)."""
     return {UNKNOWNS[n][0]: (1 / v if UNKNOWNS[n][1] else v) for n, v in unknowns.items()}
 
 
@@ -90,7 +88,7 @@ def decompose(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> Term
     reference = unknowns_of(hardware.efficiency)
 
     def at(unknowns: dict[str, float]) -> float:
-        return estimate_from_trace(trace, layout, with_factors(hardware, **factors_of(unknowns))).time.step_s
+        return estimate_from_trace(trace, layout, with_factors(hardware, **efficiencies_of(unknowns))).time.step_s
 
     base = at(reference)
     slopes = {k: at({**reference, k: reference[k] + 1.0}) - base for k in reference}
@@ -103,9 +101,6 @@ def fit_factors(terms: list[Terms], measured_s: list[float]) -> dict[str, float]
     Returns the Efficiency fields the measured layouts determine (gemm, memory_bandwidth,
     adapter_gemm, micro_batch_overhead_s, node_contention); an unknown no layout depends on (no
     LoRA layout, one device only) is left out, so it keeps its value."""
-    import numpy as np
-    from scipy.optimize import lsq_linear
-
     if len(terms) != len(measured_s) or not terms:
         raise ValueError("need one measured time per layout")
     m = np.array(measured_s, dtype=float)
@@ -115,7 +110,7 @@ def fit_factors(terms: list[Terms], measured_s: list[float]) -> dict[str, float]
     lower = np.array([UNKNOWNS[n][2][0] for n in names])
     upper = np.array([UNKNOWNS[n][2][1] for n in names])
     solution = lsq_linear(slopes, 1 - offset, bounds=(lower, upper), method="bvls")
-    return factors_of(dict(zip(names, (float(v) for v in solution.x))))
+    return efficiencies_of(dict(zip(names, (float(v) for v in solution.x))))
 
 
 def fit_to_steps(cases: list[tuple[ModelTrace, Layout]], measured_s: list[float], hardware: HardwareSpec,
@@ -136,74 +131,21 @@ def fit_to_steps(cases: list[tuple[ModelTrace, Layout]], measured_s: list[float]
     return factors
 
 
-def calibration_model(model: ModelSpec, layers: int = CALIBRATION_LAYERS) -> ModelSpec:
-    """The target model cut to `layers` decoder layers at its full width."""
-    from profiler.model_trace import _layers_key
-
-    cfg = dict(model.hf_config)
-    key = _layers_key(cfg)
-    cfg[key] = min(int(cfg[key]), layers)
-    return ModelSpec(name=f"{model.name}[{cfg[key]} layers]", hf_config=cfg, source=model.source)
-
-
-def fit_layouts(seq: int, devices: int, max_seq: int | None = None) -> list[Layout]:
-    """What calibration runs (see the module docstring); the last one on two devices when the
-    node has them (the step harness runs 1 or 2 ranks)."""
-    layouts = [
-        Layout(mbs=1, seq=seq, dtype="fp32"),
-        Layout(mbs=4, seq=seq, dtype="fp32"),
-        Layout(mbs=1, gas=2, seq=seq, dtype="fp32"),
-        Layout(mbs=1, seq=min(2 * seq, max_seq or 2 * seq), dtype="fp32"),
-        Layout(mbs=2, seq=seq, dtype="fp32", method="lora"),
-    ]
-    if devices >= 2:
-        layouts.append(Layout(dp=2, mbs=2, seq=seq, dtype="fp32"))
-    return layouts
-
-
-def max_seq(model: ModelSpec) -> int:
-    return int(model.hf_config.get("max_position_embeddings") or model.hf_config.get("n_positions") or 2048)
-
-
-def calibration_seq(model: ModelSpec, quick: bool) -> int:
-    return min(max_seq(model), 256 if quick else 512)
-
-
-def calibrate(
-    model: ModelSpec, hardware: HardwareSpec, threads: int, quick: bool, steps: int | None = None,
-    progress: Any = None,
-) -> tuple[HardwareSpec, Calibration]:
-    """Run the fit layouts for real (CPU, fp32, ranks of `threads` threads), fit the factors,
-    and return the hardware with them and the record of what was run."""
-    from trainer.steps import run_layout, time_steps
-
-    small = calibration_model(model)
-    seq = calibration_seq(model, quick)
-    layouts = fit_layouts(seq, hardware.devices_per_node, max_seq(model))
-    steps = steps or (7 if quick else 12)
-    measured, cases = [], []
-    for layout in layouts:
-        if progress:
-            progress(f"calibration {layout.short()}")
-        result = time_steps(run_layout(layout), steps=steps, hf_config=small.hf_config, threads=threads,
-                            warmup=WARMUP_STEPS)
-        measured.append(result["step_s"])
-        trace = trace_model(small, layout.seq, dtype=layout.dtype, method=layout.method,
-                            lora_rank=layout.lora_rank, device_type=hardware.device_type)
-        cases.append((trace, layout))
-    factors = fit_to_steps(cases, measured, hardware)
+def calibrate(profile: HardwareProfile, measured: CalibrationSteps) -> HardwareProfile:
+    """The profile with its efficiency factors fitted to the measured calibration steps, and the
+    record of the fit (each step's time predicted before and after it)."""
+    hardware = profile.hardware
+    cases = [(trace_model(measured.small, layout.seq, dtype=layout.dtype, method=layout.method,
+                          lora_rank=layout.lora_rank, device_type=hardware.device_type), layout)
+             for layout in measured.layouts]
+    factors = fit_to_steps(cases, measured.measured_s, hardware)
     fitted = with_factors(hardware, **factors)
     record = Calibration(
-        model=model.name, layers=int(small.hf_config[_layers(small)]), threads=threads, factors=factors,
-        steps=[CalibrationStep(layout=lay.short(), measured_s=m, steps=steps,
+        model=measured.model, layers=int(measured.small.hf_config[_layers_key(measured.small.hf_config)]),
+        threads=measured.threads, factors=factors,
+        steps=[CalibrationStep(layout=lay.short(), measured_s=m, steps=measured.steps,
                                predicted_before_s=estimate_from_trace(trace, lay, hardware).time.step_s,
                                predicted_after_s=estimate_from_trace(trace, lay, fitted).time.step_s)
-               for (trace, lay), m in zip(cases, measured)],
+               for (trace, lay), m in zip(cases, measured.measured_s)],
     )
-    return fitted, record
-
-
-def _layers(model: ModelSpec) -> str:
-    from profiler.model_trace import _layers_key
-
-    return _layers_key(model.hf_config)
+    return profile.model_copy(update={"hardware": fitted, "calibration": record})

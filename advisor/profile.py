@@ -4,6 +4,10 @@ The `hardware` section is an ordinary `HardwareSpec` built from the measurements
 command that takes `--hardware` reads a profile like a preset (presets.load_hardware). The rest
 is the evidence: the host it was measured on, the inventory, each micro-benchmark's median with
 its repeat count, and the calibration steps with the factors fitted to them.
+
+This module is the file format only: `profiler/` measures what goes in, `planner/calibration.py`
+and `planner/feedback.py` fit the factors. The host identity (name and CPU model) lives here because
+reading a profile warns when it describes another machine.
 """
 
 from __future__ import annotations
@@ -84,12 +88,12 @@ class Calibration(BaseModel):
     threads: int
     factors: dict[str, float] = Field(description="fitted Efficiency fields")
     steps: list[CalibrationStep]
-    method: str = "least squares on measured step times, see profiler/calibrate.py"
+    method: str = "least squares on measured step times, see planner/calibration.py"
 
 
 class Observation(BaseModel):
     """One measured layout of a real model on this machine (a verification trial or a finished
-    run): what `profiler/feedback.py` refits the efficiency factors on."""
+    run): what `planner/feedback.py` refits the efficiency factors on."""
 
     source: Literal["calibration", "verify", "run"]
     model: str
@@ -125,7 +129,7 @@ class Feedback(BaseModel):
 
     observations: list[Observation] = Field(default_factory=list)
     rounds: list[FeedbackRound] = Field(default_factory=list)
-    method: str = "refit of the calibration's least squares over every kept observation, see profiler/feedback.py"
+    method: str = "refit of the calibration's least squares over every kept observation, see planner/feedback.py"
 
 
 class HardwareProfile(BaseModel):
@@ -149,8 +153,9 @@ class HardwareProfile(BaseModel):
         raise KeyError(name)
 
     def write(self, path: Path) -> None:
-        """Atomically: a reader never sees half a profile."""
+        """Atomically: a reader never sees half a profile. Its hardware then comes from `path`."""
         path = Path(path)
+        self.hardware.source = str(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         tmp.write_text(self.model_dump_json(indent=2) + "\n")
@@ -165,15 +170,6 @@ def cpu_model_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def this_host(device_names: list[str] | None = None) -> HostFingerprint:
-    import torch
-
-    return HostFingerprint(
-        hostname=socket.gethostname(), cpu_model=cpu_model_name(), torch_version=torch.__version__,
-        device_names=device_names or [], cuda_version=torch.version.cuda,
-    )
 
 
 def looks_like_profile(data: Any) -> bool:

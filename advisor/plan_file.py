@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from advisor.errors import UsageError
-from advisor.specs import Estimate, HardwareSpec, Layout, ModelSpec, validate
+from advisor.specs import MIN_COMPUTE_FRACTION, Estimate, HardwareSpec, Layout, ModelSpec, validate
 from advisor.task import TaskSpec
 
 PLAN_VERSION = 1
@@ -50,7 +50,7 @@ class Plan(BaseModel):
     nodes: int
     gpus_per_node: int
     objective: Literal["throughput", "cost"] = "throughput"
-    min_compute_fraction: float = 0.8
+    min_compute_fraction: float = MIN_COMPUTE_FRACTION
     engine: Literal["auto", "deepspeed", "fsdp2"] = Field(
         "auto", description="back-end for sharded data parallelism (ZeRO): auto = DeepSpeed, or FSDP2 when tp>1")
     chosen: PlannedLayout

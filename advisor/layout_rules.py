@@ -1,0 +1,64 @@
+"""Which layouts can exist for a model: the structural rules, checked in one place.
+
+`Layout`'s own validator (advisor/specs.py) refuses combinations that make no sense for any model
+(sp without tp, vpp without pp, offload without ZeRO...). The rules here need the model's shape:
+tensor parallelism splits attention heads, key/value heads and the MLP width, a pipeline needs a
+decoder layer per stage, and interleaving needs equal chunks. The planner's search skips what breaks
+them and the cost model refuses it with the same line. What one back-end cannot run yet (a
+capability, not a structure) is the trainer's to say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from advisor.specs import Layout
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the layout rules read (from the model trace)."""
+
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    num_layers: int
+
+
+def tensor_parallel_problem(tp: int, shape: ModelShape) -> str | None:
+    """Why `tp` cannot split this model's layers (None: it can). Key/value heads may also be fewer
+    than tp, as long as tp is a multiple of them (each head is then replicated)."""
+    if shape.num_heads % tp:
+        return f"tp={tp} does not divide the {shape.num_heads} attention heads"
+    kv = shape.num_kv_heads
+    if kv % tp and tp % kv:
+        return f"tp={tp} and the {kv} key/value heads do not divide one another"
+    if tp > 1 and shape.intermediate_size % tp:
+        return f"tp={tp} does not divide the MLP width {shape.intermediate_size}"
+    return None
+
+
+def pipeline_problem(pp: int, vpp: int, gas: int, stage_layers: list[int] | None, num_layers: int) -> str | None:
+    """Why this pipeline cannot cut a model of `num_layers` decoder layers (None: it can)."""
+    if pp > num_layers:
+        return f"pp={pp} exceeds the {num_layers} decoder layers"
+    if vpp > 1 and num_layers % (pp * vpp):
+        return f"interleaving needs layers divisible by pp*vpp: {num_layers} % {pp * vpp} != 0"
+    if vpp > 1 and gas % pp:
+        return f"interleaved 1F1B needs gas divisible by pp (gas={gas}, pp={pp})"
+    if vpp > 1 and stage_layers and len(set(stage_layers)) > 1:
+        return "interleaved 1F1B (vpp>1) needs the same number of layers on every stage"
+    if stage_layers and sum(stage_layers) != num_layers:
+        return f"stage_layers sum to {sum(stage_layers)}, the model has {num_layers} layers"
+    return None
+
+
+def layout_problem(layout: Layout, shape: ModelShape) -> str | None:
+    """The first structural rule `layout` breaks on this model, or None."""
+    return (tensor_parallel_problem(layout.tp, shape)
+            or pipeline_problem(layout.pp, layout.vpp, layout.gas, layout.stage_layers, shape.num_layers))
+
+
+def tp_crosses_nodes(tp: int, devices_per_node: int) -> bool:
+    """A tensor-parallel group stays inside one node only if it tiles the node."""
+    return tp > devices_per_node or devices_per_node % tp != 0

@@ -1,0 +1,92 @@
+"""Calibration steps: a few real training steps of the target model, timed through a step runner.
+
+The profiler only measures here. The runner that executes the steps is handed in by the composition
+root (the CLI passes the trainer's timed-steps harness), and the factors are fitted to the times by
+`planner/calibration.py`.
+
+Which layouts (`fit_layouts`): mbs 1 and mbs 4 separate per-token from per-micro-batch work, a
+second micro-batch (gas 2) pins the overhead, seq 512 weighs attention, LoRA separates the
+adapters and the missing optimizer traffic, and one data-parallel step over every device of the
+node measures contention (and the collectives the profile measured).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from advisor.specs import Layout, ModelSpec
+from profiler.model_trace import _layers_key
+
+CALIBRATION_LAYERS = 2  # decoder layers that run (at the model's full width)
+# The first steps run slower while glibc raises its mmap threshold and caches warm up.
+WARMUP_STEPS = 3
+
+
+class StepRunner(Protocol):
+    """Runs `steps` optimizer steps of `layout` for real and returns at least `step_s`, the median
+    step after `warmup` (the trainer's timed-steps harness, adapted to an `advisor.specs.Layout`)."""
+
+    def __call__(self, layout: Layout, *, steps: int, hf_config: dict[str, Any], threads: int,
+                 warmup: int) -> dict[str, Any]: ...
+
+
+@dataclass
+class CalibrationSteps:
+    """What ran and how long each step took: the input of the fit (planner/calibration.py)."""
+
+    model: str  # the target model's name
+    small: ModelSpec  # the cut of it that ran
+    threads: int
+    steps: int
+    layouts: list[Layout]
+    measured_s: list[float]
+
+
+def calibration_model(model: ModelSpec, layers: int = CALIBRATION_LAYERS) -> ModelSpec:
+    """The target model cut to `layers` decoder layers at its full width."""
+    cfg = dict(model.hf_config)
+    key = _layers_key(cfg)
+    cfg[key] = min(int(cfg[key]), layers)
+    return ModelSpec(name=f"{model.name}[{cfg[key]} layers]", hf_config=cfg, source=model.source)
+
+
+def fit_layouts(seq: int, devices: int, max_seq: int | None = None) -> list[Layout]:
+    """What calibration runs (see the module docstring); the last one on two devices when the
+    node has them (the step harness runs 1 or 2 ranks)."""
+    layouts = [
+        Layout(mbs=1, seq=seq, dtype="fp32"),
+        Layout(mbs=4, seq=seq, dtype="fp32"),
+        Layout(mbs=1, gas=2, seq=seq, dtype="fp32"),
+        Layout(mbs=1, seq=min(2 * seq, max_seq or 2 * seq), dtype="fp32"),
+        Layout(mbs=2, seq=seq, dtype="fp32", method="lora"),
+    ]
+    if devices >= 2:
+        layouts.append(Layout(dp=2, mbs=2, seq=seq, dtype="fp32"))
+    return layouts
+
+
+def max_seq(model: ModelSpec) -> int:
+    return int(model.hf_config.get("max_position_embeddings") or model.hf_config.get("n_positions") or 2048)
+
+
+def calibration_seq(model: ModelSpec, quick: bool) -> int:
+    return min(max_seq(model), 256 if quick else 512)
+
+
+def measure_calibration_steps(
+    model: ModelSpec, devices: int, threads: int, quick: bool, step_runner: StepRunner, steps: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> CalibrationSteps:
+    """Run the fit layouts for real (CPU, fp32, ranks of `threads` threads) on the cut model."""
+    small = calibration_model(model)
+    layouts = fit_layouts(calibration_seq(model, quick), devices, max_seq(model))
+    steps = steps or (7 if quick else 12)
+    measured = []
+    for layout in layouts:
+        if progress:
+            progress(f"calibration {layout.short()}")
+        result = step_runner(layout, steps=steps, hf_config=small.hf_config, threads=threads, warmup=WARMUP_STEPS)
+        measured.append(result["step_s"])
+    return CalibrationSteps(model=model.name, small=small, threads=threads, steps=steps, layouts=layouts,
+                            measured_s=measured)
