@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from advisor.errors import UsageError
-from presets import load_task
+from presets import PRESETS_DIR, load_task
 
 # --- a small English-like grammar -------------------------------------------------------------------
 
@@ -246,8 +246,6 @@ def generate_demo_corpus(base_dir: Path, seed: int = 0, scale: float = 1.0, writ
         os.replace(tmp, path)
         written[name] = path
     if write_task:
-        from presets import PRESETS_DIR
-
         task = Path(base_dir) / "task.yaml"
         shutil.copyfile(PRESETS_DIR / "tasks" / "demo.yaml", task)
         written["task.yaml"] = task

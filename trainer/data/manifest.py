@@ -18,6 +18,7 @@ from typing import Any
 
 from advisor.errors import UsageError
 from advisor.task import TaskSpec
+from trainer.data.sources import expand_source_path
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -31,7 +32,6 @@ def default_out_dir(task: TaskSpec) -> Path:
 def task_fingerprint(task: TaskSpec) -> str:
     """Hash of what decides the prepared tokens: data settings (not buckets or out), stages and
     source files (path, size, modification time). Raises UsageError when a source is missing."""
-    from trainer.data.sources import expand_source_path
 
     base = Path(task.base_dir)
     data = task.data.model_dump(mode="json", exclude={"buckets", "out"})

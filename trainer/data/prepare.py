@@ -33,6 +33,7 @@ import pyarrow as pa
 
 from advisor.errors import UsageError
 from advisor.task import DataSource, DifficultySpec, QualityFilters, StageSpec, TaskSpec
+from presets import PRESETS_DIR, load_model
 from trainer.data import buckets as bucketing
 from trainer.data.dedup import DocumentHasher, MinHashParams, exact_duplicates, exact_hash, near_duplicates, words
 from trainer.data.difficulty import Grader, band_index, band_names, check_spec, merge_difficulty
@@ -466,21 +467,7 @@ def _prepare_split(stage: StageSpec, split: str, entries: list[Entry], ctx: Cont
         writer.close()
         shards.append({"path": str(writer.path.relative_to(out)), "group": result.groups[g], "bucket": edges[b],
                        "samples": writer.samples, "tokens": writer.tokens})
-    bucket_info = []
-    lower = 0
-    for b, edge in enumerate(edges):
-        in_bucket = (lengths_present > lower) & (lengths_present <= edge)
-        n = int(counts_present[in_bucket].sum())
-        tokens = int((lengths_present[in_bucket] * counts_present[in_bucket]).sum())
-        hist_edges = np.linspace(lower, edge, 9)
-        hist = np.histogram(lengths_present[in_bucket], bins=hist_edges, weights=counts_present[in_bucket])[0]
-        slots = bucketing.bucket_slots(n, edge, micro_batch_tokens) if n else 0
-        bucket_info.append({"edge": edge, "min_length": lower + 1, "micro_batch_size": max(1, micro_batch_tokens // edge),
-                            "samples": n, "tokens": tokens, "slots": slots,
-                            "padding_fraction": round(1 - tokens / slots, 6) if slots else 0.0,
-                            "histogram": {"edges": [round(x, 2) for x in hist_edges.tolist()],
-                                          "counts": [int(c) for c in hist]}})
-        lower = edge
+    bucket_info = _bucket_report(edges, lengths_present, counts_present, micro_batch_tokens)
     samples = int(counts_present.sum())
     tokens = int((lengths_present * counts_present).sum())
     groups = {}
@@ -499,6 +486,26 @@ def _prepare_split(stage: StageSpec, split: str, entries: list[Entry], ctx: Cont
         "difficulty": {name: {"documents": d, "tokens": t} for name, (d, t) in result.bands.items()},
         "shards": shards,
     }
+
+
+def _bucket_report(edges: list[int], lengths: np.ndarray, counts: np.ndarray,
+                   micro_batch_tokens: int) -> list[dict[str, Any]]:
+    """Per length bucket: its samples, tokens, slots, padding and a length histogram (the manifest's)."""
+    report, lower = [], 0
+    for edge in edges:
+        in_bucket = (lengths > lower) & (lengths <= edge)
+        n = int(counts[in_bucket].sum())
+        tokens = int((lengths[in_bucket] * counts[in_bucket]).sum())
+        hist_edges = np.linspace(lower, edge, 9)
+        hist = np.histogram(lengths[in_bucket], bins=hist_edges, weights=counts[in_bucket])[0]
+        slots = bucketing.bucket_slots(n, edge, micro_batch_tokens) if n else 0
+        report.append({"edge": edge, "min_length": lower + 1, "micro_batch_size": max(1, micro_batch_tokens // edge),
+                       "samples": n, "tokens": tokens, "slots": slots,
+                       "padding_fraction": round(1 - tokens / slots, 6) if slots else 0.0,
+                       "histogram": {"edges": [round(x, 2) for x in hist_edges.tolist()],
+                                     "counts": [int(c) for c in hist]}})
+        lower = edge
+    return report
 
 
 def _write_unit(entry: Entry, unit: Unit, sel: Selection, stage: StageSpec, split: str, edges: list[int],
@@ -567,8 +574,6 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
     try:
         entries, units = _plan_entries(task, base_dir)
     except UsageError as exc:
-        from presets import PRESETS_DIR
-
         if "not found" in str(exc) and base_dir.resolve() == (PRESETS_DIR / "tasks").resolve():
             raise UsageError(f"{exc} (a task preset ships no data: for the demo, run `advisor data generate-demo "
                              "--out DIR`, then `advisor data prepare --task DIR/task.yaml`)") from None
@@ -629,8 +634,6 @@ def _check_vocab(task: TaskSpec, tokenizer: Any) -> None:
     if not task.model:
         return
     try:
-        from presets import load_model
-
         vocab = load_model(task.model).hf_config.get("vocab_size")
     except UsageError:
         return

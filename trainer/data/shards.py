@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from advisor.errors import UsageError
+from trainer.data.manifest import read_manifest
 
 SCHEMA = pa.schema([
     ("input_ids", pa.list_(pa.int32())),
@@ -120,7 +121,6 @@ def load_shard(path: Path) -> Any:
 def stage_shards(out_dir: Path, stage: str, split: str = "train") -> list[dict[str, Any]]:
     """The manifest's shard entries of one stage and split (path made absolute), in curriculum
     order: groups as the stage lists them, buckets shortest first."""
-    from trainer.data.manifest import read_manifest
 
     manifest = read_manifest(out_dir)
     for entry in manifest["stages"]:

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 from advisor.errors import UsageError
 from presets import PRESETS_DIR
+from trainer.data.demo_corpus import TOKENIZER_TRAINING_DOCUMENTS, iter_documents
 
 TOKENIZERS_DIR = PRESETS_DIR / "tokenizers"
 DEMO_VOCAB_SIZE = 2048
@@ -125,8 +126,6 @@ def load_demo_tokenizer() -> Any:
 
 
 def _demo_training_texts(seed: int) -> Iterator[str]:
-    from trainer.data.demo_corpus import TOKENIZER_TRAINING_DOCUMENTS, iter_documents
-
     for name, count in TOKENIZER_TRAINING_DOCUMENTS.items():
         for doc in iter_documents(name, seed, count):
             yield doc["text"]

@@ -1,0 +1,111 @@
+"""The house rules that keep the packages readable, checked on every CI run.
+
+Layers import only downwards: advisor's specs and file formats -> presets -> profiler -> planner ->
+trainer -> reports -> the CLI (advisor.cli, the one composition root). import-linter checks the
+contract declared in pyproject.toml; the AST checks below also see imports inside functions, and
+check that the contract's bottom layer names every spec module (a new one cannot slip out of it).
+"""
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ["advisor", "presets", "profiler", "planner", "trainer", "reports", "advisor.cli"]
+PACKAGES = ["advisor", "presets", "profiler", "planner", "trainer", "reports"]
+LONG_FUNCTION_LINES = 80
+
+
+def _layer(module: str) -> int:
+    if module == "advisor.cli" or module.startswith("advisor.cli."):
+        return LAYERS.index("advisor.cli")
+    return LAYERS.index(module.split(".")[0])
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _project_imports(tree: ast.AST) -> list[tuple[ast.stmt, str]]:
+    """(node, imported module) for every absolute import of a project package in ``tree``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node, node.module))
+    return [(node, name) for node, name in out if name.split(".")[0] in PACKAGES]
+
+
+def _function_level(tree: ast.AST) -> set[int]:
+    """ids of import nodes that sit inside a function body."""
+    inside = set()
+    for func in ast.walk(tree):
+        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inside |= {id(n) for n in ast.walk(func) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return inside
+
+
+def _import_block_with_comment(lines: list[str], node: ast.stmt) -> str:
+    """The import's lines, the imports right above it, and the comment line above those."""
+    first = node.lineno - 1
+    while first > 0 and lines[first - 1].strip().startswith(("from ", "import ")):
+        first -= 1
+    return " ".join(lines[max(0, first - 1):node.end_lineno])
+
+
+def test_no_module_imports_a_layer_above_it() -> None:
+    upward = []
+    for module, path in _modules().items():
+        for node, imported in _project_imports(ast.parse(path.read_text())):
+            if _layer(imported) > _layer(module):
+                upward.append(f"{path.relative_to(ROOT)}:{node.lineno} {module} -> {imported}")
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_project_modules_are_imported_at_module_top() -> None:
+    """Function-level imports of project modules are allowed only to defer a heavy dependency, and
+    then say so in a comment containing "deferred" on the import line or above its block of imports."""
+    hidden = []
+    for module, path in _modules().items():
+        source = path.read_text()
+        lines = source.splitlines()
+        tree = ast.parse(source)
+        nested = _function_level(tree)
+        for node, imported in _project_imports(tree):
+            if id(node) in nested and "deferred" not in _import_block_with_comment(lines, node):
+                hidden.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {imported} inside a function")
+    assert not hidden, "\n".join(hidden)
+
+
+@pytest.mark.parametrize("package", ["trainer", "planner", "advisor/cli"])
+def test_no_function_is_longer_than_80_lines(package: str) -> None:
+    long = []
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > LONG_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    assert not long, "\n".join(long)
+
+
+def test_import_linter_layers_contract_holds_and_covers_every_spec_module() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = [c for c in config["contracts"] if c["type"] == "layers"]
+    bottom = {name.strip() for name in contract["layers"][-1].replace("|", ":").split(":")}
+    specs = {m for m in _modules() if m.startswith("advisor.") and _layer(m) == 0}
+    assert bottom == specs, "the contract's bottom layer must list exactly advisor's spec modules"
+    done = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command as c; c()",
+                           "--no-cache"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
