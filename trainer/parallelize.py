@@ -1,20 +1,19 @@
 """Apply a plan's parallel degrees to an HF decoder model with PyTorch's own pieces.
 
 In torchtitan's order and spirit: one device mesh owns the degrees (``ParallelMesh``, built
-from ``advisor.specs.Layout``), then small ``apply_*`` functions each do one thing: tensor
-parallelism (DTensor ``parallelize_module``), then sharded data parallelism (FSDP2
-``fully_shard``). The same module holds what every DTensor engine needs besides: a gradient
-norm that spans tensor, data and pipeline groups, and torch.distributed.checkpoint (DCP) saving
-and loading of model and optimizer state.
+from ``advisor.specs.Layout``), then small ``apply_*`` functions each do one thing, applied in a
+fixed order by ``parallelize``: tensor parallelism (DTensor ``parallelize_module``), then
+sharded data parallelism (FSDP2 ``fully_shard``) or, without it, the cast to the compute dtype.
+Activation checkpointing is applied when the model is built (``trainer.model``), since every
+engine, DeepSpeed's included, needs it. ``unsupported_reason`` and ``check_parallel_layout`` say
+in one line what these engines cannot run.
 """
 
 from __future__ import annotations
 
-import logging
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -22,8 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from advisor.errors import UsageError
 from advisor.specs import Layout
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from profiler.hardware_bench import TORCH_DTYPES
 
 # Megatron's split of a Llama-style decoder layer (Shoeybi et al. 2019, section 3): the first
 # linear of each block is split by output columns, the second by input rows, so each block
@@ -179,99 +177,26 @@ def apply_fsdp(module: torch.nn.Module, units: Iterable[torch.nn.Module], dp_mes
     fully_shard(module, **kwargs)
 
 
-# DTensor warns that a (dp, tp)-sharded sum is made whole by one all-reduce per mesh dimension.
-# For the norm that is harmless: every rank of a collective receives the same result, so all
-# ranks end with the same norm and clip coefficient.
-logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
-    lambda record: "sequential all_reduce" not in record.getMessage())
+def compute_dtype(module: torch.nn.Module, layout: Layout) -> torch.dtype | None:
+    """The dtype to compute in when the weights are still fp32 (ZeRO plans leave the cast to the
+    engine, as DeepSpeed does); None when they already are in the layout's dtype."""
+    wanted = TORCH_DTYPES[layout.dtype]
+    current = next(module.parameters()).dtype
+    return wanted if current != wanted else None
 
 
-def grad_norm_squared(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """Sum of squared gradient entries over this rank's parameters, each counted once.
-
-    DTensor gradients (TP shards, FSDP shards) are summed per (mesh, placements) group and made
-    whole with one collective per group; plain gradients are replicas and count as they are.
-    """
-    from torch.distributed.tensor import DTensor
-
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
-    parts = []
-    for key, grads in groups.items():
-        part = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-        parts.append(part.full_tensor() if key is not None else part)
-    if not parts:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        return torch.zeros((), device=device)
-    return torch.stack(parts).sum()
-
-
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float,
-                   pp_group: dist.ProcessGroup | None = None) -> float:
-    """Global gradient norm (all stages, all shards), and clip to ``max_norm`` when it is > 0.
-
-    Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (coefficient max_norm/(norm+1e-6),
-    capped at 1), which cannot mix plain tensors with DTensors or sum over pipeline stages.
-    """
-    squared = grad_norm_squared(params)
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(squared, group=pp_group)  # each stage holds different parameters
-    norm = squared.sqrt()
-    if max_norm > 0:
-        coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return float(norm)
-
-
-def _flat_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def save_distributed(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """DCP checkpoint of model and optimizer: every rank writes its own shards, once each.
-
-    The optimizer is left out before its first step: asking DCP for the state of an empty
-    optimizer would initialise it with a zero-gradient step and advance Adam's step count. Its
-    state is flattened to one key per parameter (hyper-parameters included): pipeline stages hold
-    different parameter groups, which one shared `param_groups` entry could not describe.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    state: dict[str, Any] = {"model": get_model_state_dict(module)}
-    if optimizer.state:
-        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_flat_options())
-    dcp.save(state, checkpoint_id=str(directory / "dcp"))
-
-
-def load_distributed(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Load what ``save_distributed`` wrote, in place (DCP reshards if the layout changed)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    path = str(directory / "dcp")
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state: dict[str, Any] = {"model": get_model_state_dict(module)}
-    has_optimizer = any(key.startswith("optimizer.") for key in saved)
-    if has_optimizer:
-        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_flat_options())
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(module, state["model"])
-    if has_optimizer:
-        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_flat_options())
-    else:  # a checkpoint taken before the first step: a fresh optimizer
-        optimizer.state.clear()
+def parallelize(module: torch.nn.Module, mesh: ParallelMesh, layout: Layout, layers: Callable[[], torch.nn.Module],
+                fsdp_units: Callable[[], list[torch.nn.Module]], reshard_after_forward: bool) -> None:
+    """The layout's degrees on `module` (a whole model or one pipeline stage), in torchtitan's
+    order: tensor parallelism inside the decoder `layers()`, then FSDP2 over the data-parallel
+    sub-mesh with one shard group per unit of `fsdp_units()` (computing in the layout's dtype),
+    or, without data parallelism, a plain cast to that dtype. Both are asked for only when
+    needed: FSDP2 alone shards models that have no Llama-style layer container."""
+    if layout.tp > 1:
+        apply_tensor_parallel(layers(), mesh.mesh["tp"])
+    dtype = compute_dtype(module, layout)
+    if layout.dp > 1:
+        apply_fsdp(module, fsdp_units(), mesh.mesh["dp"], reshard_after_forward=reshard_after_forward,
+                   param_dtype=dtype)
+    elif dtype is not None:
+        module.to(dtype)
