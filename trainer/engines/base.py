@@ -44,17 +44,59 @@ class Engine(Protocol):
         """Read back, in place, what `save` wrote."""
         ...
 
-    def state_bytes(parameters: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer,
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of ``parameters``, ``gradients`` and ``optimizer`` state THIS rank holds now
+        (local shards only), the quantities of the ZeRO paper's Table 1."""
+        ...
+
+
+def device() -> torch.device:
+    """This rank's device: the GPU its launcher assigned (LOCAL_RANK), else the CPU.
+
+    LOCAL_RANK rather than ``torch.cuda.current_device()``: the current device is GPU 0 on every
+    rank that has not called ``set_device``, while the launcher's assignment holds either way.
+    """
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, gas: int) -> float:
+    """One micro-batch's forward and backward (the loss scaled for accumulation); its mean token loss."""
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    (loss / gas).backward()
+    return float(loss.detach())
+
+
+def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of these tensors on this rank: a DTensor counts its local shard; a tensor listed
+    twice counts once."""
+    from torch.distributed.tensor import DTensor  # DTensor is only loaded with torch.distributed
+
+    unique = {id(t): t for t in tensors if t is not None}
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in unique.values()]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Where a tensor's (local) data lives: views of one buffer share it."""
+    from torch.distributed.tensor import DTensor  # DTensor is only loaded with torch.distributed
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def state_bytes(parameters: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer,
                 gradients: Iterable[torch.Tensor] | None = None) -> dict[str, int]:
     """Parameters, gradients and optimizer state held through torch tensors: the parameters,
     the gradients (their ``.grad`` unless the engine keeps them elsewhere), and every tensor of
     the optimizer's per-parameter state (Adam's moments and step), plus the optimizer's own
-    parameters when they are copies (DeepSpeed's fp32 master partitions) rather than the
-    model's."""
+    parameters when they are copies (DeepSpeed's fp32 master partitions of 16-bit or ZeRO-1/2
+    weights) rather than views of the model's own storage."""
     parameters = list(parameters)
-    own = {id(p) for p in parameters}
+    own = {_storage(p) for p in parameters}
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
-    masters = [p for p in stepped if id(p) not in own]
+    masters = [p for p in stepped if _storage(p) not in own]
     moments = [t for per_param in optimizer.state.values() for t in per_param.values() if torch.is_tensor(t)]
     if gradients is None:
         gradients = [p.grad for p in parameters + masters]
