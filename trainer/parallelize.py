@@ -93,9 +93,26 @@ def check_parallel_layout(model: torch.nn.Module, layout: Layout) -> None:
 
 def _check_config(layout: Layout, config: Any, n_layers: int | None = None, dtensor_engine: bool = False) -> None:
     """`dtensor_engine`: the layout runs on the TP/FSDP2/pipeline engines (always when tp or pp > 1;
-    plain, DDP and DeepSpeed run any HF model, offload and LoRA included)."""
+    plain, DDP and DeepSpeed run any HF model, offload and LoRA included). What these engines do
+    not implement comes first, then whether the model splits by the layout's degrees."""
     if not (dtensor_engine or layout.tp > 1 or layout.pp > 1):
         return
+    _check_dtensor_features(layout)
+    if layout.tp == 1 and layout.pp == 1:
+        return  # FSDP2 alone shards any HF model
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    if layout.tp > 1:
+        _check_tensor_split(layout.tp, get)
+    if layout.pp > 1:
+        _check_pipeline_split(layout, n_layers or int(get("num_hidden_layers") or 0))
+        if get("tie_word_embeddings", False):
+            raise UsageError("pp>1 with tied input/output embeddings is not supported (the first and last "
+                             "stages would share one weight)")
+
+
+def _check_dtensor_features(layout: Layout) -> None:
+    """What the DTensor engines do not run: split LoRA adapters, sequence parallelism,
+    interleaved pipelines, offload."""
     if layout.method != "full" and (layout.tp > 1 or layout.pp > 1):
         raise UsageError(f"method={layout.method} with tp/pp is not supported (LoRA adapters are not split); "
                          "plan with tp=1, pp=1 for LoRA")
@@ -105,27 +122,26 @@ def _check_config(layout: Layout, config: Any, n_layers: int | None = None, dten
         raise UsageError("interleaved pipelines (vpp>1) are not run by this trainer yet; plan with vpp=1")
     if layout.offload != "none":
         raise UsageError("offload runs through DeepSpeed, which this trainer does not combine with tp/pp or FSDP2")
-    if layout.tp == 1 and layout.pp == 1:
-        return  # FSDP2 alone shards any HF model
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-    if layout.tp > 1:
-        heads = get("num_attention_heads")
-        for name, value in (("num_attention_heads", heads), ("num_key_value_heads", get("num_key_value_heads") or heads),
-                            ("intermediate_size", get("intermediate_size"))):
-            if value is None:
-                raise UsageError(f"tensor parallelism needs a Llama-style config; this one has no {name}")
-            if value % layout.tp:
-                raise UsageError(f"tp={layout.tp} does not divide the model's {name} ({value})")
-    if layout.pp > 1:
-        n_layers = n_layers or int(get("num_hidden_layers") or 0)
-        if layout.pp > n_layers:
-            raise UsageError(f"pp={layout.pp} is more pipeline stages than the model's {n_layers} decoder layers")
-        if layout.stage_layers and sum(layout.stage_layers) != n_layers:
-            raise UsageError(f"stage_layers {layout.stage_layers} sum to {sum(layout.stage_layers)}, "
-                             f"the model has {n_layers} decoder layers")
-        if get("tie_word_embeddings", False):
-            raise UsageError("pp>1 with tied input/output embeddings is not supported (the first and last "
-                             "stages would share one weight)")
+
+
+def _check_tensor_split(tp: int, get: Callable[..., Any]) -> None:
+    """Structural: tp divides the attention heads, the key/value heads and the MLP width."""
+    heads = get("num_attention_heads")
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", get("num_key_value_heads") or heads),
+                        ("intermediate_size", get("intermediate_size"))):
+        if value is None:
+            raise UsageError(f"tensor parallelism needs a Llama-style config; this one has no {name}")
+        if value % tp:
+            raise UsageError(f"tp={tp} does not divide the model's {name} ({value})")
+
+
+def _check_pipeline_split(layout: Layout, n_layers: int) -> None:
+    """Structural: at least one decoder layer per stage, and a planned split that covers them all."""
+    if layout.pp > n_layers:
+        raise UsageError(f"pp={layout.pp} is more pipeline stages than the model's {n_layers} decoder layers")
+    if layout.stage_layers and sum(layout.stage_layers) != n_layers:
+        raise UsageError(f"stage_layers {layout.stage_layers} sum to {sum(layout.stage_layers)}, "
+                         f"the model has {n_layers} decoder layers")
 
 
 def _has(module: torch.nn.Module, name: str) -> bool:

@@ -14,6 +14,8 @@ from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
+from trainer.checkpoint import load_distributed, save_distributed
+
 
 @runtime_checkable
 class Engine(Protocol):
@@ -48,6 +50,23 @@ class Engine(Protocol):
         """Bytes of ``parameters``, ``gradients`` and ``optimizer`` state THIS rank holds now
         (local shards only), the quantities of the ZeRO paper's Table 1."""
         ...
+
+
+class DTensorState:
+    """Saving, loading and counting the state of a DTensor engine (sharded or pipeline): its
+    ``module`` (the model, or this rank's pipeline stage) and its ``optimizer``, in one DCP folder."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def save(self, directory: Path) -> None:
+        save_distributed(self.module, self.optimizer, directory)
+
+    def load(self, directory: Path) -> None:
+        load_distributed(self.module, self.optimizer, directory)
+
+    def state_bytes(self) -> dict[str, int]:
+        return state_bytes(self.module.parameters(), self.optimizer)
 
 
 def device() -> torch.device:

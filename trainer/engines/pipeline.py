@@ -8,7 +8,6 @@ parameter names do not depend on the split.
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
@@ -17,8 +16,7 @@ import torch.distributed as dist
 
 from advisor.specs import Layout
 from profiler.hardware_bench import TORCH_DTYPES
-from trainer.checkpoint import load_distributed, save_distributed
-from trainer.engines.base import device, state_bytes
+from trainer.engines.base import DTensorState, device
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
 from trainer.parallelize import ParallelMesh, check_parallel_layout, decoder_layers, parallelize
 
@@ -89,7 +87,7 @@ class PipelineForward(torch.nn.Module):
 
     def __init__(self, stage: torch.nn.Module, engine: "PipelineEngine"):
         super().__init__()
-        self.stage = stage
+        self.stage = self.module = stage
         self._engine = [engine]  # not a submodule
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
@@ -114,7 +112,7 @@ class PipelineForward(torch.nn.Module):
         return SimpleNamespace(loss=loss)
 
 
-class PipelineEngine:
+class PipelineEngine(DTensorState):
     """This rank's stage, the 1F1B schedule over ``gas`` micro-batches of ``mbs`` sequences (GPipe
     when gas < pp, which 1F1B cannot fill), FSDP2 over the data-parallel sub-mesh and TP inside
     the stage.
@@ -150,7 +148,7 @@ class PipelineEngine:
         schedule = Schedule1F1B if layout.gas >= layout.pp else ScheduleGPipe
         # loss_fn returns each micro-batch's mean; the schedule divides gradients by gas
         self.schedule = schedule(pipeline_stage, n_microbatches=layout.gas, loss_fn=self.loss_fn)
-        self.stage = stage
+        self.module = stage
         self.model = PipelineForward(stage, self)
         self.data_rank = self.mesh.coordinate("dp")
         self._buffer: list[torch.Tensor] = []
@@ -175,12 +173,3 @@ class PipelineEngine:
     def optimizer_step(self, lr: float) -> float:
         return optimizer_step(self.optimizer, lr,
                               lambda: clip_sharded_grad_norm(self.params, self.clip, self.pp_group))
-
-    def save(self, directory: Path) -> None:
-        save_distributed(self.stage, self.optimizer, directory)
-
-    def load(self, directory: Path) -> None:
-        load_distributed(self.stage, self.optimizer, directory)
-
-    def state_bytes(self) -> dict[str, int]:
-        return state_bytes(self.stage.parameters(), self.optimizer)

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from advisor.specs import Layout
-from trainer.checkpoint import load_distributed, save_distributed
-from trainer.engines.base import forward_backward, state_bytes
+from trainer.engines.base import DTensorState, forward_backward
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
 from trainer.parallelize import ParallelMesh, check_parallel_layout, decoder_layers, parallelize, shard_units
 
 
-class ShardedEngine:
+class ShardedEngine(DTensorState):
     """Tensor parallel (Megatron split through DTensor) and/or FSDP2 over the data-parallel
     sub-mesh: DP x TP on a 2-D mesh, or FSDP2 alone as the alternative to DeepSpeed ZeRO.
 
@@ -30,7 +27,7 @@ class ShardedEngine:
         parallelize(model, self.mesh, layout, layers=lambda: decoder_layers(model),
                     fsdp_units=lambda: shard_units(model), reshard_after_forward=layout.zero == 3)
         self.sharded = layout.dp > 1
-        self.model = model
+        self.model = self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, weight_decay)
         self.data_rank = self.mesh.coordinate("dp")
@@ -45,12 +42,3 @@ class ShardedEngine:
 
     def optimizer_step(self, lr: float) -> float:
         return optimizer_step(self.optimizer, lr, lambda: clip_sharded_grad_norm(self.params, self.clip))
-
-    def save(self, directory: Path) -> None:
-        save_distributed(self.model, self.optimizer, directory)
-
-    def load(self, directory: Path) -> None:
-        load_distributed(self.model, self.optimizer, directory)
-
-    def state_bytes(self) -> dict[str, int]:
-        return state_bytes(self.model.parameters(), self.optimizer)
