@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,10 @@ from torch.nn.parallel import DistributedDataParallel
 from advisor.specs import Layout
 from trainer.engines.base import forward_backward, state_bytes
 from trainer.engines.optimizer import adamw, clip_replicated_grad_norm, optimizer_step
+
+# DDP's bucket size (its default, written out because the cost model has to model it); gradients
+# live in the buckets instead of in copies of them.
+DDP_SETTINGS: dict[str, Any] = {"bucket_cap_mb": 25, "gradient_as_bucket_view": True}
 
 
 class PlainEngine:
@@ -25,7 +30,7 @@ class PlainEngine:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, weight_decay, fused=True)
         self.module = model
-        self.model = DistributedDataParallel(model, gradient_as_bucket_view=True) if self.world > 1 else model
+        self.model = DistributedDataParallel(model, **DDP_SETTINGS) if self.world > 1 else model
         self.data_rank = dist.get_rank() if dist.is_initialized() else 0
         self._micro = 0
 
