@@ -58,7 +58,7 @@ def grad_norm_squared(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     DTensor gradients (TP shards, FSDP shards) are summed per (mesh, placements) group and made
     whole with one collective per group; plain gradients are replicas and count as they are.
     """
-    from torch.distributed.tensor import DTensor  # DTensor is only loaded with torch.distributed
+    from torch.distributed.tensor import DTensor  # ~0.5 s to import: loaded when first needed
 
     groups: dict[Any, list[torch.Tensor]] = {}
     for p in params:
