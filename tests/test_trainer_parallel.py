@@ -167,11 +167,12 @@ def _one_step_state_bytes(layout: Layout, choice: str, config: dict | None) -> t
     (Adam's states exist)."""
     import torch
 
-    from trainer.engines import make_engine
+    from trainer.engines import Engine, make_engine
     from trainer.model import build_model
 
     model = build_model(ModelSpec(name="tiny", hf_config=CONFIG), layout, seed=0)
     engine = make_engine(model, layout, config, clip=1.0, engine=choice)
+    assert isinstance(engine, Engine)  # the declared contract, data_rank and model included
     engine.micro_step(torch.randint(0, CONFIG["vocab_size"], (1, 16)))
     after_backward = engine.state_bytes()
     engine.optimizer_step(1e-3)

@@ -87,7 +87,7 @@ class PipelineForward(torch.nn.Module):
 
     def __init__(self, stage: torch.nn.Module, engine: "PipelineEngine"):
         super().__init__()
-        self.stage = self.module = stage
+        self.stage = stage
         self._engine = [engine]  # not a submodule
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
