@@ -103,7 +103,7 @@ def evaluate(run_dir: Path, plan, task, steps: list[int]) -> list[dict[str, floa
 
     from advisor.task import DataSource
     from trainer.corpus import load_source, tokenizer_for
-    from trainer.engine import build_model
+    from trainer.model import build_model
     from trainer.loop import _evaluate
     from trainer.stream import Source
 

@@ -67,7 +67,6 @@ from trainer.steps import (  # noqa: E402,F401
     DDP_SETTINGS,
     LAYOUT_DEFAULTS,
     LEARNING_RATE,
-    LORA_CONFIG,
     MODEL_CONFIG,
     SEED,
     ZERO_SETTINGS,

@@ -59,7 +59,7 @@ def unsplit_losses(tmp_path_factory) -> list[float]:
     import torch.distributed.pipelining  # noqa: F401
     import torch.distributed.tensor.parallel  # noqa: F401
 
-    from trainer.engine import build_model
+    from trainer.model import build_model
 
     build_model(ModelSpec(name="tiny", hf_config=CONFIG), Layout(**UNSPLIT), seed=0)
     root = tmp_path_factory.mktemp("unsplit")
@@ -114,7 +114,7 @@ def test_advisor_train_runs_a_tensor_parallel_plan_through_torchrun(tmp_path, un
 
 
 def _tiny_model(**overrides):
-    from trainer.engine import build_model
+    from trainer.model import build_model
 
     return build_model(ModelSpec(name="tiny", hf_config={**CONFIG, **overrides}), Layout(**UNSPLIT), seed=0)
 
@@ -128,7 +128,7 @@ def _tiny_model(**overrides):
     ({"pp": 2}, {"tie_word_embeddings": True}, "tied input/output embeddings"),
 ])
 def test_unsupported_splits_fail_with_one_clear_line(layout, config, message) -> None:
-    from trainer.engine import make_engine
+    from trainer.engines import make_engine
 
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
         make_engine(_tiny_model(**config), Layout(**{**UNSPLIT, **layout}), None, clip=1.0)
@@ -136,7 +136,7 @@ def test_unsupported_splits_fail_with_one_clear_line(layout, config, message) ->
 
 
 def test_backend_selection_follows_the_plan_engine_field() -> None:
-    from trainer.engine import select_backend
+    from trainer.engines import select_backend
 
     assert select_backend(Layout(dp=2, zero=3)) == "deepspeed"
     assert select_backend(Layout(dp=2, zero=3), "fsdp2") == "sharded"
@@ -148,7 +148,72 @@ def test_backend_selection_follows_the_plan_engine_field() -> None:
 
 
 def test_pipeline_stages_follow_the_plan_split_else_an_even_one() -> None:
-    from trainer.parallel_engines import stage_layer_split
+    from trainer.engines.pipeline import stage_layer_split
 
     assert stage_layer_split(Layout(pp=2, stage_layers=[3, 1]), 4) == [3, 1]
     assert stage_layer_split(Layout(pp=3), 7) == [2, 2, 3]  # the remainder goes to later stages
+
+
+# -- what each rank holds: parameters, gradients and optimizer state ----------------------------
+
+SHARDED = {**UNSPLIT, "dp": 2, "gas": 1, "zero": 3}
+ZERO3_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                "steps_per_print": 1_000_000}
+
+
+def _one_step_state_bytes(layout: Layout, choice: str, config: dict | None) -> tuple[dict, dict]:
+    """state_bytes after one micro-batch's backward (gradients held) and after the optimizer step
+    (Adam's states exist)."""
+    import torch
+
+    from trainer.engines import Engine, make_engine
+    from trainer.model import build_model
+
+    model = build_model(ModelSpec(name="tiny", hf_config=CONFIG), layout, seed=0)
+    engine = make_engine(model, layout, config, clip=1.0, engine=choice)
+    assert isinstance(engine, Engine)  # the declared contract, data_rank and model included
+    engine.micro_step(torch.randint(0, CONFIG["vocab_size"], (1, 16)))
+    after_backward = engine.state_bytes()
+    engine.optimizer_step(1e-3)
+    return after_backward, engine.state_bytes()
+
+
+def _rank_state_bytes(rank: int, world: int, port: int, choice: str, out_dir: str) -> None:
+    import json
+
+    from profiler.ranks import finish_rank, init_rank
+
+    init_rank(rank, world, port, distributed=True, threads=1)
+    held = _one_step_state_bytes(Layout(**SHARDED), choice, ZERO3_CONFIG)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(held))
+    finish_rank(True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", ["deepspeed", "fsdp2"])
+def test_zero3_on_two_ranks_holds_half_of_each_model_state(tmp_path, choice) -> None:
+    import json
+
+    import deepspeed  # noqa: F401  (imported before forking: the ranks inherit it loaded)
+
+    from profiler.ranks import free_port, launch
+    from trainer.model import build_model
+
+    # the independent count: the model's own parameter count, 4 bytes each in fp32
+    n = sum(p.numel() for p in build_model(ModelSpec(name="tiny", hf_config=CONFIG), Layout(**UNSPLIT), 0).parameters())
+    backward, stepped = _one_step_state_bytes(Layout(**{**UNSPLIT, "gas": 1}), "auto", None)
+    tensors = len(list(build_model(ModelSpec(name="tiny", hf_config=CONFIG), Layout(**UNSPLIT), 0).parameters()))
+    # one process: whole weights and gradients; Adam's two moments plus a 4-byte step per tensor
+    assert (stepped["parameters"], backward["gradients"]) == (4 * n, 4 * n)
+    assert stepped["optimizer"] == 8 * n + 4 * tensors
+    assert stepped["gradients"] == 0  # freed by the step
+
+    launch(_rank_state_bytes, 2, (2, free_port(), choice, str(tmp_path)))
+    for rank in range(2):
+        backward, stepped = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert stepped["parameters"] == 4 * n // 2
+        assert backward["gradients"] == 4 * n // 2
+        # Adam's moments of the local shard (in fp32 DeepSpeed's ZeRO-3 master partition is the
+        # parameter partition itself) plus a step counter per local tensor or flat group
+        assert stepped["optimizer"] == pytest.approx(8 * n // 2, abs=4 * tensors)

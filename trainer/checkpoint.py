@@ -4,6 +4,10 @@ A checkpoint is a folder `checkpoints/step-00000042/` holding the engine's state
 optimizer; DeepSpeed's own layout under ZeRO), `trainer.json` (stage, step, data positions, spike
 statistics, rollbacks) and each rank's RNG state. Only folders renamed into place count, so a
 crash while writing leaves the previous checkpoint as the latest.
+
+The DTensor engines (tensor parallel, FSDP2, pipeline) write their state as one
+torch.distributed.checkpoint (DCP) folder, `dcp/`, through `save_distributed` and
+`load_distributed`.
 """
 
 from __future__ import annotations
@@ -60,3 +64,50 @@ def load(path: Path, load_engine: Callable[[Path], None]) -> dict[str, Any]:
     if rng.is_file():
         torch.set_rng_state(torch.load(rng, weights_only=True))
     return json.loads((path / "trainer.json").read_text())
+
+
+def _flat_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # DCP: only DTensor engines need it
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def save_distributed(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """DCP checkpoint of model and optimizer: every rank writes its own shards, once each.
+
+    The optimizer is left out before its first step: asking DCP for the state of an empty
+    optimizer would initialise it with a zero-gradient step and advance Adam's step count. Its
+    state is flattened to one key per parameter (hyper-parameters included): pipeline stages hold
+    different parameter groups, which one shared `param_groups` entry could not describe.
+    """
+    import torch.distributed.checkpoint as dcp  # DCP: only DTensor engines need it
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    if optimizer.state:
+        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_flat_options())
+    dcp.save(state, checkpoint_id=str(directory / "dcp"))
+
+
+def load_distributed(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Load what ``save_distributed`` wrote, in place (DCP reshards if the layout changed)."""
+    import torch.distributed.checkpoint as dcp  # DCP: only DTensor engines need it
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = str(directory / "dcp")
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    has_optimizer = any(key.startswith("optimizer.") for key in saved)
+    if has_optimizer:
+        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_flat_options())
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(module, state["model"])
+    if has_optimizer:
+        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_flat_options())
+    else:  # a checkpoint taken before the first step: a fresh optimizer
+        optimizer.state.clear()

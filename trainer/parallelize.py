@@ -1,20 +1,19 @@
 """Apply a plan's parallel degrees to an HF decoder model with PyTorch's own pieces.
 
 In torchtitan's order and spirit: one device mesh owns the degrees (``ParallelMesh``, built
-from ``advisor.specs.Layout``), then small ``apply_*`` functions each do one thing: tensor
-parallelism (DTensor ``parallelize_module``), then sharded data parallelism (FSDP2
-``fully_shard``). The same module holds what every DTensor engine needs besides: a gradient
-norm that spans tensor, data and pipeline groups, and torch.distributed.checkpoint (DCP) saving
-and loading of model and optimizer state.
+from ``advisor.specs.Layout``), then small ``apply_*`` functions each do one thing, applied in a
+fixed order by ``parallelize``: tensor parallelism (DTensor ``parallelize_module``), then
+sharded data parallelism (FSDP2 ``fully_shard``) or, without it, the cast to the compute dtype.
+Activation checkpointing is applied when the model is built (``trainer.model``), since every
+engine, DeepSpeed's included, needs it. ``unsupported_reason`` and ``check_parallel_layout`` say
+in one line what these engines cannot run.
 """
 
 from __future__ import annotations
 
-import logging
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -22,8 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from advisor.errors import UsageError
 from advisor.specs import Layout
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from profiler.hardware_bench import TORCH_DTYPES
 
 # Megatron's split of a Llama-style decoder layer (Shoeybi et al. 2019, section 3): the first
 # linear of each block is split by output columns, the second by input rows, so each block
@@ -95,9 +93,26 @@ def check_parallel_layout(model: torch.nn.Module, layout: Layout) -> None:
 
 def _check_config(layout: Layout, config: Any, n_layers: int | None = None, dtensor_engine: bool = False) -> None:
     """`dtensor_engine`: the layout runs on the TP/FSDP2/pipeline engines (always when tp or pp > 1;
-    plain, DDP and DeepSpeed run any HF model, offload and LoRA included)."""
+    plain, DDP and DeepSpeed run any HF model, offload and LoRA included). What these engines do
+    not implement comes first, then whether the model splits by the layout's degrees."""
     if not (dtensor_engine or layout.tp > 1 or layout.pp > 1):
         return
+    _check_dtensor_features(layout)
+    if layout.tp == 1 and layout.pp == 1:
+        return  # FSDP2 alone shards any HF model
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    if layout.tp > 1:
+        _check_tensor_split(layout.tp, get)
+    if layout.pp > 1:
+        _check_pipeline_split(layout, n_layers or int(get("num_hidden_layers") or 0))
+        if get("tie_word_embeddings", False):
+            raise UsageError("pp>1 with tied input/output embeddings is not supported (the first and last "
+                             "stages would share one weight)")
+
+
+def _check_dtensor_features(layout: Layout) -> None:
+    """What the DTensor engines do not run: split LoRA adapters, sequence parallelism,
+    interleaved pipelines, offload."""
     if layout.method != "full" and (layout.tp > 1 or layout.pp > 1):
         raise UsageError(f"method={layout.method} with tp/pp is not supported (LoRA adapters are not split); "
                          "plan with tp=1, pp=1 for LoRA")
@@ -107,27 +122,26 @@ def _check_config(layout: Layout, config: Any, n_layers: int | None = None, dten
         raise UsageError("interleaved pipelines (vpp>1) are not run by this trainer yet; plan with vpp=1")
     if layout.offload != "none":
         raise UsageError("offload runs through DeepSpeed, which this trainer does not combine with tp/pp or FSDP2")
-    if layout.tp == 1 and layout.pp == 1:
-        return  # FSDP2 alone shards any HF model
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-    if layout.tp > 1:
-        heads = get("num_attention_heads")
-        for name, value in (("num_attention_heads", heads), ("num_key_value_heads", get("num_key_value_heads") or heads),
-                            ("intermediate_size", get("intermediate_size"))):
-            if value is None:
-                raise UsageError(f"tensor parallelism needs a Llama-style config; this one has no {name}")
-            if value % layout.tp:
-                raise UsageError(f"tp={layout.tp} does not divide the model's {name} ({value})")
-    if layout.pp > 1:
-        n_layers = n_layers or int(get("num_hidden_layers") or 0)
-        if layout.pp > n_layers:
-            raise UsageError(f"pp={layout.pp} is more pipeline stages than the model's {n_layers} decoder layers")
-        if layout.stage_layers and sum(layout.stage_layers) != n_layers:
-            raise UsageError(f"stage_layers {layout.stage_layers} sum to {sum(layout.stage_layers)}, "
-                             f"the model has {n_layers} decoder layers")
-        if get("tie_word_embeddings", False):
-            raise UsageError("pp>1 with tied input/output embeddings is not supported (the first and last "
-                             "stages would share one weight)")
+
+
+def _check_tensor_split(tp: int, get: Callable[..., Any]) -> None:
+    """Structural: tp divides the attention heads, the key/value heads and the MLP width."""
+    heads = get("num_attention_heads")
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", get("num_key_value_heads") or heads),
+                        ("intermediate_size", get("intermediate_size"))):
+        if value is None:
+            raise UsageError(f"tensor parallelism needs a Llama-style config; this one has no {name}")
+        if value % tp:
+            raise UsageError(f"tp={tp} does not divide the model's {name} ({value})")
+
+
+def _check_pipeline_split(layout: Layout, n_layers: int) -> None:
+    """Structural: at least one decoder layer per stage, and a planned split that covers them all."""
+    if layout.pp > n_layers:
+        raise UsageError(f"pp={layout.pp} is more pipeline stages than the model's {n_layers} decoder layers")
+    if layout.stage_layers and sum(layout.stage_layers) != n_layers:
+        raise UsageError(f"stage_layers {layout.stage_layers} sum to {sum(layout.stage_layers)}, "
+                         f"the model has {n_layers} decoder layers")
 
 
 def _has(module: torch.nn.Module, name: str) -> bool:
@@ -179,99 +193,26 @@ def apply_fsdp(module: torch.nn.Module, units: Iterable[torch.nn.Module], dp_mes
     fully_shard(module, **kwargs)
 
 
-# DTensor warns that a (dp, tp)-sharded sum is made whole by one all-reduce per mesh dimension.
-# For the norm that is harmless: every rank of a collective receives the same result, so all
-# ranks end with the same norm and clip coefficient.
-logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
-    lambda record: "sequential all_reduce" not in record.getMessage())
+def compute_dtype(module: torch.nn.Module, layout: Layout) -> torch.dtype | None:
+    """The dtype to compute in when the weights are still fp32 (ZeRO plans leave the cast to the
+    engine, as DeepSpeed does); None when they already are in the layout's dtype."""
+    wanted = TORCH_DTYPES[layout.dtype]
+    current = next(module.parameters()).dtype
+    return wanted if current != wanted else None
 
 
-def grad_norm_squared(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """Sum of squared gradient entries over this rank's parameters, each counted once.
-
-    DTensor gradients (TP shards, FSDP shards) are summed per (mesh, placements) group and made
-    whole with one collective per group; plain gradients are replicas and count as they are.
-    """
-    from torch.distributed.tensor import DTensor
-
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
-    parts = []
-    for key, grads in groups.items():
-        part = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-        parts.append(part.full_tensor() if key is not None else part)
-    if not parts:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        return torch.zeros((), device=device)
-    return torch.stack(parts).sum()
-
-
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float,
-                   pp_group: dist.ProcessGroup | None = None) -> float:
-    """Global gradient norm (all stages, all shards), and clip to ``max_norm`` when it is > 0.
-
-    Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (coefficient max_norm/(norm+1e-6),
-    capped at 1), which cannot mix plain tensors with DTensors or sum over pipeline stages.
-    """
-    squared = grad_norm_squared(params)
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(squared, group=pp_group)  # each stage holds different parameters
-    norm = squared.sqrt()
-    if max_norm > 0:
-        coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return float(norm)
-
-
-def _flat_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def save_distributed(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """DCP checkpoint of model and optimizer: every rank writes its own shards, once each.
-
-    The optimizer is left out before its first step: asking DCP for the state of an empty
-    optimizer would initialise it with a zero-gradient step and advance Adam's step count. Its
-    state is flattened to one key per parameter (hyper-parameters included): pipeline stages hold
-    different parameter groups, which one shared `param_groups` entry could not describe.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    state: dict[str, Any] = {"model": get_model_state_dict(module)}
-    if optimizer.state:
-        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_flat_options())
-    dcp.save(state, checkpoint_id=str(directory / "dcp"))
-
-
-def load_distributed(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Load what ``save_distributed`` wrote, in place (DCP reshards if the layout changed)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    path = str(directory / "dcp")
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state: dict[str, Any] = {"model": get_model_state_dict(module)}
-    has_optimizer = any(key.startswith("optimizer.") for key in saved)
-    if has_optimizer:
-        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_flat_options())
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(module, state["model"])
-    if has_optimizer:
-        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_flat_options())
-    else:  # a checkpoint taken before the first step: a fresh optimizer
-        optimizer.state.clear()
+def parallelize(module: torch.nn.Module, mesh: ParallelMesh, layout: Layout, layers: Callable[[], torch.nn.Module],
+                fsdp_units: Callable[[], list[torch.nn.Module]], reshard_after_forward: bool) -> None:
+    """The layout's degrees on `module` (a whole model or one pipeline stage), in torchtitan's
+    order: tensor parallelism inside the decoder `layers()`, then FSDP2 over the data-parallel
+    sub-mesh with one shard group per unit of `fsdp_units()` (computing in the layout's dtype),
+    or, without data parallelism, a plain cast to that dtype. Both are asked for only when
+    needed: FSDP2 alone shards models that have no Llama-style layer container."""
+    if layout.tp > 1:
+        apply_tensor_parallel(layers(), mesh.mesh["tp"])
+    dtype = compute_dtype(module, layout)
+    if layout.dp > 1:
+        apply_fsdp(module, fsdp_units(), mesh.mesh["dp"], reshard_after_forward=reshard_after_forward,
+                   param_dtype=dtype)
+    elif dtype is not None:
+        module.to(dtype)

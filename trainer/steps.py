@@ -4,9 +4,10 @@ of `advisor profile`'s calibration.
 A *run layout* is a plain dict (``world, zero, mbs, seq, gas, recompute, method, dtype``; see
 ``LAYOUT_DEFAULTS``): what the CPU benches can run. ``run_layout(spec)`` converts an
 ``advisor.specs.Layout``. Each run builds a randomly initialised model (``demo-tiny`` unless an
-HF config is given), wraps it in the back-end the layout names (plain torch, DDP when world > 1,
-DeepSpeed ZeRO when zero > 0) and runs optimizer steps under a ``Meter`` that sees every
-forward, backward and optimizer region.
+HF config is given) and the engine that `advisor train` would run for the layout (plain torch, DDP
+when world > 1, DeepSpeed ZeRO when zero > 0), through the trainer's own ``build_model`` and
+``make_engine``, and runs optimizer steps under a ``Meter`` that sees every forward, backward and
+optimizer region. Only the DeepSpeed bucket sizes are the harness's own (``ZERO_SETTINGS``).
 
 Ranks are forked from a parent that has already imported torch, transformers and DeepSpeed
 (``launch``), on gloo with a free port: 0.4 s for 2 DDP ranks instead of ~6 s with torchrun
@@ -30,7 +31,12 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
+from advisor.specs import Layout, ModelSpec
 from profiler.ranks import finish_rank, free_port, init_rank, launch  # noqa: F401  (re-exported for callers)
+from trainer.engines import Engine, make_engine, select_backend
+from trainer.engines.plain import DDP_SETTINGS  # noqa: F401  (re-exported: the memory bench records it)
+from trainer.loop import TrainOptions
+from trainer.model import build_model as build_trained_model
 
 RunLayout = dict[str, Any]
 
@@ -47,11 +53,9 @@ MODEL_CONFIG: dict[str, Any] = {
 }
 SEED = 0
 LEARNING_RATE = 1e-4
+CLIP = TrainOptions().clip  # `advisor train`'s gradient clipping
 
-LORA_RANK = 16  # adapters on every linear layer, alpha 2r, no dropout (trainer/engine.py)
-
-# torch DDP settings (its defaults, written out because the cost model has to model them).
-DDP_SETTINGS: dict[str, Any] = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False}
+LORA_RANK = 16  # adapters on every linear layer, alpha 2r, no dropout (trainer/model.py)
 
 # DeepSpeed ZeRO settings, in elements. Small round numbers so that bucket buffers are visible
 # next to the 3.95 M-parameter model. `stage3_max_reuse_distance` is 0 because the default (1e9)
@@ -102,9 +106,15 @@ def run_layout(spec: Any) -> RunLayout:
     })
 
 
+def trainer_layout(layout: RunLayout) -> Layout:
+    """The ``advisor.specs.Layout`` that `advisor train` runs for a run layout."""
+    return Layout(dp=layout["world"], zero=layout["zero"], mbs=layout["mbs"], seq=layout["seq"], gas=layout["gas"],
+                  recompute=layout["recompute"], method=layout["method"], dtype="fp32", lora_rank=LORA_RANK)
+
+
 def uses_deepspeed(layout: RunLayout) -> bool:
     """ZeRO 1-3 run through DeepSpeed; ZeRO 0 is plain torch (DDP when world > 1)."""
-    return layout["zero"] > 0
+    return select_backend(trainer_layout(layout)) == "deepspeed"
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,30 +171,19 @@ def build_model(layout: RunLayout, hf_config: dict[str, Any] | None = None) -> t
     """A randomly initialised fp32 causal LM (``demo-tiny`` by default, else any HF config), with
     the layout's recomputation and method: the trainer's own `build_model`, so that benches and
     calibration time the model `advisor train` runs."""
-    from advisor.specs import Layout, ModelSpec
-    from trainer.engine import build_model as build_trained_model
-
     config = dict(hf_config) if hf_config is not None else {"model_type": "llama", **MODEL_CONFIG}
-    planned = Layout(dp=layout["world"], zero=layout["zero"], mbs=layout["mbs"], seq=layout["seq"], gas=layout["gas"],
-                     recompute=layout["recompute"], method=layout["method"], dtype="fp32",
-                     lora_rank=LORA_RANK)
-    model = build_trained_model(ModelSpec(name="bench", hf_config=config), planned, SEED)  # same init on every rank
-    model.train()
+    model = build_trained_model(ModelSpec(name="bench", hf_config=config), trainer_layout(layout), SEED)
+    model.train()  # same init on every rank: the seed is fixed
     return model
 
 
 def deepspeed_config(layout: RunLayout) -> dict[str, Any]:
-    """DeepSpeed ZeRO config: fp32, torch AdamW, no clipping, our explicit bucket sizes."""
+    """DeepSpeed ZeRO config: fp32 and our explicit bucket sizes (the trainer's DeepSpeed engine
+    adds its AdamW and clipping)."""
     return {
         "train_micro_batch_size_per_gpu": layout["mbs"],
         "gradient_accumulation_steps": layout["gas"],
         "train_batch_size": layout["mbs"] * layout["gas"] * layout["world"],
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": LEARNING_RATE, "weight_decay": 0.01, "torch_adam": True, "foreach": False},
-        },
-        # DeepSpeed 0.19.8 clips at 1.0 by default; plain AdamW does not clip.
-        "gradient_clipping": 0.0,
         "fp16": {"enabled": False},
         "bf16": {"enabled": False},
         "zero_optimization": {"stage": layout["zero"], **ZERO_SETTINGS},
@@ -200,54 +199,46 @@ def random_batch(layout: RunLayout, rank: int, step: int, micro: int, vocab: int
     return torch.randint(0, vocab, (layout["mbs"], layout["seq"]), generator=gen)
 
 
+def build_engine(layout: RunLayout, hf_config: dict[str, Any] | None = None) -> Engine:
+    """The engine `advisor train` runs for ``layout`` (``make_engine``), on the harness's model."""
+    config = deepspeed_config(layout) if uses_deepspeed(layout) else None
+    return make_engine(build_model(layout, hf_config), trainer_layout(layout), config, CLIP)
+
+
 def run_steps(
     layout: RunLayout, steps: int, rank: int, meter: Meter, hf_config: dict[str, Any] | None = None
-) -> None:
-    """Build the back-end for ``layout`` and run ``steps`` optimizer steps under ``meter``."""
-    import deepspeed
+) -> list[float]:
+    """Build the engine for ``layout`` and run ``steps`` optimizer steps under ``meter``; this
+    rank's mean loss of each step.
 
-    gas = layout["gas"]
+    An engine's micro-step is forward and backward in one call: a hook on its model ends the
+    forward region when the model returns, and the backward region starts there.
+    """
     vocab = int((hf_config or MODEL_CONFIG)["vocab_size"])
-    model = build_model(layout, hf_config)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if uses_deepspeed(layout):
-        engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=trainable, config=deepspeed_config(layout)
-        )
-        meter.attach(engine, optimizer)
-        for step in range(1, steps + 1):
-            for micro in range(gas):
-                with region(meter, step, "forward"):
-                    ids = random_batch(layout, rank, step, micro, vocab)
-                    loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
-                with region(meter, step, "backward"):
-                    engine.backward(loss)  # ZeRO reduces (and partitions) gradients in here
-                    del ids, loss
-                with region(meter, step, "optimizer"):
-                    engine.step()  # steps the optimizer only at the accumulation boundary
-        del engine, optimizer
-    else:
-        if layout["world"] > 1:
-            model = torch.nn.parallel.DistributedDataParallel(model, **DDP_SETTINGS)
-        optimizer = torch.optim.AdamW(trainable, lr=LEARNING_RATE, foreach=False)
-        meter.attach(model, optimizer)
-        for step in range(1, steps + 1):
-            for micro in range(gas):
-                # DDP would all-reduce every micro-batch; sync only on the last one.
-                last = micro == gas - 1
-                sync = contextlib.nullcontext() if last or layout["world"] == 1 else model.no_sync()
-                with sync:
-                    with region(meter, step, "forward"):
-                        ids = random_batch(layout, rank, step, micro, vocab)
-                        loss = model(input_ids=ids, labels=ids, use_cache=False).loss / gas
-                    with region(meter, step, "backward"):
-                        loss.backward()
-                        del ids, loss
-            with region(meter, step, "optimizer"):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        del optimizer
-    del model, trainable
+    engine = build_engine(layout, hf_config)
+    meter.attach(engine.model, engine.optimizer)
+    current = [0]
+
+    def forward_done(*_: Any) -> None:
+        meter.end()
+        meter.begin(current[0], "backward")
+
+    hook = engine.model.register_forward_hook(forward_done)
+    losses = []
+    for step in range(1, steps + 1):
+        current[0] = step
+        micro_losses = []
+        for micro in range(layout["gas"]):
+            ids = random_batch(layout, rank, step, micro, vocab)
+            with region(meter, step, "forward"):  # "backward" from the hook on
+                micro_losses.append(engine.micro_step(ids))
+            del ids
+        with region(meter, step, "optimizer"):
+            engine.optimizer_step(LEARNING_RATE)
+        losses.append(statistics.fmean(micro_losses))
+    hook.remove()
+    del engine
+    return losses
 
 
 # --------------------------------------------------------------------------------------------

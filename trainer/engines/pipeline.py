@@ -1,16 +1,13 @@
-"""DTensor engines: tensor parallel and FSDP2 (``ShardedEngine``) and the pipeline
-(``PipelineEngine``), with the same four operations as ``trainer.engine.Engine``.
+"""Pipeline parallelism through ``torch.distributed.pipelining``, with FSDP2 over the
+data-parallel sub-mesh for DP x PP and tensor parallelism inside each stage for tp > 1.
 
-``micro_step(input_ids)`` returns the micro-batch's mean token loss, or ``None`` when the engine
-defers the work: a pipeline runs all of a step's micro-batches in one schedule step, on the
-gas-th call, and returns their mean there. ``data_rank`` says which data-parallel shard of the
-batch this rank reads (TP and PP ranks of one replica read the same sequences). Checkpoints are
-torch.distributed.checkpoint folders of model and optimizer state.
+``micro_step`` defers the work: the schedule runs all of a step's micro-batches at once, on the
+gas-th call, and returns their mean loss there (None before). Checkpoints are DCP folders whose
+parameter names do not depend on the split.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
@@ -18,90 +15,10 @@ import torch
 import torch.distributed as dist
 
 from advisor.specs import Layout
-from trainer.engine import forward_backward
-from trainer.parallelize import (
-    DTYPES,
-    ParallelMesh,
-    apply_fsdp,
-    apply_tensor_parallel,
-    check_parallel_layout,
-    clip_grad_norm,
-    decoder_layers,
-    load_distributed,
-    save_distributed,
-    shard_units,
-)
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _compute_dtype(module: torch.nn.Module, layout: Layout) -> torch.dtype | None:
-    """The dtype to compute in when the weights are still fp32 (ZeRO plans leave the cast to the
-    engine, as DeepSpeed does); None when they already are in the layout's dtype."""
-    wanted = DTYPES[layout.dtype]
-    current = next(module.parameters()).dtype
-    return wanted if current != wanted else None
-
-
-def _adamw(params: list[torch.nn.Parameter], weight_decay: float) -> torch.optim.Optimizer:
-    cuda = params[0].is_cuda
-    return torch.optim.AdamW(params, lr=0.0, weight_decay=weight_decay, foreach=False if not cuda else None)
-
-
-class ShardedEngine:
-    """Tensor parallel (Megatron split through DTensor) and/or FSDP2 over the data-parallel
-    sub-mesh: DP x TP on a 2-D mesh, or FSDP2 alone as the alternative to DeepSpeed ZeRO.
-
-    ZeRO-3 reshards parameters after forward (gathered again for backward); ZeRO-1/2 keep them
-    gathered from forward to backward. Accumulating micro-batches skip the gradient
-    reduce-scatter below ZeRO-2 (like DDP's no_sync) and reduce every micro-batch from ZeRO-2 on,
-    where unsharded accumulated gradients would defeat the point.
-    """
-
-    def __init__(self, model: torch.nn.Module, layout: Layout, clip: float, weight_decay: float = 0.0):
-        check_parallel_layout(model, layout)
-        self.layout, self.clip = layout, clip
-        self.mesh = ParallelMesh.build(layout)
-        if layout.tp > 1:
-            apply_tensor_parallel(decoder_layers(model), self.mesh.mesh["tp"])
-        compute_dtype = _compute_dtype(model, layout)
-        self.sharded = layout.dp > 1
-        if self.sharded:
-            apply_fsdp(model, shard_units(model), self.mesh.mesh["dp"], reshard_after_forward=layout.zero == 3,
-                       param_dtype=compute_dtype)
-        elif compute_dtype is not None:
-            model.to(compute_dtype)
-        self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = _adamw(self.params, weight_decay)
-        self.data_rank = self.mesh.coordinate("dp")
-        self._micro = 0
-
-    def micro_step(self, input_ids: torch.Tensor) -> float:
-        """Forward and backward of one micro-batch; returns its mean token loss."""
-        self._micro += 1
-        if self.sharded:
-            boundary = self._micro % self.layout.gas == 0
-            self.model.set_requires_gradient_sync(boundary or self.layout.zero >= 2)
-        return forward_backward(self.model, input_ids, self.layout.gas)
-
-    def optimizer_step(self, lr: float) -> float:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        norm = clip_grad_norm(self.params, self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
-    def save(self, directory: Path) -> None:
-        save_distributed(self.model, self.optimizer, directory)
-
-    def load(self, directory: Path) -> None:
-        load_distributed(self.model, self.optimizer, directory)
+from profiler.hardware_bench import TORCH_DTYPES
+from trainer.engines.base import DTensorState, device
+from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
+from trainer.parallelize import ParallelMesh, check_parallel_layout, decoder_layers, parallelize
 
 
 def stage_layer_split(layout: Layout, n_layers: int) -> list[int]:
@@ -195,18 +112,17 @@ class PipelineForward(torch.nn.Module):
         return SimpleNamespace(loss=loss)
 
 
-class PipelineEngine:
-    """Pipeline parallel through ``torch.distributed.pipelining``: this rank's stage, the 1F1B
-    schedule over ``gas`` micro-batches of ``mbs`` sequences (GPipe when gas < pp, which 1F1B
-    cannot fill), and FSDP2 over the data-parallel sub-mesh for DP x PP (TP inside each stage
-    for tp > 1).
+class PipelineEngine(DTensorState):
+    """This rank's stage, the 1F1B schedule over ``gas`` micro-batches of ``mbs`` sequences (GPipe
+    when gas < pp, which 1F1B cannot fill), FSDP2 over the data-parallel sub-mesh and TP inside
+    the stage.
 
     With data parallelism the stage keeps its parameters gathered between forward and backward:
     resharding after forward would make every micro-batch pay another all-gather (torchtitan).
     """
 
     def __init__(self, model: torch.nn.Module, layout: Layout, clip: float, weight_decay: float = 0.0):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # loaded for PP only
 
         check_parallel_layout(model, layout)
         self.layout, self.clip = layout, clip
@@ -223,22 +139,16 @@ class PipelineEngine:
 
         split = stage_layer_split(layout, len(decoder_layers(model)))
         stage = PipelineStageModule(model, self.stage_index, split)
-        if layout.tp > 1:
-            apply_tensor_parallel(stage.model.layers, self.mesh.mesh["tp"])
-        compute_dtype = _compute_dtype(stage, layout)
-        self.activation_dtype = compute_dtype or next(stage.parameters()).dtype
-        if layout.dp > 1:
-            apply_fsdp(stage, list(stage.model.layers.children()), self.mesh.mesh["dp"],
-                       reshard_after_forward=False, param_dtype=compute_dtype)
-        elif compute_dtype is not None:
-            stage.to(compute_dtype)
+        parallelize(stage, self.mesh, layout, layers=lambda: stage.model.layers,
+                    fsdp_units=lambda: list(stage.model.layers.children()), reshard_after_forward=False)
+        self.activation_dtype = TORCH_DTYPES[layout.dtype]
         self.params = [p for p in stage.parameters() if p.requires_grad]
-        self.optimizer = _adamw(self.params, weight_decay)
-        pipeline_stage = PipelineStage(stage, self.stage_index, layout.pp, _device(), group=self.pp_group)
+        self.optimizer = adamw(self.params, weight_decay)
+        pipeline_stage = PipelineStage(stage, self.stage_index, layout.pp, device(), group=self.pp_group)
         schedule = Schedule1F1B if layout.gas >= layout.pp else ScheduleGPipe
         # loss_fn returns each micro-batch's mean; the schedule divides gradients by gas
         self.schedule = schedule(pipeline_stage, n_microbatches=layout.gas, loss_fn=self.loss_fn)
-        self.stage = stage
+        self.module = stage
         self.model = PipelineForward(stage, self)
         self.data_rank = self.mesh.coordinate("dp")
         self._buffer: list[torch.Tensor] = []
@@ -256,20 +166,10 @@ class PipelineEngine:
         args = (tokens,) if self.stage_index == 0 else ()
         target = labels if self.is_last else None
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        mean = torch.stack(losses).mean().detach().float() if self.is_last else torch.zeros((), device=_device())
+        mean = torch.stack(losses).mean().detach().float() if self.is_last else torch.zeros((), device=device())
         dist.broadcast(mean, src=self.last_stage_rank, group=self.pp_group)
         return float(mean)
 
     def optimizer_step(self, lr: float) -> float:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        norm = clip_grad_norm(self.params, self.clip, self.pp_group)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
-    def save(self, directory: Path) -> None:
-        save_distributed(self.stage, self.optimizer, directory)
-
-    def load(self, directory: Path) -> None:
-        load_distributed(self.stage, self.optimizer, directory)
+        return optimizer_step(self.optimizer, lr,
+                              lambda: clip_sharded_grad_norm(self.params, self.clip, self.pp_group))

@@ -1,0 +1,126 @@
+"""The contract every engine keeps with the training loop, and what the engines share.
+
+An engine owns a model and its optimizer under one parallel layout (``advisor.specs.Layout``,
+the single source of truth for degrees, as ``ParallelDims`` is in torchtitan). The loop only
+ever calls the five operations of ``Engine``, whichever back-end runs: plain torch or DDP,
+DeepSpeed ZeRO, the DTensor sharded engine (TP, FSDP2) or the pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Protocol, runtime_checkable
+
+import torch
+
+from trainer.checkpoint import load_distributed, save_distributed
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One model and its optimizer under one layout.
+
+    ``model`` is what evaluation calls as ``model(input_ids=..., labels=...).loss``; ``data_rank``
+    says which data-parallel shard of the batch this rank reads (tensor and pipeline ranks of
+    one replica read the same sequences).
+    """
+
+    model: torch.nn.Module
+    data_rank: int
+
+    def micro_step(self, input_ids: torch.Tensor) -> float | None:
+        """Forward and backward of one micro-batch; its mean token loss, or None when the engine
+        defers the work (a pipeline runs all of a step's micro-batches on the gas-th call)."""
+        ...
+
+    def optimizer_step(self, lr: float) -> float:
+        """Clip, step and clear the gradients at learning rate `lr`; the global gradient norm."""
+        ...
+
+    def save(self, directory: Path) -> None:
+        """Write this rank's part of the full state (model and optimizer) into `directory`."""
+        ...
+
+    def load(self, directory: Path) -> None:
+        """Read back, in place, what `save` wrote."""
+        ...
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of ``parameters``, ``gradients`` and ``optimizer`` state THIS rank holds now
+        (local shards only), the quantities of the ZeRO paper's Table 1."""
+        ...
+
+
+class DTensorState:
+    """Saving, loading and counting the state of a DTensor engine (sharded or pipeline): its
+    ``module`` (the model, or this rank's pipeline stage) and its ``optimizer``, in one DCP folder."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def save(self, directory: Path) -> None:
+        save_distributed(self.module, self.optimizer, directory)
+
+    def load(self, directory: Path) -> None:
+        load_distributed(self.module, self.optimizer, directory)
+
+    def state_bytes(self) -> dict[str, int]:
+        return state_bytes(self.module.parameters(), self.optimizer)
+
+
+def device() -> torch.device:
+    """This rank's device: the GPU its launcher assigned (LOCAL_RANK), else the CPU.
+
+    LOCAL_RANK rather than ``torch.cuda.current_device()``: the current device is GPU 0 on every
+    rank that has not called ``set_device``, while the launcher's assignment holds either way.
+    """
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, gas: int) -> float:
+    """One micro-batch's forward and backward (the loss scaled for accumulation); its mean token loss."""
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    (loss / gas).backward()
+    return float(loss.detach())
+
+
+def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of these tensors on this rank: a DTensor counts its local shard; a tensor listed
+    twice counts once."""
+    from torch.distributed.tensor import DTensor  # ~0.5 s to import: loaded when first needed
+
+    unique = {id(t): t for t in tensors if t is not None}
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in unique.values()]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Where a tensor's (local) data lives: views of one buffer share it."""
+    from torch.distributed.tensor import DTensor  # ~0.5 s to import: loaded when first needed
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def state_bytes(parameters: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer,
+                gradients: Iterable[torch.Tensor] | None = None) -> dict[str, int]:
+    """Parameters, gradients and optimizer state held through torch tensors: the parameters,
+    the gradients (their ``.grad`` unless the engine keeps them elsewhere), and every tensor of
+    the optimizer's per-parameter state (Adam's moments and step), plus the optimizer's own
+    parameters when they are copies (DeepSpeed's fp32 master partitions of 16-bit or ZeRO-1/2
+    weights) rather than views of the model's own storage."""
+    parameters = list(parameters)
+    own = {_storage(p) for p in parameters}
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    masters = [p for p in stepped if _storage(p) not in own]
+    moments = [t for per_param in optimizer.state.values() for t in per_param.values() if torch.is_tensor(t)]
+    if gradients is None:
+        gradients = [p.grad for p in parameters + masters]
+    return {
+        "parameters": local_bytes(parameters),
+        "gradients": local_bytes(gradients),
+        "optimizer": local_bytes(masters + moments),
+    }

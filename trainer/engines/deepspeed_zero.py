@@ -1,0 +1,77 @@
+"""DeepSpeed ZeRO 1-3, optionally offloaded, with the config the planner exported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from advisor.specs import Layout
+from trainer.engines.base import state_bytes
+from trainer.engines.optimizer import set_learning_rate
+
+
+class DeepSpeedEngine:
+    """DeepSpeed counts micro-steps itself and updates only at the accumulation boundary; it
+    clips and steps AdamW inside ``engine.step()``."""
+
+    def __init__(self, model: torch.nn.Module, layout: Layout, config: dict[str, Any], clip: float,
+                 weight_decay: float = 0.0):
+        import deepspeed  # heavy optional dependency: only ZeRO plans load it
+
+        config = dict(config)
+        config["gradient_clipping"] = clip  # DeepSpeed clips at 1.0 unless told (NOTES trap 3)
+        cpu = not torch.cuda.is_available()
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": weight_decay,
+                                                          "torch_adam": cpu}}
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+        self.layout = layout
+        self.model = self.engine
+        self.data_rank = dist.get_rank()
+
+    def micro_step(self, input_ids: torch.Tensor) -> float:
+        loss = self.engine(input_ids=input_ids, labels=input_ids).loss
+        self.engine.backward(loss)
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()  # DeepSpeed counts micro-steps; it updates only at the boundary
+        return float(loss.detach())
+
+    def optimizer_step(self, lr: float) -> float:
+        set_learning_rate(self.optimizer, lr)
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def save(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag="engine")
+
+    def load(self, directory: Path) -> None:
+        self.engine.load_checkpoint(str(directory), tag="engine", load_optimizer_states=True,
+                                    load_lr_scheduler_states=False)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Under ZeRO-3 a parameter counts its partition (``ds_tensor``) plus its module tensor,
+        which is empty between gathers unless DeepSpeed keeps it whole (small "persistent"
+        parameters); the optimizer counts DeepSpeed's fp32 master partitions and their Adam
+        moments."""
+        parameters = [t for p in self.engine.module.parameters() for t in (p, getattr(p, "ds_tensor", None))
+                      if t is not None]
+        zero_optimizer = self.optimizer
+        return state_bytes(parameters, zero_optimizer.optimizer, _gradient_partitions(zero_optimizer))
+
+
+def _gradient_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
+    """DeepSpeed keeps gradients in its own flat partitions, not in ``.grad``: ZeRO-3 in one
+    buffer for the whole run, ZeRO-1/2 per parameter group from the boundary's backward to the
+    step."""
+    flat = getattr(zero_optimizer, "grad_partitions_flat_buffer", None)
+    if flat is not None:
+        return [flat]
+    held: list[torch.Tensor] = []
+    for group in getattr(zero_optimizer, "averaged_gradients", {}).values():
+        if group is not None:
+            held.extend(group if isinstance(group, list) else [group])
+    return held

@@ -1,0 +1,58 @@
+"""Plain PyTorch in one process, or DDP across data-parallel ranks."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from advisor.specs import Layout
+from trainer.engines.base import forward_backward, state_bytes
+from trainer.engines.optimizer import adamw, clip_replicated_grad_norm, optimizer_step
+
+# DDP's bucket size (its default, written out because the cost model has to model it); gradients
+# live in the buckets instead of in copies of them.
+DDP_SETTINGS: dict[str, Any] = {"bucket_cap_mb": 25, "gradient_as_bucket_view": True}
+
+
+class PlainEngine:
+    """AdamW, optional clipping, and under DDP no_sync while accumulating (one all-reduce per
+    optimizer step). Replicas are identical, so rank 0 alone saves ``engine.pt``."""
+
+    def __init__(self, model: torch.nn.Module, layout: Layout, clip: float, weight_decay: float = 0.0):
+        self.layout = layout
+        self.clip = clip
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = adamw(self.params, weight_decay, fused=True)
+        self.module = model
+        self.model = DistributedDataParallel(model, **DDP_SETTINGS) if self.world > 1 else model
+        self.data_rank = dist.get_rank() if dist.is_initialized() else 0
+        self._micro = 0
+
+    def micro_step(self, input_ids: torch.Tensor) -> float:
+        self._micro += 1
+        boundary = self._micro % self.layout.gas == 0
+        sync = contextlib.nullcontext() if boundary or self.world == 1 else self.model.no_sync()
+        with sync:
+            return forward_backward(self.model, input_ids, self.layout.gas)
+
+    def optimizer_step(self, lr: float) -> float:
+        return optimizer_step(self.optimizer, lr, lambda: clip_replicated_grad_norm(self.params, self.clip))
+
+    def save(self, directory: Path) -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:  # replicas are identical
+            torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()},
+                       directory / "engine.pt")
+
+    def load(self, directory: Path) -> None:
+        state = torch.load(directory / "engine.pt", map_location="cpu", weights_only=True)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def state_bytes(self) -> dict[str, int]:
+        return state_bytes(self.module.parameters(), self.optimizer)

@@ -1,0 +1,64 @@
+"""The model a plan trains: the HF causal LM from its config (or local weights), in the layout's
+dtype, with its recomputation and its method (full fine-tuning, LoRA or QLoRA).
+
+Every engine, the benches' step harness and calibration build their model here, so that what is
+timed is what `advisor train` runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from advisor.errors import UsageError
+from advisor.specs import Layout, ModelSpec
+from profiler.hardware_bench import TORCH_DTYPES
+
+
+def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None = None) -> torch.nn.Module:
+    """The HF model from its config (random init, seeded) or from a local folder of weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # heavy: loaded only when a model is built
+
+    torch.manual_seed(seed)
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(weights, local_files_only=True, attn_implementation="sdpa")
+    else:
+        config = AutoConfig.for_model(**spec.hf_config)
+        config.use_cache = False
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if layout.dtype != "fp32" and layout.zero == 0:
+        model = model.to(TORCH_DTYPES[layout.dtype])  # DeepSpeed casts itself from its config
+    if layout.recompute != "none":
+        apply_recomputation(model, layout)
+    if layout.method in ("lora", "qlora"):
+        model = apply_lora(model, layout)
+    return model
+
+
+def apply_recomputation(model: torch.nn.Module, layout: Layout) -> None:
+    """Checkpoint the first `recompute_layers` decoder layers (all when unset).
+
+    transformers checkpoints every layer or none; the plan may recompute only some, so we flip the
+    per-layer flag that its GradientCheckpointingLayer reads. Selective recomputation (attention
+    core only) has no hook in HF modules: we recompute the whole layer for it and say so.
+    Applied before LoRA wraps the model, and for every engine (DeepSpeed's included), which is why
+    it lives here and not among the DTensor `apply_*` steps of `trainer.parallelize`.
+    """
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if layout.recompute_layers is None:
+        return
+    keep = sum(layout.recompute_layers)
+    layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
+              and m.__class__.__name__.endswith("DecoderLayer")]
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = index < keep
+
+
+def apply_lora(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """LoRA adapters of rank `lora_rank` on every linear layer (alpha 2r, no dropout); the base
+    stays frozen."""
+    if layout.method == "qlora" and not torch.cuda.is_available():
+        raise UsageError("QLoRA needs bitsandbytes' 4-bit kernels on CUDA; this machine has none (use lora)")
+    from peft import LoraConfig, get_peft_model  # heavy optional dependency, only for LoRA plans
+
+    return get_peft_model(model, LoraConfig(r=layout.lora_rank, lora_alpha=2 * layout.lora_rank,
+                                            lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"))
