@@ -240,7 +240,7 @@ def test_run_trains_only_layouts_the_trainer_runs() -> None:
         update={"dp": 1, "tp": 2, "method": "lora"})})
     deep_pp = plan.chosen.model_copy(update={"layout": plan.chosen.layout.model_copy(update={"dp": 1, "pp": 8})})
     assert "LoRA adapters are not split" in unsupported_reason(lora_tp.layout, MODEL.hf_config)
-    assert "more pipeline stages than the model's 4" in unsupported_reason(deep_pp.layout, MODEL.hf_config)
+    assert "pp=8 exceeds the 4 decoder layers" in unsupported_reason(deep_pp.layout, MODEL.hf_config)
     broken = plan.model_copy(update={"chosen": lora_tp, "alternatives": [deep_pp, plan.chosen, *plan.alternatives]})
     said: list[str] = []
     fixed = trainable_plan(broken, said.append)

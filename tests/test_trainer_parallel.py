@@ -16,7 +16,7 @@ import pytest
 
 from advisor.errors import UsageError
 from advisor.plan_file import load_plan
-from advisor.specs import Layout, ModelSpec
+from advisor.specs import Layout, ModelSpec, layers_per_stage
 from test_trainer import CONFIG, _free_port, make_plan_file, read_jsonl
 
 UNSPLIT = {"dp": 1, "tp": 1, "pp": 1, "mbs": 1, "gas": 4, "zero": 0, "dtype": "fp32"}
@@ -120,10 +120,10 @@ def _tiny_model(**overrides):
 
 
 @pytest.mark.parametrize("layout, config, message", [
-    ({"tp": 4}, {"num_attention_heads": 2}, "tp=4 does not divide the model's num_attention_heads (2)"),
-    ({"tp": 2}, {"num_attention_heads": 4, "num_key_value_heads": 1}, "num_key_value_heads (1)"),
-    ({"tp": 2}, {"intermediate_size": 63}, "intermediate_size (63)"),
-    ({"pp": 3}, {}, "pp=3 is more pipeline stages than the model's 2 decoder layers"),
+    ({"tp": 4}, {"num_attention_heads": 2}, "tp=4 does not divide the 2 attention heads"),
+    ({"tp": 2}, {"num_attention_heads": 4, "num_key_value_heads": 1}, "the model's 1 key/value heads"),
+    ({"tp": 2}, {"intermediate_size": 63}, "does not divide the MLP width 63"),
+    ({"pp": 3}, {}, "pp=3 exceeds the 2 decoder layers"),
     ({"pp": 2, "method": "lora"}, {}, "method=lora with tp/pp is not supported"),
     ({"pp": 2}, {"tie_word_embeddings": True}, "tied input/output embeddings"),
 ])
@@ -148,10 +148,8 @@ def test_backend_selection_follows_the_plan_engine_field() -> None:
 
 
 def test_pipeline_stages_follow_the_plan_split_else_an_even_one() -> None:
-    from trainer.engines.pipeline import stage_layer_split
-
-    assert stage_layer_split(Layout(pp=2, stage_layers=[3, 1]), 4) == [3, 1]
-    assert stage_layer_split(Layout(pp=3), 7) == [2, 2, 3]  # the remainder goes to later stages
+    assert layers_per_stage(4, Layout(pp=2, stage_layers=[3, 1])) == [3, 1]
+    assert layers_per_stage(7, Layout(pp=3)) == [2, 2, 3]  # the remainder goes to later stages
 
 
 # -- what each rank holds: parameters, gradients and optimizer state ----------------------------

@@ -30,9 +30,10 @@ from advisor.task import StageSpec
 from planner.export import deepspeed_config
 from trainer import checkpoint
 from trainer.corpus import load_source, stage_sources, tokenizer_for
-from trainer.engine import build_model, device, make_engine, select_backend
+from trainer.engines import device, make_engine, select_backend
 from trainer.oom import (RELAUNCH, OOMInjector, free_memory, is_oom, next_layout, relaunch_layout,
                          request_relaunch)
+from trainer.model import build_model
 from trainer.options import TrainOptions
 from trainer.prepared import bucket_stream, mask_padding, prepared_dir
 from trainer.scalars import ScalarLog

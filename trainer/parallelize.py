@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from advisor.errors import UsageError
+from advisor.layout_rules import ModelShape, pipeline_problem, tensor_parallel_problem
 from advisor.specs import Layout
 from profiler.hardware_bench import TORCH_DTYPES
 
@@ -125,23 +126,27 @@ def _check_dtensor_features(layout: Layout) -> None:
 
 
 def _check_tensor_split(tp: int, get: Callable[..., Any]) -> None:
-    """Structural: tp divides the attention heads, the key/value heads and the MLP width."""
+    """The structural rules (advisor/layout_rules.py), then what this engine's split needs besides:
+    whole key/value heads on every rank (the planner also allows replicating fewer heads)."""
     heads = get("num_attention_heads")
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", get("num_key_value_heads") or heads),
-                        ("intermediate_size", get("intermediate_size"))):
+    kv_heads, width = get("num_key_value_heads") or heads, get("intermediate_size")
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                        ("intermediate_size", width)):
         if value is None:
             raise UsageError(f"tensor parallelism needs a Llama-style config; this one has no {name}")
-        if value % tp:
-            raise UsageError(f"tp={tp} does not divide the model's {name} ({value})")
+    problem = tensor_parallel_problem(tp, ModelShape(heads, kv_heads, width, int(get("num_hidden_layers") or 0)))
+    if problem:
+        raise UsageError(problem)
+    if kv_heads % tp:
+        raise UsageError(f"tp={tp} does not divide the model's {kv_heads} key/value heads: this trainer keeps "
+                         "whole key/value heads on every tensor-parallel rank")
 
 
 def _check_pipeline_split(layout: Layout, n_layers: int) -> None:
-    """Structural: at least one decoder layer per stage, and a planned split that covers them all."""
-    if layout.pp > n_layers:
-        raise UsageError(f"pp={layout.pp} is more pipeline stages than the model's {n_layers} decoder layers")
-    if layout.stage_layers and sum(layout.stage_layers) != n_layers:
-        raise UsageError(f"stage_layers {layout.stage_layers} sum to {sum(layout.stage_layers)}, "
-                         f"the model has {n_layers} decoder layers")
+    """The structural rules: a decoder layer per stage, a planned split that covers them all."""
+    problem = pipeline_problem(layout.pp, layout.vpp, layout.gas, layout.stage_layers, n_layers)
+    if problem:
+        raise UsageError(problem)
 
 
 def _has(module: torch.nn.Module, name: str) -> bool:

@@ -28,10 +28,10 @@ from advisor.cli.compose import profile_this_machine
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
 from advisor.specs import HardwareSpec, ModelSpec
-from advisor.task import TaskSpec, load_task
+from advisor.task import TaskSpec
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
-from presets import load_hardware, load_model
+from presets import load_hardware, load_model, load_task
 from planner.feedback import feed_back, observation
 from advisor.profile import FeedbackRound, fingerprint_mismatch, load_profile, looks_like_profile
 from profiler.inventory import this_host

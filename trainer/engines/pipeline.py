@@ -14,20 +14,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from advisor.specs import Layout
+from advisor.specs import Layout, layers_per_stage
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.engines.base import DTensorState, device
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
 from trainer.parallelize import ParallelMesh, check_parallel_layout, decoder_layers, parallelize
-
-
-def stage_layer_split(layout: Layout, n_layers: int) -> list[int]:
-    """Decoder layers per pipeline stage: the plan's split, else even with the remainder on the
-    later stages (the first stage also holds the embedding, the last the LM head and loss)."""
-    if layout.stage_layers:
-        return list(layout.stage_layers)
-    base, extra = divmod(n_layers, layout.pp)
-    return [base + (1 if stage >= layout.pp - extra else 0) for stage in range(layout.pp)]
 
 
 def _split_padding(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +128,7 @@ class PipelineEngine(DTensorState):
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = \
             lambda logits, labels: hf_loss(logits=logits, labels=labels, vocab_size=vocab)
 
-        split = stage_layer_split(layout, len(decoder_layers(model)))
+        split = layers_per_stage(len(decoder_layers(model)), layout)
         stage = PipelineStageModule(model, self.stage_index, split)
         parallelize(stage, self.mesh, layout, layers=lambda: stage.model.layers,
                     fsdp_units=lambda: list(stage.model.layers.children()), reshard_after_forward=False)
