@@ -10,6 +10,7 @@ manifests and the demo's per-step losses (CPU training is deterministic).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,9 @@ PLANS = {
                        "--global-batch", "16", "--method", "auto"],
     "plan_infeasible": ["--model", "llama3-405b", "--hardware", "rtx4090-24g", "--gpus-per-node", "1"],
 }
-TIMING_KEYS = {"seconds", "wall_s", "step_s_measured", "elapsed_s", "time", "created", "tokens_per_s_measured"}
+# Wall-clock fields, and what depends on the temporary folder (file paths, mtimes in fingerprints).
+TIMING_KEYS = {"seconds", "wall_s", "step_s_measured", "elapsed_s", "time", "created", "tokens_per_s_measured",
+               "fingerprint", "prepared_at", "files"}
 RUN_TIMING_KEYS = {"tokens_per_s", "step_s", "time", "wall_s", "elapsed_s"}
 
 
@@ -49,13 +52,14 @@ def _advisor(*args: str, cwd: Path | None = None) -> tuple[int, str]:
 
 def _strip(value, keys: set[str]):
     if isinstance(value, dict):
-        return {k: _strip(v, keys) for k, v in value.items() if k not in keys}
+        return {k: _strip(v, keys) for k, v in value.items() if k not in keys and not k.endswith("_seconds")}
     if isinstance(value, list):
         return [_strip(v, keys) for v in value]
     return value
 
 
 def _write(out: Path, name: str, rc: int, stdout: str) -> None:
+    stdout = re.sub(re.escape(tempfile.gettempdir()) + r"/tmp\w+", "<tmp>/run", stdout)  # TemporaryDirectory
     try:
         body = _strip(json.loads(stdout), TIMING_KEYS)
     except json.JSONDecodeError:

@@ -12,7 +12,7 @@ from typing import Any
 from advisor.profile import HardwareProfile
 from planner.calibration import calibrate
 from profiler.run_profile import ProfileOptions, run_profile
-from trainer.steps import prepare_parent, run_layout, time_steps
+from trainer.steps import normalize_layout, prepare_parent, run_layout, time_steps
 
 
 def _time_layout_steps(layout: Any, **kwargs: Any) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def _time_layout_steps(layout: Any, **kwargs: Any) -> dict[str, Any]:
 def profile_this_machine(opts: ProfileOptions, progress: Any = None) -> HardwareProfile | None:
     """Measure, fit, write `opts.out`; None where a torchrun job wrote the profile itself."""
     measured = run_profile(opts, progress, step_runner=_time_layout_steps,
-                           prepare_forks=lambda: prepare_parent({"zero": 0}))
+                           prepare_forks=lambda: prepare_parent(normalize_layout({})))
     if measured is None:
         return None
     profile = measured.profile
