@@ -1,7 +1,7 @@
 """Data preparation for task-split training: clean, grade by difficulty, bucket by length, shard.
 
 - `prepare.prepare(task)`: the whole `advisor data prepare` pipeline (streams; writes aside, then renames).
-- `manifest.manifest_stage_tokens(task)`: tokens per stage from the prepared data, for the planner.
+- `manifest.manifest_stage_tokens(task)`: tokens per stage from the prepared data (the CLI hands them to the planner).
 - `shards.stage_shards(out, stage)` / `shards.load_shard(path)`: what `advisor train` reads.
 - `demo_corpus.generate_demo_corpus(dir)` and `tokenizer.load_demo_tokenizer()`: the embedded demo's data.
 
