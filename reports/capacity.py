@@ -131,24 +131,16 @@ class Option:
         return None if self.price is None else self.gpu_hours * self.price
 
     @property
-    def tokens_per_s(self) -> float:
+    def planned(self) -> Estimate:
+        """The chosen layout's estimate (only options the planner could place have one)."""
         assert self.estimate is not None
-        return self.estimate.throughput.tokens_per_s
+        return self.estimate
 
-    @property
-    def mfu(self) -> float:
-        assert self.estimate is not None
-        return self.estimate.throughput.mfu
-
-    @property
-    def peak_bytes(self) -> int:
-        assert self.estimate is not None
-        return self.estimate.memory.peak
-
-    @property
-    def capacity_bytes(self) -> int:
-        assert self.estimate is not None
-        return self.estimate.memory.capacity
+    # the planner's figures for this option, read off its estimate
+    tokens_per_s = property(lambda self: self.planned.throughput.tokens_per_s)
+    mfu = property(lambda self: self.planned.throughput.mfu)
+    peak_bytes = property(lambda self: self.planned.memory.peak)
+    capacity_bytes = property(lambda self: self.planned.memory.capacity)
 
     @property
     def headroom(self) -> float:
