@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from profiler.ranks import free_port
+
 MODELS = ["demo-tiny", "llama2-7b", "llama3-70b", "mistral-7b", "qwen2.5-14b"]
 HARDWARE = ["h100-80g", "rtx4090-24g", "a100-40g", "cpu"]
 LAYOUTS = [
@@ -93,7 +95,8 @@ def record(out: Path) -> None:
         plan = tmp_path / "plan.yaml"
         _advisor("plan", "--model", "demo-tiny", "--hardware", "cpu", "--task", str(demo / "task.yaml"),
                  "--out", str(plan))
-        rc, _ = _advisor("train", str(plan), "--out", str(tmp_path / "run"), "--max-steps-per-stage", "4")
+        rc, _ = _advisor("train", str(plan), "--out", str(tmp_path / "run"), "--max-steps-per-stage", "4",
+                         "--master-port", str(free_port()))
         metrics = tmp_path / "run" / "metrics.jsonl"
         rows = [_strip(json.loads(line), RUN_TIMING_KEYS) for line in metrics.read_text().splitlines()] \
             if metrics.exists() else []
