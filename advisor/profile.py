@@ -23,13 +23,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from advisor.errors import UsageError
-from advisor.specs import HardwareSpec, Layout, _format_validation_error
+from advisor.specs import READ_CONFIG, SPEC_CONFIG, HardwareSpec, Layout, _format_validation_error
 
 PROFILE_VERSION = 1
 
 
 class HostFingerprint(BaseModel):
     """Enough to tell whether a profile describes the machine it is used on."""
+
+    model_config = READ_CONFIG
 
     hostname: str
     cpu_model: str
@@ -40,6 +42,8 @@ class HostFingerprint(BaseModel):
 
 class Inventory(BaseModel):
     """The devices and links as seen by the profiler."""
+
+    model_config = READ_CONFIG
 
     device_type: Literal["cuda", "cpu"]
     backend: Literal["nccl", "gloo"]
@@ -61,7 +65,8 @@ class Inventory(BaseModel):
 class Measurement(BaseModel):
     """One micro-benchmark figure: the median of `repeats` samples."""
 
-    model_config = ConfigDict(extra="allow")  # benchmark-specific details (shape, sizes, per-shape rows)
+    # benchmark-specific details (shape, sizes, per-shape rows); a failed benchmark's figure may be NaN
+    model_config = ConfigDict(extra="allow")
 
     name: str = Field(description="e.g. gemm/fp32, memory_bandwidth, all_reduce/2/intra/33554432")
     value: float
@@ -74,6 +79,8 @@ class Measurement(BaseModel):
 class CalibrationStep(BaseModel):
     """One calibration layout: its real median step time and the cost model's, before and after."""
 
+    model_config = READ_CONFIG
+
     layout: str
     measured_s: float
     steps: int
@@ -83,6 +90,8 @@ class CalibrationStep(BaseModel):
 
 
 class Calibration(BaseModel):
+    model_config = READ_CONFIG
+
     model: str
     layers: int = Field(description="decoder layers of the model that actually ran (full width)")
     threads: int
@@ -94,6 +103,8 @@ class Calibration(BaseModel):
 class Observation(BaseModel):
     """One measured layout of a real model on this machine (a verification trial or a finished
     run): what `planner/feedback.py` refits the efficiency factors on."""
+
+    model_config = READ_CONFIG
 
     source: Literal["calibration", "verify", "run"]
     model: str
@@ -111,7 +122,8 @@ class Observation(BaseModel):
 
 
 class FeedbackRound(BaseModel):
-    """One refit: how many observations it used and the step-time error before and after it."""
+    """One refit: how many observations it used and the step-time error before and after it.
+    (An error over no observations is NaN: this record may hold it.)"""
 
     at: dt.datetime
     run_dir: str | None = None
@@ -127,13 +139,15 @@ class FeedbackRound(BaseModel):
 class Feedback(BaseModel):
     """Measurements fed back into the profile: a bounded history of observations and refits."""
 
+    model_config = READ_CONFIG
+
     observations: list[Observation] = Field(default_factory=list)
     rounds: list[FeedbackRound] = Field(default_factory=list)
     method: str = "refit of the calibration's least squares over every kept observation, see planner/feedback.py"
 
 
 class HardwareProfile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     version: int = PROFILE_VERSION
     created: dt.datetime

@@ -11,9 +11,7 @@ reader never sees half a shard or a manifest without its shards.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import shutil
 import uuid
 from pathlib import Path
@@ -23,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from advisor.errors import UsageError
+from advisor.specs import safe_name
 from trainer.data.manifest import read_manifest
 
 SCHEMA = pa.schema([
@@ -36,16 +35,6 @@ SCHEMA = pa.schema([
     ("chunk", pa.int32()),    # which seq_len piece of a longer document
 ])
 _FLUSH_ROWS = 8192
-
-
-def safe_name(name: str) -> str:
-    """A folder name for a stage or group: letters, digits, dot, dash and underscore. A name that
-    cleaning changed gets `+` and a hash of the original, so `a b` and `a_b` never share a folder
-    (a clean name has no `+`, so it cannot meet a hashed one)."""
-    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:80] or "_"
-    if cleaned == name:
-        return cleaned
-    return f"{cleaned}+{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
 
 
 def shard_path(stage: str, split: str, group: str, edge: int) -> str:
