@@ -9,8 +9,8 @@ import yaml
 from pydantic import BaseModel, Field
 
 from advisor.errors import UsageError
-from advisor.specs import (MIN_COMPUTE_FRACTION, READ_CONFIG, SPEC_CONFIG, Estimate, HardwareSpec, Layout, ModelSpec,
-                           validate)
+from advisor.specs import (MIN_COMPUTE_FRACTION, READ_CONFIG, SPEC_CONFIG, Estimate, FiniteDict, HardwareSpec, Layout,
+                           ModelSpec, validate)
 from advisor.task import TaskSpec
 
 PLAN_VERSION = 1
@@ -63,7 +63,7 @@ class Plan(BaseModel):
         default_factory=list, description="next best layouts with the same global batch (OOM fallback)")
     task: TaskSpec | None = None
     stages: list[StagePlan] = Field(default_factory=list)
-    solver: dict = Field(default_factory=dict)
+    solver: FiniteDict = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
 
     def write(self, path: Path) -> None:
@@ -80,7 +80,7 @@ def load_plan(path: str | Path) -> Plan:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise UsageError(f"plan file not found: {path}") from None
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8
         raise UsageError(f"cannot read plan file {path}: {exc}") from None
     if not isinstance(data, dict):
         raise UsageError(f"plan file {path}: expected a mapping")

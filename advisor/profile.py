@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from advisor.errors import UsageError
-from advisor.specs import READ_CONFIG, SPEC_CONFIG, HardwareSpec, Layout, _format_validation_error
+from advisor.specs import READ_CONFIG, SPEC_CONFIG, FiniteDict, HardwareSpec, Layout, _format_validation_error
 
 PROFILE_VERSION = 1
 
@@ -108,7 +108,7 @@ class Observation(BaseModel):
 
     source: Literal["calibration", "verify", "run"]
     model: str
-    hf_config: dict[str, Any] = Field(description="the model that ran (the fit re-traces it)")
+    hf_config: FiniteDict = Field(description="the model that ran (the fit re-traces it)")
     layout: Layout
     step_s: float = Field(gt=0, description="measured median optimizer step")
     predicted_step_s: float = Field(description="the cost model's step when it was measured")

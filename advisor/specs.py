@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from advisor.errors import UsageError
 
@@ -142,6 +143,18 @@ def _non_finite_key(value: Any, where: str) -> str | None:
     return None
 
 
+def _finite_values(value: dict[str, Any]) -> dict[str, Any]:
+    bad = _non_finite_key(value, "")
+    if bad:
+        raise ValueError(f"{bad.lstrip('.')} is not a finite number")
+    return value
+
+
+# A free-form mapping (a model's HF config, a solver record) whose numbers must still be finite:
+# JSON's NaN and Infinity parse, and `allow_inf_nan` does not reach inside `Any`.
+FiniteDict = Annotated[dict[str, Any], AfterValidator(_finite_values)]
+
+
 def max_positions(model: ModelSpec) -> int | None:
     """The longest sequence the model's position embeddings cover, where its config says."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
@@ -163,16 +176,8 @@ class ModelSpec(BaseModel):
     model_config = SPEC_CONFIG
 
     name: str
-    hf_config: dict[str, Any]
+    hf_config: FiniteDict
     source: str = Field("preset", description="'preset', or the config path it was read from")
-
-    @field_validator("hf_config")
-    @classmethod
-    def _finite_numbers(cls, value: dict[str, Any]) -> dict[str, Any]:
-        bad = _non_finite_key(value, "hf_config")
-        if bad:
-            raise ValueError(f"{bad} is not a finite number")
-        return value
 
     @property
     def model_type(self) -> str:

@@ -205,7 +205,7 @@ def read_task_file(path: Path) -> TaskSpec:
     (`presets.load_task` also resolves task preset names.)"""
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8
         raise UsageError(f"cannot read task file {path}: {exc}") from None
     if not isinstance(data, dict):
         raise UsageError(f"task file {path}: expected a mapping")

@@ -26,7 +26,9 @@ METHOD_ORDER = ("full", "lora", "qlora")
 
 
 class InfeasiblePlan(UsageError):
-    """Nothing fits; the message lists the nearest feasible changes."""
+    """Nothing fits; the message lists the nearest feasible changes, one per line."""
+
+    multiline = True
 
 
 @dataclass
@@ -58,14 +60,14 @@ class PlanOptions:
     space: SearchSpace = field(default_factory=SearchSpace)
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, flag: str = "--deadline") -> float:
     """'14d', '36h', '90m', '3600s', '1.5d' or plain seconds; positive and finite."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([dhms]?)\s*", text)
     if not match:
-        raise UsageError(f"cannot read duration '{text}': use e.g. 14d, 36h or 90m")
+        raise UsageError(f"{flag}: cannot read duration '{text}': use e.g. 14d, 36h or 90m")
     value = float(match.group(1)) * {"d": 86400, "h": 3600, "m": 60, "s": 1}[match.group(2) or "s"]
     if not 0 < value < math.inf:
-        raise UsageError(f"duration '{text}': must be more than zero and finite")
+        raise UsageError(f"{flag} '{text}': must be more than zero and finite")
     return value
 
 

@@ -62,7 +62,7 @@ def load_hardware_file(path: Path) -> HardwareSpec:
     was measured on another machine."""
     try:
         text = path.read_text()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
         raise UsageError(f"cannot read hardware file {path}: {exc}") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)

@@ -119,7 +119,7 @@ def test_stages_whose_names_clean_to_the_same_folder_keep_their_own_shards(tmp_p
         assert rows == stage["train"]["samples"]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, database=None)
 @given(st.text(max_size=12), st.text(max_size=12))
 def test_safe_names_are_injective_and_safe(a: str, b: str) -> None:
     for name in (a, b):
