@@ -152,6 +152,7 @@ def demo_task_data() -> dict:
 
 HARDWARE = yaml.safe_load((PRESETS_DIR / "hardware" / "a100-80g.yaml").read_text())
 TASK = demo_task_data()
+MODEL = load_model("demo-tiny").hf_config
 
 
 @pytest.fixture(scope="module")
@@ -187,44 +188,45 @@ def file_cases(base: dict) -> st.SearchStrategy:
 # --- files -----------------------------------------------------------------------------------------------
 
 
+def check_file(name: str, case: tuple, loader: Callable[[Path], Any], as_json: bool | None = None) -> None:
+    """Write one drawn file into a fresh folder, load it, and check nothing else appeared there."""
+    content, drawn_json, raw = case
+    with scratch() as here:
+        path = here / name
+        path.parent.mkdir(exist_ok=True)
+        write(path, content, drawn_json if as_json is None else as_json, raw)
+        load_or_refuse(loader, path)
+        assert tree(here) == {str(p.relative_to(here)) for p in [path, *path.parents] if here in p.parents}
+
+
 @fuzz(250)
 @given(case=file_cases(TASK))
 def test_task_files(case) -> None:
-    data, as_json, raw = case
-    with scratch() as here:
-        path = write(here / "task.yaml", data, as_json, raw)
-        load_or_refuse(lambda p: load_task(str(p)), path)
-        assert tree(here) == {"task.yaml"}
+    check_file("task.yaml", case, lambda p: load_task(str(p)))
 
 
 @fuzz(150)
 @given(case=file_cases(HARDWARE), suffix=st.sampled_from([".yaml", ".json"]))
 def test_hardware_files(case, suffix: str) -> None:
-    data, as_json, raw = case
-    with scratch() as here:
-        path = write(here / f"hw{suffix}", data, suffix == ".json", raw)
-        load_or_refuse(load_hardware_file, path)
-        assert tree(here) == {path.name}
+    check_file(f"hw{suffix}", case, load_hardware_file, suffix == ".json")
+
+
+@fuzz(100)
+@given(case=file_cases(MODEL))
+def test_model_configs(case) -> None:
+    check_file("model/config.json", case, lambda p: load_model(str(p.parent)), True)
 
 
 @fuzz(150)
 @given(data=st.data())
 def test_plan_files(plan_data, data) -> None:
-    content, as_json, raw = data.draw(file_cases(plan_data))
-    with scratch() as here:
-        path = write(here / "plan.yaml", content, as_json, raw)
-        load_or_refuse(load_plan, path)
-        assert tree(here) == {"plan.yaml"}
+    check_file("plan.yaml", data.draw(file_cases(plan_data)), load_plan)
 
 
 @fuzz(120)
 @given(data=st.data())
 def test_profile_files(profile_data, data) -> None:
-    content, _, raw = data.draw(file_cases(profile_data))
-    with scratch() as here:
-        path = write(here / "profile.json", content, True, raw)
-        load_or_refuse(load_profile, path)
-        assert tree(here) == {"profile.json"}
+    check_file("profile.json", data.draw(file_cases(profile_data)), load_profile, True)
 
 
 # --- layout strings --------------------------------------------------------------------------------------
