@@ -50,13 +50,13 @@ class Inventory(BaseModel):
     device_name: str
     devices_per_node: int = Field(ge=1)
     nodes: int = Field(1, ge=1)
-    device_memory_gib: float = Field(description="per device (CPU: the node's RAM over its devices)")
-    device_reserved_gib: float = Field(description="taken before tensors: CUDA context and NCCL, or on "
+    device_memory_gib: float = Field(gt=0, description="per device (CPU: the node's RAM over its devices)")
+    device_reserved_gib: float = Field(ge=0, description="taken before tensors: CUDA context and NCCL, or on "
                                                    "CPU the framework's import footprint per rank")
-    cpu_cores: int
-    threads_per_device: int = Field(description="CPU threads each rank runs (torch.set_num_threads)")
-    host_memory_gib: float
-    host_memory_available_gib: float
+    cpu_cores: int = Field(ge=1)
+    threads_per_device: int = Field(ge=1, description="CPU threads each rank runs (torch.set_num_threads)")
+    host_memory_gib: float = Field(gt=0)
+    host_memory_available_gib: float = Field(ge=0)
     intra_node_link: str = Field(description="NVLink, PCIe, or shared memory (CPU)")
     inter_node_link: str = Field(description="InfiniBand/RoCE, TCP, or none (one node)")
     notes: list[str] = Field(default_factory=list)
@@ -82,10 +82,10 @@ class CalibrationStep(BaseModel):
     model_config = READ_CONFIG
 
     layout: str
-    measured_s: float
-    steps: int
-    predicted_before_s: float
-    predicted_after_s: float
+    measured_s: float = Field(gt=0)
+    steps: int = Field(ge=1)
+    predicted_before_s: float = Field(ge=0)
+    predicted_after_s: float = Field(ge=0)
     used_for: Literal["fit", "check"] = "fit"
 
 
@@ -93,8 +93,8 @@ class Calibration(BaseModel):
     model_config = READ_CONFIG
 
     model: str
-    layers: int = Field(description="decoder layers of the model that actually ran (full width)")
-    threads: int
+    layers: int = Field(ge=1, description="decoder layers of the model that actually ran (full width)")
+    threads: int = Field(ge=0)
     factors: dict[str, float] = Field(description="fitted Efficiency fields")
     steps: list[CalibrationStep]
     method: str = "least squares on measured step times, see planner/calibration.py"
@@ -111,12 +111,12 @@ class Observation(BaseModel):
     hf_config: FiniteDict = Field(description="the model that ran (the fit re-traces it)")
     layout: Layout
     step_s: float = Field(gt=0, description="measured median optimizer step")
-    predicted_step_s: float = Field(description="the cost model's step when it was measured")
+    predicted_step_s: float = Field(ge=0, description="the cost model's step when it was measured")
     peak_bytes: int | None = Field(None, description="measured peak per device, if measured")
     predicted_peak_bytes: int | None = None
     peak_source: str | None = None
-    threads: int = Field(0, description="CPU threads per rank (0: not a CPU run)")
-    steps: int = 0
+    threads: int = Field(0, ge=0, description="CPU threads per rank (0: not a CPU run)")
+    steps: int = Field(0, ge=0)
     run_dir: str | None = None
     at: dt.datetime
 
