@@ -44,11 +44,13 @@ def write_rows(path: Path, texts: list[str]) -> None:
 
 
 @pytest.mark.parametrize("rule", ["os:system", "evil.py:grade"])
-def test_a_difficulty_rule_that_is_code_is_refused_without_allow_code(tmp_path: Path, rule: str) -> None:
+def test_a_difficulty_rule_that_is_code_is_refused_without_allow_code(tmp_path: Path, rule: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the control below runs the documents as shell commands
     pwned = tmp_path / "PWNED"
     imported = tmp_path / "IMPORTED"
     # os:system would run each document as a shell command; evil.py runs code as soon as it is imported
-    write_rows(tmp_path / "docs.jsonl", [f"touch {pwned}", f"touch {pwned} again"])
+    write_rows(tmp_path / "docs.jsonl", [f"touch {pwned}", f"touch {pwned}  # twice"])
     (tmp_path / "evil.py").write_text(f"open({str(imported)!r}, 'w').close()\n"
                                       f"import os\ndef grade(text):\n    return float(os.system(text))\n")
     stages = [{"name": "s", "tokens": 100, "difficulty": {"by": "rule", "rule": rule},
