@@ -115,10 +115,10 @@ def paths_of(data: Any, prefix: tuple = ()) -> list[tuple]:
 
 
 @st.composite
-def mutated(draw, base: dict) -> Any:
-    """`base` with one to three places replaced by a nasty value, removed, or given an unknown key."""
+def mutated(draw, base: dict, most: int = 3) -> Any:
+    """`base` with one to `most` places replaced by a nasty value, removed, or given an unknown key."""
     data = copy.deepcopy(base)
-    for _ in range(draw(st.integers(1, 3))):
+    for _ in range(draw(st.integers(1, most))):
         places = paths_of(data)
         where = draw(st.sampled_from(places))
         if not where:
@@ -317,3 +317,27 @@ def test_report_capacity_numbers(flag: str, value: str) -> None:
 def test_deadline_is_strict(text: str) -> None:
     result = runner.invoke(app, [*PLAN, "--deadline", text])
     assert_refused(result, "--deadline")
+
+
+# --- the one verb here that writes: `advisor data prepare` -----------------------------------------------
+
+
+PREPARE_TASK = {"name": "t", "model": "demo-tiny", "seq_len": 32,
+                "data": {"filters": {"min_tokens": 1}, "dedup": {"near": False}, "buckets": {"micro_batch_tokens": 64},
+                         "difficulty": {"by": "length", "edges": [8]}},
+                "stages": [{"name": "s", "tokens": 100, "replay": {}, "split_by": "difficulty",
+                            "sources": [{"path": "docs.jsonl", "weight": 1.0, "domain": "d"}]}]}
+
+
+@fuzz(60)
+@given(task=mutated(PREPARE_TASK, most=1))
+def test_data_prepare_writes_only_its_out_folder(task) -> None:
+    with scratch() as here:
+        (here / "docs.jsonl").write_text("".join(json.dumps({"text": f"words of document {i} " * (i % 7 + 1)}) + "\n"
+                                                 for i in range(20)))
+        write(here / "task.yaml", task, False)
+        result = runner.invoke(app, ["data", "prepare", "--task", str(here / "task.yaml"), "--out", str(here / "out")])
+        assert result.exit_code in (0, 2), result.output
+        if result.exit_code == 2:
+            assert_refused(result, "task.yaml", "docs.jsonl", "stage", "difficulty", "--out", "tokenizer", "data")
+        assert {p.split("/")[0] for p in tree(here)} <= {"task.yaml", "docs.jsonl", "out"}
