@@ -155,6 +155,20 @@ def _finite_values(value: dict[str, Any]) -> dict[str, Any]:
 FiniteDict = Annotated[dict[str, Any], AfterValidator(_finite_values)]
 
 
+class ModelSpec(BaseModel):
+    """A model given as its Hugging Face config (any architecture transformers knows)."""
+
+    model_config = SPEC_CONFIG
+
+    name: str
+    hf_config: FiniteDict
+    source: str = Field("preset", description="'preset', or the config path it was read from")
+
+    @property
+    def model_type(self) -> str:
+        return str(self.hf_config.get("model_type", "?"))
+
+
 def max_positions(model: ModelSpec) -> int | None:
     """The longest sequence the model's position embeddings cover, where its config says."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
@@ -168,20 +182,6 @@ def check_seq_fits(model: ModelSpec, seq: int, flag: str = "--seq-len") -> None:
     limit = max_positions(model)
     if limit is not None and seq > limit:
         raise UsageError(f"{flag} {seq} exceeds model {model.name}'s max_position_embeddings {limit}")
-
-
-class ModelSpec(BaseModel):
-    """A model given as its Hugging Face config (any architecture transformers knows)."""
-
-    model_config = SPEC_CONFIG
-
-    name: str
-    hf_config: FiniteDict
-    source: str = Field("preset", description="'preset', or the config path it was read from")
-
-    @property
-    def model_type(self) -> str:
-        return str(self.hf_config.get("model_type", "?"))
 
 
 class Layout(BaseModel):
