@@ -2,4 +2,14 @@
 
 
 class UsageError(Exception):
-    """Bad input from the user (unknown preset, malformed layout, impossible split...)."""
+    """Bad input from the user (unknown preset, malformed layout, impossible split...).
+
+    The message is folded onto one line: it often quotes what the user wrote or what a parser said
+    (YAML errors span lines, a key may hold a newline). A subclass whose message is a list by
+    design sets `multiline`."""
+
+    multiline = False
+
+    def __init__(self, message: object = "") -> None:
+        text = str(message)
+        super().__init__(text if self.multiline else " ".join(text.split()))

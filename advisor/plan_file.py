@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from advisor.errors import UsageError
-from advisor.specs import MIN_COMPUTE_FRACTION, Estimate, HardwareSpec, Layout, ModelSpec, validate
+from advisor.specs import (MIN_COMPUTE_FRACTION, READ_CONFIG, SPEC_CONFIG, Estimate, FiniteDict, HardwareSpec, Layout,
+                           ModelSpec, validate)
 from advisor.task import TaskSpec
 
 PLAN_VERSION = 1
@@ -17,6 +18,8 @@ PLAN_VERSION = 1
 
 class PlannedLayout(BaseModel):
     """One candidate: the layout, its predicted cost, and the reason it ranks where it does."""
+
+    model_config = READ_CONFIG
 
     layout: Layout
     estimate: Estimate
@@ -27,30 +30,32 @@ class PlannedLayout(BaseModel):
 class StagePlan(BaseModel):
     """How one curriculum stage runs: its budget in steps and its checkpoint cadence."""
 
+    model_config = READ_CONFIG
+
     name: str
     method: str
-    devices: int
+    devices: int = Field(ge=1)
     layout: Layout
-    tokens: int
-    steps: int
-    step_s: float
-    hours: float
-    checkpoint_every_steps: int
-    checkpoint_write_s: float
-    overhead_fraction: float = Field(description="checkpoint + evaluation time over training time")
+    tokens: int = Field(ge=0)
+    steps: int = Field(ge=0)
+    step_s: float = Field(ge=0)
+    hours: float = Field(ge=0)
+    checkpoint_every_steps: int = Field(ge=1, description="the trainer checkpoints when steps % this == 0")
+    checkpoint_write_s: float = Field(ge=0)
+    overhead_fraction: float = Field(ge=0, description="checkpoint + evaluation time over training time")
     flags: list[str] = Field(default_factory=list)
 
 
 class Plan(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     version: int = PLAN_VERSION
     model: ModelSpec
     hardware: HardwareSpec
-    nodes: int
-    gpus_per_node: int
+    nodes: int = Field(ge=1)
+    gpus_per_node: int = Field(ge=1)
     objective: Literal["throughput", "cost"] = "throughput"
-    min_compute_fraction: float = MIN_COMPUTE_FRACTION
+    min_compute_fraction: float = Field(MIN_COMPUTE_FRACTION, ge=0, le=1)
     engine: Literal["auto", "deepspeed", "fsdp2"] = Field(
         "auto", description="back-end for sharded data parallelism (ZeRO): auto = DeepSpeed, or FSDP2 when tp>1")
     chosen: PlannedLayout
@@ -58,7 +63,7 @@ class Plan(BaseModel):
         default_factory=list, description="next best layouts with the same global batch (OOM fallback)")
     task: TaskSpec | None = None
     stages: list[StagePlan] = Field(default_factory=list)
-    solver: dict = Field(default_factory=dict)
+    solver: FiniteDict = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
 
     def write(self, path: Path) -> None:
@@ -75,7 +80,7 @@ def load_plan(path: str | Path) -> Plan:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise UsageError(f"plan file not found: {path}") from None
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8
         raise UsageError(f"cannot read plan file {path}: {exc}") from None
     if not isinstance(data, dict):
         raise UsageError(f"plan file {path}: expected a mapping")

@@ -23,13 +23,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from advisor.errors import UsageError
-from advisor.specs import HardwareSpec, Layout, _format_validation_error
+from advisor.specs import READ_CONFIG, SPEC_CONFIG, FiniteDict, HardwareSpec, Layout, _format_validation_error
 
 PROFILE_VERSION = 1
 
 
 class HostFingerprint(BaseModel):
     """Enough to tell whether a profile describes the machine it is used on."""
+
+    model_config = READ_CONFIG
 
     hostname: str
     cpu_model: str
@@ -41,18 +43,20 @@ class HostFingerprint(BaseModel):
 class Inventory(BaseModel):
     """The devices and links as seen by the profiler."""
 
+    model_config = READ_CONFIG
+
     device_type: Literal["cuda", "cpu"]
     backend: Literal["nccl", "gloo"]
     device_name: str
     devices_per_node: int = Field(ge=1)
     nodes: int = Field(1, ge=1)
-    device_memory_gib: float = Field(description="per device (CPU: the node's RAM over its devices)")
-    device_reserved_gib: float = Field(description="taken before tensors: CUDA context and NCCL, or on "
+    device_memory_gib: float = Field(gt=0, description="per device (CPU: the node's RAM over its devices)")
+    device_reserved_gib: float = Field(ge=0, description="taken before tensors: CUDA context and NCCL, or on "
                                                    "CPU the framework's import footprint per rank")
-    cpu_cores: int
-    threads_per_device: int = Field(description="CPU threads each rank runs (torch.set_num_threads)")
-    host_memory_gib: float
-    host_memory_available_gib: float
+    cpu_cores: int = Field(ge=1)
+    threads_per_device: int = Field(ge=1, description="CPU threads each rank runs (torch.set_num_threads)")
+    host_memory_gib: float = Field(gt=0)
+    host_memory_available_gib: float = Field(ge=0)
     intra_node_link: str = Field(description="NVLink, PCIe, or shared memory (CPU)")
     inter_node_link: str = Field(description="InfiniBand/RoCE, TCP, or none (one node)")
     notes: list[str] = Field(default_factory=list)
@@ -61,7 +65,8 @@ class Inventory(BaseModel):
 class Measurement(BaseModel):
     """One micro-benchmark figure: the median of `repeats` samples."""
 
-    model_config = ConfigDict(extra="allow")  # benchmark-specific details (shape, sizes, per-shape rows)
+    # benchmark-specific details (shape, sizes, per-shape rows); a failed benchmark's figure may be NaN
+    model_config = ConfigDict(extra="allow")
 
     name: str = Field(description="e.g. gemm/fp32, memory_bandwidth, all_reduce/2/intra/33554432")
     value: float
@@ -74,18 +79,22 @@ class Measurement(BaseModel):
 class CalibrationStep(BaseModel):
     """One calibration layout: its real median step time and the cost model's, before and after."""
 
+    model_config = READ_CONFIG
+
     layout: str
-    measured_s: float
-    steps: int
-    predicted_before_s: float
-    predicted_after_s: float
+    measured_s: float = Field(gt=0)
+    steps: int = Field(ge=1)
+    predicted_before_s: float = Field(ge=0)
+    predicted_after_s: float = Field(ge=0)
     used_for: Literal["fit", "check"] = "fit"
 
 
 class Calibration(BaseModel):
+    model_config = READ_CONFIG
+
     model: str
-    layers: int = Field(description="decoder layers of the model that actually ran (full width)")
-    threads: int
+    layers: int = Field(ge=1, description="decoder layers of the model that actually ran (full width)")
+    threads: int = Field(ge=0)
     factors: dict[str, float] = Field(description="fitted Efficiency fields")
     steps: list[CalibrationStep]
     method: str = "least squares on measured step times, see planner/calibration.py"
@@ -95,23 +104,26 @@ class Observation(BaseModel):
     """One measured layout of a real model on this machine (a verification trial or a finished
     run): what `planner/feedback.py` refits the efficiency factors on."""
 
+    model_config = READ_CONFIG
+
     source: Literal["calibration", "verify", "run"]
     model: str
-    hf_config: dict[str, Any] = Field(description="the model that ran (the fit re-traces it)")
+    hf_config: FiniteDict = Field(description="the model that ran (the fit re-traces it)")
     layout: Layout
     step_s: float = Field(gt=0, description="measured median optimizer step")
-    predicted_step_s: float = Field(description="the cost model's step when it was measured")
+    predicted_step_s: float = Field(ge=0, description="the cost model's step when it was measured")
     peak_bytes: int | None = Field(None, description="measured peak per device, if measured")
     predicted_peak_bytes: int | None = None
     peak_source: str | None = None
-    threads: int = Field(0, description="CPU threads per rank (0: not a CPU run)")
-    steps: int = 0
+    threads: int = Field(0, ge=0, description="CPU threads per rank (0: not a CPU run)")
+    steps: int = Field(0, ge=0)
     run_dir: str | None = None
     at: dt.datetime
 
 
 class FeedbackRound(BaseModel):
-    """One refit: how many observations it used and the step-time error before and after it."""
+    """One refit: how many observations it used and the step-time error before and after it.
+    (An error over no observations is NaN: this record may hold it.)"""
 
     at: dt.datetime
     run_dir: str | None = None
@@ -127,13 +139,15 @@ class FeedbackRound(BaseModel):
 class Feedback(BaseModel):
     """Measurements fed back into the profile: a bounded history of observations and refits."""
 
+    model_config = READ_CONFIG
+
     observations: list[Observation] = Field(default_factory=list)
     rounds: list[FeedbackRound] = Field(default_factory=list)
     method: str = "refit of the calibration's least squares over every kept observation, see planner/feedback.py"
 
 
 class HardwareProfile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     version: int = PROFILE_VERSION
     created: dt.datetime

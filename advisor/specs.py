@@ -6,9 +6,13 @@ models, validated once at the edge. Validation errors name the field and the all
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import hashlib
+import math
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from advisor.errors import UsageError
 
@@ -18,6 +22,11 @@ DType = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Method = Literal["full", "lora", "qlora"]
+
+# Every file a user writes or edits: unknown keys and non-finite numbers (`.nan`, `inf`, which pass
+# every `gt`/`le` bound) are refused; READ_CONFIG for parts that tolerate keys of newer writers.
+SPEC_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
+READ_CONFIG = ConfigDict(allow_inf_nan=False)
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -31,7 +40,7 @@ MEMORY_MARGIN = 0.05
 class Efficiency(BaseModel):
     """Fractions of datasheet peak that real kernels reach (the cost model's calibration knobs)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     # A measured profile's "peak" is its own micro-benchmark, which real kernels may beat: up to 2.
     gemm: float = Field(0.6, gt=0, le=2, description="large dense GEMM / datasheet dense peak")
@@ -59,7 +68,7 @@ class HardwareSpec(BaseModel):
     typical efficiencies; `advisor profile` writes the same schema with measured figures.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     name: str
     description: str = ""
@@ -83,6 +92,20 @@ class HardwareSpec(BaseModel):
     )
     efficiency: Efficiency = Field(default_factory=Efficiency)
     source: str = Field("preset", description="'preset' or the profile file it was measured into")
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _peaks_not_negative(cls, value: dict[str, float]) -> dict[str, float]:
+        negative = sorted(k for k, v in value.items() if v < 0)
+        if negative:
+            raise ValueError(f"peak_tflops of {', '.join(negative)} must be >= 0 (0: not supported)")
+        return value
+
+    @model_validator(mode="after")
+    def _reserve_below_memory(self) -> "HardwareSpec":
+        if self.reserved_gib >= self.memory_gib:
+            raise ValueError(f"reserved_gib ({self.reserved_gib}) leaves nothing of memory_gib ({self.memory_gib})")
+        return self
 
     @property
     def memory_bytes(self) -> int:
@@ -108,18 +131,57 @@ class HardwareSpec(BaseModel):
         return "fp32" if self.device_type == "cpu" or not self.supports("bf16") else "bf16"
 
 
+def _non_finite_key(value: Any, where: str) -> str | None:
+    """The first key path under `value` holding NaN or an infinity (JSON's `NaN`, `Infinity`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite_key(item, f"{where}.{key}")
+        if found:
+            return found
+    return None
+
+
+def _finite_values(value: dict[str, Any]) -> dict[str, Any]:
+    bad = _non_finite_key(value, "")
+    if bad:
+        raise ValueError(f"{bad.lstrip('.')} is not a finite number")
+    return value
+
+
+# A free-form mapping (a model's HF config, a solver record) whose numbers must still be finite:
+# JSON's NaN and Infinity parse, and `allow_inf_nan` does not reach inside `Any`.
+FiniteDict = Annotated[dict[str, Any], AfterValidator(_finite_values)]
+
+
 class ModelSpec(BaseModel):
     """A model given as its Hugging Face config (any architecture transformers knows)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     name: str
-    hf_config: dict[str, Any]
+    hf_config: FiniteDict
     source: str = Field("preset", description="'preset', or the config path it was read from")
 
     @property
     def model_type(self) -> str:
         return str(self.hf_config.get("model_type", "?"))
+
+
+def max_positions(model: ModelSpec) -> int | None:
+    """The longest sequence the model's position embeddings cover, where its config says."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = model.hf_config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_seq_fits(model: ModelSpec, seq: int, flag: str = "--seq-len") -> None:
+    limit = max_positions(model)
+    if limit is not None and seq > limit:
+        raise UsageError(f"{flag} {seq} exceeds model {model.name}'s max_position_embeddings {limit}")
 
 
 class Layout(BaseModel):
@@ -128,7 +190,7 @@ class Layout(BaseModel):
     Parsed from strings like ``dp=8,tp=8,pp=16,zero=1,mbs=1,gas=16,recompute=selective``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     dp: int = Field(1, ge=1, description="data-parallel replicas")
     tp: int = Field(1, ge=1, description="tensor-parallel degree (Megatron column/row split)")
@@ -233,6 +295,31 @@ def layers_per_stage(n_layers: int, layout: Layout) -> list[int]:
         return list(layout.stage_layers)
     base, extra = divmod(n_layers, layout.pp)
     return [base + (1 if stage >= layout.pp - extra else 0) for stage in range(layout.pp)]
+
+
+def safe_name(name: str, max_chars: int = 80) -> str:
+    """A file or folder name (or a Slurm job name) from a user's name: letters, digits, dot, dash and
+    underscore. A name that cleaning changed gets `+` and a hash of the original, so `a b` and `a_b`
+    stay apart (a clean name has no `+`, so it cannot meet a hashed one)."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:max_chars] or "_"
+    if cleaned == name:
+        return cleaned
+    return f"{cleaned}+{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
+
+
+def check_number(value: float | None, flag: str, *, gt: float | None = None, ge: float | None = None,
+                 le: float | None = None) -> None:
+    """A command-line number: finite and within its bounds, or one line naming the flag (None: not given)."""
+    if value is None:
+        return
+    if not math.isfinite(value):
+        raise UsageError(f"{flag} {value}: must be a finite number")
+    if gt is not None and not value > gt:
+        raise UsageError(f"{flag} {value:g}: must be > {gt:g}")
+    if ge is not None and not value >= ge:
+        raise UsageError(f"{flag} {value:g}: must be >= {ge:g}")
+    if le is not None and not value <= le:
+        raise UsageError(f"{flag} {value:g}: must be <= {le:g}")
 
 
 def _format_validation_error(exc: ValidationError, what: str) -> str:

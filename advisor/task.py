@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from advisor.errors import UsageError
-from advisor.specs import Method, validate
+from advisor.specs import SPEC_CONFIG, Method, validate
 
 
 # --- data preparation (`advisor data prepare`): all optional, with defaults --------------------------
@@ -27,7 +27,7 @@ class QualityFilters(BaseModel):
     Set them task-wide under `data.filters`; a stage's or a source's `filters` overrides only the
     keys it names (e.g. arithmetic data turns `min_alpha_ratio` off)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     min_chars: Optional[int] = Field(1, ge=0, description="characters, after stripping outer whitespace")
     max_chars: Optional[int] = Field(None, ge=1)
@@ -45,7 +45,7 @@ class DedupSpec(BaseModel):
     """Exact duplicates (same text after case and whitespace folding) and near duplicates
     (MinHash over word n-gram shingles, LSH banding, verified against `threshold`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     exact: bool = True
     near: bool = True
@@ -69,7 +69,7 @@ class DifficultySpec(BaseModel):
     next-token loss of a small local reference model). Bands: `edges` [e1, e2] give
     [-inf, e1), [e1, e2), [e2, inf)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     by: Literal["length", "field", "rule", "loss"] = "length"
     field: Optional[str] = None
@@ -82,7 +82,7 @@ class DifficultySpec(BaseModel):
 class BucketSpec(BaseModel):
     """Length buckets: edges chosen from the length histogram to minimise padding."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     micro_batch_tokens: Optional[int] = Field(
         None, ge=8, description="token budget of one micro-batch (mbs x seq); default 8 x seq_len")
@@ -93,7 +93,7 @@ class BucketSpec(BaseModel):
 class DataPrepSpec(BaseModel):
     """Task-wide data preparation settings (`data:` in the task file)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     tokenizer: Optional[str] = Field(
         None, description="local tokenizer folder or tokenizer.json, relative to the task file "
@@ -112,7 +112,7 @@ TimeBound = Union[float, dt.datetime, dt.date, str]  # a number, or an ISO date 
 class DataSource(BaseModel):
     """One input of a stage: local files read through `datasets` (nothing is fetched)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     path: str = Field(description="file, glob or folder, relative to the task file")
     format: Literal["jsonl", "json", "parquet", "text", "arrow"] = "jsonl"
@@ -132,7 +132,7 @@ class DataSource(BaseModel):
 class StageSpec(BaseModel):
     """One sub-task of the curriculum (e.g. general language, reasoning, instructions, mixed)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     name: str
     sources: list[DataSource] = Field(default_factory=list)
@@ -140,7 +140,7 @@ class StageSpec(BaseModel):
         default_factory=dict, description="earlier stage name -> share of this stage's tokens replayed from it")
     tokens: int | None = Field(None, gt=0, description="token budget of the stage")
     steps: int | None = Field(None, gt=0, description="optimizer steps (instead of tokens)")
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(3e-4, gt=0, le=1)
     warmup_steps: int = Field(20, ge=0, description="learning-rate re-warm-up at the stage start")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay floor, share of lr")
     method: Method | None = Field(None, description="override the plan's full/lora/qlora for this stage")
@@ -160,6 +160,12 @@ class StageSpec(BaseModel):
             raise ValueError(f"stage '{self.name}': give exactly one of tokens or steps")
         if self.split_by == "time" and not self.time_windows:
             raise ValueError(f"stage '{self.name}': split_by time needs time_windows")
+        for earlier, share in self.replay.items():
+            if not 0 <= share < 1:
+                raise ValueError(f"stage '{self.name}': replay share of '{earlier}' is {share}, must be in [0, 1)")
+        if sum(self.replay.values()) >= 1:
+            raise ValueError(f"stage '{self.name}': replay shares sum to {sum(self.replay.values()):g}, must be < 1 "
+                             "(the rest is the stage's own data)")
         return self
 
 
@@ -167,12 +173,12 @@ class TaskSpec(BaseModel):
     """A curriculum: stages run in order; the last is usually a mixed stage that replays earlier
     data so that later stages do not make the model forget (the source article's advice)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SPEC_CONFIG
 
     name: str
     description: str = ""
     model: str | None = Field(None, description="model preset or config path, if the task fixes one")
-    seq_len: int = Field(2048, ge=8)
+    seq_len: int = Field(2048, ge=8, description="at most the model's max_position_embeddings (checked when planned)")
     global_batch: int | None = Field(None, ge=1, description="sequences per optimizer step")
     stages: list[StageSpec] = Field(min_length=1)
     eval_every_steps: int = Field(0, ge=0, description="0: evaluate at stage ends only")
@@ -199,7 +205,7 @@ def read_task_file(path: Path) -> TaskSpec:
     (`presets.load_task` also resolves task preset names.)"""
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8
         raise UsageError(f"cannot read task file {path}: {exc}") from None
     if not isinstance(data, dict):
         raise UsageError(f"task file {path}: expected a mapping")

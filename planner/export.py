@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from advisor.plan_file import Plan
-from advisor.specs import Layout
+from advisor.specs import Layout, safe_name
 from planner.cost_model import zero_bucket_elems
 from profiler.model_trace import trace_model
 
@@ -67,14 +67,26 @@ def torchrun_command(plan: Plan, plan_path: str = "plan.yaml") -> list[str]:
             plan_path, "--launched"]
 
 
+def shell_command(words: list[str]) -> str:
+    """One shell line with every word quoted, so a path or name holding spaces, `;`, `$()` or quotes
+    stays one argument; only the rendezvous endpoint is left open for `${MASTER_ADDR}` to expand
+    (its other characters are ours)."""
+    return " ".join(w if w.startswith("--rdzv-endpoint=${MASTER_ADDR") else shlex.quote(w) for w in words)
+
+
+def job_name(model_name: str) -> str:
+    """`#SBATCH` lines are not shell, so quoting cannot protect them (a newline in a folder name
+    would start a command): the model's name goes in cleaned."""
+    return f"advisor-{safe_name(model_name, 60)}"
+
+
 def slurm_script(plan: Plan, plan_path: str = "plan.yaml") -> str:
     layout = plan.chosen.layout
     hours = sum(s.hours for s in plan.stages) or 24.0
     minutes = max(10, int(hours * 60 * 1.2))  # 20% slack over the planned wall-clock time
-    command = " ".join(shlex.quote(a) if not a.startswith("--rdzv-endpoint") else a
-                       for a in torchrun_command(plan, plan_path))
+    command = shell_command(torchrun_command(plan, plan_path))
     return f"""#!/bin/bash
-#SBATCH --job-name=advisor-{plan.model.name}
+#SBATCH --job-name={job_name(plan.model.name)}
 #SBATCH --nodes={plan.nodes}
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node={min(layout.devices, plan.gpus_per_node)}
@@ -96,7 +108,7 @@ def export(plan: Plan, directory: Path) -> list[Path]:
         "plan.yaml": None,
         "deepspeed.json": json.dumps(deepspeed_config(plan, layout), indent=2) + "\n",
         "accelerate.yaml": yaml.safe_dump(accelerate_config(plan, layout), sort_keys=False),
-        "torchrun.sh": "#!/bin/bash\nset -euo pipefail\n" + " ".join(torchrun_command(plan)) + "\n",
+        "torchrun.sh": "#!/bin/bash\nset -euo pipefail\n" + shell_command(torchrun_command(plan)) + "\n",
         "slurm.sbatch": slurm_script(plan),
     }
     paths = []

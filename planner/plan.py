@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, PlannedLayout, StagePlan
-from advisor.specs import MEMORY_MARGIN, MIN_COMPUTE_FRACTION, GiB, HardwareSpec, ModelSpec
+from advisor.specs import (MEMORY_MARGIN, MIN_COMPUTE_FRACTION, GiB, HardwareSpec, ModelSpec, check_number,
+                           check_seq_fits)
 from advisor.task import TaskSpec
 from planner.explain import why
 from planner.granularity import plan_stage
@@ -25,7 +26,9 @@ METHOD_ORDER = ("full", "lora", "qlora")
 
 
 class InfeasiblePlan(UsageError):
-    """Nothing fits; the message lists the nearest feasible changes."""
+    """Nothing fits; the message lists the nearest feasible changes, one per line."""
+
+    multiline = True
 
 
 @dataclass
@@ -57,13 +60,30 @@ class PlanOptions:
     space: SearchSpace = field(default_factory=SearchSpace)
 
 
-def parse_duration(text: str) -> float:
-    """'14d', '36h', '90m', '3600s' or plain seconds."""
-    match = re.fullmatch(r"\s*([\d.]+)\s*([dhms]?)\s*", text)
+def parse_duration(text: str, flag: str = "--deadline") -> float:
+    """'14d', '36h', '90m', '3600s', '1.5d' or plain seconds; positive and finite."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([dhms]?)\s*", text)
     if not match:
-        raise UsageError(f"cannot read duration '{text}': use e.g. 14d, 36h or 90m")
-    value, unit = float(match.group(1)), match.group(2) or "s"
-    return value * {"d": 86400, "h": 3600, "m": 60, "s": 1}[unit]
+        raise UsageError(f"{flag}: cannot read duration '{text}': use e.g. 14d, 36h or 90m")
+    value = float(match.group(1)) * {"d": 86400, "h": 3600, "m": 60, "s": 1}[match.group(2) or "s"]
+    if not 0 < value < math.inf:
+        raise UsageError(f"{flag} '{text}': must be more than zero and finite")
+    return value
+
+
+def check_plan_numbers(opts: PlanOptions) -> None:
+    """The command line's numbers (a task's and a plan file's are validated as they load): finite and
+    in range, and a sequence the model's position embeddings cover (the default one is not checked:
+    the search keeps to what fits)."""
+    check_number(opts.tokens, "--tokens", gt=0)
+    check_number(opts.price_per_gpu_hour, "--price-per-gpu-hour", ge=0)
+    check_number(opts.mtbf_hours, "--mtbf-hours", gt=0)
+    check_number(opts.min_compute_fraction, "--min-compute-fraction", ge=0, le=1)
+    check_number(opts.deadline_s, "--deadline", gt=0)
+    if opts.seq:
+        check_seq_fits(opts.model, opts.seq)
+    elif opts.task is not None and "seq_len" in opts.task.model_fields_set:
+        check_seq_fits(opts.model, opts.task.seq_len, f"task {opts.task.name} seq_len")
 
 
 def default_global_batch(devices: int, seq: int) -> int:
@@ -192,6 +212,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     if opts.gpus_per_node:
         hw = hw.model_copy(update={"devices_per_node": opts.gpus_per_node})
     devices = opts.nodes * per_node
+    check_plan_numbers(opts)
     seq = opts.seq or (opts.task.seq_len if opts.task else 2048)
     batch = opts.global_batch or (opts.task.global_batch if opts.task and opts.task.global_batch else None) \
         or default_global_batch(devices, seq)

@@ -62,7 +62,7 @@ def load_hardware_file(path: Path) -> HardwareSpec:
     was measured on another machine."""
     try:
         text = path.read_text()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
         raise UsageError(f"cannot read hardware file {path}: {exc}") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
@@ -93,8 +93,8 @@ def load_model(ref: str) -> ModelSpec:
             raise UsageError(f"cannot read model config {path}: {exc}") from None
         if not isinstance(config, dict) or "model_type" not in config:
             raise UsageError(f"{path} is not a Hugging Face config.json (no 'model_type')")
-        return ModelSpec(name=path.parent.name if path.name == "config.json" else path.stem,
-                         hf_config=config, source=str(path))
+        return validate(ModelSpec, {"name": path.parent.name if path.name == "config.json" else path.stem,
+                                    "hf_config": config, "source": str(path)}, f"model config {path}")
     if ref.endswith(".json") or "/" in ref:
         raise UsageError(f"model config not found: {ref}")
     data = preset_data("models", ref)

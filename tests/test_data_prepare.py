@@ -77,7 +77,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory):
          "sources": [{"path": "corpus.jsonl", "bands": ["wordy"]}]},
     ]
     task_path = write_task(tmp, stages, filters={"min_tokens": 1}, dedup={"near": False})
-    out, manifest = prepare(load_task(str(task_path)))
+    out, manifest = prepare(load_task(str(task_path)), allow_code=True)
     return tmp, task_path, out, manifest, rows
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from advisor.errors import UsageError
 from advisor.specs import Layout, parse_layout_string, resolve_layout
-from presets import PRESETS_DIR, load_hardware, load_model, preset_data, preset_names
+from presets import PRESETS_DIR, load_hardware, load_model, load_task, preset_data, preset_names
 
 
 def test_layout_string_round_trips_through_short_form() -> None:
@@ -61,3 +61,100 @@ def test_model_presets_build_and_match_published_sizes(name: str) -> None:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec.hf_config))
     params = sum(p.numel() for p in model.parameters())
     assert params / 1e9 == pytest.approx(preset_data("models", name)["params_b"], rel=0.01)
+
+
+# --- numbers: finite, and within their bounds ------------------------------------------------------------
+
+
+def write_yaml(path, data) -> str:
+    import yaml
+
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def demo_task() -> dict:
+    import yaml
+
+    return yaml.safe_load((PRESETS_DIR / "tasks" / "demo.yaml").read_text())
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda t: t["stages"][0].update(lr=float("nan")), "stages.0.lr: Input should be a finite number"),
+    (lambda t: t["stages"][0].update(lr=float("inf")), "stages.0.lr: Input should be a finite number"),
+    (lambda t: t["stages"][0]["sources"][0].update(weight=float("inf")), "weight: Input should be a finite number"),
+    (lambda t: t["data"]["dedup"].update(threshold=float("nan")), "data.dedup.threshold: Input should be a finite"),
+    (lambda t: t["stages"][3].update(replay={"language": -0.2}), "replay share of 'language' is -0.2"),
+    (lambda t: t["stages"][3].update(replay={"language": 0.6, "reasoning": 0.4}), "replay shares sum to 1"),
+    (lambda t: t["stages"][3].update(replay={"language": float("nan")}), "Input should be a finite number"),
+])
+def test_task_numbers_are_finite_and_bounded(tmp_path, change, message: str) -> None:
+    task = demo_task()
+    change(task)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        load_task(write_yaml(tmp_path / "task.yaml", task))
+
+
+@pytest.mark.parametrize("field,value", [("memory_gib", float("inf")), ("memory_bandwidth_gbs", float("nan")),
+                                         ("reserved_gib", 90.0), ("peak_tflops", {"bf16": -1.0})])
+def test_hardware_numbers_are_finite_and_bounded(tmp_path, field: str, value) -> None:
+    data = preset_data("hardware", "a100-80g")
+    data[field] = value
+    with pytest.raises(UsageError, match=field):
+        load_hardware(write_yaml(tmp_path / "hw.yaml", data))
+
+
+def test_a_model_config_with_nan_is_refused(tmp_path) -> None:
+    import json
+
+    config = dict(load_model("demo-tiny").hf_config, rope_theta=float("nan"))
+    (tmp_path / "config.json").write_text(json.dumps(config))  # json writes NaN, and reads it back
+    with pytest.raises(UsageError, match="rope_theta is not a finite number"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda p: p["stages"][0].update(checkpoint_every_steps=0), "checkpoint_every_steps: Input should be greater"),
+    (lambda p: p.update(min_compute_fraction=float("nan")), "min_compute_fraction: Input should be a finite"),
+    (lambda p: p.update(nodes=0), "nodes: Input should be greater than or equal to 1"),
+    (lambda p: p["solver"].update(seconds=float("inf")), "solver: Value error, seconds is not a finite number"),
+])
+def test_plan_file_numbers_are_finite_and_bounded(tmp_path, change, message: str) -> None:
+    from advisor.plan_file import load_plan
+    from planner.plan import PlanOptions, make_plan
+
+    plan = make_plan(PlanOptions(model=load_model("demo-tiny"), hardware=load_hardware("a100-80g"), gpus_per_node=1,
+                                 task=load_task("demo"), top_k=1))
+    data = plan.model_dump(mode="json")
+    change(data)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        load_plan(write_yaml(tmp_path / "plan.yaml", data))
+
+
+def test_seq_len_beyond_the_models_positions_is_refused_at_plan_time(tmp_path) -> None:
+    from planner.plan import PlanOptions, make_plan
+
+    task = demo_task()
+    task["seq_len"] = 2048  # demo-tiny has 1024 positions
+    opts = PlanOptions(model=load_model("demo-tiny"), hardware=load_hardware("a100-80g"), gpus_per_node=1,
+                       task=load_task(write_yaml(tmp_path / "task.yaml", task)))
+    with pytest.raises(UsageError, match="seq_len 2048 exceeds model demo-tiny's max_position_embeddings 1024"):
+        make_plan(opts)
+    with pytest.raises(UsageError, match="--seq-len 1025 exceeds"):
+        make_plan(PlanOptions(model=load_model("demo-tiny"), hardware=load_hardware("a100-80g"), seq=1025))
+
+
+@pytest.mark.parametrize("text,seconds", [("14d", 14 * 86400), ("1.5h", 5400), ("90m", 5400), (" 30 ", 30),
+                                          (".5d", 43200)])
+def test_durations_read(text: str, seconds: float) -> None:
+    from planner.plan import parse_duration
+
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["1.2.3d", "1..2h", ".", "d", "-1d", "0h", "1e3s", "nan", "inf", "5 days", ""])
+def test_durations_refuse_anything_else(text: str) -> None:
+    from planner.plan import parse_duration
+
+    with pytest.raises(UsageError, match="--deadline"):
+        parse_duration(text)

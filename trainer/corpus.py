@@ -87,9 +87,20 @@ def _read_texts(source: DataSource, base: Path) -> list[str]:
     return texts
 
 
+def _files_stamp(source: DataSource, base: Path) -> list[list]:
+    """Each file of the source with its size and modification time: an edited file misses the cache."""
+    pattern = str(base / source.path) if not Path(source.path).is_absolute() else source.path
+    stamps = []
+    for path in sorted(glob.glob(pattern)):
+        st = os.stat(path)
+        stamps.append([path, st.st_size, st.st_mtime_ns])
+    return stamps
+
+
 def load_source(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Path | None) -> np.ndarray:
     base = Path(task.base_dir)
-    key = hashlib.sha256(json.dumps([source.model_dump(), str(base), seq, tokenizer.name]).encode())
+    key = hashlib.sha256(json.dumps([source.model_dump(mode="json"), str(base), seq, tokenizer.name,
+                                     _files_stamp(source, base)]).encode())
     cached = cache / f"{key.hexdigest()[:20]}.npy" if cache else None
     if cached and cached.is_file():
         return np.load(cached)

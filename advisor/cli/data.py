@@ -10,6 +10,7 @@ import typer
 
 from advisor.cli.common import console, err_console, exit_on_error
 from advisor.cli.render import render_data_manifest
+from advisor.errors import UsageError
 from presets import load_task
 from trainer.data.demo_corpus import generate_demo_corpus
 from trainer.data.manifest import read_manifest
@@ -28,6 +29,8 @@ def data_prepare(
     micro_batch_tokens: Optional[int] = typer.Option(
         None, "--micro-batch-tokens", min=8, help="token budget of one micro-batch for the bucket edges"),
     as_json: bool = typer.Option(False, "--json", help="print the manifest as one JSON object"),
+    allow_code: bool = typer.Option(False, "--allow-code", help="let a difficulty rule `module:function` or "
+                                                                "`file.py:function` import and run that code"),
 ) -> None:
     """Clean (exact and MinHash near-duplicate removal, length and character-quality thresholds),
     grade by difficulty, bucket by length and write tokenised stage shards plus a manifest.
@@ -39,7 +42,7 @@ def data_prepare(
     def compute():
         spec = load_task(task)
         log = None if as_json else (lambda message: err_console.print(message, style="dim", highlight=False))
-        return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log)
+        return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log, allow_code=allow_code)
 
     folder, manifest = exit_on_error(compute)
     if as_json:
@@ -59,7 +62,17 @@ def data_stats(
     if as_json:
         print(json.dumps(manifest))
         return
-    render_data_manifest(manifest)
+    exit_on_error(lambda: render_checked(manifest, directory))
+
+
+def render_checked(manifest: dict, directory: Path) -> None:
+    """Render, or say in one line that the manifest lacks what a prepared folder's has (edited, or
+    written by something else): the tables are built before anything is printed."""
+    try:
+        render_data_manifest(manifest)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        what = f"no key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise UsageError(f"{directory}: damaged manifest ({what}); rerun `advisor data prepare`") from None
 
 
 @data_app.command("generate-demo")

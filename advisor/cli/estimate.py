@@ -9,7 +9,7 @@ import typer
 from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, exit_on_error
 from advisor.cli.render import render_estimate
 from advisor.errors import UsageError
-from advisor.specs import Estimate, parse_layout_string, resolve_layout
+from advisor.specs import Estimate, check_number, check_seq_fits, parse_layout_string, resolve_layout
 from planner.cost_model import estimate as run_estimate
 from presets import load_hardware, load_model
 
@@ -31,6 +31,7 @@ def estimate(
         MIN_COMPUTE_FRACTION, "--min-compute-fraction", help="Amdahl rule: compute share of every device's step"),
     as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object (the contract)"),
 ) -> None:
+    exit_on_error(lambda: check_number(min_compute_fraction, "--min-compute-fraction", ge=0, le=1))
     result: Estimate = exit_on_error(
         lambda: estimate_layout(model, hardware, layout, nodes, gpus_per_node, seq_len, attention))
     if as_json:
@@ -55,4 +56,6 @@ def estimate_layout(model: str, hardware: str, layout: str, nodes: int | None, g
     if gpus_per_node:
         hw = hw.model_copy(update={"devices_per_node": gpus_per_node})
     lay = resolve_layout(layout, devices, hw, seq_len)
+    if seq_len is not None or "seq" in given:  # the default 2048 is not the user's choice
+        check_seq_fits(spec, lay.seq, "--seq-len" if seq_len is not None else "layout seq")
     return run_estimate(spec, hw, lay, attention=attention)

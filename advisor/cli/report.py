@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from advisor.cli.common import console, err_console, exit_on_error, stage_tokens
 from advisor.cli.render import render_capacity
+from advisor.specs import check_number
 from presets import load_task
 from planner.plan import parse_duration
 from presets import load_hardware, load_model
@@ -50,7 +51,13 @@ def report_capacity(
     from reports.pages import capacity_document
 
     def build():
+        check_number(tokens, "--tokens", gt=0)
+        check_number(mtbf_hours, "--mtbf-hours", gt=0)
+        check_number(restart_minutes, "--restart-minutes", ge=0)
         hws = [load_hardware(h.strip()) for h in hardware.split(",") if h.strip()]
+        prices = parse_prices(price, hws)
+        for name, value in prices.items():
+            check_number(value, f"--price-per-gpu-hour {name}=", ge=0)
         command = ["advisor report capacity", f"--model {model}"] + (
             [f"--tokens {tokens:g}"] if tokens is not None else []) + ([f"--task {task}"] if task else []) + [
             f"--hardware {hardware}", f"--gpus {gpus}", f"--method {method}"] + [
@@ -63,7 +70,7 @@ def report_capacity(
             model=load_model(model), hardware=hws, gpu_counts=parse_counts(gpus),
             methods=[m.strip() for m in method.split(",") if m.strip()], tokens=tokens, task=spec_task,
             stage_tokens=stage_tokens(spec_task), seq=seq_len, global_batch=global_batch,
-            prices=parse_prices(price, hws), deadline_s=parse_duration(deadline) if deadline else None,
+            prices=prices, deadline_s=parse_duration(deadline) if deadline else None,
             restart_s=restart_minutes * 60, command=" ".join(command), **extra)
         total = len(hws) * len(req.gpu_counts) * len(req.methods)
         # no refresh thread: planner workers are forked, and a fork should not copy a running thread

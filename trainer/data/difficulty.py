@@ -65,13 +65,19 @@ def band_index(grades: np.ndarray, edges: Sequence[float]) -> np.ndarray:
     return np.searchsorted(np.asarray(edges, dtype=np.float64), grades, side="right").astype(np.int16)
 
 
-def load_rule(rule: str, base_dir: Path) -> Callable[[str], float]:
-    """A built-in rule name, `module:function`, or `path/to/file.py:function` (relative to the task)."""
+def load_rule(rule: str, base_dir: Path, allow_code: bool = False) -> Callable[[str], float]:
+    """A built-in rule name, `module:function`, or `path/to/file.py:function` (relative to the task).
+
+    The last two import and run code named by a data file (`os:system` would run every document as
+    a shell command), so they need the user's explicit `--allow-code`; nothing is imported without it."""
     if rule in BUILTIN_RULES:
         return BUILTIN_RULES[rule]
     if ":" not in rule:
         raise UsageError(f"difficulty rule '{rule}': use {', '.join(BUILTIN_RULES)}, module:function "
                          f"or path/to/file.py:function")
+    if not allow_code:
+        raise UsageError(f"difficulty.rule '{rule}' runs code named by the task file: pass --allow-code "
+                         f"to allow it (built-in rules: {', '.join(BUILTIN_RULES)})")
     target, name = rule.rsplit(":", 1)
     try:
         if target.endswith(".py"):
@@ -148,9 +154,9 @@ class ReferenceLoss:
 class Grader:
     """Grades a batch of documents by the stage's difficulty spec."""
 
-    def __init__(self, spec: DifficultySpec, base_dir: Path, max_tokens: int) -> None:
+    def __init__(self, spec: DifficultySpec, base_dir: Path, max_tokens: int, allow_code: bool = False) -> None:
         self.spec = spec
-        self._rule = load_rule(spec.rule, base_dir) if spec.by == "rule" else None
+        self._rule = load_rule(spec.rule, base_dir, allow_code) if spec.by == "rule" else None
         self._loss = None
         if spec.by == "loss":
             folder = Path(spec.reference_model)  # type: ignore[arg-type]

@@ -565,8 +565,9 @@ def _write_unit(entry: Entry, unit: Unit, sel: Selection, stage: StageSpec, spli
 
 
 def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int | None = None,
-            log: Log | None = None) -> tuple[Path, dict[str, Any]]:
-    """Prepare every stage's shards and the manifest; returns (output folder, manifest)."""
+            log: Log | None = None, allow_code: bool = False) -> tuple[Path, dict[str, Any]]:
+    """Prepare every stage's shards and the manifest; returns (output folder, manifest).
+    `allow_code` lets a difficulty rule `module:function` import and run that code."""
     started = time.perf_counter()
     say = log or (lambda message: None)
     base_dir = Path(task.base_dir)
@@ -579,16 +580,16 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
                              "--out DIR`, then `advisor data prepare --task DIR/task.yaml`)") from None
         raise
     fingerprint = task_fingerprint(task)
+    graders = {}
+    for entry in entries:  # first: a refused difficulty rule stops before any reading
+        if entry.grader_key not in graders:
+            graders[entry.grader_key] = Grader(entry.difficulty, base_dir, task.seq_len, allow_code)
     tokenizer_path = resolve_tokenizer_path(task.data.tokenizer, task.model, base_dir)
     tokenizer = TextTokenizer(tokenizer_path)
     _check_vocab(task, tokenizer)
     budget = micro_batch_tokens or task.data.buckets.micro_batch_tokens or 8 * task.seq_len
     dedup = task.data.dedup
     hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
-    graders = {}
-    for entry in entries:
-        if entry.grader_key not in graders:
-            graders[entry.grader_key] = Grader(entry.difficulty, base_dir, task.seq_len)
     ctx = Context(task=task, base_dir=base_dir, tokenizer=tokenizer, eos_id=tokenizer.eos_id,
                   hasher=hasher, graders=graders, log=say)
     with OutputDir(out, MANIFEST_NAME) as output:

@@ -12,7 +12,6 @@ reader never sees half a shard or a manifest without its shards.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import uuid
 from pathlib import Path
@@ -22,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from advisor.errors import UsageError
+from advisor.specs import safe_name
 from trainer.data.manifest import read_manifest
 
 SCHEMA = pa.schema([
@@ -35,12 +35,6 @@ SCHEMA = pa.schema([
     ("chunk", pa.int32()),    # which seq_len piece of a longer document
 ])
 _FLUSH_ROWS = 8192
-
-
-def safe_name(name: str) -> str:
-    """A folder name for a group: letters, digits, dot, dash and underscore."""
-    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "_"
-    return cleaned[:80]
 
 
 def shard_path(stage: str, split: str, group: str, edge: int) -> str:
@@ -81,17 +75,43 @@ class ShardWriter:
         self._sink.close()
 
 
+def foreign_content(folder: Path, marker: str) -> str | None:
+    """Why `folder` is not a folder this tool wrote (None: it is empty, or it holds a valid manifest
+    and nothing but the shards that manifest lists), so that replacing it loses nothing of the user's."""
+    if not folder.is_dir():
+        return "not a folder"
+    files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_symlink() or not p.is_dir()}
+    if not files:
+        return None
+    if marker not in files:
+        return f"no {marker}"
+    try:
+        manifest = read_manifest(folder)
+        listed = {marker} | {shard["path"] for stage in manifest["stages"] for split in ("train", "eval")
+                             if stage.get(split) for shard in stage[split]["shards"]}
+    except UsageError as exc:
+        return str(exc)
+    except (KeyError, TypeError, AttributeError):
+        return f"its {marker} is not a data manifest"
+    extra = sorted(files - listed)
+    if extra:
+        return f"it holds {len(extra)} file(s) its {marker} does not list, e.g. {extra[0]}"
+    return None
+
+
 class OutputDir:
     """Write into a hidden sibling folder; on success swap it for the final folder, on failure
-    remove it. An existing final folder is replaced only if it holds a previous manifest."""
+    remove it. An existing final folder is replaced only if it is empty or holds exactly what a
+    previous run wrote (`foreign_content`)."""
 
     def __init__(self, final: Path, marker: str) -> None:
         self.final = Path(final).resolve()
         self.marker = marker
-        if self.final.exists() and (not self.final.is_dir() or
-                                    (any(self.final.iterdir()) and not (self.final / marker).is_file())):
-            raise UsageError(f"--out {final}: exists and is not a prepared-data folder (no {marker}); "
-                             "choose another folder")
+        if self.final.exists():
+            problem = foreign_content(self.final, marker)
+            if problem:
+                raise UsageError(f"--out {final}: exists and is not a prepared-data folder ({problem}); "
+                                 "choose another folder")
         self.tmp = self.final.parent / f".{self.final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
     def __enter__(self) -> "OutputDir":

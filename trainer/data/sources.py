@@ -81,8 +81,9 @@ def read_batches(path: Path, fmt: str, text_field: str, extra_fields: tuple[str,
                 raise UsageError(f"{row_location(path, fmt, rows_seen)}: no field '{text_field}' "
                                  f"(fields: {', '.join(sorted(batch)) or 'none'})")
             for i, text in enumerate(texts):
-                if text is None:
-                    raise UsageError(f"{row_location(path, fmt, rows_seen + i)}: no field '{text_field}'")
+                if text is None:  # `datasets` reads a missing field as null too
+                    raise UsageError(f"{row_location(path, fmt, rows_seen + i)}: no field '{text_field}' "
+                                     "(or it is null)")
                 if not isinstance(text, str):
                     raise UsageError(f"{row_location(path, fmt, rows_seen + i)}: field '{text_field}' is "
                                      f"{type(text).__name__}, not a string")
