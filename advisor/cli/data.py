@@ -11,7 +11,7 @@ import typer
 from advisor.cli.common import console, err_console, exit_on_error
 from advisor.cli.render import render_data_manifest
 from presets import load_task
-from trainer.data.demo_corpus import generate_demo_corpus
+from trainer.data.demo_corpus import ensure_generated_data, generate_demo_corpus
 from trainer.data.manifest import read_manifest
 
 data_app = typer.Typer(
@@ -39,6 +39,8 @@ def data_prepare(
     def compute():
         spec = load_task(task)
         log = None if as_json else (lambda message: err_console.print(message, style="dim", highlight=False))
+        if ensure_generated_data(spec) and log:
+            log(f"generated the {spec.name} task's data into {spec.base_dir}")
         return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log)
 
     folder, manifest = exit_on_error(compute)

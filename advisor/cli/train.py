@@ -12,6 +12,7 @@ from advisor.cli.common import console, exit_on_error
 from advisor.cli.render import format_seconds
 from advisor.errors import UsageError
 from advisor.plan_file import load_plan
+from trainer.data.demo_corpus import ensure_generated_data
 from trainer.options import TrainOptions
 
 DEFAULTS = TrainOptions()
@@ -48,6 +49,8 @@ def train(
 
     def go():
         plan = load_plan(plan_file)
+        if plan.task is not None and not launched and ensure_generated_data(plan.task):
+            console.print(f"generated the {plan.task.name} task's data into {plan.task.base_dir}")
         if engine is not None:
             if engine not in ("auto", "deepspeed", "fsdp2"):
                 raise UsageError(f"--engine {engine}: choose auto, deepspeed or fsdp2")
