@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from advisor.cli import app
+from advisor.cli.data import DATA_EXTRA
 from advisor.cli.run_chain import RunOptions, _task_ref
 from advisor.errors import UsageError
 from presets import cache_dir, generated_data_dir, load_task
@@ -111,11 +112,16 @@ def test_advisor_run_trains_the_preset_on_the_cached_data(fresh_cache: Path, tmp
 
 @pytest.mark.slow
 def test_plan_then_train_the_demo_preset_in_a_fresh_home(tmp_path: Path) -> None:
-    """The README's two commands, as written, in a fresh home (one step per stage)."""
+    """The README's two commands, as written, in a fresh home (one step per stage), in every process
+    as on an install without the `data` extra (the main job does not need it)."""
     home = tmp_path / "home"
     home.mkdir()
+    without_extra = tmp_path / "without-data-extra"
+    without_extra.mkdir()
+    (without_extra / "sitecustomize.py").write_text(  # None in sys.modules: Python's mark of an absent module
+        "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in DATA_EXTRA))
     env = {k: v for k, v in os.environ.items() if k != "ADVISOR_CACHE"}
-    env.update(HOME=str(home), PYTHONPATH=str(ROOT))
+    env.update(HOME=str(home), PYTHONPATH=f"{without_extra}{os.pathsep}{ROOT}")
     for args in (["plan", "--model", "demo-tiny", "--hardware", "cpu", "--task", "demo", "--out", "plan.yaml"],
                  ["train", "plan.yaml", "--max-steps-per-stage", "1"]):
         done = subprocess.run([sys.executable, "-m", "advisor.cli", *args], cwd=tmp_path, env=env,
