@@ -64,6 +64,7 @@ def timed_pip(python: Path, args: list[str]) -> float:
 
 
 def measure(extras: str) -> dict:
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="advisor-install-") as tmp:
         venv = Path(tmp) / "venv"
         started = time.perf_counter()
@@ -77,7 +78,7 @@ def measure(extras: str) -> dict:
         total_bytes = disk_bytes(venv)
         sizes = json.loads(subprocess.run([str(python), "-c", SIZES_SCRIPT], check=True, capture_output=True,
                                           text=True).stdout)
-    return {"venv_s": venv_s, "torch_s": torch_s, "project_s": project_s, "base_bytes": base_bytes,
+    return {"load": (load_before, os.getloadavg()[0]), "venv_s": venv_s, "torch_s": torch_s, "project_s": project_s, "base_bytes": base_bytes,
             "torch_bytes": torch_bytes, "total_bytes": total_bytes, "distributions": len(sizes),
             "largest": sorted(sizes.items(), key=lambda kv: -kv[1])[:10]}
 
@@ -99,6 +100,8 @@ def table(result: dict, extras: str) -> str:
         "|---|---:|---:|",
     ]
     rows += [f"| {name} | {size / MB:,.1f} | {size / result['total_bytes']:.0%} |" for name, size in result["largest"]]
+    rows += ["", f"1-minute load average at the start and the end: {result['load'][0]:.2f}, {result['load'][1]:.2f} "
+                 f"({os.cpu_count()} cores, shared)."]
     return "\n".join(rows) + "\n"
 
 
