@@ -3,11 +3,15 @@
 Loaders resolve the CLI's `--model`/`--hardware`/`--task` arguments: a preset name, or a path (an HF
 `config.json` or model folder for models; a `profile.json` for hardware; a task YAML). They only
 read and validate, through the file formats of `advisor/`.
+
+A task preset ships no data files: the demo's are generated on first use (trainer/data/demo_corpus.py,
+called by the CLI verbs that read them) into the cache folder its loaded task points at.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -22,6 +26,19 @@ from advisor.task import TaskSpec, read_task_file
 
 PRESETS_DIR = Path(__file__).resolve().parent
 KINDS = ("hardware", "models", "tasks")
+# Task presets whose data is generated (same seed, same files), not shipped: name -> the command that
+# writes it into a folder. `load_task(name)` points the task at `generated_data_dir(name)`.
+GENERATED_TASK_DATA = {"demo": "advisor data generate-demo"}
+
+
+def cache_dir() -> Path:
+    """What advisor can remake lives here (traces, profiles, generated task data)."""
+    return Path(os.environ.get("ADVISOR_CACHE", Path.home() / ".cache" / "advisor"))
+
+
+def generated_data_dir(name: str) -> Path:
+    """Where a task preset's generated data goes: its sources' relative paths start here."""
+    return cache_dir() / "tasks" / name
 
 
 def preset_names(kind: str) -> list[str]:
@@ -102,12 +119,16 @@ def load_model(ref: str) -> ModelSpec:
 
 
 def load_task(ref: str) -> TaskSpec:
-    """A task preset name (e.g. `demo`) or a path to a task YAML."""
+    """A task preset name (e.g. `demo`) or a path to a task YAML. A preset with generated data reads
+    it from its cache folder (`generated_data_dir`), whether or not it is written yet."""
     path = Path(ref)
-    if not path.is_file():
-        if ref.endswith((".yaml", ".yml")) or "/" in ref:
-            raise UsageError(f"task file not found: {ref}")
-        if ref not in preset_names("tasks"):
-            raise UsageError(f"unknown task preset '{ref}'; available: {', '.join(preset_names('tasks'))}")
-        path = PRESETS_DIR / "tasks" / f"{ref}.yaml"
-    return read_task_file(path)
+    if path.is_file():
+        return read_task_file(path)
+    if ref.endswith((".yaml", ".yml")) or "/" in ref:
+        raise UsageError(f"task file not found: {ref}")
+    if ref not in preset_names("tasks"):
+        raise UsageError(f"unknown task preset '{ref}'; available: {', '.join(preset_names('tasks'))}")
+    task = read_task_file(PRESETS_DIR / "tasks" / f"{ref}.yaml")
+    if ref in GENERATED_TASK_DATA:
+        task = task.model_copy(update={"base_dir": str(generated_data_dir(ref))})
+    return task

@@ -12,6 +12,7 @@ import numpy as np
 
 from advisor.errors import UsageError
 from advisor.task import DataSource, StageSpec, TaskSpec
+from trainer.data.demo_corpus import generate_command
 from trainer.data.tokenizer import TextTokenizer, resolve_tokenizer_path
 from trainer.stream import Source, pack
 
@@ -65,7 +66,9 @@ def _read_texts(source: DataSource, base: Path) -> list[str]:
     pattern = str(base / source.path) if not Path(source.path).is_absolute() else source.path
     paths = sorted(glob.glob(pattern)) or ([pattern] if Path(pattern).exists() else [])
     if not paths:
-        raise UsageError(f"data source not found: {pattern}")
+        command = generate_command(base)
+        raise UsageError(f"data source not found: {pattern}" + (f" (generated data: `{command}` writes it)"
+                                                                 if command else ""))
     texts = []
     for path in paths:
         if source.format in ("jsonl", "json"):

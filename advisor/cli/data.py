@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from advisor.cli.common import console, err_console, exit_on_error
 from advisor.cli.render import render_data_manifest
 from advisor.errors import UsageError
 from presets import load_task
-from trainer.data.demo_corpus import generate_demo_corpus
+from trainer.data.demo_corpus import ensure_generated_data, generate_demo_corpus
 from trainer.data.manifest import read_manifest
+
+# pyproject's `data` extra: what `advisor data prepare` and training on its shards import, and the
+# main job (`advisor run`) never does
+DATA_EXTRA = ("datasets", "pandas")
+
+
+def require_data_extra(command: str) -> None:
+    """One line naming the install, instead of an ImportError from deep inside the pipeline."""
+    missing = []
+    for module in DATA_EXTRA:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        # escaped: exit_on_error prints messages as rich markup, where "[data]" would vanish as a tag
+        raise UsageError(f"{command} needs {' and '.join(missing)}: pip install -e \".{escape('[data]')}\"")
+
 
 data_app = typer.Typer(
     no_args_is_help=True, rich_markup_mode="rich",
@@ -37,11 +57,14 @@ def data_prepare(
 
     The folder is written aside and renamed at the end: it is whole or untouched.
     """
-    from trainer.data.prepare import prepare  # deferred: imports datasets/pyarrow (0.5 s at every start)
-
     def compute():
+        require_data_extra("advisor data prepare")
+        from trainer.data.prepare import prepare  # deferred: imports datasets/pandas (an extra; 0.5 s at every start)
+
         spec = load_task(task)
         log = None if as_json else (lambda message: err_console.print(message, style="dim", highlight=False))
+        if ensure_generated_data(spec) and log:
+            log(f"generated the {spec.name} task's data into {spec.base_dir}")
         return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log, allow_code=allow_code)
 
     folder, manifest = exit_on_error(compute)

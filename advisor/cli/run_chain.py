@@ -2,7 +2,7 @@
 
 The CLI's composition of every package (this is why it lives here, above reports): with no options
 it runs the embedded demo: it generates the bundled curriculum (language, arithmetic reasoning,
-instructions, then a mixed stage) into the run directory, profiles this machine (or reuses a profile
+instructions, then a mixed stage) into the cache on first use, profiles this machine (or reuses a profile
 of it younger than a week), plans `demo-tiny` on it, measures the top plans for a few steps
 (trainer/verify.py) and trains the fastest measured, then feeds the measured steps back into the
 profile (profiler/feedback.py) and writes the run report.
@@ -38,13 +38,14 @@ from profiler.inventory import this_host
 from profiler.ranks import free_port
 from profiler.run_profile import ProfileOptions
 from reports.run_report import run_report
-from trainer.data.demo_corpus import generate_demo_corpus
+from trainer.data.demo_corpus import ensure_generated_data
 from trainer.launch import run as run_training
 from trainer.options import TrainOptions
 from trainer.parallelize import unsupported_reason
 from trainer.verify import (Verification, apply, candidate_plan, training_threads, verify,
                             write_verification)
 
+DEMO_TASK = "demo"  # the task preset `advisor run` trains when no --task is given
 PROFILE_MAX_AGE_S = 7 * 86400
 DEFAULT_VERIFY = 3  # candidates measured before training (0: train the planner's choice untested)
 DEFAULT_VERIFY_STEPS = 4  # per candidate; the first 2 warm up and are left out
@@ -188,11 +189,13 @@ def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
 
 
 def _task_ref(opts: RunOptions, say: Callable[[str], None]) -> str:
-    """The task to train: the one named, or the embedded demo's, generated (never downloaded) into the run dir."""
-    if opts.task is not None:
-        return opts.task
-    say(f"generating the demo curriculum into {opts.out}/data")
-    return str(generate_demo_corpus(opts.out)["task.yaml"])
+    """The task to train: the one named, else the embedded demo. A preset's generated data is written
+    on first use into the cache (never downloaded), as `advisor train` does for a plan of it."""
+    ref = opts.task or DEMO_TASK
+    folder = ensure_generated_data(load_task(ref))
+    if folder:
+        say(f"generated the {ref} curriculum into {folder}/data")
+    return ref
 
 
 def _plan(model: ModelSpec, hardware: HardwareSpec, task: TaskSpec, opts: RunOptions,

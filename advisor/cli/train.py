@@ -9,9 +9,11 @@ from typing import Optional
 import typer
 
 from advisor.cli.common import console, exit_on_error
+from advisor.cli.data import require_data_extra
 from advisor.cli.render import format_seconds
 from advisor.errors import UsageError
 from advisor.plan_file import load_plan
+from trainer.data.demo_corpus import ensure_generated_data
 from trainer.options import TrainOptions
 
 DEFAULTS = TrainOptions()
@@ -48,6 +50,10 @@ def train(
 
     def go():
         plan = load_plan(plan_file)
+        if plan.task is not None and not launched and ensure_generated_data(plan.task):
+            console.print(f"generated the {plan.task.name} task's data into {plan.task.base_dir}")
+        if data is not None and not launched:
+            require_data_extra("advisor train --data (prepared shards)")
         if engine is not None:
             if engine not in ("auto", "deepspeed", "fsdp2"):
                 raise UsageError(f"--engine {engine}: choose auto, deepspeed or fsdp2")

@@ -9,6 +9,9 @@ Three sub-tasks, as the source article orders them:
   (field `kind`); the mixed stage gets fresh instructions of its own (mixed.jsonl).
 Each has a train file and an eval file (drawn from another random stream), written as jsonl under
 `<out>/data/`, the paths `presets/tasks/demo.yaml` names relative to its base_dir.
+
+The `demo` task preset reads them from the cache (`presets.generated_data_dir`): `ensure_generated_data`
+writes them there on first use; every verb that reads a task's sources calls it first.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import json
 import math
 import os
 import random
+import secrets
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from advisor.errors import UsageError
-from presets import PRESETS_DIR, load_task
+from advisor.task import TaskSpec
+from presets import GENERATED_TASK_DATA, PRESETS_DIR, generated_data_dir, load_task
 
 # --- a small English-like grammar -------------------------------------------------------------------
 
@@ -199,6 +204,10 @@ EVAL_MARGIN = 1.1  # an eval file holds a little more than the stage's eval_toke
 # what the shipped tokenizer (presets/tokenizers/demo-tiny) was trained on: fixed, so that it can be
 # rebuilt byte for byte whatever the task budgets become
 TOKENIZER_TRAINING_DOCUMENTS = {"language.jsonl": 8_900, "arithmetic.jsonl": 9_200, "instructions.jsonl": 6_125}
+# Bump when a generator's output changes: corpora generated into the cache before are then rewritten.
+GENERATOR_VERSION = 1
+STAMP_NAME = ".generated.json"  # in the cache folder: what its files were generated from, written last
+DEMO_SEED = 0  # the preset's data: one seed, so that every run on every machine reads the same files
 
 
 def demo_document_counts(task: Any = None) -> dict[str, int]:
@@ -229,24 +238,67 @@ def iter_documents(name: str, seed: int = 0, count: int = 1) -> Iterator[dict]:
         yield {"id": f"{prefix}-{i:06d}", **generator(rng)}
 
 
-def generate_demo_corpus(base_dir: Path, seed: int = 0, scale: float = 1.0, write_task: bool = True) -> dict[str, Path]:
-    """Write `<base_dir>/data/*.jsonl` for presets/tasks/demo.yaml (and a copy of it as
-    `<base_dir>/task.yaml`, so that `advisor data prepare --task <base_dir>/task.yaml` finds the
-    data). `scale` multiplies every file's size. Each file is written aside and renamed, so a file
-    is whole or absent. Returns name -> path."""
+def _write_aside(path: Path, lines: Iterable[str]) -> None:
+    """Whole or absent: written to a unique file beside it and renamed, so that processes generating
+    the same file at once (same seed, same bytes) never read or leave a partial one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}")  # unique across hosts too
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.writelines(lines)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def generate_demo_corpus(base_dir: Path, seed: int = 0, scale: float = 1.0, write_task: bool = True,
+                         task: TaskSpec | None = None) -> dict[str, Path]:
+    """Write `<base_dir>/data/*.jsonl`, sized to `task`'s budgets (default presets/tasks/demo.yaml),
+    and a copy of demo.yaml as `<base_dir>/task.yaml`, so that `advisor data prepare --task
+    <base_dir>/task.yaml` finds the data. `scale` multiplies every file's size. Returns name -> path."""
     data_dir = Path(base_dir) / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    for name, count in demo_document_counts().items():
+    for name, count in demo_document_counts(task).items():
         path = data_dir / name
-        tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for doc in iter_documents(name, seed, max(1, round(count * scale))):
-                f.write(json.dumps(doc, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
+        documents = iter_documents(name, seed, max(1, round(count * scale)))
+        _write_aside(path, (json.dumps(doc, ensure_ascii=False) + "\n" for doc in documents))
         written[name] = path
     if write_task:
         task = Path(base_dir) / "task.yaml"
         shutil.copyfile(PRESETS_DIR / "tasks" / "demo.yaml", task)
         written["task.yaml"] = task
     return written
+
+
+def ensure_generated_data(task: TaskSpec) -> Path | None:
+    """Generate a task preset's data on first use: when `task` reads from its preset's cache folder
+    (`presets.load_task`) and that folder's stamp does not match this generator, seed and budgets.
+    Returns the folder when it wrote it, None when there was nothing to do."""
+    folder = Path(task.base_dir)
+    if task.name not in GENERATED_TASK_DATA or folder.resolve() != generated_data_dir(task.name).resolve():
+        return None
+    expected = {"generator_version": GENERATOR_VERSION, "seed": DEMO_SEED, "documents": demo_document_counts(task)}
+    stamp = folder / STAMP_NAME
+    try:
+        if json.loads(stamp.read_text()) == expected and all(
+                (folder / "data" / name).is_file() for name in expected["documents"]):
+            return None
+    except (OSError, ValueError):
+        pass  # absent or torn: generate
+    generate_demo_corpus(folder, seed=DEMO_SEED, write_task=False, task=task)
+    _write_aside(stamp, [json.dumps(expected, indent=1) + "\n"])
+    return folder
+
+
+def generate_command(base_dir: Path) -> str | None:
+    """The one command that writes the data a task in `base_dir` is missing, when it is generated
+    data: the demo preset's cache folder, or a folder `advisor data generate-demo` wrote (its
+    task.yaml is demo.yaml). None for any other task: its data is the user's."""
+    folder = Path(base_dir)
+    demo = PRESETS_DIR / "tasks" / "demo.yaml"
+    copied = folder / "task.yaml"
+    is_copy = copied.is_file() and copied.read_bytes() == demo.read_bytes()
+    if is_copy or folder.resolve() == generated_data_dir("demo").resolve():
+        return f"{GENERATED_TASK_DATA['demo']} --out {folder}"
+    return None
