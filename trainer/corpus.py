@@ -80,9 +80,10 @@ def _read_texts(source: DataSource, base: Path) -> list[str]:
                         row = json.loads(line)
                     except ValueError:
                         raise UsageError(f"{path}:{line_no}: not valid JSON") from None
-                    if source.text_field not in row:
-                        raise UsageError(f"{path}:{line_no}: no '{source.text_field}' field")
-                    texts.append(str(row[source.text_field]))
+                    text = row.get(source.text_field) if isinstance(row, dict) else None
+                    if not isinstance(text, str):  # missing, null, a number: a bad row, never the string "None"
+                        raise UsageError(f"{path}:{line_no}: field '{source.text_field}' is missing or not a string")
+                    texts.append(text)
         elif source.format == "text":
             texts.extend(p for p in Path(path).read_text(encoding="utf-8").split("\n\n") if p.strip())
         else:

@@ -33,8 +33,9 @@ import pyarrow as pa
 
 from advisor.errors import UsageError
 from advisor.task import DataSource, DifficultySpec, QualityFilters, StageSpec, TaskSpec
-from presets import PRESETS_DIR, load_model
+from presets import load_model
 from trainer.data import buckets as bucketing
+from trainer.data.demo_corpus import generate_command
 from trainer.data.dedup import DocumentHasher, MinHashParams, exact_duplicates, exact_hash, near_duplicates, words
 from trainer.data.difficulty import Grader, band_index, band_names, check_spec, merge_difficulty
 from trainer.data.manifest import (MANIFEST_NAME, MANIFEST_VERSION, default_out_dir, task_fingerprint,
@@ -575,9 +576,9 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
     try:
         entries, units = _plan_entries(task, base_dir)
     except UsageError as exc:
-        if "not found" in str(exc) and base_dir.resolve() == (PRESETS_DIR / "tasks").resolve():
-            raise UsageError(f"{exc} (a task preset ships no data: for the demo, run `advisor data generate-demo "
-                             "--out DIR`, then `advisor data prepare --task DIR/task.yaml`)") from None
+        command = generate_command(base_dir)
+        if "not found" in str(exc) and command:
+            raise UsageError(f"{exc} (generated data: `{command}` writes it)") from None
         raise
     fingerprint = task_fingerprint(task)
     graders = {}
