@@ -30,11 +30,11 @@ from trainer.data.sources import expand_source_path
 
 RUN_FILE = "run.json"
 WRITER = "advisor-trainer/1"  # marks a run.json this code wrote
-# What a training run leaves in its directory (ARCHITECTURE.md's run-dir contract): moved aside
-# together by --overwrite. Inputs that callers put there (plan.yaml, data/, verify/) stay; plan.yaml
-# is copied aside, the new run rewrites it.
+# What a run leaves in its directory (ARCHITECTURE.md's run-dir contract; `advisor run` adds
+# verify.json, feedback.json and report/): moved aside together. Inputs that callers put there
+# (plan.yaml, data/, data_cache/, verify/, logs/) stay; plan.yaml is copied aside, the new run rewrites it.
 PRODUCTS = (RUN_FILE, "metrics.jsonl", "events.jsonl", "summary.json", "checkpoints", "tensorboard", "model",
-            "stages", "oom_relaunch.json")
+            "stages", "oom_relaunch.json", "verify.json", "feedback.json", "report")
 # The fingerprint fields a resume must match, with the words a refusal uses for them.
 MUST_MATCH = {"task": "task", "seed": "seed", "model": "model", "seq_len": "sequence length",
               "global_batch": "global batch", "engine": "engine", "data": "data"}
