@@ -107,21 +107,21 @@ def problem(path: Path) -> str | None:
     return None
 
 
-def good_checkpoints(root: Path, below: int | None = None) -> tuple[list[Path], list[list[str]]]:
-    """Rank 0's verified checkpoints (newest first, steps below `below` when given) and the damaged
-    ones passed over ([name, problem]), broadcast to every rank. Verifies newest first and stops at
-    the first good one unless `below` asks for older ones too (a step back)."""
+def good_checkpoints(root: Path, below: int | None = None, wanted: int = 1) -> tuple[list[Path], list[list[str]]]:
+    """Rank 0's newest `wanted` verified checkpoints (newest first; of steps below `below` when
+    given) and the damaged ones passed over ([name, problem]), broadcast to every rank: hashing
+    stops once enough verify."""
     if _rank() == 0:
         good: list[Path] = []
         damaged: list[list[str]] = []
         for path in reversed(_step_folders(root)):
+            if len(good) >= wanted:
+                break
             if below is not None and _step(path) >= below:
                 continue
             reason = problem(path)
             if reason is None:
                 good.append(path)
-                if below is None:
-                    break
             else:
                 damaged.append([path.name, reason])
         chosen = [str(p) for p in good], damaged

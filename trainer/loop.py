@@ -290,11 +290,11 @@ class _Run:
         a refusal is raised on all of them, the same line."""
         refusal = None
         if self.main:
-            current = fingerprint(self.plan, self.plan.chosen.layout, self.options.seed, self.options.weights,
-                                  self.options.data)
             try:
+                current = fingerprint(self.plan, self.plan.chosen.layout, self.options.seed, self.options.weights,
+                                      self.options.data)
                 moved = claim(self.run_dir, current, resume, self.options.overwrite)
-            except UsageError as exc:
+            except (UsageError, OSError) as exc:  # the other ranks wait for the answer: give them one
                 refusal = str(exc)
             else:
                 if moved is not None:
@@ -357,7 +357,7 @@ class _Run:
         """The newest good checkpoint (rank 0's choice; with `below`, the newest good ones before that
         step, stepping back `self.steps_back` of them, within `stage` when given); damaged ones
         passed over are logged."""
-        good, damaged = checkpoint.good_checkpoints(self.ckpt_root, below)
+        good, damaged = checkpoint.good_checkpoints(self.ckpt_root, below, wanted=self.steps_back + 1)
         for name, problem in damaged:
             self.events.write({"event": "checkpoint_damaged", "path": name, "problem": problem})
         if stage is not None:
