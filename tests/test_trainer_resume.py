@@ -250,6 +250,23 @@ def test_a_poisoned_batch_before_the_newest_checkpoint_steps_back_to_an_older_on
     assert all(m["loss"] == m["loss"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
 
 
+def test_a_rollback_with_a_damaged_stage_start_checkpoint_redoes_the_end_of_the_previous_stage(tmp_path,
+                                                                                                monkeypatch) -> None:
+    plan = load_plan(make_plan_file(tmp_path, steps=4, checkpoint_every=2))
+    per_step = plan.chosen.layout.global_batch
+    verifies = checkpoint.problem
+    monkeypatch.setattr(checkpoint, "problem",
+                        lambda path: "damaged by the test" if path.name == "step-00000004" else verifies(path))
+    poison(monkeypatch, stage=1, position=1 * per_step)  # step 6, the second step of the second stage
+    summary = train(plan, tmp_path / "run", resume=False, options=QUIET)
+    [rollback] = events(tmp_path / "run", "rollback")
+    assert rollback["to"] == "step-00000002" and rollback["skipped"] == [per_step, 2 * per_step]
+    assert "step-00000004" in [e["path"] for e in events(tmp_path / "run", "checkpoint_damaged")]
+    assert [e["stage"] for e in events(tmp_path / "run", "stage_end")] == ["language", "language", "math"]
+    assert summary["finished"] and [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [
+        1, 2, 3, 4, 5, 6, 7, 8]
+
+
 def test_the_lowered_learning_rate_ends_with_its_stage(tmp_path, monkeypatch) -> None:
     plan = load_plan(make_plan_file(tmp_path, steps=4))
     poison(monkeypatch, stage=0, position=2 * plan.chosen.layout.global_batch)

@@ -183,7 +183,7 @@ def train(plan: Plan, run_dir: Path, resume: bool, options: TrainOptions) -> dic
     with run.progress, run.scalars:
         while run.state.stage < len(run.task.stages):
             stage = run.start_stage()
-            while run.state.step_in_stage < stage.steps:
+            while run.state.stage == stage.index and run.state.step_in_stage < stage.steps:
                 step = run.take_step(stage)
                 if step is None:  # out of memory: fell back to the plan's next layout
                     continue
@@ -194,6 +194,8 @@ def train(plan: Plan, run_dir: Path, resume: bool, options: TrainOptions) -> dic
                 run.record(stage, step)
                 if run.checkpoint_due(stage):
                     run.save("interval")
+            if run.state.stage != stage.index:  # rolled back into the previous stage (no good checkpoint in this one)
+                continue
             run.evaluate(stage)
             run.end_stage(stage)
     return run.finish()
