@@ -309,3 +309,37 @@ def test_the_process_group_gets_the_timeout_flag(tmp_path, monkeypatch) -> None:
     with pytest.raises(Crash):
         trainer.launch._worker(plan, tmp_path / "run", False, TrainOptions(timeout_s=42.0), distributed=True)
     assert seen["timeout"].total_seconds() == 42.0 and seen["backend"] == "gloo"
+
+
+FAIL_RANK_ONE = '''
+import os
+if os.environ.get("RANK") == "1" and "TORCHELASTIC_RUN_ID" in os.environ:  # the worker of global rank 1
+    import trainer.loop as loop
+    record = loop._Run.record
+    def fail_after_step_one(self, stage, step):
+        record(self, stage, step)
+        raise RuntimeError("injected failure on rank 1")
+    loop._Run.record = fail_after_step_one
+'''
+
+
+@pytest.mark.slow
+def test_a_failing_rank_brings_the_other_node_down_within_the_timeout_with_its_error_printed(tmp_path) -> None:
+    plan = make_plan_file(tmp_path, steps=4, layout_fields={"dp": 2, "mbs": 1, "gas": 2, "zero": 0})
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(FAIL_RANK_ONE)  # rank 1's process fails after its first step
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")])}
+    port, timeout_s = _free_port(), 30
+    nodes = [subprocess.Popen([sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(tmp_path / "run"),
+                               "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), "--timeout-s", str(timeout_s)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for rank in (0, 1)]
+    failing_err = nodes[1].communicate(timeout=600)[1].decode()
+    failed_at = time.time()
+    other_err = nodes[0].communicate(timeout=timeout_s + 60)[1].decode()
+    assert nodes[1].returncode != 0 and "injected failure on rank 1" in failing_err
+    assert nodes[0].returncode != 0, other_err[-2000:]
+    assert time.time() - failed_at < timeout_s + 30
+    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -64,7 +65,9 @@ def train(
                                weights=weights, show_progress=show_progress,
                                data=str(data.resolve()) if data else None, overwrite=overwrite, timeout_s=timeout_s)
         resumed = resume or restarted()  # a Slurm requeue continues the run
-        if not launched:  # before any worker starts: a refusal is one line, and a move happens once
+        # before any worker starts (a refusal is one line), on the node of rank 0 only: another node's
+        # launcher may start after rank 0 has claimed the directory for this very run
+        if not launched and node_rank == 0 and os.environ.get("SLURM_NODEID", "0") == "0":
             moved = refuse_or_move_aside(out, resumed, overwrite)
             if moved is not None:
                 console.print(f"moved the previous run in {out} aside to {moved}")
