@@ -116,6 +116,18 @@ def test_resume_accepts_another_layout_and_refuses_a_directory_this_trainer_did_
     assert result.exit_code == 2 and "not trusted" in result.output
 
 
+@pytest.mark.parametrize("variable", ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"])
+def test_a_restart_by_torchrun_or_a_slurm_requeue_resumes(tmp_path, monkeypatch, clean, variable) -> None:
+    plan, run = load_plan(make_plan_file(tmp_path, checkpoint_every=2)), tmp_path / "run"
+    with monkeypatch.context() as patch, pytest.raises(Crash):
+        crash_after(patch, 5)
+        train(plan, run, resume=False, options=QUIET)
+    monkeypatch.setenv(variable, "1")
+    assert train(plan, run, resume=False, options=QUIET)["finished"]  # the same command line, restarted
+    assert [e["from"] for e in events(run, "resume")] == ["step-00000004"]
+    assert losses(run) == clean
+
+
 # -- damaged files -----------------------------------------------------------------------------------
 
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, monkeypatch, clean) -> None:
