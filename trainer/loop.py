@@ -4,7 +4,8 @@ For each stage of the task: re-warm the learning rate, train its planned steps o
 (with replay of earlier stages), guard every step against loss spikes (roll back to the last good
 checkpoint and skip the offending batch), checkpoint on the planned cadence and always at the
 stage end, evaluate every skill seen so far. Everything a run leaves follows the run-dir contract:
-plan.yaml, metrics.jsonl, events.jsonl, checkpoints/, summary.json.
+plan.yaml, metrics.jsonl, events.jsonl, checkpoints/, summary.json, and run.json (which run this is:
+trainer/run_identity.py).
 """
 
 from __future__ import annotations
