@@ -1,9 +1,16 @@
-"""Atomic checkpoints: written aside, renamed into place, the last N kept.
+"""Durable, verified checkpoints: written aside, fsynced, renamed into place, the last N kept.
 
 A checkpoint is a folder `checkpoints/step-00000042/` holding the engine's state (model,
 optimizer; DeepSpeed's own layout under ZeRO), `trainer.json` (stage, step, data positions, spike
-statistics, rollbacks) and each rank's RNG state. Only folders renamed into place count, so a
-crash while writing leaves the previous checkpoint as the latest.
+statistics), each rank's RNG state (CPU, and CUDA when used) and, written last, `manifest.json`:
+every file's size and sha256. Files and folders are fsynced before the rename, so a power cut
+cannot leave a renamed folder with missing data; older checkpoints are deleted only after the new
+one is durable. A checkpoint counts when its manifest verifies: a damaged newest one (a truncated
+file, a disk error) is passed over for the newest good one. Rank 0 verifies and chooses; the other
+ranks load its choice, so ranks on a shared filesystem never load different checkpoints.
+
+ADVISOR_CHECKPOINT_DELAY_S (seconds) sleeps between the files of a save: it lets a test kill a
+run at any moment of a checkpoint write.
 
 The DTensor engines (tensor parallel, FSDP2, pipeline) write their state as one
 torch.distributed.checkpoint (DCP) folder, `dcp/`, through `save_distributed` and
@@ -12,8 +19,11 @@ torch.distributed.checkpoint (DCP) folder, `dcp/`, through `save_distributed` an
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 PREFIX = "step-"
+MANIFEST = "manifest.json"
+DELAY_ENV = "ADVISOR_CHECKPOINT_DELAY_S"
 
 
 def _rank() -> int:
@@ -32,9 +44,150 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _pause() -> None:
+    """The injectable delay between a save's files (tests kill the run inside it)."""
+    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+
+
+def broadcast(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a picklable object; itself without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file, or a folder's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _step_folders(root: Path) -> list[Path]:
+    """Renamed-into-place checkpoint folders, oldest first (names sort by step)."""
+    return sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir())
+
+
+def problem(path: Path) -> str | None:
+    """Why the checkpoint `path` cannot be loaded (no manifest, a file missing, another size or
+    hash), or None when every file verifies."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no readable {MANIFEST}"
+    if "trainer.json" not in files:
+        return "no trainer.json"
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != expected["size"]:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {expected['size']}"
+        if _sha256(file) != expected["sha256"]:
+            return f"{name} does not match its sha256"
+    return None
+
+
+def good_checkpoints(root: Path, below: int | None = None, wanted: int = 1) -> tuple[list[Path], list[list[str]]]:
+    """Rank 0's newest `wanted` verified checkpoints (newest first; of steps below `below` when
+    given) and the damaged ones passed over ([name, problem]), broadcast to every rank: hashing
+    stops once enough verify."""
+    if _rank() == 0:
+        good: list[Path] = []
+        damaged: list[list[str]] = []
+        for path in reversed(_step_folders(root)):
+            if len(good) >= wanted:
+                break
+            if below is not None and _step(path) >= below:
+                continue
+            reason = problem(path)
+            if reason is None:
+                good.append(path)
+            else:
+                damaged.append([path.name, reason])
+        chosen = [str(p) for p in good], damaged
+    else:
+        chosen = None
+    names, damaged = broadcast(chosen)
+    return [Path(n) for n in names], damaged
+
+
 def latest(root: Path) -> Path | None:
-    done = sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir() and (p / "trainer.json").is_file())
-    return done[-1] if done else None
+    """The newest checkpoint that verifies (rank 0's choice, on every rank)."""
+    good, _ = good_checkpoints(root)
+    return good[0] if good else None
+
+
+def _step(path: Path) -> int:
+    return int(path.name[len(PREFIX):])
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _seal(tmp: Path, trainer_state: dict[str, Any]) -> None:
+    """Rank 0: trainer.json, every file fsynced and hashed into the manifest (written last)."""
+    (tmp / "trainer.json").write_text(json.dumps(trainer_state))
+    files = {}
+    for path in _files(tmp):
+        _pause()
+        _fsync(path)
+        files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    for folder in sorted({p.parent for p in _files(tmp)}, reverse=True):
+        _fsync(folder)
+    manifest = tmp / MANIFEST
+    manifest.write_text(json.dumps({"step": trainer_state.get("global_step"), "files": files}, indent=1))
+    _fsync(manifest)
+    _fsync(tmp)
+
+
+def _put_in_place(root: Path, tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`. A checkpoint of the same step (a redone step after a rollback) is
+    renamed away first and deleted only once the new one is in place."""
+    replaced = None
+    if final.exists():
+        replaced = root / f".replaced-{final.name}"
+        shutil.rmtree(replaced, ignore_errors=True)
+        final.rename(replaced)
+    _pause()
+    tmp.rename(final)
+    _fsync(root)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _rotate(root: Path, keep: int, current: Path) -> None:
+    """Delete all but the newest `keep` checkpoints (never `current`) and leftovers of crashed saves."""
+    for old in _step_folders(root)[:-keep]:
+        if old != current:
+            _pause()
+            shutil.rmtree(old, ignore_errors=True)
+    for leftover in (*root.glob(f".tmp-{PREFIX}*"), *root.glob(f".replaced-{PREFIX}*")):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def save(root: Path, global_step: int, trainer_state: dict[str, Any], save_engine: Callable[[Path], None],
@@ -46,23 +199,37 @@ def save(root: Path, global_step: int, trainer_state: dict[str, Any], save_engin
         tmp.mkdir(parents=True)
     _barrier()
     save_engine(tmp)
-    torch.save(torch.get_rng_state(), tmp / f"rng-{_rank()}.pt")
+    _pause()
+    torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")
     _barrier()
     if _rank() == 0:
-        (tmp / "trainer.json").write_text(json.dumps(trainer_state))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        for old in sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir())[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _seal(tmp, trainer_state)
+        _put_in_place(root, tmp, final)
+        _rotate(root, keep, final)
     _barrier()
     return final
+
+
+def discard_after(root: Path, step: int) -> list[str]:
+    """Rank 0: delete the checkpoints taken after `step` (the guard found them on a bad path)."""
+    removed = []
+    if _rank() == 0:
+        for path in _step_folders(root):
+            if _step(path) > step:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+    _barrier()
+    return removed
 
 
 def load(path: Path, load_engine: Callable[[Path], None]) -> dict[str, Any]:
     load_engine(path)
     rng = path / f"rng-{_rank()}.pt"
     if rng.is_file():
-        torch.set_rng_state(torch.load(rng, weights_only=True))
+        state = torch.load(rng, weights_only=True)
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
     return json.loads((path / "trainer.json").read_text())
 
 

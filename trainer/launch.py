@@ -9,6 +9,7 @@ and names the plan's next layout (trainer/oom.py), the launcher starts the ranks
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 import subprocess
@@ -103,7 +104,8 @@ def _worker(plan: Plan, out: Path, resume: bool, options: TrainOptions, distribu
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        # a dead or stuck peer fails the collectives within the timeout instead of torch's 10-30 minutes
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=options.timeout_s))
         options.show_progress = options.show_progress and dist.get_rank() == 0
     summary = train(plan, out, resume, options)  # on failure torchrun's agent stops the other ranks
     if distributed:

@@ -4,7 +4,8 @@ For each stage of the task: re-warm the learning rate, train its planned steps o
 (with replay of earlier stages), guard every step against loss spikes (roll back to the last good
 checkpoint and skip the offending batch), checkpoint on the planned cadence and always at the
 stage end, evaluate every skill seen so far. Everything a run leaves follows the run-dir contract:
-plan.yaml, metrics.jsonl, events.jsonl, checkpoints/, summary.json.
+plan.yaml, metrics.jsonl, events.jsonl, checkpoints/, summary.json, and run.json (which run this is:
+trainer/run_identity.py).
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from planner.export import deepspeed_config
 from trainer import checkpoint
 from trainer.corpus import load_source, stage_sources, tokenizer_for
 from trainer.engines import device, make_engine, select_backend
-from trainer.oom import (RELAUNCH, OOMInjector, free_memory, is_oom, next_layout, relaunch_layout,
-                         request_relaunch)
+from trainer.oom import OOMInjector, free_memory, is_oom, next_layout, relaunch_layout, request_relaunch
 from trainer.model import build_model
 from trainer.options import TrainOptions
 from trainer.prepared import bucket_stream, mask_padding, prepared_dir
+from trainer.run_identity import claim, fingerprint, restarted
 from trainer.scalars import ScalarLog
 from trainer.schedule import stage_lr
 from trainer.spike import SpikeGuard
@@ -59,6 +60,26 @@ class LoopState:
     padding: dict[str, list[int]] = field(default_factory=dict)  # stage -> [tokens, slots, slots unbucketed]
 
 
+def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """A JSON-lines file's records, and how many lines were torn or unreadable (a full disk or a
+    power cut during an append leaves partial JSON or NUL bytes): those are skipped, never fatal."""
+    if not path.is_file():
+        return [], 0
+    records, torn = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            torn += 1
+    return records, torn
+
+
 class JsonLines:
     """Append-only JSON lines, flushed per record (rank 0 writes)."""
 
@@ -70,14 +91,18 @@ class JsonLines:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def truncate_after(self, step: int) -> None:
-        """Drop metrics a crashed run logged after its last checkpoint (they are redone)."""
+    def truncate_after(self, step: int | None) -> int:
+        """Drop what a crashed run logged after its last checkpoint, `step` (it is redone; None: keep
+        every step), and torn lines; returns how many lines were torn."""
         if not self.enabled or not self.path.is_file():
-            return
-        keep = [line for line in self.path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        tmp.replace(self.path)
+            return 0
+        records, torn = read_records(self.path)
+        keep = [r for r in records if step is None or r.get("step", 0) <= step]
+        if torn or len(keep) < len(records):
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            tmp.replace(self.path)
+        return torn
 
 
 def _rank_world() -> tuple[int, int]:
@@ -101,6 +126,15 @@ def _saved_layout(path: Path | None, default: Layout) -> Layout:
         return default
     saved = json.loads((path / "trainer.json").read_text()).get("layout")
     return type(default).model_validate(saved) if saved else default
+
+
+def _checkpoint_step(path: Path) -> int:
+    return int(path.name[len(checkpoint.PREFIX):])
+
+
+def _checkpoint_stage(path: Path) -> int:
+    """The stage a checkpoint resumes into (a stage-end checkpoint: the next stage, at its start)."""
+    return int(json.loads((path / "trainer.json").read_text())["stage"])
 
 
 def _padding_report(counts: list[int]) -> dict[str, Any]:
@@ -142,14 +176,15 @@ def _evaluate(model: torch.nn.Module, sources: list[Source], count: int, dev: to
 def train(plan: Plan, run_dir: Path, resume: bool, options: TrainOptions) -> dict[str, Any]:
     """Run the plan's curriculum in `run_dir` (resuming from its last checkpoint when `resume`).
 
-    Every rank runs this; rank 0 writes the run dir's files. A step is redone, not counted, after an
-    out-of-memory fallback or a spike rollback: both restore the last checkpoint first."""
+    Every rank runs this; rank 0 writes the run dir's files. A restart by torchrun or Slurm resumes. A
+    step is redone, not counted, after an out-of-memory fallback or a spike rollback: both restore
+    the last checkpoint first."""
     run = _Run(plan, run_dir, options)
-    run.restore_or_start(resume)
+    run.restore_or_start(resume or restarted())
     with run.progress, run.scalars:
         while run.state.stage < len(run.task.stages):
             stage = run.start_stage()
-            while run.state.step_in_stage < stage.steps:
+            while run.state.stage == stage.index and run.state.step_in_stage < stage.steps:
                 step = run.take_step(stage)
                 if step is None:  # out of memory: fell back to the plan's next layout
                     continue
@@ -160,6 +195,8 @@ def train(plan: Plan, run_dir: Path, resume: bool, options: TrainOptions) -> dic
                 run.record(stage, step)
                 if run.checkpoint_due(stage):
                     run.save("interval")
+            if run.state.stage != stage.index:  # rolled back into the previous stage (no good checkpoint in this one)
+                continue
             run.evaluate(stage)
             run.end_stage(stage)
     return run.finish()
@@ -205,25 +242,28 @@ class _Run:
         self.metrics = JsonLines(run_dir / "metrics.jsonl", self.main)
         self.events = JsonLines(run_dir / "events.jsonl", self.main)
         self.scalars = ScalarLog(run_dir / "tensorboard", self.main)  # opens lazily, after any purge is set
-        if self.main and not (run_dir / "plan.yaml").is_file():
-            plan.write(run_dir / "plan.yaml")
         self.vocab = int(plan.model.hf_config.get("vocab_size", 0))
         self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab)
         self.cache = run_dir / "data_cache"
         self.dev = device()
         self.step_times: list[float] = []
         self.evals: dict[str, dict[str, float]] = {}
+        self.rollbacks = 0  # this run's, over all its resumes (the budget: never restored from a checkpoint)
+        self.last_spike: int | None = None  # the step of the last spike, and how many checkpoints the
+        self.steps_back = 0  # guard went back past the newest (a spike that repeats goes further back)
 
     # -- set-up: layout, engine, and where the run stands ------------------------------------------
 
     def restore_or_start(self, resume: bool) -> None:
-        """Resume from the last checkpoint (with the layout it, or an OOM relaunch, switched to),
-        else start fresh: clear a previous run's logs and save the rollback target of step 1."""
-        last = checkpoint.latest(self.ckpt_root) if resume else None
+        """Resume from the last good checkpoint (with the layout it, or an OOM relaunch, switched to),
+        else start fresh in a directory that holds no other run, and save the rollback target of step 1."""
+        self._claim(resume)
+        last = self._choose(None) if resume else None
         self.layout = _saved_layout(last, self.plan.chosen.layout)
         self.failed_layouts: list[Layout] = []
         if resume:  # the launcher restarted the ranks after an out-of-memory: the layout they switch to
             self.layout, self.failed_layouts = relaunch_layout(self.run_dir, self.layout, self.world)
+            self.rollbacks = checkpoint.broadcast(self._rollbacks_logged())
         self.prepared = prepared_dir(self.task, self.options.data, self.layout.seq, self.vocab)
         self.inject = OOMInjector()
         self.engine = self._build_engine()
@@ -232,10 +272,11 @@ class _Run:
         if resume and last is None and self.main:
             self.events.write({"event": "resume", "from": None, "note": "no checkpoint yet: starting fresh"})
         if last is not None:
+            torn = self.events.truncate_after(None)
+            if torn:
+                self.events.write({"event": "torn_lines", "file": "events.jsonl", "skipped": torn})
             self._restore(last)
             self.events.write({"event": "resume", "from": last.name, "step": self.state.global_step})
-        elif self.main and not resume:
-            self._clear_previous_run()
         if self.prepared is not None:
             self.events.write({"event": "data", "source": "prepared", "dir": str(self.prepared)})
         if last is None:
@@ -247,11 +288,28 @@ class _Run:
             self.state.layout = self.layout.model_dump(mode="json")
             self.state.oom_fallbacks = max(self.state.oom_fallbacks, len(self.failed_layouts) - 1)
 
-    def _clear_previous_run(self) -> None:
-        for stale in ("metrics.jsonl", "events.jsonl", RELAUNCH):
-            (self.run_dir / stale).unlink(missing_ok=True)
-        for old in (self.run_dir / "tensorboard").glob("events.out.tfevents.*"):
-            old.unlink()
+    def _claim(self, resume: bool) -> None:
+        """Rank 0 makes the run dir this run's (run_identity.claim) and every rank takes its answer:
+        a refusal is raised on all of them, the same line."""
+        refusal = None
+        if self.main:
+            try:
+                current = fingerprint(self.plan, self.plan.chosen.layout, self.options.seed, self.options.weights,
+                                      self.options.data)
+                moved = claim(self.run_dir, current, resume, self.options.overwrite)
+            except (UsageError, OSError) as exc:  # the other ranks wait for the answer: give them one
+                refusal = str(exc)
+            else:
+                if moved is not None:
+                    self.events.write({"event": "moved_aside", "to": str(moved)})
+                if not resume or not (self.run_dir / "plan.yaml").is_file():
+                    self.plan.write(self.run_dir / "plan.yaml")
+        refusal = checkpoint.broadcast(refusal)
+        if refusal is not None:
+            raise UsageError(refusal)
+
+    def _rollbacks_logged(self) -> int:
+        return sum(e.get("event") == "rollback" for e in read_records(self.events.path)[0]) if self.main else 0
 
     def _build_engine(self) -> Any:
         model = build_model(self.plan.model, self.layout, self.options.seed, self.options.weights).to(self.dev)
@@ -284,17 +342,37 @@ class _Run:
 
     def _restore(self, target: Path, **kept: Any) -> None:
         """Load the checkpoint `target` into the engine, the loop state (but for the fields in
-        `kept`) and the spike guard; the logged steps after it will be redone."""
+        `kept`) and the spike guard; the logged steps after it will be redone. At a stage start the
+        guard starts afresh, as the stage itself does (the checkpoint holds the previous stage's)."""
         self.state = LoopState(**checkpoint.load(target, self.engine.load))
         for name, value in kept.items():
             setattr(self.state, name, value)
+        self.state.rollbacks = self.rollbacks
         self.guard.load_state_dict(self.state.spike)
-        self.metrics.truncate_after(self.state.global_step)
+        if self.state.step_in_stage == 0:
+            self.guard = self._fresh_guard()
+        torn = self.metrics.truncate_after(self.state.global_step)
+        if torn:
+            self.events.write({"event": "torn_lines", "file": "metrics.jsonl", "skipped": torn})
         self.scalars.truncate_after(self.state.global_step)
 
+    def _choose(self, below: int | None, stage: int | None = None) -> Path | None:
+        """The newest good checkpoint (rank 0's choice; with `below`, the newest good ones before that
+        step, stepping back `self.steps_back` of them, within `stage` when given); damaged ones
+        passed over are logged."""
+        good, damaged = checkpoint.good_checkpoints(self.ckpt_root, below, wanted=self.steps_back + 1)
+        for name, problem in damaged:
+            self.events.write({"event": "checkpoint_damaged", "path": name, "problem": problem})
+        if stage is not None:
+            good = [p for p in good if _checkpoint_stage(p) == stage] or good[:1]
+        if below is None or not good:
+            return good[0] if good else None
+        return good[min(self.steps_back, len(good) - 1)]
+
     def _last_checkpoint(self) -> Path:
-        target = checkpoint.latest(self.ckpt_root)
-        assert target is not None  # the loop saves one before its first step
+        target = self._choose(None)
+        if target is None:
+            raise RuntimeError(f"no checkpoint in {self.ckpt_root} verifies: nothing to go back to")
         return target
 
     # -- a stage -----------------------------------------------------------------------------------
@@ -340,6 +418,7 @@ class _Run:
         self.events.write({"event": "stage_end", "stage": name, "step": self.state.global_step})
         self.state.stage += 1
         self.state.step_in_stage = 0
+        self.state.lr_scale = 1.0  # a spike's cooling belongs to its stage
         self.save("stage_end")
 
     # -- a step ------------------------------------------------------------------------------------
@@ -425,27 +504,38 @@ class _Run:
         self.layout = replacement
         self.failed_layouts.append(replacement)
         self.engine = self._build_engine()
-        self._restore(target, skips=state.skips, rollbacks=state.rollbacks, lr_scale=state.lr_scale,
-                      oom_fallbacks=state.oom_fallbacks + 1, layout=replacement.model_dump(mode="json"))
-        if self.state.step_in_stage == 0:
-            self.guard = self._fresh_guard()  # as a resume at a stage start does
+        self._restore(target, skips=state.skips, lr_scale=state.lr_scale, oom_fallbacks=state.oom_fallbacks + 1,
+                      layout=replacement.model_dump(mode="json"))
         stage.stream = self._make_stream(stage.index)
         self._show_progress(stage)
 
     def roll_back(self, stage: _Stage, step: _Step, reason: str) -> None:
-        """A loss spike: back to the last checkpoint, skip this step's batch, cool the learning rate."""
-        window = [stage.index, step.position, _advance(step.position, self.per_step, stage.index, [])]
-        self.events.write({"event": "spike", "step": self.state.global_step + 1, "stage": stage.spec.name,
+        """A loss spike: back to the last checkpoint, skip this step's batch, cool the learning rate
+        (until the stage ends). The same spike again (no step passed it since) means that checkpoint
+        was taken on the bad path: go back one checkpoint further and skip all data since it."""
+        spike_step = self.state.global_step + 1
+        self.events.write({"event": "spike", "step": spike_step, "stage": stage.spec.name,
                            "loss": step.loss, "grad_norm": step.grad_norm, "reason": reason})
-        rollbacks = self.state.rollbacks + 1
-        if rollbacks > self.options.max_rollbacks:
+        self.rollbacks += 1
+        if self.rollbacks > self.options.max_rollbacks:
             self.events.write({"event": "stop", "reason": f"more than {self.options.max_rollbacks} rollbacks"})
             raise RuntimeError(f"training stopped after {self.options.max_rollbacks} rollbacks: {reason}")
-        target = self._last_checkpoint()
-        self._restore(target, rollbacks=rollbacks, skips=self.state.skips + [window])
+        repeated = self.last_spike is not None and spike_step <= self.last_spike
+        self.steps_back = self.steps_back + 1 if repeated else 0
+        self.last_spike = spike_step
+        target = self._choose(spike_step, stage.index)
+        if target is None:
+            raise RuntimeError(f"no checkpoint in {self.ckpt_root} verifies: nothing to roll back to")
+        discarded = checkpoint.discard_after(self.ckpt_root, _checkpoint_step(target)) if self.steps_back else []
+        skips = self.state.skips
+        self._restore(target)
+        start = self.state.positions[stage.index] if self.steps_back else step.position
+        window = [stage.index, min(start, step.position), _advance(step.position, self.per_step, stage.index, [])]
+        self.state.skips = skips + [window]
         self.state.lr_scale *= self.options.spike_lr_factor
         self.events.write({"event": "rollback", "to": target.name, "step": self.state.global_step,
-                           "skipped": window[1:], "lr_scale": self.state.lr_scale})
+                           "skipped": window[1:], "lr_scale": self.state.lr_scale, "steps_back": self.steps_back,
+                           "discarded": discarded})
         self._show_progress(stage)
 
     # -- the end -----------------------------------------------------------------------------------
@@ -512,7 +602,7 @@ def _summary(plan: Plan, state: LoopState, step_times: list[float], evals: dict,
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return read_records(path)[0]
 
 
 def _non_finite_seen(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:

@@ -24,6 +24,8 @@ class TrainOptions:
     weights: str | None = None  # a local HF model folder to fine-tune instead of a random init
     show_progress: bool = True
     data: str | None = None  # `advisor data prepare` folder; default: the task's data.out when fresh
+    overwrite: bool = False  # a fresh start moves an old run in the run dir aside (else refuses it)
+    timeout_s: float = 600.0  # process-group timeout: how long ranks wait for a dead peer
 
 
 def flag(name: str) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -15,6 +16,7 @@ from advisor.errors import UsageError
 from advisor.plan_file import load_plan
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.options import TrainOptions
+from trainer.run_identity import refuse_or_move_aside, restarted
 
 DEFAULTS = TrainOptions()
 
@@ -23,6 +25,11 @@ def train(
     plan_file: Path = typer.Argument(..., help="plan.yaml from `advisor plan --task ... --out plan.yaml`"),
     out: Path = typer.Option(Path("runs/latest"), "--out", help="run directory (metrics, events, checkpoints)"),
     resume: bool = typer.Option(False, "--resume", help="continue from the run directory's last checkpoint"),
+    overwrite: bool = typer.Option(DEFAULTS.overwrite, "--overwrite/--no-overwrite",
+                                   help="move a previous run in --out aside (into --out/previous-<time>/) "
+                                   "instead of refusing to start over it"),
+    timeout_s: float = typer.Option(DEFAULTS.timeout_s, "--timeout-s", min=1,
+                                    help="seconds ranks wait for a dead or stuck peer before failing"),
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (demos)"),
     seed: int = typer.Option(DEFAULTS.seed, "--seed"),
     weights: Optional[str] = typer.Option(None, "--weights", help="local HF model folder to start from"),
@@ -62,8 +69,15 @@ def train(
                                spike_lr_factor=spike_lr_factor, spike_warmup_steps=spike_warmup_steps,
                                eval_sequences=eval_sequences, max_steps_per_stage=max_steps_per_stage,
                                weights=weights, show_progress=show_progress,
-                               data=str(data.resolve()) if data else None)
-        return run(plan, plan_file, out, resume, options, launched, nnodes, node_rank, master_addr, master_port)
+                               data=str(data.resolve()) if data else None, overwrite=overwrite, timeout_s=timeout_s)
+        resumed = resume or restarted()  # a Slurm requeue continues the run
+        # before any worker starts (a refusal is one line), on the node of rank 0 only: another node's
+        # launcher may start after rank 0 has claimed the directory for this very run
+        if not launched and node_rank == 0 and os.environ.get("SLURM_NODEID", "0") == "0":
+            moved = refuse_or_move_aside(out, resumed, overwrite)
+            if moved is not None:
+                console.print(f"moved the previous run in {out} aside to {moved}")
+        return run(plan, plan_file, out, resumed, options, launched, nnodes, node_rank, master_addr, master_port)
 
     summary = exit_on_error(go)
     if summary and not launched:

@@ -1,0 +1,357 @@
+"""Nothing lost, nobody in: a run directory knows its run, checkpoints survive kill -9 at any
+moment of a write, a damaged checkpoint or a torn log line is passed over, a resume refuses another
+run's checkpoint, and the spike guard finds its way back past a bad batch."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import trainer.launch
+import trainer.loop as loop
+from advisor.cli import app
+from advisor.errors import UsageError
+from advisor.plan_file import load_plan
+from test_trainer import _free_port, make_plan_file, read_jsonl
+from trainer import checkpoint
+from trainer.loop import TrainOptions, train
+from trainer.run_identity import RUN_FILE
+
+QUIET = TrainOptions(show_progress=False)
+
+
+class Crash(Exception):
+    """Stands for a crash of the training process at a chosen step."""
+
+
+def crash_after(monkeypatch, step: int) -> None:
+    original = loop._Run.record
+
+    def record(self, stage, taken):
+        original(self, stage, taken)
+        if self.state.global_step == step:
+            raise Crash
+
+    monkeypatch.setattr(loop._Run, "record", record)
+
+
+def losses(run: Path) -> list[float]:
+    return [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
+
+
+def events(run: Path, kind: str) -> list[dict]:
+    return [e for e in read_jsonl(run / "events.jsonl") if e["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> list[float]:
+    """Per-step losses of an uninterrupted run in a clean directory (6 steps a stage, checkpoints every 2)."""
+    root = tmp_path_factory.mktemp("clean")
+    train(load_plan(make_plan_file(root, checkpoint_every=2)), root / "run", resume=False, options=QUIET)
+    return losses(root / "run")
+
+
+# -- run identity ------------------------------------------------------------------------------------
+
+def test_a_used_directory_is_refused_and_overwrite_moves_it_aside_then_trains_like_a_clean_run(tmp_path,
+                                                                                                clean) -> None:
+    plan_path = make_plan_file(tmp_path, checkpoint_every=2)
+    plan, run = load_plan(plan_path), tmp_path / "run"
+    train(plan, run, resume=False, options=QUIET)
+    first_id = json.loads((run / RUN_FILE).read_text())["run_id"]
+    with pytest.raises(UsageError, match="already holds a training run"):
+        train(plan, run, resume=False, options=QUIET)
+    result = CliRunner().invoke(app, ["train", str(plan_path), "--out", str(run)])
+    assert result.exit_code == 2 and "already holds a training run" in result.output
+
+    train(plan, run, resume=False, options=TrainOptions(show_progress=False, overwrite=True))
+    assert losses(run) == clean  # nothing of the old run leaked into the new one
+    [aside] = run.glob("previous-*")
+    assert len(read_jsonl(aside / "metrics.jsonl")) == len(clean)  # the old run, whole
+    assert json.loads((aside / RUN_FILE).read_text())["run_id"] == first_id
+    assert json.loads((run / RUN_FILE).read_text())["run_id"] != first_id
+    assert [e["to"] for e in events(run, "moved_aside")] == [str(aside)]
+
+
+def _changed(plan, field: str):
+    plan = plan.model_copy(deep=True)
+    if field == "task":
+        plan.task.stages[0].lr *= 2
+    elif field == "model":
+        plan.model.hf_config["intermediate_size"] = 96
+    elif field == "seq_len":
+        plan.chosen.layout = plan.chosen.layout.model_copy(update={"seq": 16})
+    elif field == "layout":  # the same global batch in another split: an OOM fallback or a re-plan may do this
+        plan.chosen.layout = plan.chosen.layout.model_copy(update={"mbs": 2, "gas": 2})
+    return plan
+
+
+@pytest.mark.parametrize("field", ["task", "seed", "model", "seq_len"])
+def test_resume_with_another_task_seed_model_or_sequence_length_is_refused_naming_it(tmp_path, field) -> None:
+    plan = load_plan(make_plan_file(tmp_path, steps=2))
+    train(plan, tmp_path / "run", resume=False, options=QUIET)
+    seed = 1 if field == "seed" else 0
+    with pytest.raises(UsageError, match=rf"another [a-z ]+ \({field}: "):
+        train(_changed(plan, field), tmp_path / "run", resume=True,
+              options=TrainOptions(show_progress=False, seed=seed))
+
+
+def test_resume_accepts_another_layout_and_refuses_a_directory_this_trainer_did_not_write(tmp_path) -> None:
+    plan_path = make_plan_file(tmp_path, steps=2)
+    plan, run = load_plan(plan_path), tmp_path / "run"
+    train(plan, run, resume=False, options=QUIET)
+    assert train(_changed(plan, "layout"), run, resume=True, options=QUIET)["finished"]
+    (run / RUN_FILE).unlink()
+    with pytest.raises(UsageError, match="not trusted"):
+        train(plan, run, resume=True, options=QUIET)
+    result = CliRunner().invoke(app, ["train", str(plan_path), "--out", str(run), "--resume"])
+    assert result.exit_code == 2 and "not trusted" in result.output
+
+
+@pytest.mark.parametrize("variable", ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"])
+def test_a_restart_by_torchrun_or_a_slurm_requeue_resumes(tmp_path, monkeypatch, clean, variable) -> None:
+    plan, run = load_plan(make_plan_file(tmp_path, checkpoint_every=2)), tmp_path / "run"
+    with monkeypatch.context() as patch, pytest.raises(Crash):
+        crash_after(patch, 5)
+        train(plan, run, resume=False, options=QUIET)
+    monkeypatch.setenv(variable, "1")
+    assert train(plan, run, resume=False, options=QUIET)["finished"]  # the same command line, restarted
+    assert [e["from"] for e in events(run, "resume")] == ["step-00000004"]
+    assert losses(run) == clean
+
+
+# -- damaged files -----------------------------------------------------------------------------------
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, monkeypatch, clean) -> None:
+    plan, run = load_plan(make_plan_file(tmp_path, checkpoint_every=2)), tmp_path / "run"
+    with monkeypatch.context() as patch, pytest.raises(Crash):
+        crash_after(patch, 5)
+        train(plan, run, resume=False, options=QUIET)
+    engine = run / "checkpoints" / "step-00000004" / "engine.pt"
+    engine.write_bytes(engine.read_bytes()[: engine.stat().st_size // 2])
+    assert train(plan, run, resume=True, options=QUIET)["finished"]
+    damaged = events(run, "checkpoint_damaged")
+    assert [d["path"] for d in damaged] == ["step-00000004"] and "engine.pt" in damaged[0]["problem"]
+    assert events(run, "resume")[-1]["from"] == "step-00000002"
+    assert losses(run) == clean
+
+
+def test_a_torn_last_log_line_is_skipped_and_counted(tmp_path, monkeypatch, clean) -> None:
+    plan, run = load_plan(make_plan_file(tmp_path, checkpoint_every=2)), tmp_path / "run"
+    with monkeypatch.context() as patch, pytest.raises(Crash):
+        crash_after(patch, 5)
+        train(plan, run, resume=False, options=QUIET)
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 6, "stage": "langu' + b"\x00" * 64)  # a power cut during an append
+    with open(run / "events.jsonl", "ab") as f:
+        f.write(b"\x00" * 32)
+    assert train(plan, run, resume=True, options=QUIET)["finished"]
+    assert losses(run) == clean
+    torn = events(run, "torn_lines")
+    assert {(t["file"], t["skipped"]) for t in torn} == {("events.jsonl", 1), ("metrics.jsonl", 1)}
+
+
+@pytest.mark.slow
+def test_kill_dash_nine_during_checkpoint_writes_always_resumes_from_the_last_complete_one(tmp_path) -> None:
+    """20 kills, each at a random moment of a checkpoint write (a delay between its files makes the
+    writes long enough to hit), each followed by --resume; the end equals an uninterrupted run."""
+    plan = make_plan_file(tmp_path, steps=8, checkpoint_every=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", checkpoint.DELAY_ENV: "0.03"}
+
+    def launch(out: Path, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(out),
+                                 "--master-port", str(_free_port()), *extra], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    assert launch(tmp_path / "whole").wait(timeout=600) == 0
+    run, root, rng = tmp_path / "killed", tmp_path / "killed" / "checkpoints", random.Random(0)
+    expected_from = []  # the newest complete checkpoint at each kill: where the next resume must start
+    for attempt in range(20):
+        started = time.time()
+        victim = launch(run, *(["--resume"] if attempt else []))
+        writes, seen = rng.randint(1, 2), set()
+        while victim.poll() is None and len(seen) < writes:  # this launch's own writes, not a killed one's
+            seen |= {p.name for p in root.glob(".tmp-step-*") if _mtime(p) >= started}
+            time.sleep(0.005)
+        if victim.poll() is not None:  # it finished before the kill
+            assert victim.returncode == 0, victim.stderr.read().decode()[-2000:]
+            break
+        time.sleep(rng.uniform(0, 0.25))
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        newest = checkpoint.latest(root)
+        assert newest is not None
+        expected_from.append(newest.name)
+    else:
+        final = launch(run, "--resume")
+        assert final.wait(timeout=600) == 0, final.stderr.read().decode()[-2000:]
+    assert len(expected_from) >= 10
+    assert [e["from"] for e in events(run, "resume")] == expected_from
+    assert losses(run) == losses(tmp_path / "whole")
+    last = checkpoint.latest(tmp_path / "whole" / "checkpoints")
+    assert checkpoint.latest(root).name == last.name
+    a = torch.load(last / "engine.pt", weights_only=True)["model"]
+    b = torch.load(root / last.name / "engine.pt", weights_only=True)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # renamed into place meanwhile
+        return 0.0
+
+
+# -- the spike guard ---------------------------------------------------------------------------------
+
+def poison(monkeypatch, stage: int, position: int, corrupt_weights: bool = False) -> None:
+    """The batch at `position` of `stage` is bad: its loss is NaN, or (`corrupt_weights`) it passes
+    the guard but leaves NaN weights, so the spike shows at the next step, after a checkpoint."""
+    original = loop._Run._accumulate
+
+    def accumulate(self, taken, at):
+        result = original(self, taken, at)
+        if (taken.index, at) == (stage, position):
+            if not corrupt_weights:
+                return [float("nan")], result[1]
+            with torch.no_grad():
+                for parameter in self.engine.model.parameters():
+                    parameter.fill_(float("nan"))
+        return result
+
+    monkeypatch.setattr(loop._Run, "_accumulate", accumulate)
+
+
+def test_a_poisoned_batch_right_after_a_stage_start_rolls_back_once_and_finishes(tmp_path, monkeypatch) -> None:
+    # the first stage learns repetitive text to a low loss: a rollback to the second stage's start that
+    # kept the first stage's loss statistics would read the second stage's normal loss as spikes
+    plan = load_plan(make_plan_file(tmp_path, steps=20, checkpoint_every=100, repetitive=True))
+    plan.task.stages[0].lr = 2e-2  # its loss ends near 1.1; the second stage's runs near 5
+    poison(monkeypatch, stage=1, position=0)
+    summary = train(plan, tmp_path / "run", resume=False,
+                    options=TrainOptions(show_progress=False, spike_warmup_steps=4))
+    first_stage_steps = plan.stages[0].steps
+    assert [e["step"] for e in events(tmp_path / "run", "spike")] == [first_stage_steps + 1]
+    [rollback] = events(tmp_path / "run", "rollback")
+    assert rollback["to"] == f"step-{first_stage_steps:08d}" and rollback["steps_back"] == 0
+    assert summary["finished"] and summary["rollbacks"] == 1
+
+
+def test_a_poisoned_batch_before_the_newest_checkpoint_steps_back_to_an_older_one(tmp_path, monkeypatch) -> None:
+    plan = load_plan(make_plan_file(tmp_path, steps=12, checkpoint_every=4))
+    per_step = plan.chosen.layout.global_batch
+    poison(monkeypatch, stage=0, position=7 * per_step, corrupt_weights=True)  # step 8; checkpoint 8 holds NaN
+    summary = train(plan, tmp_path / "run", resume=False, options=QUIET)
+    assert [e["step"] for e in events(tmp_path / "run", "spike")] == [9, 9]
+    first, second = events(tmp_path / "run", "rollback")
+    assert first["to"] == "step-00000008" and first["steps_back"] == 0
+    assert second["to"] == "step-00000004" and second["steps_back"] == 1
+    assert second["discarded"] == ["step-00000008"]
+    # everything since the older checkpoint, to the end of the repeat's batch (the first rollback had
+    # skipped step 9's batch, so the redone step 9 read the one after it)
+    assert first["skipped"] == [8 * per_step, 9 * per_step] and second["skipped"] == [4 * per_step, 10 * per_step]
+    assert summary["finished"] and summary["rollbacks"] == 2 and summary["nan"] is True
+    assert all(m["loss"] == m["loss"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+
+
+def test_a_rollback_with_a_damaged_stage_start_checkpoint_redoes_the_end_of_the_previous_stage(tmp_path,
+                                                                                                monkeypatch) -> None:
+    plan = load_plan(make_plan_file(tmp_path, steps=4, checkpoint_every=2))
+    per_step = plan.chosen.layout.global_batch
+    verifies = checkpoint.problem
+    monkeypatch.setattr(checkpoint, "problem",
+                        lambda path: "damaged by the test" if path.name == "step-00000004" else verifies(path))
+    poison(monkeypatch, stage=1, position=1 * per_step)  # step 6, the second step of the second stage
+    summary = train(plan, tmp_path / "run", resume=False, options=QUIET)
+    [rollback] = events(tmp_path / "run", "rollback")
+    assert rollback["to"] == "step-00000002" and rollback["skipped"] == [per_step, 2 * per_step]
+    assert "step-00000004" in [e["path"] for e in events(tmp_path / "run", "checkpoint_damaged")]
+    assert [e["stage"] for e in events(tmp_path / "run", "stage_end")] == ["language", "language", "math"]
+    assert summary["finished"] and [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [
+        1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_the_lowered_learning_rate_ends_with_its_stage(tmp_path, monkeypatch) -> None:
+    plan = load_plan(make_plan_file(tmp_path, steps=4))
+    poison(monkeypatch, stage=0, position=2 * plan.chosen.layout.global_batch)
+    train(plan, tmp_path / "run", resume=False, options=QUIET)
+    starts = events(tmp_path / "run", "stage_start")
+    assert [s["lr"] for s in starts] == [stage.lr for stage in plan.task.stages]  # the second stage at full lr
+    assert events(tmp_path / "run", "rollback")[0]["lr_scale"] == 0.5
+
+
+def test_the_rollback_budget_counts_every_rollback_of_the_run_across_resumes(tmp_path, monkeypatch) -> None:
+    plan, run = load_plan(make_plan_file(tmp_path, steps=4)), tmp_path / "run"
+    per_step = plan.chosen.layout.global_batch
+    poison(monkeypatch, stage=0, position=1 * per_step)
+    original = loop._Run._accumulate
+    poison(monkeypatch, stage=0, position=2 * per_step)  # the batch after the skipped one is bad too
+    assert loop._Run._accumulate is not original
+    one = TrainOptions(show_progress=False, max_rollbacks=1)
+    with pytest.raises(RuntimeError, match="after 1 rollbacks"):
+        train(plan, run, resume=False, options=one)
+    assert len(events(run, "rollback")) == 1
+    # a supervisor resuming the run: the budget is spent (the checkpoint, taken before, says 0 rollbacks)
+    with pytest.raises(RuntimeError, match="after 1 rollbacks"):
+        train(plan, run, resume=True, options=one)
+    assert len(events(run, "rollback")) == 1
+    summary = train(plan, run, resume=True, options=TrainOptions(show_progress=False, max_rollbacks=3))
+    assert summary["finished"] and summary["rollbacks"] == 3
+
+
+# -- distributed -------------------------------------------------------------------------------------
+
+def test_the_process_group_gets_the_timeout_flag(tmp_path, monkeypatch) -> None:
+    seen = {}
+
+    def init_process_group(backend, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise Crash  # the test ends here: the group is not made
+
+    monkeypatch.setattr(trainer.launch.dist, "init_process_group", init_process_group)
+    plan = load_plan(make_plan_file(tmp_path, steps=2))
+    with pytest.raises(Crash):
+        trainer.launch._worker(plan, tmp_path / "run", False, TrainOptions(timeout_s=42.0), distributed=True)
+    assert seen["timeout"].total_seconds() == 42.0 and seen["backend"] == "gloo"
+
+
+FAIL_RANK_ONE = '''
+import os
+if os.environ.get("RANK") == "1" and "TORCHELASTIC_RUN_ID" in os.environ:  # the worker of global rank 1
+    import trainer.loop as loop
+    record = loop._Run.record
+    def fail_after_step_one(self, stage, step):
+        record(self, stage, step)
+        raise RuntimeError("injected failure on rank 1")
+    loop._Run.record = fail_after_step_one
+'''
+
+
+@pytest.mark.slow
+def test_a_failing_rank_brings_the_other_node_down_within_the_timeout_with_its_error_printed(tmp_path) -> None:
+    plan = make_plan_file(tmp_path, steps=4, layout_fields={"dp": 2, "mbs": 1, "gas": 2, "zero": 0})
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(FAIL_RANK_ONE)  # rank 1's process fails after its first step
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")])}
+    port, timeout_s = _free_port(), 30
+    nodes = [subprocess.Popen([sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(tmp_path / "run"),
+                               "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), "--timeout-s", str(timeout_s)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for rank in (0, 1)]
+    failing_err = nodes[1].communicate(timeout=600)[1].decode()
+    failed_at = time.time()
+    other_err = nodes[0].communicate(timeout=timeout_s + 60)[1].decode()
+    assert nodes[1].returncode != 0 and "injected failure on rank 1" in failing_err
+    assert nodes[0].returncode != 0, other_err[-2000:]
+    assert time.time() - failed_at < timeout_s + 30
+    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1]

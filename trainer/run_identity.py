@@ -1,0 +1,167 @@
+"""Which run a run directory holds: `run.json` (a run id and a fingerprint), written at a fresh start.
+
+A fresh start refuses a directory that holds another run (its checkpoints would be rotated, rolled
+back to and resumed from as if they were this run's) unless `--overwrite` moves that run aside.
+`--resume` refuses a checkpoint of another run: a different task, seed, model, sequence length,
+global batch, engine or data would silently reuse the old data positions and schedule, or fail
+deep inside a state-dict load. The layout alone may change (an out-of-memory fallback, a re-plan).
+
+`run.json` is also the trust boundary: checkpoints hold pickled metadata (DCP, DeepSpeed), so
+`--resume` loads them only from a directory whose `run.json` this trainer wrote, with the same
+fingerprint. A restart by torchrun (TORCHELASTIC_RESTART_COUNT > 0) or a Slurm requeue
+(SLURM_RESTART_COUNT > 0) is a resume.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from advisor.errors import UsageError
+from advisor.plan_file import Plan
+from advisor.specs import Layout
+from trainer.data.sources import expand_source_path
+
+RUN_FILE = "run.json"
+WRITER = "advisor-trainer/1"  # marks a run.json this code wrote
+# What a run leaves in its directory (ARCHITECTURE.md's run-dir contract; `advisor run` adds
+# verify.json, feedback.json and report/): moved aside together. Inputs that callers put there
+# (plan.yaml, data/, data_cache/, verify/, logs/) stay; plan.yaml is copied aside, the new run rewrites it.
+PRODUCTS = (RUN_FILE, "metrics.jsonl", "events.jsonl", "summary.json", "checkpoints", "tensorboard", "model",
+            "stages", "oom_relaunch.json", "verify.json", "feedback.json", "report")
+# The fingerprint fields a resume must match, with the words a refusal uses for them.
+MUST_MATCH = {"task": "task", "seed": "seed", "model": "model", "seq_len": "sequence length",
+              "global_batch": "global batch", "engine": "engine", "data": "data"}
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _data_files(plan: Plan, prepared: str | None) -> list[list[Any]]:
+    """Every source file of the task (path, size, modification time), and the prepared manifest's."""
+    files = []
+    task = plan.task
+    if task is not None:
+        for stage in task.stages:
+            for source in [*stage.sources, *stage.eval_sources]:
+                for path in expand_source_path(Path(task.base_dir), source.path, source.format):
+                    if path.is_file():
+                        st = path.stat()
+                        files.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
+    if prepared:
+        manifest = Path(prepared) / "manifest.json"
+        if manifest.is_file():
+            st = manifest.stat()
+            files.append([str(manifest.resolve()), st.st_size, st.st_mtime_ns])
+    return files
+
+
+def fingerprint(plan: Plan, layout: Layout, seed: int, weights: str | None, prepared: str | None) -> dict[str, Any]:
+    """What decides a run's trajectory. Hashes where the value is large (model config, task, data)."""
+    task = plan.task.model_dump(mode="json", exclude={"base_dir"}) if plan.task else None
+    return {"task": _digest(task), "seed": seed, "model": _digest([plan.model.hf_config, weights]),
+            "seq_len": layout.seq, "global_batch": layout.global_batch, "engine": plan.engine,
+            "data": _digest(_data_files(plan, prepared)), "layout": layout.short(),
+            "model_name": plan.model.name, "task_name": plan.task.name if plan.task else None}
+
+
+def restarted() -> bool:
+    """Whether torchrun or Slurm restarted this job: the restart continues the run."""
+    return any(int(os.environ.get(name, "0") or 0) > 0
+               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+def read_run(run_dir: Path) -> dict[str, Any] | None:
+    """The run.json this trainer wrote in `run_dir`, or None (absent, unreadable, or not ours)."""
+    path = run_dir / RUN_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("writer") == WRITER else None
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a training run (this trainer's, or one from before run.json)."""
+    checkpoints = run_dir / "checkpoints"
+    return ((run_dir / RUN_FILE).exists() or (run_dir / "metrics.jsonl").exists()
+            or (checkpoints.is_dir() and any(checkpoints.glob("step-*"))))
+
+
+def move_aside(run_dir: Path) -> Path | None:
+    """Move the run in `run_dir` (its PRODUCTS, and a copy of plan.yaml) into
+    `run_dir/previous-<UTC time>/`; None when there is none. Nothing is deleted."""
+    if not holds_a_run(run_dir):
+        return None
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    aside = run_dir / f"previous-{stamp}"
+    aside.mkdir()
+    if (run_dir / "plan.yaml").is_file():
+        shutil.copy2(run_dir / "plan.yaml", aside / "plan.yaml")
+    for name in PRODUCTS:
+        if (run_dir / name).exists():
+            (run_dir / name).rename(aside / name)
+    return aside
+
+
+def refuse_or_move_aside(run_dir: Path, resume: bool, overwrite: bool) -> Path | None:
+    """Before a fresh start: move an old run aside (`overwrite`) or refuse it. Returns where it went."""
+    if resume or not holds_a_run(run_dir):
+        return None
+    if not overwrite:
+        raise UsageError(f"{run_dir} already holds a training run: continue it with --resume, train into "
+                         "another --out, or pass --overwrite to move it aside")
+    return move_aside(run_dir)
+
+
+def mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """The first fingerprint field a resume may not change, in words, with both values; else None."""
+    for key, words in MUST_MATCH.items():
+        if saved.get(key) != current.get(key):
+            return f"{words} ({key}: {saved.get(key)} in the run, {current.get(key)} now)"
+    return None
+
+
+def check_resume(run_dir: Path, current: dict[str, Any]) -> None:
+    """Refuse to resume a run this trainer did not write, or one with another fingerprint."""
+    record = read_run(run_dir)
+    if record is None:
+        if holds_a_run(run_dir):
+            raise UsageError(f"--resume: {run_dir} has no {RUN_FILE} written by this trainer, so its checkpoints "
+                             "are not trusted (they hold pickled data); start fresh with --overwrite")
+        return  # nothing to resume: a fresh start
+    differs = mismatch(record.get("fingerprint", {}), current)
+    if differs is not None:
+        raise UsageError(f"--resume: the run in {run_dir} has another {differs}; train into another --out, "
+                         "or pass --overwrite without --resume to start over")
+
+
+def write_run(run_dir: Path, current: dict[str, Any]) -> dict[str, Any]:
+    """A new run id and this fingerprint, written aside and renamed into place."""
+    record = {"writer": WRITER, "run_id": uuid.uuid4().hex,
+              "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "fingerprint": current}
+    tmp = run_dir / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=2))
+    tmp.replace(run_dir / RUN_FILE)
+    return record
+
+
+def claim(run_dir: Path, current: dict[str, Any], resume: bool, overwrite: bool) -> Path | None:
+    """Make `run_dir` this run's: check a resume, or start fresh (moving an old run aside when
+    `overwrite`, refusing it otherwise) and write run.json. Returns where an old run went."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if resume:
+        check_resume(run_dir, current)
+        if read_run(run_dir) is None:
+            write_run(run_dir, current)  # nothing to resume: this is the run's fresh start
+        return None
+    moved = refuse_or_move_aside(run_dir, resume, overwrite)
+    write_run(run_dir, current)
+    return moved
