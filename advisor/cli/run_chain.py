@@ -42,6 +42,7 @@ from trainer.data.demo_corpus import ensure_generated_data
 from trainer.launch import run as run_training
 from trainer.options import TrainOptions
 from trainer.parallelize import unsupported_reason
+from trainer.run_identity import move_aside
 from trainer.verify import (Verification, apply, candidate_plan, training_threads, verify,
                             write_verification)
 
@@ -148,6 +149,9 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     timings: dict[str, float] = {}
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
+    moved = move_aside(out)  # a used run dir: the previous run moves aside, nothing is deleted
+    if moved is not None:
+        say(f"moved the previous run in {out} aside to {moved}")
     task = load_task(_task_ref(opts, say))
     model = load_model(opts.model or task.model or "demo-tiny")
     with _timed(timings, "profile_s"):
