@@ -81,7 +81,8 @@ def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOpti
             return None
         fallback = pending_relaunch(out, started)
         if fallback is None:
-            raise UsageError(f"training processes failed (exit {result.returncode}); see {out}/events.jsonl")
+            raise UsageError(f"training processes failed (exit {result.returncode}); see {out}/events.jsonl, and "
+                             "the workers' output in the run's logs/")
         # a rank ran out of memory and named the plan's next layout: restart every rank with it
         JsonLines(out / "events.jsonl", node_rank == 0).write(fallback["event"])
         resume = True

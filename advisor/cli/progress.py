@@ -43,7 +43,9 @@ class RunProgress:
         self.enabled = enabled
         self.bars = Progress(TextColumn("{task.description:<26}"), BarColumn(bar_width=32),
                              TextColumn("{task.fields[detail]}"), console=console, disable=not enabled,
-                             transient=False, refresh_per_second=2)
+                             transient=False, refresh_per_second=2,
+                             # rich would send sys.stdout/err, where third-party prints go, to the terminal
+                             redirect_stdout=False, redirect_stderr=False)
         self.run = self.bars.add_task(title, total=None, detail="")
         self.estimate_s = 0.0  # the whole run's work, in estimated seconds
         self.done_s = 0.0  # estimated seconds of the parts finished
