@@ -92,6 +92,7 @@ def test_advisor_run_console_holds_only_our_lines(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     console = run.stdout + run.stderr
     assert run.returncode == 0, console
+    console = console.replace(native_ops.BUILDING, "")  # ours, on a machine without the build
     for noise in ("Warning:", "Traceback", "DeepSpeed", "torch.distributed", "[INFO", "[WARNING", "built successfully"):
         assert noise not in console, noise
     assert "advisor run: plan:" in console and "done in" in console

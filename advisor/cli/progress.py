@@ -68,7 +68,7 @@ class RunProgress:
              metrics: Path | None = None) -> Iterator[None]:
         """A part of `steps` steps estimated at `startup_s + steps * step_s`; when `metrics` is given
         its steps are followed there as they happen, else the part counts once it is over."""
-        bar = self.bars.add_task(name, total=steps, detail="starting")
+        bar = self.bars.add_task(name, total=steps, detail=f"{steps} steps")
         watcher = _Watcher(self, bar, steps, step_s, startup_s, metrics) if metrics and self.enabled else None
         try:
             yield
