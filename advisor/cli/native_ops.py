@@ -38,8 +38,10 @@ def extensions_dir() -> Path:
 
 
 def use_persistent_extensions_dir() -> Path:
-    """Point TORCH_EXTENSIONS_DIR at `extensions_dir()` unless the user chose one."""
-    return Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir())))
+    """Point TORCH_EXTENSIONS_DIR at `extensions_dir()` unless the user chose one (an empty one is none)."""
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir())
+    return Path(os.environ["TORCH_EXTENSIONS_DIR"])
 
 
 def cpu_comm_op_built() -> bool:

@@ -61,7 +61,7 @@ def _run(options, as_json: bool) -> dict:
 
     def say(text: str) -> None:
         if not as_json:
-            console.print(f"[bold]advisor run[/bold]: {text}", highlight=False)
+            console.print(f"[bold]advisor run[/bold]: {text}", highlight=False, soft_wrap=True)  # the terminal wraps
 
     def show(verification) -> None:
         if not as_json:
