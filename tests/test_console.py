@@ -88,7 +88,7 @@ def test_advisor_run_console_holds_only_our_lines(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(tmp_path), "ADVISOR_CACHE": str(tmp_path / "cache"),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or str(native_ops.extensions_dir())}
     run = subprocess.run([sys.executable, "-m", "advisor.cli", "run", "--hardware", "cpu", "--max-steps-per-stage",
-                          "2", "--verify", "1", "--verify-steps", "3", "--no-feedback", "--out", "run"],
+                          "1", "--verify", "1", "--verify-steps", "3", "--no-feedback", "--out", "run"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     console = run.stdout + run.stderr
     assert run.returncode == 0, console
