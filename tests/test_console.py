@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from advisor.cli import native_ops
-from advisor.cli.progress import last_record
+from advisor.cli.progress import RunProgress, last_record
 from advisor.profile import cpu_model_name
 from advisor.specs import Layout
 
@@ -78,6 +81,17 @@ def test_progress_reads_the_last_whole_metrics_line(tmp_path):
     assert last_record(path) is None
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')  # the last line is being written
     assert last_record(path) == {"step": 2}
+
+
+def test_time_left_scales_the_estimate_by_the_time_the_done_share_took():
+    display = RunProgress(Console(file=io.StringIO()), enabled=False, title="run")
+    display.expect(100.0)  # estimated seconds
+    display.clock = time.perf_counter() - 50.0  # 25 estimated seconds took 50 real ones: 2x slower
+    display._show_run(25.0)
+    assert display.bars.tasks[0].fields["detail"] == "about 2:30 left"  # 75 ahead x 2
+    # inside a part with 10 estimated seconds ahead that measure 30: those at their measured time
+    display._show_run(25.0, (10.0, 30.0))
+    assert display.bars.tasks[0].fields["detail"] == "about 2:40 left"  # 65 x 2 + 30
 
 
 @pytest.mark.slow

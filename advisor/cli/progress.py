@@ -5,8 +5,9 @@ The workers print nothing to the console (advisor/cli/quiet.py), so the display 
 the CLI process, from what the run writes anyway: a part that trains follows the last line of its
 metrics.jsonl (rank 0 appends one per optimizer step, in this process or in a torchrun worker). The
 run's length is estimated in seconds from the plan (predicted step time x steps, plus a start-up
-guess per part), and the time left scales the estimate still ahead by how long the finished share
-actually took, so a cost model that is off by 2x gives an ETA that is right once a few steps ran.
+guess per part). The time left scales the estimate still ahead by how long the finished share
+actually took, and takes the part running now at its measured step time (metrics.jsonl's step_s),
+so a cost model that is off by 2x gives an ETA that is right once a few steps ran.
 """
 
 from __future__ import annotations
@@ -92,13 +93,17 @@ class RunProgress:
         finally:
             self.bars.remove_task(bar.task)
 
-    def _show_run(self, done_s: float) -> None:
+    def _show_run(self, done_s: float, part_left: tuple[float, float] | None = None) -> None:
+        """The run bar at `done_s` estimated seconds done. Time left: the estimate still ahead, scaled
+        by elapsed / done; or, within a part whose steps are measured (`part_left`: its estimated
+        and its measured seconds left), that part's measured rest plus the scaled parts after it."""
         if self.clock is None or not self.estimate_s:
             return
         elapsed = time.perf_counter() - self.clock
         detail = ""
         if done_s > 0:
-            left = max(0.0, self.estimate_s - done_s) * elapsed / done_s
+            ahead_s, measured_s = part_left or (0.0, 0.0)
+            left = max(0.0, self.estimate_s - done_s - ahead_s) * elapsed / done_s + measured_s
             detail = f"about {_clock(left)} left"
         self.bars.update(self.run, completed=min(done_s, self.estimate_s), detail=detail)
 
@@ -140,7 +145,10 @@ class _Watcher:
             detail = (f"step {step}/{self.steps}  {record.get('stage', '')}  loss {record.get('loss', float('nan')):.3f}"
                       f"  {record.get('tokens_per_s') or 0:,.0f} tok/s")
             self.display.bars.update(self.bar, completed=step, detail=detail)
-            self.display._show_run(self.display.done_s + self.startup_s + step * self.step_s)
+            ahead = self.steps - step
+            measured_s = ahead * float(record.get("step_s") or self.step_s)  # the last step's own time
+            self.display._show_run(self.display.done_s + self.startup_s + step * self.step_s,
+                                   (ahead * self.step_s, measured_s))
 
 
 def last_record(path: Path) -> dict[str, Any] | None:
