@@ -57,6 +57,8 @@ class RunProgress:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self.clock is not None and exc[0] is None:  # the display's last frame stays on the console
+            self.bars.update(self.run, detail=f"took {_clock(time.perf_counter() - self.clock)}")
         self.bars.__exit__(*exc)
 
     def expect(self, estimate_s: float) -> None:
