@@ -20,8 +20,9 @@ asked for with ADVISOR_DEBUG=1 reaches the terminal.
 
 `--verbose` leaves the terminal's descriptors alone (third-party output shows on the console, as it
 would without this module) but for sending descriptor 1 to 2, so that stdout carries our lines (and
-`--json`) alone; Python warnings and logging records are then also copied to the log file. Native
-prints are not: copying a descriptor to two places needs a tee process, which is not worth it here.
+`--json`) alone; the Python warnings and logging records of this process and its forked ranks are
+then also copied to the log file. Native prints and torchrun workers' output are not: copying a
+descriptor to two places needs a tee process, which is not worth it for a debugging switch.
 """
 
 from __future__ import annotations
