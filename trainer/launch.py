@@ -10,6 +10,7 @@ and names the plan's next layout (trainer/oom.py), the launcher starts the ranks
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -77,8 +78,9 @@ def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOpti
                                  master_port)
         started = time.time()
         result = subprocess.run(command, env=env, check=False)
-        if result.returncode == 0:
-            return None
+        if result.returncode == 0:  # rank 0 wrote the summary (None on a node that does not share its run dir)
+            summary = out / "summary.json"
+            return json.loads(summary.read_text()) if summary.is_file() else None
         fallback = pending_relaunch(out, started)
         if fallback is None:
             raise UsageError(f"training processes failed (exit {result.returncode}); see {out}/events.jsonl, and "

@@ -247,14 +247,11 @@ def _take_verified(plan: Plan, verification: Verification, out: Path, say: Calla
 
 
 def _train(plan: Plan, plan_path: Path, opts: RunOptions) -> dict[str, Any] | None:
-    """Train the plan in the run dir; the summary, also when rank 0 of several processes wrote it."""
+    """Train the plan in the run dir; the summary (rank 0's, when several processes trained)."""
     out = opts.out
     # the loop draws no bars of its own: the CLI's display follows metrics.jsonl (advisor/cli/progress.py)
     options = TrainOptions(seed=opts.seed, max_steps_per_stage=opts.max_steps_per_stage, show_progress=False)
-    summary = run_training(plan, plan_path, out, False, options, False, None, 0, "127.0.0.1", free_port())
-    if summary is None and (out / "summary.json").is_file():  # several processes: rank 0 wrote it
-        summary = json.loads((out / "summary.json").read_text())
-    return summary
+    return run_training(plan, plan_path, out, False, options, False, None, 0, "127.0.0.1", free_port())
 
 
 def _feed_back(profile_path: Path, new: list, out: Path, say: Callable[[str], None],
