@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -78,11 +79,13 @@ def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOpti
                                  master_port)
         started = time.time()
         result = subprocess.run(command, env=env, check=False)
-        if result.returncode == 0:
-            return None
+        if result.returncode == 0:  # rank 0 wrote the summary (None on a node that does not share its run dir)
+            summary = out / "summary.json"
+            return json.loads(summary.read_text()) if summary.is_file() else None
         fallback = pending_relaunch(out, started)
         if fallback is None:
-            raise UsageError(f"training processes failed (exit {result.returncode}); see {out}/events.jsonl")
+            raise UsageError(f"training processes failed (exit {result.returncode}); see {out}/events.jsonl, and "
+                             "the workers' output in the run's logs/")
         # a rank ran out of memory and named the plan's next layout: restart every rank with it
         JsonLines(out / "events.jsonl", node_rank == 0).write(fallback["event"])
         resume = True

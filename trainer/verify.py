@@ -17,6 +17,7 @@ Every candidate shares the plan's global batch, so the fastest step is the highe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,6 +40,9 @@ from trainer.steps import normalize_layout, time_steps
 # Switch away from the planner's choice only for a measured gain above this: a trial of a few
 # steps on a shared machine is noisy, and the cost model's ranking is the tie-breaker.
 MIN_GAIN = 0.03
+# A trial's start-up, roughly (forking ranks; or torchrun, imports and DeepSpeed's set-up): the
+# progress display's prior for the time a trial takes besides its steps.
+STARTUP_S = {"fork": 3.0, "loop": 20.0}
 
 
 @dataclass
@@ -104,6 +108,17 @@ def fork_layout(layout: Layout, device_type: str) -> dict[str, Any] | None:
                              "dtype": layout.dtype})
 
 
+def trial_harness(layout: Layout, device_type: str, steps: int) -> tuple[str, int]:
+    """The harness that times `layout` and its step count (the loop leaves its first 2 steps out)."""
+    if fork_layout(layout, device_type) is not None:
+        return "fork", steps
+    return "loop", max(steps, 4)
+
+
+def _no_watch(trial: Trial, metrics: Path | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
 def candidate_plan(plan: Plan, planned: PlannedLayout, first_stage_only: bool = False) -> Plan:
     """The plan with `planned` as its chosen layout; its stages re-sized for that layout."""
     old = plan.chosen.layout
@@ -150,9 +165,10 @@ def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path,
             "peak_source": measured.get("peak_source")}
 
 
-def verify(plan: Plan, k: int, run_dir: Path, steps: int = 4, warmup: int = 2,
-           say: Callable[[str], None] = print) -> Verification:
-    """Measure the plan's top `k` layouts for `steps` steps each and pick the fastest measured."""
+def verify(plan: Plan, k: int, run_dir: Path, steps: int = 4, warmup: int = 2, say: Callable[[str], None] = print,
+           watch: Callable[[Trial, Path | None], contextlib.AbstractContextManager] = _no_watch) -> Verification:
+    """Measure the plan's top `k` layouts for `steps` steps each and pick the fastest measured; each
+    trial runs inside `watch(trial, its metrics.jsonl or None)` (the CLI's progress display)."""
     started = time.perf_counter()
     device_type = plan.hardware.device_type
     candidates = [plan.chosen, *plan.alternatives][:k]
@@ -163,15 +179,16 @@ def verify(plan: Plan, k: int, run_dir: Path, steps: int = 4, warmup: int = 2,
                       predicted_tokens_per_s=est.throughput.tokens_per_s, predicted_peak_bytes=int(est.memory.peak),
                       threads=training_threads(layout.devices, device_type))
         forkable = fork_layout(layout, device_type)
-        trial.harness = "fork" if forkable else "loop"
-        trial.steps = steps if forkable else max(steps, 4)  # the loop leaves its first 2 steps out
+        trial.harness, trial.steps = trial_harness(layout, device_type, steps)
         say(f"verify {rank}/{len(candidates)}: {layout.short()} ({trial.steps} steps, {trial.harness})")
         began = time.perf_counter()
+        directory = run_dir / "verify" / str(rank)
         try:
-            if forkable:
-                measured = _fork_trial(plan, planned, forkable, trial.steps, warmup, trial.threads)
-            else:
-                measured = _loop_trial(plan, planned, trial.steps, run_dir / "verify" / str(rank), run_dir)
+            with watch(trial, None if forkable else directory / "metrics.jsonl"):
+                if forkable:
+                    measured = _fork_trial(plan, planned, forkable, trial.steps, warmup, trial.threads)
+                else:
+                    measured = _loop_trial(plan, planned, trial.steps, directory, run_dir)
         except Exception as exc:  # an OOM or a back-end failure rules the candidate out, not the run
             trial.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             say(f"verify {rank}: failed ({trial.error})")

@@ -1,12 +1,11 @@
 """What every verb shares: the two consoles, the error wrapper, the layout help text, the compute rule,
-and the stage token counts a task's prepared data gives the planner."""
+the per-user cache folder, and the stage token counts a task's prepared data gives the planner."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import Any, Callable
 
 import typer
 from rich.console import Console
@@ -41,18 +40,9 @@ def exit_on_error(action: Callable[[], Any]) -> Any:
         raise typer.Exit(1) from None
 
 
-@contextlib.contextmanager
-def stdout_to_stderr() -> Iterator[None]:
-    """Point file descriptor 1 at stderr (forked and launched workers inherit it), then restore."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+def cache_root() -> Path:
+    """Where the advisor keeps what outlives a run: machine profiles, compiled native ops."""
+    return Path(os.environ.get("ADVISOR_CACHE", Path.home() / ".cache" / "advisor"))
 
 
 def stage_tokens(task: TaskSpec | None) -> dict[str, int] | None:

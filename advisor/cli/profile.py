@@ -9,22 +9,10 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from advisor.cli.common import err_console, exit_on_error
+from advisor.cli.progress import ProfileBar
 from advisor.cli.render import render_profile
 from presets import load_model
 from profiler.inventory import resolve_device
-
-
-class ProgressBar:
-    """The profiler's progress callbacks (`total`, `step`) drawn as one rich progress bar."""
-
-    def __init__(self, bar: Progress) -> None:
-        self.bar, self.task = bar, bar.add_task("starting", total=None)
-
-    def total(self, units: int) -> None:
-        self.bar.update(self.task, total=units)
-
-    def step(self, what: str) -> None:
-        self.bar.update(self.task, advance=1, description=what)
 
 
 def profile(
@@ -48,10 +36,10 @@ def profile(
         resolve_device(device)  # refuse MPS and friends before drawing a progress bar
         opts = ProfileOptions(out=out, quick=quick, model=load_model(model) if model else None, nproc=nproc,
                               device=device, calibrate=calibrate)
-        columns = (TextColumn("{task.description:<36}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        columns = (TextColumn("{task.fields[detail]:<36}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=as_json) as bar:
-            return profile_this_machine(opts, ProgressBar(bar))
+            return profile_this_machine(opts, ProfileBar(bar))
 
     result = exit_on_error(measure)
     if result is None:  # a torchrun job wrote it

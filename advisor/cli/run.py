@@ -8,7 +8,9 @@ from typing import Optional
 
 import typer
 
-from advisor.cli.common import console, exit_on_error, stdout_to_stderr
+from advisor.cli.common import console, exit_on_error
+from advisor.cli.progress import RunProgress
+from advisor.cli.quiet import log_path, quiet_console
 from advisor.cli.render import format_seconds, render_verification
 
 
@@ -27,31 +29,43 @@ def run_all(
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (smoke runs)"),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
+    verbose: bool = typer.Option(False, "--verbose", help="also show third-party warnings and logs (torch, "
+                                 "DeepSpeed, ...) on the console; they always go to RUN_DIR/logs/"),
 ) -> None:
     """Profile, plan, verify, train, feed back and report in one command. With no options: the
     embedded demo (demo-tiny on a generated curriculum: language, arithmetic, instructions, then
     a mixed stage)."""
-    from advisor.cli.run_chain import RunOptions, run_chain  # deferred: imports torch/deepspeed (2.6 s)
+    # before the deferred import below, so that its warnings go to the log as well
+    with quiet_console(out, verbose) as terminal:
+        from advisor.cli.run_chain import RunOptions  # deferred: imports torch/deepspeed (2.6 s)
 
-    def say(text: str) -> None:
-        if not as_json:
-            console.print(f"[bold]advisor run[/bold]: {text}", highlight=False)
-
-    def show(verification) -> None:
-        if not as_json:
-            render_verification(verification)
-
-    options = RunOptions(model=model, task=task, hardware=hardware, out=out, max_steps_per_stage=max_steps_per_stage,
-                         seed=seed, verify=verify, verify_steps=verify_steps, feedback=feedback)
-    if as_json:  # stdout carries the JSON alone: the trainer's and DeepSpeed's output goes to stderr
-        with stdout_to_stderr():
-            result = exit_on_error(lambda: run_chain(options, say, show))
-        print(json.dumps(result, default=str))
-        return
-    result = exit_on_error(lambda: run_chain(options, say, show))
+        options = RunOptions(model=model, task=task, hardware=hardware, out=out,
+                             max_steps_per_stage=max_steps_per_stage, seed=seed, verify=verify,
+                             verify_steps=verify_steps, feedback=feedback)
+        result = exit_on_error(lambda: _run(options, as_json))
+        if as_json:  # stdout carries the JSON alone: everything else went to the log or to stderr
+            print(json.dumps(result, default=str), file=terminal)
+            return
     summary = result["summary"] or {}
     measured, predicted = summary.get("measured", {}), summary.get("predicted", {})
     console.print(f"done in {result['seconds']:.0f} s: {summary.get('steps')} steps, measured step "
                   f"{format_seconds(measured.get('step_s') or 0)} "
                   f"(predicted {format_seconds(predicted.get('step_s') or 0)}), "
-                  f"run dir {result['run_dir']}" + (f", report {result['report']}" if result["report"] else ""))
+                  f"run dir {result['run_dir']}" + (f", report {result['report']}" if result["report"] else "")
+                  + f"; third-party output in {log_path(out)}")
+
+
+def _run(options, as_json: bool) -> dict:
+    """The chain, with our lines and one progress display on the console (none with --json)."""
+    from advisor.cli.run_chain import run_chain  # deferred: imports torch/deepspeed (imported by now)
+
+    def say(text: str) -> None:
+        if not as_json:
+            console.print(f"[bold]advisor run[/bold]: {text}", highlight=False, soft_wrap=True)  # the terminal wraps
+
+    def show(verification) -> None:
+        if not as_json:
+            render_verification(verification)
+
+    with RunProgress(console, enabled=not as_json, title="advisor run") as progress:
+        return run_chain(options, say, show, progress)

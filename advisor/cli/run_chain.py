@@ -17,14 +17,17 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from advisor.cli.common import MIN_COMPUTE_FRACTION, stage_tokens
+from rich.console import Console
+
+from advisor.cli.common import MIN_COMPUTE_FRACTION, cache_root, stage_tokens
 from advisor.cli.compose import profile_this_machine
+from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
+from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
 from advisor.specs import HardwareSpec, ModelSpec
@@ -43,8 +46,8 @@ from trainer.launch import run as run_training
 from trainer.options import TrainOptions
 from trainer.parallelize import unsupported_reason
 from trainer.run_identity import move_aside
-from trainer.verify import (Verification, apply, candidate_plan, training_threads, verify,
-                            write_verification)
+from trainer.verify import (STARTUP_S, Trial, Verification, apply, candidate_plan, trial_harness, training_threads,
+                            verify, write_verification)
 
 DEMO_TASK = "demo"  # the task preset `advisor run` trains when no --task is given
 PROFILE_MAX_AGE_S = 7 * 86400
@@ -85,9 +88,7 @@ class RunOptions:
 
 
 def _cached_profile_path() -> Path:
-    host = this_host()
-    root = Path(os.environ.get("ADVISOR_CACHE", Path.home() / ".cache" / "advisor"))
-    return root / "profiles" / f"{host.hostname}.json"
+    return cache_root() / "profiles" / f"{this_host().hostname}.json"
 
 
 def _fresh_profile(path: Path) -> bool:
@@ -103,7 +104,8 @@ def _fresh_profile(path: Path) -> bool:
     return age < PROFILE_MAX_AGE_S and fingerprint_mismatch(profile) is None
 
 
-def _hardware(opts: RunOptions, model: ModelSpec, say: Callable[[str], None]) -> tuple[HardwareSpec, str, Path | None]:
+def _hardware(opts: RunOptions, model: ModelSpec, say: Callable[[str], None],
+              progress: RunProgress) -> tuple[HardwareSpec, str, Path | None]:
     """The hardware to plan on, what it came from, and the profile file that feedback updates
     (None for a preset): the one named, a fresh profile of this machine, or a new one."""
     if opts.hardware:
@@ -122,7 +124,8 @@ def _hardware(opts: RunOptions, model: ModelSpec, say: Callable[[str], None]) ->
         return load_hardware(str(path)), str(path), path
     say("profiling this machine (--quick)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    profile = profile_this_machine(ProfileOptions(out=path, quick=True, model=model))
+    with progress.profiling() as bar:
+        profile = profile_this_machine(ProfileOptions(out=path, quick=True, model=model), bar)
     if profile is None:
         raise UsageError("profiling did not return a profile")
     return load_hardware(str(path)), str(path), path
@@ -141,8 +144,12 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
-              show_verification: Callable[[Any], None] | None = None) -> dict[str, Any]:
-    """Profile, plan, verify the top plans, train the fastest measured, feed back, report."""
+              show_verification: Callable[[Any], None] | None = None,
+              progress: RunProgress | None = None) -> dict[str, Any]:
+    """Profile, plan, verify the top plans, train the fastest measured, feed back, report; `progress`
+    shows all of it as one display."""
+    progress = progress or RunProgress(Console(), enabled=False, title="")
+    use_persistent_extensions_dir()  # before any rank starts: they all inherit it
     if opts.verify < 0 or opts.verify_steps < 3:
         raise UsageError("--verify takes 0 or more candidates and --verify-steps at least 3 (2 warm up)")
     started = time.perf_counter()
@@ -155,18 +162,22 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     task = load_task(_task_ref(opts, say))
     model = load_model(opts.model or task.model or "demo-tiny")
     with _timed(timings, "profile_s"):
-        hardware, basis, profile_path = _hardware(opts, model, say)
+        hardware, basis, profile_path = _hardware(opts, model, say, progress)
     with _timed(timings, "plan_s"):
         plan = _plan(model, hardware, task, opts, say)
     say(f"plan: {plan.chosen.layout.short()}")
+    candidates = [plan.chosen, *plan.alternatives][:max(1, opts.verify)]
+    build_cpu_comm_op([p.layout for p in candidates], plan.engine, say)
+    progress.expect(_estimate_s(plan, candidates if opts.verify else [], opts))
     verification = None
     if opts.verify > 0:
         with _timed(timings, "verify_s"):
-            verification = verify(plan, opts.verify, out, steps=opts.verify_steps, say=say)
+            verification = verify(plan, opts.verify, out, steps=opts.verify_steps, say=say,
+                                  watch=lambda trial, metrics: _trial_part(progress, trial, metrics))
         plan = _take_verified(plan, verification, out, say, show_verification)
     plan_path = out / "plan.yaml"
     plan.write(plan_path)
-    with _timed(timings, "train_s"):
+    with _timed(timings, "train_s"), progress.training(plan, opts.max_steps_per_stage, out / "metrics.jsonl"):
         summary = _train(plan, plan_path, opts)
     events = [{"event": "verify", **asdict(t)} for t in (verification.trials if verification else [])]
     round_ = None
@@ -182,6 +193,21 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
             "verification": _verification_json(verification), "feedback": round_.model_dump(mode="json")
             if round_ else None, "summary": summary, "report": str(report) if report else None,
             "timings": timings, "seconds": time.perf_counter() - started}
+
+
+def _estimate_s(plan: Plan, trials: list, opts: RunOptions) -> float:
+    """The verification trials' and the training's estimated seconds."""
+    device_type = plan.hardware.device_type
+    seconds = 0.0
+    for planned in trials:
+        harness, steps = trial_harness(planned.layout, device_type, opts.verify_steps)
+        seconds += STARTUP_S[harness] + steps * planned.estimate.time.step_s
+    return seconds + training_estimate_s(plan, opts.max_steps_per_stage)
+
+
+def _trial_part(progress: RunProgress, trial: Trial, metrics: Path | None) -> contextlib.AbstractContextManager:
+    return progress.part(f"verify #{trial.rank}", trial.steps, trial.predicted_step_s, STARTUP_S[trial.harness],
+                         metrics)
 
 
 @contextlib.contextmanager
@@ -228,13 +254,11 @@ def _take_verified(plan: Plan, verification: Verification, out: Path, say: Calla
 
 
 def _train(plan: Plan, plan_path: Path, opts: RunOptions) -> dict[str, Any] | None:
-    """Train the plan in the run dir; the summary, also when rank 0 of several processes wrote it."""
+    """Train the plan in the run dir; the summary (rank 0's, when several processes trained)."""
     out = opts.out
-    options = TrainOptions(seed=opts.seed, max_steps_per_stage=opts.max_steps_per_stage)
-    summary = run_training(plan, plan_path, out, False, options, False, None, 0, "127.0.0.1", free_port())
-    if summary is None and (out / "summary.json").is_file():  # several processes: rank 0 wrote it
-        summary = json.loads((out / "summary.json").read_text())
-    return summary
+    # the loop draws no bars of its own: the CLI's display follows metrics.jsonl (advisor/cli/progress.py)
+    options = TrainOptions(seed=opts.seed, max_steps_per_stage=opts.max_steps_per_stage, show_progress=False)
+    return run_training(plan, plan_path, out, False, options, False, None, 0, "127.0.0.1", free_port())
 
 
 def _feed_back(profile_path: Path, new: list, out: Path, say: Callable[[str], None],

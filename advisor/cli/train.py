@@ -11,6 +11,8 @@ import typer
 
 from advisor.cli.common import console, exit_on_error
 from advisor.cli.data import require_data_extra
+from advisor.cli.progress import RunProgress, training_estimate_s
+from advisor.cli.quiet import log_path, quiet_console
 from advisor.cli.render import format_seconds
 from advisor.errors import UsageError
 from advisor.plan_file import load_plan
@@ -50,12 +52,16 @@ def train(
     spike_warmup_steps: int = typer.Option(DEFAULTS.spike_warmup_steps, "--spike-warmup-steps", hidden=True),
     eval_sequences: int = typer.Option(DEFAULTS.eval_sequences, "--eval-sequences", hidden=True),
     show_progress: bool = typer.Option(DEFAULTS.show_progress, "--show-progress/--no-show-progress", hidden=True),
+    verbose: bool = typer.Option(False, "--verbose", help="also show third-party warnings and logs (torch, "
+                                 "DeepSpeed, ...) on the console; they always go to RUN_DIR/logs/"),
 ) -> None:
     """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
     every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
-    from trainer.launch import run  # deferred: imports torch/deepspeed (2.3 s)
-
     def go():
+        # deferred: import torch/deepspeed (2.3 s), inside the quiet console so that their warnings are logged
+        from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
+        from trainer.launch import run
+
         plan = load_plan(plan_file)
         if plan.task is not None and not launched and ensure_generated_data(plan.task):
             console.print(f"generated the {plan.task.name} task's data into {plan.task.base_dir}")
@@ -68,20 +74,34 @@ def train(
         options = TrainOptions(seed=seed, clip=clip, keep_checkpoints=keep_checkpoints, max_rollbacks=max_rollbacks,
                                spike_lr_factor=spike_lr_factor, spike_warmup_steps=spike_warmup_steps,
                                eval_sequences=eval_sequences, max_steps_per_stage=max_steps_per_stage,
-                               weights=weights, show_progress=show_progress,
+                               weights=weights, show_progress=show_progress and launched,
                                data=str(data.resolve()) if data else None, overwrite=overwrite, timeout_s=timeout_s)
-        resumed = resume or restarted()  # a Slurm requeue continues the run
+        resumed = resume or restarted()  # a torchrun restart or Slurm requeue continues the run
+        if launched:  # a worker: its output goes where the launching CLI sent it
+            return run(plan, plan_file, out, resumed, options, launched, nnodes, node_rank, master_addr, master_port)
         # before any worker starts (a refusal is one line), on the node of rank 0 only: another node's
         # launcher may start after rank 0 has claimed the directory for this very run
-        if not launched and node_rank == 0 and os.environ.get("SLURM_NODEID", "0") == "0":
+        if node_rank == 0 and os.environ.get("SLURM_NODEID", "0") == "0":
             moved = refuse_or_move_aside(out, resumed, overwrite)
             if moved is not None:
                 console.print(f"moved the previous run in {out} aside to {moved}")
-        return run(plan, plan_file, out, resumed, options, launched, nnodes, node_rank, master_addr, master_port)
+        use_persistent_extensions_dir()
+        build_cpu_comm_op([plan.chosen.layout], plan.engine, lambda text: console.print(text, highlight=False))
+        # one display, drawn here from metrics.jsonl: the loop (here or in the workers) draws none
+        with RunProgress(console, show_progress, "advisor train") as progress:
+            progress.expect(training_estimate_s(plan, max_steps_per_stage))
+            with progress.training(plan, max_steps_per_stage, out / "metrics.jsonl"):
+                return run(plan, plan_file, out, resumed, options, launched, nnodes, node_rank, master_addr,
+                           master_port)
 
-    summary = exit_on_error(go)
+    if launched:
+        summary = exit_on_error(go)
+    else:
+        with quiet_console(out, verbose):
+            summary = exit_on_error(go)
     if summary and not launched:
         measured, predicted = summary["measured"], summary["predicted"]
         console.print(f"trained {summary['steps']} steps ({summary['rollbacks']} rollbacks); step "
                       f"{format_seconds(measured['step_s'] or 0)} measured vs "
-                      f"{format_seconds(predicted['step_s'])} predicted; run dir {out}")
+                      f"{format_seconds(predicted['step_s'])} predicted; run dir {out}; third-party output in "
+                      f"{log_path(out)}")

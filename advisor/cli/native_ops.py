@@ -1,0 +1,68 @@
+"""DeepSpeed's CPU communication op, compiled once per machine instead of once per fresh home.
+
+`deepspeed.initialize` on CPU JIT-compiles `deepspeed_shm_comm` (30-45 s cold) into
+TORCH_EXTENSIONS_DIR, whose default lives under the home folder. The verbs point that variable at a
+folder of the advisor's cache keyed on the CPU model (the build uses -march=native, so a folder
+shared by machines with other CPUs would load code they cannot run) and the Python and torch
+versions; every process started afterwards (forked ranks, torchrun workers) inherits it. Before the
+first DeepSpeed run on CPU, `build_cpu_comm_op` builds the op in this process, saying so in one line
+only when it is not built yet (DeepSpeed prints "built successfully" on every load, built or not:
+that line goes to the run's logs).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from advisor.cli.common import cache_root
+from advisor.errors import UsageError
+from advisor.profile import cpu_model_name
+from advisor.specs import Layout
+from trainer.engines import select_backend
+
+SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME: the folder and .so of the build
+BUILDING = "building DeepSpeed's CPU communication op once for this machine (about 40 s)"
+
+
+def extensions_dir() -> Path:
+    """This machine's folder of compiled torch extensions in the advisor's cache."""
+    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model_name()).strip("-").lower() or "cpu"
+    version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}"
+    return cache_root() / "torch_extensions" / f"{cpu}-{version}"
+
+
+def use_persistent_extensions_dir() -> Path:
+    """Point TORCH_EXTENSIONS_DIR at `extensions_dir()` unless the user chose one (an empty one is none)."""
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir())
+    return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
+def cpu_comm_op_built() -> bool:
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or extensions_dir())
+    return (root / SHM_OP / f"{SHM_OP}.so").is_file()
+
+
+def build_cpu_comm_op(layouts: Iterable[Layout], engine: str, say: Callable[[str], None]) -> None:
+    """Build the op now when one of `layouts` runs through DeepSpeed on CPU and it is not built yet."""
+    if torch.cuda.is_available() or cpu_comm_op_built():
+        return
+    if not any(_through_deepspeed(layout, engine) for layout in layouts):
+        return
+    say(BUILDING)
+    from deepspeed.comm.torch import build_shm_op  # deferred: imports DeepSpeed (seconds)
+
+    build_shm_op()
+
+
+def _through_deepspeed(layout: Layout, engine: str) -> bool:
+    try:
+        return select_backend(layout, engine) == "deepspeed"  # type: ignore[arg-type]
+    except UsageError:  # a layout the engine refuses fails on its own, later, with this error
+        return False
