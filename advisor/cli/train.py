@@ -62,15 +62,7 @@ def train(
         from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
         from trainer.launch import run
 
-        plan = load_plan(plan_file)
-        if plan.task is not None and not launched and ensure_generated_data(plan.task):
-            console.print(f"generated the {plan.task.name} task's data into {plan.task.base_dir}")
-        if data is not None and not launched:
-            require_data_extra("advisor train --data (prepared shards)")
-        if engine is not None:
-            if engine not in ("auto", "deepspeed", "fsdp2"):
-                raise UsageError(f"--engine {engine}: choose auto, deepspeed or fsdp2")
-            plan = plan.model_copy(update={"engine": engine})
+        plan = _load_plan(plan_file, engine, data, launched)
         options = TrainOptions(seed=seed, clip=clip, keep_checkpoints=keep_checkpoints, max_rollbacks=max_rollbacks,
                                spike_lr_factor=spike_lr_factor, spike_warmup_steps=spike_warmup_steps,
                                eval_sequences=eval_sequences, max_steps_per_stage=max_steps_per_stage,
@@ -79,12 +71,7 @@ def train(
         resumed = resume or restarted()  # a torchrun restart or Slurm requeue continues the run
         if launched:  # a worker: its output goes where the launching CLI sent it
             return run(plan, plan_file, out, resumed, options, launched, nnodes, node_rank, master_addr, master_port)
-        # before any worker starts (a refusal is one line), on the node of rank 0 only: another node's
-        # launcher may start after rank 0 has claimed the directory for this very run
-        if node_rank == 0 and os.environ.get("SLURM_NODEID", "0") == "0":
-            moved = refuse_or_move_aside(out, resumed, overwrite)
-            if moved is not None:
-                console.print(f"moved the previous run in {out} aside to {moved}")
+        _claim_run_dir(out, resumed, overwrite, node_rank)
         use_persistent_extensions_dir()
         build_cpu_comm_op([plan.chosen.layout], plan.engine, lambda text: console.print(text, highlight=False))
         # one display, drawn here from metrics.jsonl: the loop (here or in the workers) draws none
@@ -105,3 +92,28 @@ def train(
                       f"{format_seconds(measured['step_s'] or 0)} measured vs "
                       f"{format_seconds(predicted['step_s'])} predicted; run dir {out}; third-party output in "
                       f"{log_path(out)}")
+
+
+def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched: bool):
+    """The plan to run: its task's generated data in place (once, by the launching process), the
+    `data` extra present for prepared shards, and --engine applied."""
+    plan = load_plan(plan_file)
+    if plan.task is not None and not launched and ensure_generated_data(plan.task):
+        console.print(f"generated the {plan.task.name} task's data into {plan.task.base_dir}")
+    if data is not None and not launched:
+        require_data_extra("advisor train --data (prepared shards)")
+    if engine is not None:
+        if engine not in ("auto", "deepspeed", "fsdp2"):
+            raise UsageError(f"--engine {engine}: choose auto, deepspeed or fsdp2")
+        plan = plan.model_copy(update={"engine": engine})
+    return plan
+
+
+def _claim_run_dir(out: Path, resumed: bool, overwrite: bool, node_rank: int) -> None:
+    """Refuse a used run dir, or move its run aside, before any worker starts (a refusal is one line).
+    Only on the node of rank 0: another node's launcher may start after rank 0 has claimed the
+    directory for this very run."""
+    if node_rank == 0 and os.environ.get("SLURM_NODEID", "0") == "0":
+        moved = refuse_or_move_aside(out, resumed, overwrite)
+        if moved is not None:
+            console.print(f"moved the previous run in {out} aside to {moved}")
