@@ -3,6 +3,7 @@ the per-user cache folder, and the stage token counts a task's prepared data giv
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -48,3 +49,11 @@ def cache_root() -> Path:
 def stage_tokens(task: TaskSpec | None) -> dict[str, int] | None:
     """Each stage's tokens from the task's prepared data when it is fresh (None: the task file's)."""
     return manifest_stage_tokens(task) if task is not None else None
+
+
+def print_or_render(value: Any, as_json: bool, render: Callable[[Any], None]) -> None:
+    """`--json`: the value as one JSON object on stdout (what scripts read); otherwise the verb's tables."""
+    if as_json:
+        print(json.dumps(value))
+    else:
+        render(value)

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from advisor.cli.common import console, err_console, exit_on_error
+from advisor.cli.common import console, err_console, exit_on_error, print_or_render
 from advisor.cli.render import render_data_manifest
 from advisor.errors import UsageError
 from presets import load_task
@@ -82,10 +82,7 @@ def data_stats(
 ) -> None:
     """Show a prepared folder's manifest: tokens, samples, buckets and padding per stage."""
     manifest = exit_on_error(lambda: read_manifest(directory))
-    if as_json:
-        print(json.dumps(manifest))
-        return
-    exit_on_error(lambda: render_checked(manifest, directory))
+    print_or_render(manifest, as_json, lambda m: exit_on_error(lambda: render_checked(m, directory)))
 
 
 def render_checked(manifest: dict, directory: Path) -> None:

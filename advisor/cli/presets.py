@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
 
 import typer
 from rich.table import Table
 
-from advisor.cli.common import console, exit_on_error
+from advisor.cli.common import console, exit_on_error, print_or_render
 from presets import KINDS, preset_data, preset_names
 
 
@@ -17,10 +16,10 @@ def presets(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """List the hardware, model and task presets that ship with advisor."""
-    listing = exit_on_error(lambda: preset_listing(kind))
-    if as_json:
-        print(json.dumps(listing))
-        return
+    print_or_render(exit_on_error(lambda: preset_listing(kind)), as_json, render_listing)
+
+
+def render_listing(listing: dict[str, list[dict[str, Any]]]) -> None:
     for k, rows in listing.items():
         table = Table(title=f"{k} presets", title_justify="left")
         table.add_column("name", style="bold")
