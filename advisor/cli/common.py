@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from advisor.errors import UsageError
 from advisor.specs import LAYOUT_KEYS_HELP, MIN_COMPUTE_FRACTION  # noqa: F401  (the verbs' default)
@@ -29,14 +30,14 @@ def exit_on_error(action: Callable[[], Any]) -> Any:
     try:
         return action()
     except UsageError as exc:
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except (KeyboardInterrupt, typer.Exit):
         raise
     except Exception as exc:  # an unexpected failure: say what, hide the traceback unless asked
         if os.environ.get("ADVISOR_DEBUG"):
             raise
-        err_console.print(f"[red]internal error:[/red] {type(exc).__name__}: {exc} "
+        err_console.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))} "
                           "(rerun with ADVISOR_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
 

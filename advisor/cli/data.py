@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from advisor.cli.common import console, err_console, exit_on_error, print_or_render
 from advisor.cli.render import render_data_manifest
@@ -31,8 +30,7 @@ def require_data_extra(command: str) -> None:
         except ImportError:
             missing.append(module)
     if missing:
-        # escaped: exit_on_error prints messages as rich markup, where "[data]" would vanish as a tag
-        raise UsageError(f"{command} needs {' and '.join(missing)}: pip install -e \".{escape('[data]')}\"")
+        raise UsageError(f"{command} needs {' and '.join(missing)}: pip install -e \".[data]\"")
 
 
 data_app = typer.Typer(
