@@ -215,8 +215,11 @@ def test_profile_all_reduce_matches_a_direct_measurement(tmp_path: Path, monkeyp
 
     from profiler.ranks import free_port, launch
 
-    launch(_direct_all_reduce, 2, (free_port(), str(tmp_path / "direct.json")))
-    seconds = statistics.median(json.loads((tmp_path / "direct.json").read_text()))
+    runs = []  # three separate launches: one launch's median still swings with the machine's load
+    for _ in range(3):
+        launch(_direct_all_reduce, 2, (free_port(), str(tmp_path / "direct.json")))
+        runs.append(statistics.median(json.loads((tmp_path / "direct.json").read_text())))
+    seconds = statistics.median(runs)
     bus_factor = RING_FACTORS["all_reduce"](2)[1]  # nccl-tests busbw: 2(n-1)/n of the bytes
     # the figure is the bus bandwidth of the profile's own median sample, exactly
     assert figure.value == pytest.approx(bus_factor * SIZE / figure.median_s / 1e9, rel=1e-9)

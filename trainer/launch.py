@@ -26,7 +26,7 @@ from advisor.plan_file import Plan
 from profiler.ranks import free_port
 from trainer.loop import JsonLines, train
 from trainer.oom import pending_relaunch
-from trainer.options import TrainOptions, train_argv
+from trainer.options import WORKER_LOG_ENV, TrainOptions, train_argv
 
 DEFAULT_PORT = 29513
 
@@ -77,18 +77,38 @@ def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOpti
     while True:
         command = launch_command(plan, plan_path, out, resume, options, nproc, nnodes, node_rank, master_addr,
                                  master_port)
-        started = time.time()
+        started, log_offset = time.time(), _log_size()
         result = subprocess.run(command, env=env, check=False)
         if result.returncode == 0:  # rank 0 wrote the summary (None on a node that does not share its run dir)
             summary = out / "summary.json"
             return json.loads(summary.read_text()) if summary.is_file() else None
         fallback = pending_relaunch(out, started)
         if fallback is None:
-            raise UsageError(f"training processes failed (exit {result.returncode}); see {out}/events.jsonl, and "
-                             "the workers' output in the run's logs/")
+            raise UsageError(f"training processes failed (exit {result.returncode}){_worker_error(log_offset)}; "
+                             f"see {out}/events.jsonl, and the workers' output in the run's logs/")
         # a rank ran out of memory and named the plan's next layout: restart every rank with it
         JsonLines(out / "events.jsonl", node_rank == 0).write(fallback["event"])
         resume = True
+
+
+def _log_size() -> int:
+    path = os.environ.get(WORKER_LOG_ENV)
+    return os.path.getsize(path) if path and os.path.isfile(path) else 0
+
+
+def _worker_error(offset: int) -> str:
+    """The first error line a worker wrote to the routed log since `offset` (the CLI's quiet console
+    sends workers' output there), as ": <line>", so that the failing rank's reason reaches the
+    console: the first, because the other ranks then fail on the broken collective; "" when there is
+    none or no log."""
+    path = os.environ.get(WORKER_LOG_ENV)
+    if not path or not os.path.isfile(path):
+        return ""
+    with open(path, "rb") as log:
+        log.seek(offset)
+        lines = log.read().decode("utf-8", errors="replace").splitlines()
+    errors = [line.strip() for line in lines if line.startswith(("error:", "internal error:"))]
+    return f": {errors[0]}" if errors else ""
 
 
 def _single_process_group_env() -> None:

@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 
+# Set by the CLI's quiet console (advisor/cli/quiet.py) while it routes output: the file workers'
+# output lands in, from which the launcher quotes a failed worker's error.
+WORKER_LOG_ENV = "ADVISOR_WORKER_LOG"
+
 @dataclass
 class TrainOptions:
     seed: int = 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import io
 import logging
 import os
 import sys
@@ -36,10 +37,12 @@ from pathlib import Path
 from typing import Iterator, TextIO
 
 from advisor.cli.common import console, err_console
+from trainer.options import WORKER_LOG_ENV
 
 LOG_DIR = "logs"
 LOG_FILE = "output.log"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 
 
 def log_path(run_dir: Path) -> Path:
@@ -55,16 +58,16 @@ def quiet_console(run_dir: Path, verbose: bool = False) -> Iterator[TextIO]:
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    terminal_out = os.fdopen(os.dup(1), "w", buffering=1)
-    terminal_err = os.fdopen(os.dup(2), "w", buffering=1)
+    terminal_out, terminal_err = _terminal(sys.stdout, 1), _terminal(sys.stderr, 2)
     log = open(path, "a", buffering=1)
     log.write(f"--- {dt.datetime.now().isoformat(timespec='seconds')} pid {os.getpid()}: {' '.join(sys.argv)}\n")
-    consoles = [(c, c.file) for c in (console, err_console)]
+    consoles = [(c, c._file) for c in (console, err_console)]  # None: rich follows sys.stdout/err
     console.file, err_console.file = terminal_out, terminal_err
     handlers = _route_logging(log, verbose)
     os.dup2(2 if verbose else log.fileno(), 1)
     if not verbose:
         os.dup2(log.fileno(), 2)
+    os.environ[WORKER_LOG_ENV] = str(path)  # the launcher quotes a failed worker's error from it
     try:
         yield terminal_out
     finally:
@@ -76,9 +79,22 @@ def quiet_console(run_dir: Path, verbose: bool = False) -> Iterator[TextIO]:
         _unroute_logging(handlers)
         for c, file in consoles:
             c.file = file
-        terminal_out.close()
-        terminal_err.close()
+        for stream in (terminal_out, terminal_err):
+            if stream not in (sys.stdout, sys.stderr):
+                stream.close()
+        os.environ.pop(WORKER_LOG_ENV, None)
         log.close()
+
+
+def _terminal(stream: TextIO, fd: int) -> TextIO:
+    """Where our own lines go during the block: a copy of the terminal's descriptor `fd`, or `stream`
+    itself when it is not that descriptor (a test runner's capture, which the redirection leaves be)."""
+    try:
+        if stream.fileno() == fd:
+            return os.fdopen(os.dup(fd), "w", buffering=1)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass
+    return stream
 
 
 def _route_logging(log: TextIO, verbose: bool) -> list[logging.Handler]:
