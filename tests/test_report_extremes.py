@@ -29,6 +29,15 @@ def _write(run_dir: Path, predicted: dict, measured: dict, losses: list[float], 
     summary = {"predicted": predicted, "measured": measured, "steps": len(losses), "finished": True,
                "stages": [{"name": s, "steps": len(losses) // 2, "final_loss": losses[-1]} for s in stages]}
     (run_dir / "summary.json").write_text(json.dumps(summary))
+    # `advisor run`'s files: the refit put micro_batch_overhead_s at its bound, exactly 0.0 (the crash)
+    (run_dir / "verify.json").write_text(json.dumps({"chosen_rank": 1, "steps": 3, "trials": [
+        {"rank": 1, "layout": "dp=1,mbs=4", "predicted_step_s": predicted["step_s"], "measured_step_s": measured["step_s"],
+         "step_error": evals[0], "measured_tokens_per_s": measured["tokens_per_s"], "harness": "fork"}]}))
+    (run_dir / "feedback.json").write_text(json.dumps({
+        "profile": "p.json", "added": 1, "used": 2,
+        "factors_before": {"gemm": evals[1], "micro_batch_overhead_s": 0.0},
+        "factors_after": {"gemm": lrs[0], "micro_batch_overhead_s": 0.0},
+        "error_before": lrs[1], "error_after": 0.0, "new_error_before": lrs[2]}))
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
