@@ -43,6 +43,15 @@ def crash_after(monkeypatch, step: int) -> None:
     monkeypatch.setattr(loop._Run, "record", record)
 
 
+def crashed_at_step_5(tmp_path: Path, monkeypatch):
+    """A plan checkpointing every 2 steps, and its run dir after a crash at step 5 (newest: step 4)."""
+    plan, run = load_plan(make_plan_file(tmp_path, checkpoint_every=2)), tmp_path / "run"
+    with monkeypatch.context() as patch, pytest.raises(Crash):
+        crash_after(patch, 5)
+        train(plan, run, resume=False, options=QUIET)
+    return plan, run
+
+
 def losses(run: Path) -> list[float]:
     return [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
 
@@ -118,10 +127,7 @@ def test_resume_accepts_another_layout_and_refuses_a_directory_this_trainer_did_
 
 @pytest.mark.parametrize("variable", ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"])
 def test_a_restart_by_torchrun_or_a_slurm_requeue_resumes(tmp_path, monkeypatch, clean, variable) -> None:
-    plan, run = load_plan(make_plan_file(tmp_path, checkpoint_every=2)), tmp_path / "run"
-    with monkeypatch.context() as patch, pytest.raises(Crash):
-        crash_after(patch, 5)
-        train(plan, run, resume=False, options=QUIET)
+    plan, run = crashed_at_step_5(tmp_path, monkeypatch)
     monkeypatch.setenv(variable, "1")
     assert train(plan, run, resume=False, options=QUIET)["finished"]  # the same command line, restarted
     assert [e["from"] for e in events(run, "resume")] == ["step-00000004"]
@@ -131,10 +137,7 @@ def test_a_restart_by_torchrun_or_a_slurm_requeue_resumes(tmp_path, monkeypatch,
 # -- damaged files -----------------------------------------------------------------------------------
 
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, monkeypatch, clean) -> None:
-    plan, run = load_plan(make_plan_file(tmp_path, checkpoint_every=2)), tmp_path / "run"
-    with monkeypatch.context() as patch, pytest.raises(Crash):
-        crash_after(patch, 5)
-        train(plan, run, resume=False, options=QUIET)
+    plan, run = crashed_at_step_5(tmp_path, monkeypatch)
     engine = run / "checkpoints" / "step-00000004" / "engine.pt"
     engine.write_bytes(engine.read_bytes()[: engine.stat().st_size // 2])
     assert train(plan, run, resume=True, options=QUIET)["finished"]
@@ -145,10 +148,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, 
 
 
 def test_a_torn_last_log_line_is_skipped_and_counted(tmp_path, monkeypatch, clean) -> None:
-    plan, run = load_plan(make_plan_file(tmp_path, checkpoint_every=2)), tmp_path / "run"
-    with monkeypatch.context() as patch, pytest.raises(Crash):
-        crash_after(patch, 5)
-        train(plan, run, resume=False, options=QUIET)
+    plan, run = crashed_at_step_5(tmp_path, monkeypatch)
     with open(run / "metrics.jsonl", "ab") as f:
         f.write(b'{"step": 6, "stage": "langu' + b"\x00" * 64)  # a power cut during an append
     with open(run / "events.jsonl", "ab") as f:
