@@ -32,7 +32,8 @@ GENERATED_TASK_DATA = {"demo": "advisor data generate-demo"}
 
 
 def cache_dir() -> Path:
-    """What advisor can remake lives here (traces, profiles, generated task data)."""
+    """What advisor can remake lives here (traces, profiles, generated task data, compiled native
+    ops): `$ADVISOR_CACHE`, else ~/.cache/advisor. Every layer reads it from here."""
     return Path(os.environ.get("ADVISOR_CACHE", Path.home() / ".cache" / "advisor"))
 
 

@@ -36,6 +36,7 @@ from pydantic import BaseModel, Field
 
 from advisor.errors import UsageError
 from advisor.specs import DTYPE_BYTES, ModelSpec
+from presets import cache_dir
 
 Attention = Literal["flash", "sdpa", "eager"]
 
@@ -395,7 +396,7 @@ TRACE_FORMAT = 2  # 2: attention FLOPs of the fused CPU kernel counted; bump whe
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("ADVISOR_CACHE", Path.home() / ".cache" / "advisor")) / "traces"
+    return cache_dir() / "traces"
 
 
 def _stack_versions() -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any, Callable
 
 import typer
@@ -40,11 +39,6 @@ def exit_on_error(action: Callable[[], Any]) -> Any:
         err_console.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))} "
                           "(rerun with ADVISOR_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
-
-
-def cache_root() -> Path:
-    """Where the advisor keeps what outlives a run: machine profiles, compiled native ops."""
-    return Path(os.environ.get("ADVISOR_CACHE", Path.home() / ".cache" / "advisor"))
 
 
 def stage_tokens(task: TaskSpec | None) -> dict[str, int] | None:

@@ -20,10 +20,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from advisor.cli.common import cache_root
 from advisor.errors import UsageError
 from advisor.profile import cpu_model_name
 from advisor.specs import Layout
+from presets import cache_dir
 from trainer.engines import select_backend
 
 SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME: the folder and .so of the build
@@ -34,7 +34,7 @@ def extensions_dir() -> Path:
     """This machine's folder of compiled torch extensions in the advisor's cache."""
     cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model_name()).strip("-").lower() or "cpu"
     version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}"
-    return cache_root() / "torch_extensions" / f"{cpu}-{version}"
+    return cache_dir() / "torch_extensions" / f"{cpu}-{version}"
 
 
 def use_persistent_extensions_dir() -> Path:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 from rich.console import Console
 
-from advisor.cli.common import MIN_COMPUTE_FRACTION, cache_root, stage_tokens
+from advisor.cli.common import MIN_COMPUTE_FRACTION, stage_tokens
 from advisor.cli.compose import profile_this_machine
 from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
 from advisor.cli.progress import RunProgress, training_estimate_s
@@ -34,7 +34,7 @@ from advisor.specs import HardwareSpec, ModelSpec
 from advisor.task import TaskSpec
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
-from presets import load_hardware, load_model, load_task
+from presets import cache_dir, load_hardware, load_model, load_task
 from planner.feedback import feed_back, observation
 from advisor.profile import FeedbackRound, fingerprint_mismatch, load_profile, looks_like_profile
 from profiler.inventory import this_host
@@ -88,7 +88,7 @@ class RunOptions:
 
 
 def _cached_profile_path() -> Path:
-    return cache_root() / "profiles" / f"{this_host().hostname}.json"
+    return cache_dir() / "profiles" / f"{this_host().hostname}.json"
 
 
 def _fresh_profile(path: Path) -> bool:
