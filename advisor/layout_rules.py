@@ -23,6 +23,7 @@ class ModelShape:
     num_kv_heads: int
     intermediate_size: int
     num_layers: int
+    tied_embeddings: bool = False
 
 
 def tensor_parallel_problem(tp: int, shape: ModelShape) -> str | None:

@@ -71,7 +71,8 @@ class Placement:
 
 def model_shape(trace: ModelTrace) -> ModelShape:
     return ModelShape(num_heads=trace.num_heads, num_kv_heads=trace.num_kv_heads,
-                      intermediate_size=trace.intermediate_size, num_layers=trace.num_layers)
+                      intermediate_size=trace.intermediate_size, num_layers=trace.num_layers,
+                      tied_embeddings=trace.head.params < trace.vocab_size * trace.hidden_size)
 
 
 def check_layout(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> list[str]:

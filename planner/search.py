@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import pulp
 
 from advisor.errors import UsageError
-from advisor.layout_rules import pipeline_problem, tensor_parallel_problem, tp_crosses_nodes
+from advisor.capabilities import runnable_problem
+from advisor.layout_rules import layout_problem, pipeline_problem, tensor_parallel_problem, tp_crosses_nodes
 from advisor.specs import MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, HardwareSpec, Layout, ModelSpec
 from planner.cost_model import (
     Placement,
@@ -53,7 +54,9 @@ RECOMPUTE_MODES = ("selective", "full")
 
 @dataclass
 class SearchSpace:
-    """What the search may choose. Defaults cover what the trainer's back-ends run."""
+    """What the search may choose. Every layout it returns also passes `advisor.capabilities`
+    (what `advisor train` runs, on the engine `engine` selects) unless `runnable_only` is off: then
+    it plans for other engines too (Megatron-style sp and interleaving), and says so in the plan."""
 
     methods: tuple[str, ...] = ("full",)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -64,6 +67,8 @@ class SearchSpace:
     allow_cross_node_tp: bool = False
     tp_degrees: tuple[int, ...] | None = None  # restrict (tests, brute-force comparisons)
     pp_degrees: tuple[int, ...] | None = None
+    runnable_only: bool = True
+    engine: str = "auto"
 
 
 @dataclass
@@ -108,7 +113,22 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_shapes(trace: ModelTrace, req: PlanRequest, method: str) -> list[Layout]:
-    """Every uniform layout the back-ends can run; recompute is the mode the ILP may apply."""
+    """Every uniform layout the trainer runs (see `SearchSpace.runnable_only`); recompute is the
+    mode the ILP may apply. The dominance rules below skip a layout only for a runnable one that
+    is at least as good, so they never empty the space of what runs."""
+    shape = model_shape(trace)
+    device_type = req.hardware.device_type
+    if req.space.runnable_only:
+        def runs(layout: Layout) -> bool:
+            return runnable_problem(layout, shape, device_type, req.space.engine) is None
+    else:
+        def runs(layout: Layout) -> bool:
+            return layout_problem(layout, shape) is None
+    return [layout for layout in _candidate_shapes(trace, req, method, runs) if runs(layout)]
+
+
+def _candidate_shapes(trace: ModelTrace, req: PlanRequest, method: str, runs) -> list[Layout]:
+    """The product of the discrete choices, less what a runnable layout dominates."""
     space, hw = req.space, req.hardware
     # With FlashAttention nothing s x s is saved: selective recomputation frees nothing and costs
     # time, so "none" (k = 0 in the full-recompute family) dominates it.
@@ -135,13 +155,19 @@ def enumerate_shapes(trace: ModelTrace, req: PlanRequest, method: str) -> list[L
                 vpps = [1] + [v for v in range(2, space.max_vpp + 1)
                               if pp > 1 and not pipeline_problem(pp, v, gas, None, trace.num_layers)]
                 for vpp, sp in itertools.product(vpps, space.sequence_parallel):
-                    if sp and tp == 1 or not sp and tp > 1 and True in space.sequence_parallel:
+                    if sp and tp == 1:
+                        continue
+                    if not sp and tp > 1 and True in space.sequence_parallel and runs(Layout(
+                            dp=dp, tp=tp, pp=pp, vpp=vpp, sp=True, mbs=mbs, gas=gas, method=method,
+                            dtype=req.dtype, seq=req.seq)):
                         continue  # SP dominates at tp > 1: less memory, same traffic (AG + RS = AR)
                     for zero in space.zero_stages:
                         if zero and dp == 1 and (zero != 2 or "optimizer" not in space.offloads
                                                  or hw.device_type == "cpu"):
                             continue  # ZeRO shards across replicas; alone it only serves ZeRO-Offload
-                        if zero == 0 and dp > 1 and 1 in space.zero_stages:
+                        if zero == 0 and dp > 1 and 1 in space.zero_stages and runs(Layout(
+                                dp=dp, tp=tp, pp=pp, vpp=vpp, sp=sp, zero=1, mbs=mbs, gas=gas, method=method,
+                                dtype=req.dtype, seq=req.seq)):
                             continue  # ZeRO-1 dominates: same all-reduce, 1/dp of the optimizer
                         for offload in space.offloads:
                             if offload == "optimizer" and zero == 0 or offload == "optimizer+params" and zero != 3:

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from advisor.errors import UsageError
 from advisor.specs import HardwareSpec, Layout, ModelSpec
-from planner.cost_model import estimate_from_trace
+from advisor.capabilities import runnable_problem
+from planner.cost_model import estimate_from_trace, model_shape
 from planner.search import PlanRequest, SearchSpace, search
 from profiler.model_trace import trace_model
 
@@ -35,8 +36,10 @@ def compositions(total: int, parts: int):
         yield [bounds[i + 1] - bounds[i] for i in range(parts)]
 
 
-def brute_force(trace, hw: HardwareSpec, devices: int, batch: int, min_fraction: float, margin: float):
-    """Every layout of the space with every split and recompute count, scored by the cost model."""
+def brute_force(trace, hw: HardwareSpec, devices: int, batch: int, min_fraction: float, margin: float,
+                runnable_only: bool = False):
+    """Every layout of the space with every split and recompute count, scored by the cost model;
+    `runnable_only`: only those `advisor train` runs (advisor/capabilities.py)."""
     capacity = hw.usable_bytes * (1 - margin)
     best = None
     layers = trace.num_layers
@@ -63,6 +66,8 @@ def brute_force(trace, hw: HardwareSpec, devices: int, batch: int, min_fraction:
                     for recomputed in itertools.product(*ranges):
                         layout = base.model_copy(update={"stage_layers": split, "recompute_layers": list(recomputed)
                                                          if mode != "none" else None})
+                        if runnable_only and runnable_problem(layout, model_shape(trace), hw.device_type):
+                            continue
                         try:
                             est = estimate_from_trace(trace, layout, hw)
                         except UsageError:
@@ -86,17 +91,19 @@ def tiny_trace():
     memory_share=st.floats(0.05, 1.0),
     min_fraction=st.sampled_from([0.0, 0.5]),
     host_share=st.sampled_from([0.2, 1.0, 100.0]),
+    runnable_only=st.booleans(),
 )
 def test_ilp_choice_equals_brute_force_optimum(tiny_trace, devices, batch, memory_share, min_fraction,
-                                               host_share) -> None:
+                                               host_share, runnable_only) -> None:
     # capacity relative to the simplest layout's peak, so memory binds in some draws and not others
     reference = estimate_from_trace(tiny_trace, Layout(dp=1, mbs=batch, gas=1, dtype="bf16", seq=SEQ), hardware(1e6))
     hw = hardware(reference.memory.peak * memory_share / 2**20, reference.memory.peak * host_share / 2**20)
     req = PlanRequest(model=TINY, hardware=hw, devices=devices, seq=SEQ, global_batch=batch, dtype="bf16",
-                      space=SearchSpace(max_vpp=2, tp_degrees=(1, 2, 4), pp_degrees=(1, 2, 4)),
+                      space=SearchSpace(max_vpp=2, tp_degrees=(1, 2, 4), pp_degrees=(1, 2, 4),
+                                        runnable_only=runnable_only),
                       min_compute_fraction=min_fraction, memory_margin=0.0, top_k=1, attention="eager")
     found = search(req, "full", min_fraction, trace=tiny_trace)
-    truth = brute_force(tiny_trace, hw, devices, batch, min_fraction, 0.0)
+    truth = brute_force(tiny_trace, hw, devices, batch, min_fraction, 0.0, runnable_only)
     if truth is None:
         assert not found.solutions
         return

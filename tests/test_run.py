@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from advisor.capabilities import config_shape, runnable_problem
 from advisor.cli.run_chain import TRAINER_SPACE, RunOptions, run_chain, trainable_plan
 from advisor.errors import UsageError
 from advisor.plan_file import load_plan
@@ -20,7 +21,6 @@ from presets import load_hardware, load_model
 from planner.feedback import (feed_back, observation, predict_step, refit, refit_checked,
                                relative_errors, rms, with_efficiency)
 from advisor.profile import HardwareProfile, HostFingerprint, Inventory, load_profile
-from trainer.parallelize import unsupported_reason
 from trainer.verify import Trial, Verification, apply, choose, verify
 
 from test_trainer import make_plan_file  # the tiny model's plan file, shared with the trainer's tests
@@ -239,8 +239,9 @@ def test_run_trains_only_layouts_the_trainer_runs() -> None:
     lora_tp = plan.chosen.model_copy(update={"layout": plan.chosen.layout.model_copy(
         update={"dp": 1, "tp": 2, "method": "lora"})})
     deep_pp = plan.chosen.model_copy(update={"layout": plan.chosen.layout.model_copy(update={"dp": 1, "pp": 8})})
-    assert "LoRA adapters are not split" in unsupported_reason(lora_tp.layout, MODEL.hf_config)
-    assert "pp=8 exceeds the 4 decoder layers" in unsupported_reason(deep_pp.layout, MODEL.hf_config)
+    shape = config_shape(MODEL.hf_config)
+    assert "LoRA adapters are not split" in runnable_problem(lora_tp.layout, shape, "cpu")
+    assert "pp=8 exceeds the 4 decoder layers" in runnable_problem(deep_pp.layout, shape, "cpu")
     broken = plan.model_copy(update={"chosen": lora_tp, "alternatives": [deep_pp, plan.chosen, *plan.alternatives]})
     said: list[str] = []
     fixed = trainable_plan(broken, said.append)

@@ -124,7 +124,7 @@ def _tiny_model(**overrides):
     ({"tp": 2}, {"num_attention_heads": 4, "num_key_value_heads": 1}, "the model's 1 key/value heads"),
     ({"tp": 2}, {"intermediate_size": 63}, "does not divide the MLP width 63"),
     ({"pp": 3}, {}, "pp=3 exceeds the 2 decoder layers"),
-    ({"pp": 2, "method": "lora"}, {}, "method=lora with tp/pp is not supported"),
+    ({"pp": 2, "method": "lora"}, {}, "method=lora is not run by the pipeline engine"),
     ({"pp": 2}, {"tie_word_embeddings": True}, "tied input/output embeddings"),
 ])
 def test_unsupported_splits_fail_with_one_clear_line(layout, config, message) -> None:
@@ -139,8 +139,8 @@ def test_backend_selection_follows_the_plan_engine_field() -> None:
     from trainer.engines import select_backend
 
     assert select_backend(Layout(dp=2, zero=3)) == "deepspeed"
-    assert select_backend(Layout(dp=2, zero=3), "fsdp2") == "sharded"
-    assert select_backend(Layout(dp=2, tp=2, zero=1)) == "sharded"  # DeepSpeed has no TP here: FSDP2
+    assert select_backend(Layout(dp=2, zero=3), "fsdp2") == "fsdp2"
+    assert select_backend(Layout(dp=2, tp=2, zero=1)) == "fsdp2"  # DeepSpeed has no TP here: FSDP2
     assert select_backend(Layout(pp=2, gas=4)) == "pipeline"
     assert select_backend(Layout(dp=2)) == "plain"
     with pytest.raises(UsageError, match="engine=deepspeed runs data parallelism and ZeRO only"):

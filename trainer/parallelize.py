@@ -5,8 +5,8 @@ from ``advisor.specs.Layout``), then small ``apply_*`` functions each do one thi
 fixed order by ``parallelize``: tensor parallelism (DTensor ``parallelize_module``), then
 sharded data parallelism (FSDP2 ``fully_shard``) or, without it, the cast to the compute dtype.
 Activation checkpointing is applied when the model is built (``trainer.model``), since every
-engine, DeepSpeed's included, needs it. ``unsupported_reason`` and ``check_parallel_layout`` say
-in one line what these engines cannot run.
+engine, DeepSpeed's included, needs it. What these engines run is declared in
+``advisor.capabilities``; ``check_parallel_layout`` adds what only the built model shows.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from advisor.errors import UsageError
-from advisor.layout_rules import ModelShape, pipeline_problem, tensor_parallel_problem
 from advisor.specs import Layout
 from profiler.hardware_bench import TORCH_DTYPES
 
@@ -70,83 +69,16 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.Module:
     return layers
 
 
-def unsupported_reason(layout: Layout, config: Any) -> str | None:
-    """Why the trainer cannot run `layout` on a model of this HF config (None: it can). Reads the
-    config only, so `advisor run` can filter plans before building anything."""
-    try:
-        _check_config(layout, config)
-    except UsageError as exc:
-        return str(exc)
-    return None
-
-
 def check_parallel_layout(model: torch.nn.Module, layout: Layout) -> None:
-    """One clear line for every combination the DTensor engines cannot run."""
-    _check_config(layout, model.config, n_layers=len(decoder_layers(model)) if layout.pp > 1 else None,
-                  dtensor_engine=True)
+    """What the declaration (advisor/capabilities.py, checked in `make_engine`) cannot see from a
+    config: the Llama-style module layout that tensor and pipeline parallelism cut."""
+    decoder_layers(model)
     if layout.tp > 1:
         first = next(iter(decoder_layers(model).children()))
         missing = [n for n in COLUMN_PARALLEL + ROW_PARALLEL if not _has(first, n)]
         if missing:
             raise UsageError(f"tensor parallelism needs Llama-style projections; this model's layers lack "
                              f"{', '.join(missing)}")
-
-
-def _check_config(layout: Layout, config: Any, n_layers: int | None = None, dtensor_engine: bool = False) -> None:
-    """`dtensor_engine`: the layout runs on the TP/FSDP2/pipeline engines (always when tp or pp > 1;
-    plain, DDP and DeepSpeed run any HF model, offload and LoRA included). What these engines do
-    not implement comes first, then whether the model splits by the layout's degrees."""
-    if not (dtensor_engine or layout.tp > 1 or layout.pp > 1):
-        return
-    _check_dtensor_features(layout)
-    if layout.tp == 1 and layout.pp == 1:
-        return  # FSDP2 alone shards any HF model
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-    if layout.tp > 1:
-        _check_tensor_split(layout.tp, get)
-    if layout.pp > 1:
-        _check_pipeline_split(layout, n_layers or int(get("num_hidden_layers") or 0))
-        if get("tie_word_embeddings", False):
-            raise UsageError("pp>1 with tied input/output embeddings is not supported (the first and last "
-                             "stages would share one weight)")
-
-
-def _check_dtensor_features(layout: Layout) -> None:
-    """What the DTensor engines do not run: split LoRA adapters, sequence parallelism,
-    interleaved pipelines, offload."""
-    if layout.method != "full" and (layout.tp > 1 or layout.pp > 1):
-        raise UsageError(f"method={layout.method} with tp/pp is not supported (LoRA adapters are not split); "
-                         "plan with tp=1, pp=1 for LoRA")
-    if layout.sp:
-        raise UsageError("sequence parallelism (sp=1) is not run by this trainer yet; plan with sp=0")
-    if layout.vpp > 1:
-        raise UsageError("interleaved pipelines (vpp>1) are not run by this trainer yet; plan with vpp=1")
-    if layout.offload != "none":
-        raise UsageError("offload runs through DeepSpeed, which this trainer does not combine with tp/pp or FSDP2")
-
-
-def _check_tensor_split(tp: int, get: Callable[..., Any]) -> None:
-    """The structural rules (advisor/layout_rules.py), then what this engine's split needs besides:
-    whole key/value heads on every rank (the planner also allows replicating fewer heads)."""
-    heads = get("num_attention_heads")
-    kv_heads, width = get("num_key_value_heads") or heads, get("intermediate_size")
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                        ("intermediate_size", width)):
-        if value is None:
-            raise UsageError(f"tensor parallelism needs a Llama-style config; this one has no {name}")
-    problem = tensor_parallel_problem(tp, ModelShape(heads, kv_heads, width, int(get("num_hidden_layers") or 0)))
-    if problem:
-        raise UsageError(problem)
-    if kv_heads % tp:
-        raise UsageError(f"tp={tp} does not divide the model's {kv_heads} key/value heads: this trainer keeps "
-                         "whole key/value heads on every tensor-parallel rank")
-
-
-def _check_pipeline_split(layout: Layout, n_layers: int) -> None:
-    """The structural rules: a decoder layer per stage, a planned split that covers them all."""
-    problem = pipeline_problem(layout.pp, layout.vpp, layout.gas, layout.stage_layers, n_layers)
-    if problem:
-        raise UsageError(problem)
 
 
 def _has(module: torch.nn.Module, name: str) -> bool:

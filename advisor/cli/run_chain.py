@@ -28,6 +28,7 @@ from advisor.cli.common import MIN_COMPUTE_FRACTION, stage_tokens
 from advisor.cli.compose import profile_this_machine
 from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
 from advisor.cli.progress import RunProgress, training_estimate_s
+from advisor.capabilities import config_shape, runnable_problem
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
 from advisor.specs import HardwareSpec, ModelSpec
@@ -44,7 +45,6 @@ from reports.run_report import run_report
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.launch import run as run_training
 from trainer.options import TrainOptions
-from trainer.parallelize import unsupported_reason
 from trainer.run_identity import move_aside
 from trainer.verify import (STARTUP_S, Trial, Verification, apply, candidate_plan, trial_harness, training_threads,
                             verify, write_verification)
@@ -53,17 +53,17 @@ DEMO_TASK = "demo"  # the task preset `advisor run` trains when no --task is giv
 PROFILE_MAX_AGE_S = 7 * 86400
 DEFAULT_VERIFY = 3  # candidates measured before training (0: train the planner's choice untested)
 DEFAULT_VERIFY_STEPS = 4  # per candidate; the first 2 warm up and are left out
-# What `run` lets the planner choose: everything the trainer's engines run (no sequence
-# parallelism, no interleaved pipeline); `trainable_plan` then drops the combinations an engine
-# refuses for this model (LoRA or offload with tp/pp, tp not dividing the heads, ...).
-TRAINER_SPACE = SearchSpace(max_vpp=1, sequence_parallel=(False,))
+# What `run` lets the planner choose: what the trainer's engines run (advisor/capabilities.py);
+# `trainable_plan` re-checks a plan the user handed in.
+TRAINER_SPACE = SearchSpace()
 
 
 def trainable_plan(plan: Plan, say=print) -> Plan:
     """The plan without the layouts this trainer cannot run on its model; the first runnable one
     becomes the choice (stages re-sized for it)."""
     candidates = [plan.chosen, *plan.alternatives]
-    reasons = [unsupported_reason(p.layout, plan.model.hf_config) for p in candidates]
+    shape = config_shape(plan.model.hf_config)
+    reasons = [runnable_problem(p.layout, shape, plan.hardware.device_type, plan.engine) for p in candidates]
     runnable = [p for p, reason in zip(candidates, reasons) if reason is None]
     if not runnable:
         raise UsageError("the trainer runs none of the planned layouts: " + "; ".join(sorted(set(filter(None, reasons)))))

@@ -1,0 +1,144 @@
+"""What `advisor train` runs: the one declaration that the planner's search and the trainer's checks
+both read, so that what the planner may choose is exactly what the trainer runs.
+
+Every layout runs on exactly one engine (`engine_for`). Each engine declares, in `ENGINES`, the
+features it runs *as the cost model prices them*; a feature that would run as something else
+(selective recomputation run as full, QLoRA run as 16-bit LoRA) is absent until it runs as priced.
+`runnable_problem` is the single judge: the structural rules of `advisor.layout_rules` (does the
+model split this way at all?), then the engine's declaration (does this trainer run it?). The
+planner skips every layout it refuses; the trainer refuses the same layouts with the same line.
+Whoever teaches an engine a new feature adds it here, and both sides follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from advisor.errors import UsageError
+from advisor.layout_rules import ModelShape, layout_problem
+from advisor.specs import Layout
+
+EngineName = Literal["plain", "deepspeed", "fsdp2", "pipeline"]
+EngineChoice = Literal["auto", "deepspeed", "fsdp2"]
+ENGINE_CHOICES: tuple[str, ...] = ("auto", "deepspeed", "fsdp2")
+
+
+@dataclass(frozen=True)
+class EngineCapability:
+    """The features one engine runs as priced."""
+
+    name: EngineName
+    description: str
+    zero_stages: frozenset[int]
+    offloads: frozenset[str]
+    methods: frozenset[str]
+    recompute: frozenset[str]
+    dtypes: frozenset[str]
+    tensor_parallel: bool = False
+    sequence_parallel: bool = False
+    max_vpp: int = 1
+    tied_embeddings: bool = True
+    # tensor parallelism with fewer key/value heads than tp (each head replicated on tp/kv ranks)
+    replicated_kv_heads: bool = False
+    qlora_devices: frozenset[str] = frozenset()
+
+
+ENGINES: dict[EngineName, EngineCapability] = {
+    "plain": EngineCapability(
+        "plain", "one process, or DDP across data-parallel replicas",
+        zero_stages=frozenset({0}), offloads=frozenset({"none"}), methods=frozenset({"full", "lora"}),
+        recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"})),
+    "deepspeed": EngineCapability(
+        "deepspeed", "DeepSpeed ZeRO 1-3, optionally offloaded to host memory",
+        zero_stages=frozenset({1, 2, 3}), offloads=frozenset({"none", "optimizer", "optimizer+params"}),
+        methods=frozenset({"full", "lora"}), recompute=frozenset({"none", "full"}),
+        dtypes=frozenset({"bf16", "fp16", "fp32"})),
+    "fsdp2": EngineCapability(
+        "fsdp2", "DTensor tensor parallelism and/or FSDP2 over the data-parallel replicas",
+        zero_stages=frozenset({0, 1, 2, 3}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
+        recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True),
+    "pipeline": EngineCapability(
+        "pipeline", "torch.distributed.pipelining 1F1B stages, FSDP2 across replicas, TP inside a stage",
+        zero_stages=frozenset({0, 1, 2}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
+        recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
+        tied_embeddings=False),
+}
+
+
+def engine_for(layout: Layout, choice: str = "auto") -> EngineName:
+    """The engine that runs `layout`. `choice` is the plan's (or `--engine`'s) back-end for sharded
+    data parallelism: "auto" takes DeepSpeed for ZeRO without tp/pp, FSDP2 or the pipeline engine
+    where tensor or pipeline parallelism needs DTensor."""
+    if choice not in ENGINE_CHOICES:
+        raise UsageError(f"unknown engine {choice!r}: choose {', '.join(ENGINE_CHOICES)}")
+    if choice == "deepspeed" and (layout.tp > 1 or layout.pp > 1):
+        raise UsageError(f"engine=deepspeed runs data parallelism and ZeRO only; the layout asks for "
+                         f"tp={layout.tp}, pp={layout.pp} (use --engine auto or fsdp2)")
+    if layout.pp > 1:
+        return "pipeline"
+    if layout.tp > 1:
+        return "fsdp2"
+    if choice == "fsdp2" and (layout.zero or layout.dp > 1):
+        return "fsdp2"
+    if layout.zero:
+        return "deepspeed"
+    return "plain"
+
+
+def config_shape(hf_config: Any) -> ModelShape:
+    """The sizes the rules read, from an HF config (a dict or a PretrainedConfig)."""
+    def get(key: str, default: Any = None) -> Any:
+        return hf_config.get(key, default) if isinstance(hf_config, dict) else getattr(hf_config, key, default)
+
+    heads = int(get("num_attention_heads") or get("n_head") or 1)
+    return ModelShape(
+        num_heads=heads, num_kv_heads=int(get("num_key_value_heads") or heads),
+        intermediate_size=int(get("intermediate_size") or get("n_inner") or 4 * int(get("hidden_size") or 1)),
+        num_layers=int(get("num_hidden_layers") or get("n_layer") or 1),
+        tied_embeddings=bool(get("tie_word_embeddings", False)))
+
+
+def engine_problem(layout: Layout, shape: ModelShape, device_type: str, engine: EngineCapability) -> str | None:
+    """Why `engine` does not run `layout` as priced (None: it does)."""
+    name = engine.name
+    if layout.zero not in engine.zero_stages:
+        return f"the {name} engine does not run zero={layout.zero}" + (
+            " (ZeRO-3 under pipeline parallelism would never reshard)" if name == "pipeline" else "")
+    if layout.offload not in engine.offloads:
+        return f"the {name} engine does not run offload={layout.offload} (offload runs through DeepSpeed, without tp/pp)"
+    if layout.method == "qlora":
+        if device_type not in engine.qlora_devices:
+            return f"method=qlora (a 4-bit NF4 base) is not run by the {name} engine on {device_type}"
+    elif layout.method not in engine.methods:
+        return f"method={layout.method} is not run by the {name} engine (LoRA adapters are not split by tp/pp)"
+    if layout.recompute not in engine.recompute:
+        return f"recompute={layout.recompute} is not run as priced by the {name} engine"
+    if layout.dtype not in engine.dtypes:
+        return f"dtype={layout.dtype} is not run by the {name} engine (no loss scaling there)"
+    if layout.sp and not engine.sequence_parallel:
+        return f"sequence parallelism (sp=1) is not run by the {name} engine; plan with sp=0"
+    if layout.vpp > engine.max_vpp:
+        return f"interleaved pipelines (vpp={layout.vpp}) are not run by the {name} engine; plan with vpp=1"
+    if layout.pp > 1 and shape.tied_embeddings and not engine.tied_embeddings:
+        return "pp>1 with tied input/output embeddings is not run (the first and last stages would share one weight)"
+    if layout.tp > 1 and shape.num_kv_heads % layout.tp and not engine.replicated_kv_heads:
+        return (f"tp={layout.tp} does not divide the model's {shape.num_kv_heads} key/value heads: the {name} engine "
+                "keeps whole key/value heads on every tensor-parallel rank")
+    return None
+
+
+def runnable_problem(layout: Layout, shape: ModelShape, device_type: str = "cuda", choice: str = "auto") -> str | None:
+    """Why `advisor train` cannot run `layout` on this model as priced (None: it can). The planner's
+    search and the trainer's checks both call this."""
+    structural = layout_problem(layout, shape)
+    if structural:
+        return structural
+    return engine_problem(layout, shape, device_type, ENGINES[engine_for(layout, choice)])
+
+
+def check_runnable(layout: Layout, shape: ModelShape, device_type: str = "cuda", choice: str = "auto") -> None:
+    """`runnable_problem` as the trainer's refusal: one line, exit 2."""
+    problem = runnable_problem(layout, shape, device_type, choice)
+    if problem:
+        raise UsageError(problem)
