@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -72,6 +73,37 @@ class Plan(BaseModel):
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, width=110))
         tmp.replace(path)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive curriculum stages that run one layout (devices, method and degrees): one launch
+    of the trainer's ranks. At a boundary the trainer hands the full weights on (trainer/handoff.py)
+    and the next segment starts its ranks with its own layout and a fresh optimizer."""
+
+    first: int
+    end: int  # one past the last stage
+    layout: Layout
+
+
+def stage_segments(plan: Plan) -> list[Segment]:
+    """The plan's stages grouped into segments of equal layout, in order."""
+    if not plan.stages:
+        return [Segment(0, 0, plan.chosen.layout)]
+    segments: list[Segment] = []
+    for index, stage in enumerate(plan.stages):
+        if segments and segments[-1].layout == stage.layout:
+            last = segments.pop()
+            segments.append(Segment(last.first, index + 1, last.layout))
+        else:
+            segments.append(Segment(index, index + 1, stage.layout))
+    return segments
+
+
+def segment_of(plan: Plan, stage: int) -> Segment:
+    """The segment that runs stage `stage` (the last one once every stage is done)."""
+    segments = stage_segments(plan)
+    return next((s for s in segments if s.first <= stage < s.end), segments[-1])
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from advisor.errors import UsageError
-from advisor.plan_file import Plan
+from advisor.plan_file import Plan, segment_of
 from profiler.ranks import free_port
+from trainer import checkpoint
 from trainer.loop import JsonLines, train
 from trainer.oom import pending_relaunch
 from trainer.options import WORKER_LOG_ENV, TrainOptions, train_argv
@@ -59,11 +60,35 @@ def slurm_topology() -> tuple[int, int, str] | None:
 
 def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOptions, launched: bool,
         nnodes: int | None, node_rank: int, master_addr: str, master_port: int) -> dict | None:
-    devices = plan.chosen.layout.devices
-    if launched or devices == 1:
-        if not launched and plan.chosen.layout.zero:  # DeepSpeed needs a process group, even of one
+    """Train the plan: one launch of ranks per segment of stages that share a layout
+    (`advisor.plan_file.stage_segments`); each after the first resumes from the full weights the
+    previous one handed on. A launched worker runs the segment its run dir has reached."""
+    if launched:
+        return _worker(plan, out, resume, options, distributed=True)
+    while True:
+        segment = segment_of(plan, _next_stage(out) if resume else 0)
+        summary = _run_segment(plan, plan_path, out, resume, options, segment.layout.devices, nnodes, node_rank,
+                               master_addr, master_port)
+        if summary is None or summary.get("finished", True) or "segment_end" not in summary:
+            return summary
+        resume = True  # the next segment starts from the handoff checkpoint
+
+
+def _next_stage(out: Path) -> int:
+    """The stage the newest checkpoint of `out` resumes into (0 without one)."""
+    newest = checkpoint.latest(out / "checkpoints")
+    return int(json.loads((newest / "trainer.json").read_text())["stage"]) if newest is not None else 0
+
+
+def _run_segment(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOptions, devices: int,
+                 nnodes: int | None, node_rank: int, master_addr: str, master_port: int) -> dict | None:
+    """The ranks of one segment: in this process for one device, else through torchrun (again, with
+    --resume, after an out-of-memory fallback)."""
+    if devices == 1:
+        zero = segment_of(plan, _next_stage(out) if resume else 0).layout.zero
+        if zero:  # DeepSpeed needs a process group, even of one
             _single_process_group_env()
-        return _worker(plan, out, resume, options, distributed=launched or bool(plan.chosen.layout.zero))
+        return _worker(plan, out, resume, options, distributed=bool(zero))
     topology = slurm_topology()
     if topology and nnodes is None:
         nnodes, node_rank, master_addr = topology
@@ -81,6 +106,8 @@ def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOpti
         result = subprocess.run(command, env=env, check=False)
         if result.returncode == 0:  # rank 0 wrote the summary (None on a node that does not share its run dir)
             summary = out / "summary.json"
+            if _next_stage(out) < len(plan.stages):
+                return {"finished": False, "segment_end": _next_stage(out)}
             return json.loads(summary.read_text()) if summary.is_file() else None
         fallback = pending_relaunch(out, started)
         if fallback is None:

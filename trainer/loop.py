@@ -25,13 +25,14 @@ import torch
 import torch.distributed as dist
 
 from advisor.errors import UsageError
-from advisor.plan_file import Plan, StagePlan
+from advisor.plan_file import Plan, StagePlan, segment_of
 from advisor.specs import Layout
 from advisor.task import StageSpec
 from planner.export import deepspeed_config
 from trainer import checkpoint
 from trainer.corpus import load_source, stage_sources, tokenizer_for
 from trainer.engines import device, make_engine, select_backend
+from trainer.handoff import HANDOFF_DIR, write_full_weights
 from trainer.oom import OOMInjector, free_memory, is_oom, next_layout, relaunch_layout, request_relaunch
 from trainer.model import build_model
 from trainer.options import TrainOptions
@@ -182,7 +183,7 @@ def train(plan: Plan, run_dir: Path, resume: bool, options: TrainOptions) -> dic
     run = _Run(plan, run_dir, options)
     run.restore_or_start(resume or restarted())
     with run.progress, run.scalars:
-        while run.state.stage < len(run.task.stages):
+        while run.state.stage < run.segment.end:
             stage = run.start_stage()
             while run.state.stage == stage.index and run.state.step_in_stage < stage.steps:
                 step = run.take_step(stage)
@@ -199,6 +200,8 @@ def train(plan: Plan, run_dir: Path, resume: bool, options: TrainOptions) -> dic
                 continue
             run.evaluate(stage)
             run.end_stage(stage)
+    if run.state.stage < len(run.task.stages):  # the next stage runs another layout: the launcher goes on
+        return {"finished": False, "segment_end": run.state.stage}
     return run.finish()
 
 
@@ -233,8 +236,6 @@ class _Run:
         if plan.task is None or not plan.stages:
             raise UsageError("the plan has no task stages: plan with --task task.yaml")
         self.rank, self.world = _rank_world()
-        if self.world != plan.chosen.layout.devices:
-            raise UsageError(f"the plan needs {plan.chosen.layout.devices} processes, this launch has {self.world}")
         self.plan, self.run_dir, self.options, self.task = plan, run_dir, options, plan.task
         self.main = self.rank == 0
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -259,7 +260,13 @@ class _Run:
         else start fresh in a directory that holds no other run, and save the rollback target of step 1."""
         self._claim(resume)
         last = self._choose(None) if resume else None
-        self.layout = _saved_layout(last, self.plan.chosen.layout)
+        self.segment = segment_of(self.plan, _checkpoint_stage(last) if last is not None else 0)
+        # a checkpoint that ends the previous segment hands on full weights, not this layout's engine state
+        self.handoff = last / HANDOFF_DIR if last is not None and self._crosses_segments(last) else None
+        self.layout = self.segment.layout if self.handoff else _saved_layout(last, self.segment.layout)
+        if self.world != self.layout.devices:
+            raise UsageError(f"stages {self.segment.first + 1}-{self.segment.end} of the plan run on "
+                             f"{self.layout.devices} processes, this launch has {self.world}")
         self.failed_layouts: list[Layout] = []
         if resume:  # the launcher restarted the ranks after an out-of-memory: the layout they switch to
             self.layout, self.failed_layouts = relaunch_layout(self.run_dir, self.layout, self.world)
@@ -284,7 +291,9 @@ class _Run:
         self.per_step = self.layout.global_batch
         self.progress = _progress(self.options.show_progress and self.main)
         self.failed_layouts.append(self.layout)
-        if self.layout != self.plan.chosen.layout:  # checkpoints remember the fallback for later resumes
+        if self.handoff is not None:
+            self.state.layout, self.state.oom_fallbacks = None, 0  # the previous segment's fallback is over
+        if self.layout != self.segment.layout:  # checkpoints remember the fallback for later resumes
             self.state.layout = self.layout.model_dump(mode="json")
             self.state.oom_fallbacks = max(self.state.oom_fallbacks, len(self.failed_layouts) - 1)
 
@@ -311,8 +320,14 @@ class _Run:
     def _rollbacks_logged(self) -> int:
         return sum(e.get("event") == "rollback" for e in read_records(self.events.path)[0]) if self.main else 0
 
+    def _crosses_segments(self, checkpoint_dir: Path) -> bool:
+        """Whether `checkpoint_dir` ends a segment whose layout differs from the next stage's."""
+        stage = _checkpoint_stage(checkpoint_dir)
+        return (checkpoint_dir / HANDOFF_DIR).is_dir() and 0 < stage == segment_of(self.plan, stage).first
+
     def _build_engine(self) -> Any:
-        model = build_model(self.plan.model, self.layout, self.options.seed, self.options.weights).to(self.dev)
+        weights = str(self.handoff) if self.handoff is not None else self.options.weights
+        model = build_model(self.plan.model, self.layout, self.options.seed, weights).to(self.dev)
         if self.prepared is not None:
             mask_padding(model)  # bucketed micro-batches mark padding -1
         ds_config = None
@@ -331,9 +346,16 @@ class _Run:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def save(self, reason: str) -> None:
+    def save(self, reason: str, handoff: bool = False) -> None:
+        """A checkpoint; with `handoff`, also the full weights the next segment starts from."""
         self.state.spike = self.guard.state_dict()
-        path = checkpoint.save(self.ckpt_root, self.state.global_step, vars(self.state).copy(), self.engine.save,
+
+        def save_engine(directory: Path) -> None:
+            self.engine.save(directory)
+            if handoff:
+                write_full_weights(self.engine, self.plan.model, directory / HANDOFF_DIR)
+
+        path = checkpoint.save(self.ckpt_root, self.state.global_step, vars(self.state).copy(), save_engine,
                                self.options.keep_checkpoints)
         stages = self.task.stages
         self.events.write({"event": "checkpoint", "step": self.state.global_step,
@@ -344,7 +366,7 @@ class _Run:
         """Load the checkpoint `target` into the engine, the loop state (but for the fields in
         `kept`) and the spike guard; the logged steps after it will be redone. At a stage start the
         guard starts afresh, as the stage itself does (the checkpoint holds the previous stage's)."""
-        self.state = LoopState(**checkpoint.load(target, self.engine.load))
+        self.state = LoopState(**checkpoint.load(target, self._engine_loader(target)))
         for name, value in kept.items():
             setattr(self.state, name, value)
         self.state.rollbacks = self.rollbacks
@@ -355,6 +377,19 @@ class _Run:
         if torn:
             self.events.write({"event": "torn_lines", "file": "metrics.jsonl", "skipped": torn})
         self.scalars.truncate_after(self.state.global_step)
+
+    def _engine_loader(self, target: Path) -> Any:
+        """How `target` restores the engine: its own state, or, where it ends the previous segment,
+        the full weights it hands on (the engine is rebuilt from them when a rollback goes there)."""
+        if not self._crosses_segments(target):
+            if segment_of(self.plan, _checkpoint_stage(target)) != self.segment:
+                raise UsageError(f"checkpoint {target.name} belongs to stages that run another layout; "
+                                 "cannot go back past the start of this layout's stages")
+            return self.engine.load
+        if self.handoff != target / HANDOFF_DIR:
+            self.handoff = target / HANDOFF_DIR
+            self.engine = self._build_engine()
+        return lambda _: None
 
     def _choose(self, below: int | None, stage: int | None = None) -> Path | None:
         """The newest good checkpoint (rank 0's choice; with `below`, the newest good ones before that
@@ -419,7 +454,7 @@ class _Run:
         self.state.stage += 1
         self.state.step_in_stage = 0
         self.state.lr_scale = 1.0  # a spike's cooling belongs to its stage
-        self.save("stage_end")
+        self.save("stage_end", handoff=self.state.stage == self.segment.end < len(self.task.stages))
 
     # -- a step ------------------------------------------------------------------------------------
 
@@ -540,9 +575,15 @@ class _Run:
 
     # -- the end -----------------------------------------------------------------------------------
 
+    def _all_evals(self) -> dict[str, dict[str, float]]:
+        """Stage-end evaluations of this process, and of earlier launches (segments, resumes) from the log."""
+        logged = {e["stage"]: e["losses"] for e in read_records(self.events.path)[0]
+                  if e.get("event") == "eval"} if self.main else {}
+        return {**logged, **self.evals}
+
     def finish(self) -> dict[str, Any]:
         """summary.json: predicted against measured, per-stage results, what the run had to change."""
-        summary = _summary(self.plan, self.state, self.step_times, self.evals, self.run_dir)
+        summary = _summary(self.plan, self.state, self.step_times, self._all_evals(), self.run_dir)
         summary["layout_used"] = self.layout.short()
         summary["oom_fallbacks"] = self.state.oom_fallbacks
         prepared = self.prepared

@@ -73,7 +73,7 @@ def train(
             return run(plan, plan_file, out, resumed, options, launched, nnodes, node_rank, master_addr, master_port)
         _claim_run_dir(out, resumed, overwrite, node_rank)
         use_persistent_extensions_dir()
-        build_cpu_comm_op([plan.chosen.layout], plan.engine, lambda text: console.print(text, highlight=False))
+        build_cpu_comm_op([s.layout for s in plan.stages] or [plan.chosen.layout], plan.engine, lambda text: console.print(text, highlight=False))
         # one display, drawn here from metrics.jsonl: the loop (here or in the workers) draws none
         with RunProgress(console, show_progress, "advisor train") as progress:
             progress.expect(training_estimate_s(plan, max_steps_per_stage))
