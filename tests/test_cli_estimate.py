@@ -108,3 +108,17 @@ def test_presets_lists_the_shipped_hardware_and_models() -> None:
     assert {"cpu", "a100-40g", "a100-80g", "h100-80g", "h200-141g", "l40s-48g", "rtx4090-24g"} <= hardware
     assert {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b", "mistral-7b",
             "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-72b", "gpt3-175b", "demo-tiny"} <= models
+
+
+def test_a_layout_advisor_train_does_not_run_is_priced_with_the_declarations_reason() -> None:
+    from advisor.capabilities import config_shape, runnable_problem
+    from advisor.specs import Layout
+    from presets import load_model
+
+    layout = "tp=2,zero=1,offload=optimizer,mbs=1,gas=8"
+    result = CliRunner().invoke(app, ["estimate", "-m", "llama3-8b", "-H", "h100-80g", "--gpus-per-node", "8",
+                                      "--layout", layout, "--json"])
+    assert result.exit_code == 0, result.output
+    reason = runnable_problem(Layout(dp=4, tp=2, zero=1, offload="optimizer", mbs=1, gas=8),
+                              config_shape(load_model("llama3-8b").hf_config), "cuda")
+    assert reason and f"advisor train does not run this layout: {reason}" in json.loads(result.stdout)["notes"]

@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from advisor.capabilities import config_shape, runnable_problem
 from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, exit_on_error
 from advisor.cli.render import render_estimate
 from advisor.errors import UsageError
@@ -58,4 +59,8 @@ def estimate_layout(model: str, hardware: str, layout: str, nodes: int | None, g
     lay = resolve_layout(layout, devices, hw, seq_len)
     if seq_len is not None or "seq" in given:  # the default 2048 is not the user's choice
         check_seq_fits(spec, lay.seq, "--seq-len" if seq_len is not None else "layout seq")
-    return run_estimate(spec, hw, lay, attention=attention)
+    result = run_estimate(spec, hw, lay, attention=attention)
+    problem = runnable_problem(lay, config_shape(spec.hf_config), hw.device_type)
+    if problem:  # priced all the same: users of other engines estimate too, but they are told
+        result.notes.append(f"advisor train does not run this layout: {problem}")
+    return result
