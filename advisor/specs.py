@@ -92,6 +92,9 @@ class HardwareSpec(BaseModel):
     )
     efficiency: Efficiency = Field(default_factory=Efficiency)
     source: str = Field("preset", description="'preset' or the profile file it was measured into")
+    assumed: dict[str, str] = Field(
+        default_factory=dict, description="figures of a measured profile that were not measured here: "
+        "field -> where the value comes from (e.g. inter-node figures of a one-node profile)")
 
     @field_validator("peak_tflops")
     @classmethod

@@ -261,6 +261,10 @@ def make_plan(opts: PlanOptions) -> Plan:
     if method != methods[0]:
         notes.append(f"method {method}: {', '.join(m for m in methods if m != method and METHOD_ORDER.index(m) < METHOD_ORDER.index(method))} does not fit")
 
+    if nodes > 1 and any(key.startswith("inter_node") for key in hw.assumed):
+        notes.append("this plan spans nodes, but the profile's inter-node figures are assumed, not measured: "
+                     + "; ".join(f"{key} {getattr(hw, key):g} ({where})" for key, where in hw.assumed.items()
+                                 if key.startswith("inter_node")))
     planned = _planned(result, capacity, opts.min_compute_fraction)
     plan = Plan(model=opts.model, hardware=hw, nodes=nodes, gpus_per_node=per_node, objective=opts.objective,  # type: ignore[arg-type]
                 min_compute_fraction=opts.min_compute_fraction, chosen=planned[0], alternatives=planned[1:],

@@ -32,7 +32,7 @@ from typing import Any, Callable, Protocol
 from advisor.errors import UsageError
 from advisor.profile import HardwareProfile, Inventory, Measurement
 from advisor.specs import Efficiency, HardwareSpec, ModelSpec
-from presets import load_model
+from presets import load_hardware, load_model
 from profiler import hardware_bench as hb
 from profiler.calibration_steps import CalibrationSteps, StepRunner, fit_layouts, measure_calibration_steps
 from profiler.inventory import cpu_cores, process_rss_gib, resolve_device, take_inventory, this_host
@@ -215,6 +215,35 @@ def measurements_of(raw: dict[str, Any]) -> list[Measurement]:
     return out
 
 
+@dataclass(frozen=True)
+class InterNodeStandIn:
+    """Inter-node figures for a profile that measured none (one node): the matching preset's,
+    as achieved rates (datasheet bandwidth x its efficiency), never the intra-node ones."""
+
+    preset: str
+    achieved_gbs: float
+    latency_us: float
+
+    def assumed(self) -> dict[str, str]:
+        return {"inter_node_bandwidth_gbs": f"assumed from preset {self.preset}, not measured",
+                "inter_node_latency_us": f"assumed from preset {self.preset}, not measured"}
+
+
+# Device names to the preset whose network stands in for an unmeasured one; an unknown GPU gets the
+# middle of the range (200 Gb/s HDR InfiniBand per GPU) rather than the fastest.
+_NETWORK_PRESETS = (("h200", "h200-141g"), ("h100", "h100-80g"), ("a100", "a100-40g"), ("l40s", "l40s-48g"),
+                    ("4090", "rtx4090-24g"))
+
+
+def inter_node_stand_in(inventory: Inventory) -> InterNodeStandIn:
+    name = inventory.device_name.lower()
+    preset = "cpu" if inventory.device_type == "cpu" else next(
+        (p for key, p in _NETWORK_PRESETS if key in name), "a100-40g")
+    spec = load_hardware(preset)
+    return InterNodeStandIn(preset, spec.inter_node_bandwidth_gbs * spec.efficiency.inter_node_collective,
+                            spec.inter_node_latency_us)
+
+
 def hardware_from(raw: dict[str, Any], inventory: Inventory, name: str) -> HardwareSpec:
     """Measured figures are achieved rates, so every efficiency starts at 1.0; calibration then
     fits gemm and memory_bandwidth to real steps. comm_overlap stays at 0 on CPU (gloo competes
@@ -224,6 +253,7 @@ def hardware_from(raw: dict[str, Any], inventory: Inventory, name: str) -> Hardw
     bandwidth = raw["memory"]["gbs"]
     intra = _collective_fit(raw, "all_reduce", "intra")
     inter = _collective_fit(raw, "all_reduce", "inter")
+    unmeasured = None if inter else inter_node_stand_in(inventory)
     h2d = raw.get("host_device", {}).get("h2d", {}).get("gbs", bandwidth)
     cuda = inventory.device_type == "cuda"
     return HardwareSpec(
@@ -236,10 +266,10 @@ def hardware_from(raw: dict[str, Any], inventory: Inventory, name: str) -> Hardw
         peak_tflops=peaks,
         memory_bandwidth_gbs=bandwidth,
         intra_node_bandwidth_gbs=intra["fit"]["bandwidth_gbs"] if intra else bandwidth,
-        inter_node_bandwidth_gbs=inter["fit"]["bandwidth_gbs"] if inter else (
-            intra["fit"]["bandwidth_gbs"] if intra else bandwidth),
+        inter_node_bandwidth_gbs=inter["fit"]["bandwidth_gbs"] if inter else unmeasured.achieved_gbs,
         intra_node_latency_us=intra["fit"]["latency_us"] if intra else 0.0,
-        inter_node_latency_us=inter["fit"]["latency_us"] if inter else (intra["fit"]["latency_us"] if intra else 0.0),
+        inter_node_latency_us=inter["fit"]["latency_us"] if inter else unmeasured.latency_us,
+        assumed=unmeasured.assumed() if unmeasured else {},
         devices_per_node=inventory.devices_per_node,
         host_memory_gib=inventory.host_memory_gib,
         host_to_device_gbs=h2d,

@@ -229,3 +229,20 @@ def test_profile_all_reduce_matches_a_direct_measurement(tmp_path: Path, monkeyp
     # tighter: 19 runs under a load average of 3-5 gave ratios 0.65-3.5 (16 of them within 0.65-1.5).
     assert figure.value == pytest.approx(direct_bus_gbs, rel=0.5), (figure.value, direct_bus_gbs)
     assert profile.hardware.intra_node_bandwidth_gbs > 0
+
+    # one node measured no inter-node link: the profile says so and takes the preset's network
+    # (achieved: datasheet x efficiency), never the intra-node figures; a 2-node plan notes it
+    from planner.plan import PlanOptions, make_plan
+    from presets import load_hardware, load_model
+
+    cpu, hardware = load_hardware("cpu"), profile.hardware
+    assert hardware.inter_node_bandwidth_gbs == pytest.approx(
+        cpu.inter_node_bandwidth_gbs * cpu.efficiency.inter_node_collective)
+    assert hardware.inter_node_latency_us == cpu.inter_node_latency_us
+    assert set(hardware.assumed) == {"inter_node_bandwidth_gbs", "inter_node_latency_us"}
+    options = dict(model=load_model("demo-tiny"), hardware=hardware, gpus_per_node=2, seq=128, global_batch=8,
+                   min_compute_fraction=0.0)
+    two_nodes = make_plan(PlanOptions(nodes=2, **options))
+    said = [n for n in two_nodes.notes if "inter-node figures are assumed" in n]
+    assert said and "inter_node_bandwidth_gbs" in said[0] and "preset cpu" in said[0]
+    assert not [n for n in make_plan(PlanOptions(nodes=1, **options)).notes if "inter-node" in n]

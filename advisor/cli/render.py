@@ -154,6 +154,9 @@ def render_profile(result, out: Path) -> None:
     console.print(table)
     for note in inv.notes:
         console.print(f"note: {note}", style="dim")
+    for key, where in hw.assumed.items():
+        console.print(f"note: {key} {getattr(hw, key):g} is {where} (one node: profile several to measure it)",
+                      style="dim")
     console.print(f"wrote {out}: use it as --hardware {out}")
 
 
