@@ -142,7 +142,9 @@ class StageSpec(BaseModel):
     steps: int | None = Field(None, gt=0, description="optimizer steps (instead of tokens)")
     lr: float = Field(3e-4, gt=0, le=1)
     warmup_steps: int = Field(20, ge=0, description="learning-rate re-warm-up at the stage start")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay floor, share of lr")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="decay floor, share of lr")
+    ramp_steps: int = Field(0, ge=0, description="steps over which the data mixture moves linearly from the "
+                            "previous stage's data to this stage's mix (0: a hard switch)")
     method: Method | None = Field(None, description="override the plan's full/lora/qlora for this stage")
     eval_sources: list[DataSource] = Field(default_factory=list)
     eval_tokens: int = Field(0, ge=0, description="tokens evaluated at each evaluation")
@@ -182,6 +184,11 @@ class TaskSpec(BaseModel):
     global_batch: int | None = Field(None, ge=1, description="sequences per optimizer step")
     stages: list[StageSpec] = Field(min_length=1)
     eval_every_steps: int = Field(0, ge=0, description="0: evaluate at stage ends only")
+    lr_schedule: Literal["rewarm_cosine", "wsd"] = Field(
+        "rewarm_cosine", description="rewarm_cosine: every stage re-warms to its lr and decays by cosine; wsd: "
+        "warm up once (the first stage's warmup_steps), hold each stage's lr, decay linearly over the run's last "
+        "wsd_decay_fraction of steps")
+    wsd_decay_fraction: float = Field(0.1, gt=0, le=1, description="wsd: share of the run's steps that decay")
     base_dir: str = Field(".", description="where relative data paths start (set when loading)")
     data: DataPrepSpec = Field(default_factory=DataPrepSpec, description="`advisor data prepare` settings")
 

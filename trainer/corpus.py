@@ -135,4 +135,20 @@ def stage_sources(task: TaskSpec, index: int, tokenizer, seq: int, cache: Path |
         for src in earlier.sources:
             sources.append(Source(f"{name}:{src.path}", load_source(src, task, tokenizer, seq, cache),
                                   share * src.weight / total))
+    if stage.ramp_steps and index > 0:
+        _ramp_from(task.stages[index - 1], sources, lambda src: load_source(src, task, tokenizer, seq, cache))
     return sources
+
+
+def _ramp_from(previous: StageSpec, sources: list[Source], load) -> None:
+    """A ramped stage starts from the previous stage's own data, by that stage's weights: its
+    sources get those start weights (added with no weight in the target mix where this stage does
+    not replay them)."""
+    total = sum(s.weight for s in previous.sources) or 1.0
+    by_name = {s.name: s for s in sources}
+    for src in previous.sources:
+        name = f"{previous.name}:{src.path}"
+        if name not in by_name:
+            by_name[name] = Source(name, load(src), 0.0)
+            sources.append(by_name[name])
+        by_name[name].start_weight = src.weight / total

@@ -39,7 +39,7 @@ from trainer.options import TrainOptions
 from trainer.prepared import bucket_stream, mask_padding, prepared_dir
 from trainer.run_identity import claim, fingerprint, restarted
 from trainer.scalars import ScalarLog
-from trainer.schedule import stage_lr
+from trainer.schedule import stage_lr, wsd_lr
 from trainer.spike import SpikeGuard
 from trainer.stream import Source, StageStream
 
@@ -339,10 +339,14 @@ class _Run:
         return SpikeGuard(warmup_steps=self.options.spike_warmup_steps)
 
     def _make_stream(self, index: int) -> Any:
+        ramp = self.task.stages[index].ramp_steps
         if self.prepared is not None:  # length-bucketed micro-batches of the current layout's token budget
+            if ramp:
+                raise UsageError(f"stage '{self.task.stages[index].name}': ramp_steps is not run on prepared "
+                                 "(bucketed) data yet; set ramp_steps: 0 or train on the raw sources")
             return bucket_stream(self.prepared, self.task, index, self.layout.seq, self.layout.mbs, self.options.seed)
         return StageStream(stage_sources(self.task, index, self.tokenizer, self.layout.seq, self.cache),
-                           self.options.seed, index)
+                           self.options.seed, index, ramp_sequences=ramp * self.layout.global_batch)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -458,13 +462,24 @@ class _Run:
 
     # -- a step ------------------------------------------------------------------------------------
 
+    def _learning_rate(self, stage: _Stage) -> float:
+        """The task's schedule at this step: per-stage re-warm-up and cosine, or one WSD over the run
+        (its position counts the stages' steps as this run takes them)."""
+        peak = stage.spec.lr * self.state.lr_scale
+        if self.task.lr_schedule == "wsd":
+            steps = [min(p.steps, self.options.max_steps_per_stage or p.steps) for p in self.plan.stages]
+            run_steps = sum(steps)
+            return wsd_lr(sum(steps[:stage.index]) + self.state.step_in_stage, run_steps, peak,
+                          self.task.stages[0].warmup_steps, round(self.task.wsd_decay_fraction * run_steps),
+                          stage.spec.min_lr_ratio)
+        return stage_lr(self.state.step_in_stage, stage.steps, peak, stage.spec.warmup_steps, stage.spec.min_lr_ratio)
+
     def take_step(self, stage: _Stage) -> _Step | None:
         """Accumulate the step's micro-batches and take the optimizer step; None when that ran out
         of memory and the run fell back to the plan's next layout (the step is then redone)."""
         started = time.perf_counter()
         position = _start(self.state.positions[stage.index], stage.index, self.state.skips)
-        lr = stage_lr(self.state.step_in_stage, stage.steps, stage.spec.lr * self.state.lr_scale,
-                      stage.spec.warmup_steps, stage.spec.min_lr_ratio)
+        lr = self._learning_rate(stage)
         try:
             losses, usage = self._accumulate(stage, position)
             grad_norm = self.engine.optimizer_step(lr)

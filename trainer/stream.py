@@ -21,24 +21,44 @@ class Source:
     name: str
     sequences: np.ndarray  # (n, seq) int64 token ids
     weight: float
+    start_weight: float = 0.0  # a ramped stage's mixture at its first sequence (the previous stage's data)
+
+
+def _normalised(weights: list[float]) -> np.ndarray:
+    total = sum(weights)
+    return np.array([w / total for w in weights]) if total > 0 else np.zeros(len(weights))
 
 
 class StageStream:
-    def __init__(self, sources: list[Source], seed: int, stage_index: int):
+    """With `ramp_sequences` R > 0, sequence i of the stage is drawn from the mixture
+    start + min((i + 1) / R, 1) * (target - start): the previous stage's data turns into this
+    stage's mix over its first R sequences instead of switching at once."""
+
+    def __init__(self, sources: list[Source], seed: int, stage_index: int, ramp_sequences: int = 0):
         if not sources or any(len(s.sequences) == 0 for s in sources):
             empty = [s.name for s in sources if len(s.sequences) == 0] or ["(no sources)"]
             raise ValueError(f"stage {stage_index} has no data in {', '.join(empty)}")
         self.sources = sources
-        total = sum(s.weight for s in sources)
-        self.probs = np.array([s.weight / total for s in sources])
+        self.probs = _normalised([s.weight for s in sources])
+        self.start_probs = _normalised([s.start_weight for s in sources])
+        self.ramp = ramp_sequences if self.start_probs.any() else 0
         self.seed = seed
         self.stage_index = stage_index
         self._cached: tuple[int, np.ndarray, np.ndarray] | None = None
 
+    def mixture(self, positions: np.ndarray) -> np.ndarray:
+        """(len(positions), sources): each sequence's source probabilities."""
+        ramped = np.minimum((positions + 1) / self.ramp, 1.0) if self.ramp else np.ones(len(positions))
+        return self.start_probs + ramped[:, None] * (self.probs - self.start_probs)
+
     def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
         if self._cached is None or self._cached[0] != block:  # successive steps share a block
             rng = np.random.default_rng([self.seed, self.stage_index, block])
-            which = rng.choice(len(self.sources), size=BLOCK, p=self.probs)
+            if self.ramp and block * BLOCK < self.ramp:
+                cumulative = self.mixture(np.arange(block * BLOCK, (block + 1) * BLOCK)).cumsum(axis=1)
+                which = np.minimum((rng.random(BLOCK)[:, None] >= cumulative).sum(axis=1), len(self.sources) - 1)
+            else:
+                which = rng.choice(len(self.sources), size=BLOCK, p=self.probs)
             draws = rng.random(BLOCK)
             self._cached = (block, which, draws)
         return self._cached[1], self._cached[2]
