@@ -15,7 +15,8 @@ from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.cli.quiet import log_path, quiet_console
 from advisor.cli.render import format_seconds
 from advisor.errors import UsageError
-from advisor.plan_file import load_plan
+from advisor.capabilities import config_shape, runnable_problem
+from advisor.plan_file import Plan, load_plan
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.options import TrainOptions
 from trainer.run_identity import refuse_or_move_aside, restarted
@@ -52,11 +53,20 @@ def train(
     spike_warmup_steps: int = typer.Option(DEFAULTS.spike_warmup_steps, "--spike-warmup-steps", hidden=True),
     eval_sequences: int = typer.Option(DEFAULTS.eval_sequences, "--eval-sequences", hidden=True),
     show_progress: bool = typer.Option(DEFAULTS.show_progress, "--show-progress/--no-show-progress", hidden=True),
+    dry_run: bool = typer.Option(False, "--dry-run", help="check every stage's layout against this trainer on "
+                                 "the meta device (no devices, no data), show what each rank holds next to the "
+                                 "cost model's prediction, and exit: 0, or 2 with the reason"),
+    as_json: bool = typer.Option(False, "--json", help="with --dry-run: print one JSON object"),
     verbose: bool = typer.Option(False, "--verbose", help="also show third-party warnings and logs (torch, "
                                  "DeepSpeed, ...) on the console; they always go to RUN_DIR/logs/"),
 ) -> None:
     """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
     every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
+    if dry_run:
+        # deferred: the meta model needs torch and transformers (seconds), only for --dry-run
+        from advisor.cli.dry_run import run_dry
+
+        return exit_on_error(lambda: run_dry(_runnable(load_plan(plan_file), engine), as_json))
     def go():
         # deferred: import torch/deepspeed (2.3 s), inside the quiet console so that their warnings are logged
         from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
@@ -97,15 +107,27 @@ def train(
 def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched: bool):
     """The plan to run: its task's generated data in place (once, by the launching process), the
     `data` extra present for prepared shards, and --engine applied."""
-    plan = load_plan(plan_file)
+    plan = _runnable(load_plan(plan_file), engine)
     if plan.task is not None and not launched and ensure_generated_data(plan.task):
         console.print(f"generated the {plan.task.name} task's data into {plan.task.base_dir}")
     if data is not None and not launched:
         require_data_extra("advisor train --data (prepared shards)")
+    return plan
+
+
+def _runnable(plan: Plan, engine: str | None) -> Plan:
+    """--engine applied; a plan made with --any-engine refused unless each of its layouts runs here."""
     if engine is not None:
         if engine not in ("auto", "deepspeed", "fsdp2"):
             raise UsageError(f"--engine {engine}: choose auto, deepspeed or fsdp2")
         plan = plan.model_copy(update={"engine": engine})
+    if not plan.runnable_here:
+        shape = config_shape(plan.model.hf_config)
+        for name, layout in plan.stage_layouts():
+            problem = runnable_problem(layout, shape, plan.hardware.device_type, plan.engine)
+            if problem:
+                raise UsageError(f"this plan was made with --any-engine, for other engines: advisor train does "
+                                 f"not run {name} {layout.short()}: {problem}")
     return plan
 
 
