@@ -69,11 +69,12 @@ class Plan(BaseModel):
         True, description="false: planned with --any-engine over every engine the cost model prices "
                           "(Megatron/NeMo layouts); `advisor train` refuses it")
 
-    def stage_layouts(self) -> list[tuple[str, Layout]]:
-        """What `advisor train` runs: each stage's layout, or the chosen one for a plan without stages."""
+    def stage_layouts(self) -> list[tuple[str | None, Layout]]:
+        """What `advisor train` runs: each stage's name and layout, or (None, the chosen layout) for a
+        plan without stages."""
         if self.stages:
             return [(s.name, s.layout) for s in self.stages]
-        return [("(whole run)", self.chosen.layout)]
+        return [(None, self.chosen.layout)]
 
     def write(self, path: Path) -> None:
         """Write aside, then rename: a crash never leaves half a plan."""

@@ -53,7 +53,7 @@ class RankStates:
 class LayoutCheck:
     """One stage's layout: the engine that runs it and what each of its ranks holds."""
 
-    stage: str
+    stage: str | None  # None: a plan without stages
     layout: Layout
     engine: str
     devices: int
@@ -62,6 +62,10 @@ class LayoutCheck:
     def as_json(self) -> dict[str, Any]:
         return {"stage": self.stage, "layout": self.layout.short(), "engine": self.engine, "devices": self.devices,
                 "ranks": [asdict(r) for r in self.ranks]}
+
+
+def where(stage: str | None) -> str:
+    return f"stage {stage}" if stage is not None else "the run"
 
 
 def meta_model(spec: ModelSpec, layout: Layout) -> torch.nn.Module:
@@ -96,7 +100,7 @@ def dry_run(plan: Plan) -> list[LayoutCheck]:
                 check_parallel_layout(model, layout)
             split = layers_per_stage(shape.num_layers, layout)
         except UsageError as exc:
-            raise UsageError(f"stage {name} ({layout.short()}): {exc}") from None
+            raise UsageError(f"{where(name)} ({layout.short()}): {exc}") from None
         ranks = _rank_states(model, layout, engine, split)
         _add_predictions(ranks, plan, layout)
         checks.append(LayoutCheck(name, layout, engine, layout.devices, ranks))

@@ -4,20 +4,22 @@ rank holds (trainer/dry_run.py), shown next to the cost model's prediction."""
 from __future__ import annotations
 
 import json
+from typing import TextIO
 
 from rich.table import Table
 
 from advisor.cli.common import console
 from advisor.cli.render import format_gib
 from advisor.plan_file import Plan
-from trainer.dry_run import LayoutCheck, dry_run
+from trainer.dry_run import LayoutCheck, dry_run, where
 
 
-def run_dry(plan: Plan, as_json: bool) -> None:
+def run_dry(plan: Plan, as_json: bool, terminal: TextIO) -> None:
     """Check and show; a layout the trainer cannot run raises UsageError (exit 2) naming its stage."""
     checks = dry_run(plan)
     if as_json:
-        print(json.dumps({"ok": True, "engine_choice": plan.engine, "stages": [c.as_json() for c in checks]}))
+        print(json.dumps({"ok": True, "engine_choice": plan.engine, "stages": [c.as_json() for c in checks]}),
+              file=terminal)
         return
     for check in checks:
         _render(check)
@@ -26,7 +28,7 @@ def run_dry(plan: Plan, as_json: bool) -> None:
 
 
 def _render(check: LayoutCheck) -> None:
-    table = Table(title=f"stage {check.stage}: {check.layout.short()} on {check.devices} device"
+    table = Table(title=f"{where(check.stage)}: {check.layout.short()} on {check.devices} device"
                         f"{'s' if check.devices != 1 else ''}, engine {check.engine}", title_justify="left")
     for column in ("pp stage", "layers", "GiB per rank", "parameters", "gradients", "optimizer", "host"):
         table.add_column(column, justify="left" if column == "GiB per rank" else "right")

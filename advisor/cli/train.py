@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -66,7 +67,9 @@ def train(
         # deferred: the meta model needs torch and transformers (seconds), only for --dry-run
         from advisor.cli.dry_run import run_dry
 
-        return exit_on_error(lambda: run_dry(_runnable(load_plan(plan_file), engine), as_json))
+        # third-party warnings of the model build are dropped with the scratch folder: no run dir is made
+        with tempfile.TemporaryDirectory() as scratch, quiet_console(Path(scratch), verbose) as terminal:
+            return exit_on_error(lambda: run_dry(_runnable(load_plan(plan_file), engine), as_json, terminal))
     def go():
         # deferred: import torch/deepspeed (2.3 s), inside the quiet console so that their warnings are logged
         from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
@@ -127,7 +130,7 @@ def _runnable(plan: Plan, engine: str | None) -> Plan:
             problem = runnable_problem(layout, shape, plan.hardware.device_type, plan.engine)
             if problem:
                 raise UsageError(f"this plan was made with --any-engine, for other engines: advisor train does "
-                                 f"not run {name} {layout.short()}: {problem}")
+                                 f"not run {'stage ' + name if name else 'its layout'} {layout.short()}: {problem}")
     return plan
 
 
