@@ -26,7 +26,8 @@ DEFAULTS = TrainOptions()
 
 
 def train(
-    plan_file: Path = typer.Argument(..., help="plan.yaml from `advisor plan --task ... --out plan.yaml`"),
+    plan_file: Path = typer.Argument(..., help="plan.yaml from `advisor plan ... --out plan.yaml` (with --task: "
+                                     "its stages; without: one stage over --data)"),
     out: Path = typer.Option(Path("runs/latest"), "--out", help="run directory (metrics, events, checkpoints)"),
     resume: bool = typer.Option(False, "--resume", help="continue from the run directory's last checkpoint"),
     overwrite: bool = typer.Option(DEFAULTS.overwrite, "--overwrite/--no-overwrite",
@@ -37,8 +38,14 @@ def train(
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (demos)"),
     seed: int = typer.Option(DEFAULTS.seed, "--seed"),
     weights: Optional[str] = typer.Option(None, "--weights", help="local HF model folder to start from"),
-    data: Optional[Path] = typer.Option(None, "--data", help="`advisor data prepare` folder: length-bucketed "
-                                        "shards (default: the task's data.out when it is fresh, else raw files)"),
+    data: Optional[Path] = typer.Option(None, "--data", help="with a task: an `advisor data prepare` folder of "
+                                        "length-bucketed shards (default: the task's data.out when it is fresh, else "
+                                        "its raw files). Without a task: the data the run trains on as one stage, a "
+                                        "file, glob or folder of jsonl ('text' field), parquet or text"),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="a plan without a task: optimizer steps of "
+                                        "the plan's global batch (default: one pass over --data)"),
+    tokens: Optional[int] = typer.Option(None, "--tokens", min=1, help="a plan without a task: tokens to train on, "
+                                         "rounded up to whole steps (default: one pass over --data)"),
     nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="nodes (default: Slurm's, else 1)"),
     node_rank: int = typer.Option(0, "--node-rank", min=0),
     master_addr: str = typer.Option("127.0.0.1", "--master-addr"),
@@ -76,22 +83,30 @@ def train(
         from trainer.launch import run
 
         plan = _load_plan(plan_file, engine, data, launched)
+        resumed = resume or restarted()  # a torchrun restart or Slurm requeue continues the run
+        plan_path, prepared = plan_file, data
+        if not launched:
+            _claim_run_dir(out, resumed, overwrite, node_rank)
+            if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
+                plan, plan_path, prepared = _one_stage(plan, data, out, steps, tokens), out / "plan.yaml", None
+            elif steps is not None or tokens is not None:
+                raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
+                                 "its stages")
         options = TrainOptions(seed=seed, clip=clip, keep_checkpoints=keep_checkpoints, max_rollbacks=max_rollbacks,
                                spike_lr_factor=spike_lr_factor, spike_warmup_steps=spike_warmup_steps,
                                eval_sequences=eval_sequences, max_steps_per_stage=max_steps_per_stage,
                                weights=weights, show_progress=show_progress and launched,
-                               data=str(data.resolve()) if data else None, overwrite=overwrite, timeout_s=timeout_s)
-        resumed = resume or restarted()  # a torchrun restart or Slurm requeue continues the run
+                               data=str(prepared.resolve()) if prepared else None, overwrite=overwrite,
+                               timeout_s=timeout_s)
         if launched:  # a worker: its output goes where the launching CLI sent it
-            return run(plan, plan_file, out, resumed, options, launched, nnodes, node_rank, master_addr, master_port)
-        _claim_run_dir(out, resumed, overwrite, node_rank)
+            return run(plan, plan_path, out, resumed, options, launched, nnodes, node_rank, master_addr, master_port)
         use_persistent_extensions_dir()
         build_cpu_comm_op([plan.chosen.layout], plan.engine, lambda text: console.print(text, highlight=False))
         # one display, drawn here from metrics.jsonl: the loop (here or in the workers) draws none
         with RunProgress(console, show_progress, "advisor train") as progress:
             progress.expect(training_estimate_s(plan, max_steps_per_stage))
             with progress.training(plan, max_steps_per_stage, out / "metrics.jsonl"):
-                return run(plan, plan_file, out, resumed, options, launched, nnodes, node_rank, master_addr,
+                return run(plan, plan_path, out, resumed, options, launched, nnodes, node_rank, master_addr,
                            master_port)
 
     if launched:
@@ -113,8 +128,21 @@ def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched:
     plan = _runnable(load_plan(plan_file), engine)
     if plan.task is not None and not launched and ensure_generated_data(plan.task):
         console.print(f"generated the {plan.task.name} task's data into {plan.task.base_dir}")
-    if data is not None and not launched:
+    if data is not None and plan.task is not None and not launched:
         require_data_extra("advisor train --data (prepared shards)")
+    return plan
+
+
+def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, tokens: int | None) -> Plan:
+    """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's plan."""
+    if data is None:
+        raise UsageError("this plan has no task: give the data to train on with --data FILE, GLOB or FOLDER "
+                         "(jsonl, parquet or text), or plan with --task")
+    # deferred: reads and tokenizes the data (the counting pass of the default length)
+    from trainer.one_stage import one_stage_plan
+
+    plan = one_stage_plan(plan, str(data), out, steps, tokens)
+    plan.write(out / "plan.yaml")
     return plan
 
 
