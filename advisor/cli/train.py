@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import typer
@@ -70,56 +71,65 @@ def train(
 ) -> None:
     """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
     every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
+    args = SimpleNamespace(**locals())
     if dry_run:
-        # deferred: the meta model needs torch and transformers (seconds), only for --dry-run
-        from advisor.cli.dry_run import run_dry
-
-        # third-party warnings of the model build are dropped with the scratch folder: no run dir is made
-        with tempfile.TemporaryDirectory() as scratch, quiet_console(Path(scratch), verbose) as terminal:
-            return exit_on_error(lambda: run_dry(_runnable(load_plan(plan_file), engine), as_json, terminal))
-    def go():
-        # deferred: import torch/deepspeed (2.3 s), inside the quiet console so that their warnings are logged
-        from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
-        from trainer.launch import run
-
-        plan = _load_plan(plan_file, engine, data, launched)
-        resumed = resume or restarted()  # a torchrun restart or Slurm requeue continues the run
-        plan_path, prepared = plan_file, data
-        if not launched:
-            _claim_run_dir(out, resumed, overwrite, node_rank)
-            if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
-                plan, plan_path, prepared = _one_stage(plan, data, out, steps, tokens), out / "plan.yaml", None
-            elif steps is not None or tokens is not None:
-                raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
-                                 "its stages")
-        options = TrainOptions(seed=seed, clip=clip, keep_checkpoints=keep_checkpoints, max_rollbacks=max_rollbacks,
-                               spike_lr_factor=spike_lr_factor, spike_warmup_steps=spike_warmup_steps,
-                               eval_sequences=eval_sequences, max_steps_per_stage=max_steps_per_stage,
-                               weights=weights, show_progress=show_progress and launched,
-                               data=str(prepared.resolve()) if prepared else None, overwrite=overwrite,
-                               timeout_s=timeout_s)
-        if launched:  # a worker: its output goes where the launching CLI sent it
-            return run(plan, plan_path, out, resumed, options, launched, nnodes, node_rank, master_addr, master_port)
-        use_persistent_extensions_dir()
-        build_cpu_comm_op([plan.chosen.layout], plan.engine, lambda text: console.print(text, highlight=False))
-        # one display, drawn here from metrics.jsonl: the loop (here or in the workers) draws none
-        with RunProgress(console, show_progress, "advisor train") as progress:
-            progress.expect(training_estimate_s(plan, max_steps_per_stage))
-            with progress.training(plan, max_steps_per_stage, out / "metrics.jsonl"):
-                return run(plan, plan_path, out, resumed, options, launched, nnodes, node_rank, master_addr,
-                           master_port)
-
+        return _dry_run(plan_file, engine, as_json, verbose)
     if launched:
-        summary = exit_on_error(go)
+        summary = exit_on_error(lambda: _run(args))
     else:
         with quiet_console(out, verbose):
-            summary = exit_on_error(go)
+            summary = exit_on_error(lambda: _run(args))
     if summary and not launched:
         measured, predicted = summary["measured"], summary["predicted"]
         console.print(f"trained {summary['steps']} steps ({summary['rollbacks']} rollbacks); step "
                       f"{format_seconds(measured['step_s'] or 0)} measured vs "
                       f"{format_seconds(predicted['step_s'])} predicted; run dir {out}; third-party output in "
                       f"{log_path(out)}")
+
+
+def _dry_run(plan_file: Path, engine: str | None, as_json: bool, verbose: bool) -> None:
+    # deferred: the meta model needs torch and transformers (seconds), only for --dry-run
+    from advisor.cli.dry_run import run_dry
+
+    # third-party warnings of the model build are dropped with the scratch folder: no run dir is made
+    with tempfile.TemporaryDirectory() as scratch, quiet_console(Path(scratch), verbose) as terminal:
+        exit_on_error(lambda: run_dry(_runnable(load_plan(plan_file), engine), as_json, terminal))
+
+
+def _run(a: SimpleNamespace) -> dict | None:
+    """Launch the plan (or, in a launched worker, train its rank); the summary."""
+    # deferred: import torch/deepspeed (2.3 s), inside the quiet console so that their warnings are logged
+    from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
+    from trainer.launch import run
+
+    out = a.out
+    plan = _load_plan(a.plan_file, a.engine, a.data, a.launched)
+    resumed = a.resume or restarted()  # a torchrun restart or Slurm requeue continues the run
+    plan_path, prepared = a.plan_file, a.data
+    if not a.launched:
+        _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
+        if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
+            plan, plan_path, prepared = _one_stage(plan, a.data, out, a.steps, a.tokens), out / "plan.yaml", None
+        elif a.steps is not None or a.tokens is not None:
+            raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
+                             "its stages")
+    options = TrainOptions(seed=a.seed, clip=a.clip, keep_checkpoints=a.keep_checkpoints,
+                           max_rollbacks=a.max_rollbacks, spike_lr_factor=a.spike_lr_factor,
+                           spike_warmup_steps=a.spike_warmup_steps, eval_sequences=a.eval_sequences,
+                           max_steps_per_stage=a.max_steps_per_stage, weights=a.weights,
+                           show_progress=a.show_progress and a.launched,
+                           data=str(prepared.resolve()) if prepared else None, overwrite=a.overwrite,
+                           timeout_s=a.timeout_s)
+    where = (a.nnodes, a.node_rank, a.master_addr, a.master_port)
+    if a.launched:  # a worker: its output goes where the launching CLI sent it
+        return run(plan, plan_path, out, resumed, options, a.launched, *where)
+    use_persistent_extensions_dir()
+    build_cpu_comm_op([plan.chosen.layout], plan.engine, lambda text: console.print(text, highlight=False))
+    # one display, drawn here from metrics.jsonl: the loop (here or in the workers) draws none
+    with RunProgress(console, a.show_progress, "advisor train") as progress:
+        progress.expect(training_estimate_s(plan, a.max_steps_per_stage))
+        with progress.training(plan, a.max_steps_per_stage, out / "metrics.jsonl"):
+            return run(plan, plan_path, out, resumed, options, a.launched, *where)
 
 
 def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched: bool):
