@@ -42,27 +42,37 @@ def describe(fixed: dict[str, Any]) -> str:
     return ",".join(f"{key}={int(value) if isinstance(value, bool) else value}" for key, value in fixed.items())
 
 
-def _probe(fixed: dict[str, Any], devices: int, shape: ModelShape, method: str, dtype: str, seq: int) -> Layout:
+def _probe(given: dict[str, Any], fixed: dict[str, Any], devices: int, shape: ModelShape, method: str, dtype: str,
+           seq: int) -> Layout:
     """The fixed values with the most runnable choices for the rest (no ZeRO, offload, sp or
     interleaving unless fixed or implied), so that what the declaration refuses is the fix."""
     fields: dict[str, Any] = {"method": method, "dtype": dtype, "seq": seq, **fixed}
     if fields.get("sp") and "tp" not in fields:  # sequence parallelism needs a tensor-parallel group
         fields["tp"] = next((tp for tp in range(2, devices + 1) if devices % tp == 0
                              and tensor_parallel_problem(tp, shape) is None), 2)
-    if fields.get("vpp", 1) > 1 and "pp" not in fields:
-        fields["pp"] = next((pp for pp in range(2, devices + 1) if devices % pp == 0), 2)
+    vpp = fields.get("vpp", 1)
+    if vpp > 1 and "pp" not in fields:  # interleaving needs a pipeline that cuts the layers evenly
+        fields["pp"] = next((pp for pp in range(2, devices + 1) if devices % pp == 0
+                             and pipeline_problem(pp, vpp, pp, None, shape.num_layers) is None), 2)
+    if vpp > 1 and "gas" not in fields:  # interleaved 1F1B runs gas in multiples of pp
+        fields["gas"] = fields["pp"]
     if fields.get("offload", "none") != "none" and "zero" not in fields:
         fields["zero"] = 3 if fields["offload"] == "optimizer+params" else 2
     fields.setdefault("dp", max(1, devices // (fields.get("tp", 1) * fields.get("pp", 1))))
     try:
         return Layout.model_validate(fields)
-    except ValueError as exc:  # pydantic's ValidationError: the fixed keys contradict one another
-        raise UsageError(f"--fix {describe(fixed)}: {_first_error(exc)}") from None
+    except ValueError as exc:  # pydantic's ValidationError: a bad value, or fixed keys that contradict one another
+        raise UsageError(f"--fix {describe(given)}: {_first_error(exc)}") from None
 
 
 def _first_error(exc: ValueError) -> str:
     errors = getattr(exc, "errors", None)
-    return str(errors()[0]["msg"]).removeprefix("Value error, ") if callable(errors) else str(exc)
+    if not callable(errors):
+        return str(exc)
+    first = errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    message = str(first["msg"]).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 def _arithmetic_problem(fixed: dict[str, Any], devices: int, global_batch: int) -> str | None:
@@ -105,7 +115,7 @@ def fix_problem(fixed: dict[str, Any], model: ModelSpec, devices: int, devices_p
         return problem
     if "tp" in fixed and tp_crosses_nodes(fixed["tp"], devices_per_node) and not allow_cross_node_tp:
         return f"tp={fixed['tp']} would span nodes of {devices_per_node} devices (add --allow-cross-node-tp)"
-    probe = _probe(shape_fixed, devices, shape, method, dtype, seq)
+    probe = _probe(fixed, shape_fixed, devices, shape, method, dtype, seq)
     return runnable_problem(probe, shape, device_type, engine) if runnable_only else layout_problem(probe, shape)
 
 

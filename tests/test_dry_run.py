@@ -132,3 +132,17 @@ def test_meta_model_of_405b_builds_in_seconds() -> None:
     assert time.perf_counter() - started < 30
     assert math.isclose(sum(p.numel() for p in model.parameters()), 405.85e9, rel_tol=1e-3)
     assert next(model.parameters()).is_meta
+
+
+def test_qlora_counts_the_decoder_linear_weights_in_nf4() -> None:
+    """The 4-bit base: decoder projections at NF4's 4.127 bits (QLoRA section 3); norms, the
+    embedding and the LM head stay 16-bit; adapters fp32 (with their gradients and moments)."""
+    from planner.memory import NF4_BYTES_PER_PARAM
+
+    layout = Layout(method="qlora", lora_rank=4, dtype="bf16", seq=64)
+    (rank,) = _rank_states(meta_model(TINY, layout), layout, "plain", [4])
+    projections = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)
+    sixteen_bit = 4 * 2 * 64 + 2 * 256 * 64 + 64
+    adapters = 4 * 4 * 1024
+    assert rank.parameters == round(projections * NF4_BYTES_PER_PARAM + 2 * sixteen_bit + 4 * adapters)
+    assert (rank.gradients, rank.optimizer) == (4 * adapters, 8 * adapters)

@@ -62,12 +62,24 @@ def test_fix_the_trainer_does_not_run_is_refused_with_the_declarations_line() ->
     ("mbs=3", "mbs=3 does not divide the global batch of 512"),
     ("tp=8,zero=1", "zero=1 with dp=1 shards nothing"),
     ("recompute=full", "chosen per pipeline stage by the solver"),
+    ("dtype=fp8", "--fix dtype=fp8: dtype: Input should be 'bf16', 'fp16' or 'fp32'"),
 ])
 def test_impossible_fix_says_which_rule_binds(fix: str, reason: str) -> None:
     result = plan(*LLAMA8, "--fix", fix)
     assert result.exit_code == 2
     assert reason in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_interleaving_fix_is_judged_by_the_declaration() -> None:
+    result = plan(*LLAMA8, "--fix", "vpp=2")
+    shape = config_shape(load_model("llama3-8b").hf_config)
+    problem = runnable_problem(Layout(dp=4, pp=2, vpp=2, gas=2, seq=4096), shape, "cuda")
+    if problem is None:  # interleaved pipelines run now: the fix holds instead
+        assert result.exit_code == 0, result.output
+        return
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: --fix vpp=2: {problem}"
 
 
 def test_runnable_fix_that_fits_no_memory_says_so() -> None:
