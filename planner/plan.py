@@ -307,8 +307,9 @@ def make_plan(opts: PlanOptions) -> Plan:
         notes.append(f"fixed by --fix: {describe(opts.fix)}")
     runnable_here = opts.space.runnable_only and not opts.any_engine
     if not runnable_here:
-        notes.append("planned for any engine (--any-engine): not runnable by advisor train here, e.g. "
-                     f"{_not_runnable_reason(planned, opts, hw) or 'each layout runs here too'}")
+        reason = _not_runnable_reason(planned, opts, hw)
+        notes.append("planned for any engine (--any-engine): " + (f"advisor train refuses it ({reason})" if reason
+                     else "advisor train refuses the plan, though its best layout happens to run here too"))
     plan = Plan(model=opts.model, hardware=hw, nodes=nodes, gpus_per_node=per_node, objective=opts.objective,  # type: ignore[arg-type]
                 min_compute_fraction=opts.min_compute_fraction, chosen=planned[0], alternatives=planned[1:],
                 task=opts.task, notes=notes, runnable_here=runnable_here)
