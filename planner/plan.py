@@ -309,7 +309,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     if not runnable_here:
         reason = _not_runnable_reason(planned, opts, hw)
         notes.append("planned for any engine (--any-engine): " + (f"advisor train refuses it ({reason})" if reason
-                     else "advisor train refuses the plan, though its best layout happens to run here too"))
+                     else "its best layout happens to run here too"))
     plan = Plan(model=opts.model, hardware=hw, nodes=nodes, gpus_per_node=per_node, objective=opts.objective,  # type: ignore[arg-type]
                 min_compute_fraction=opts.min_compute_fraction, chosen=planned[0], alternatives=planned[1:],
                 task=opts.task, notes=notes, runnable_here=runnable_here)

@@ -75,8 +75,9 @@ def plan(
         return
     render_plan(result)
     if not result.runnable_here:
-        console.print("[yellow]planned for any engine (--any-engine): `advisor train` will not run this plan; "
-                      "export it for Megatron-LM, NeMo or DeepSpeed[/yellow]")
+        console.print("[yellow]planned for any engine (--any-engine): marked runnable_here: false, for "
+                      "Megatron-LM, NeMo or DeepSpeed (--export); `advisor train` refuses the layouts it does not "
+                      "run[/yellow]")
     for path in written:
         console.print(f"wrote {path}")
 
