@@ -101,3 +101,24 @@ def test_data_of_mixed_kinds_is_refused(tmp_path: Path) -> None:
     result = runner.invoke(app, ["train", str(_plan(tmp_path)), "--out", str(tmp_path / "run"), "--data", str(folder)])
     assert result.exit_code == 2
     assert "mixes jsonl and text files" in result.stderr
+
+
+@pytest.mark.slow
+def test_plan_without_task_trains_a_prepared_folder_as_one_bucketed_stage(tmp_path: Path) -> None:
+    prepared = tmp_path / "prepared"
+    made = runner.invoke(app, ["data", "prepare", "--task", "demo", "--out", str(prepared)])
+    assert made.exit_code == 0, made.output
+    plan = tmp_path / "plan.yaml"
+    made = runner.invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                               "--seq-len", "256", "--global-batch", str(BATCH), "--top", "1", "--out", str(plan)])
+    assert made.exit_code == 0, made.output
+    done = _train(plan, tmp_path / "run", "--data", str(prepared), "--max-steps-per-stage", "2")
+    assert done.returncode == 0, done.stderr
+    # one pass: every stage's prepared train tokens, in whole steps of the plan's batch
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    tokens = sum(stage["train"]["tokens"] for stage in manifest["stages"])
+    run_plan = yaml.safe_load((tmp_path / "run" / "plan.yaml").read_text())
+    assert run_plan["stages"][0]["steps"] == math.ceil(tokens / (BATCH * 256))
+    assert len(_metrics(tmp_path / "run")) == 2
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "data" and e["source"] == "prepared" for e in events)

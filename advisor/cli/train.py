@@ -109,7 +109,7 @@ def _run(a: SimpleNamespace) -> dict | None:
     if not a.launched:
         _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
-            plan, plan_path, prepared = _one_stage(plan, a.data, out, a.steps, a.tokens), out / "plan.yaml", None
+            (plan, prepared), plan_path = _one_stage(plan, a.data, out, a.steps, a.tokens), out / "plan.yaml"
         elif a.steps is not None or a.tokens is not None:
             raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
                              "its stages")
@@ -143,17 +143,19 @@ def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched:
     return plan
 
 
-def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, tokens: int | None) -> Plan:
-    """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's plan."""
+def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None,
+               tokens: int | None) -> tuple[Plan, Path | None]:
+    """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
+    plan; and the prepared-data folder the loop reads (None: raw files)."""
     if data is None:
         raise UsageError("this plan has no task: give the data to train on with --data FILE, GLOB or FOLDER "
                          "(jsonl, parquet or text), or plan with --task")
     # deferred: reads and tokenizes the data (the counting pass of the default length)
     from trainer.one_stage import one_stage_plan
 
-    plan = one_stage_plan(plan, str(data), out, steps, tokens)
+    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens)
     plan.write(out / "plan.yaml")
-    return plan
+    return plan, prepared
 
 
 def _runnable(plan: Plan, engine: str | None) -> Plan:
