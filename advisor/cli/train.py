@@ -42,7 +42,8 @@ def train(
     data: Optional[Path] = typer.Option(None, "--data", help="with a task: an `advisor data prepare` folder of "
                                         "length-bucketed shards (default: the task's data.out when it is fresh, else "
                                         "its raw files). Without a task: the data the run trains on as one stage, a "
-                                        "file, glob or folder of jsonl ('text' field), parquet or text"),
+                                        "file, glob or folder of jsonl ('text' field), parquet or text, or an "
+                                        "`advisor data prepare` folder (all its stages' train shards)"),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="a plan without a task: optimizer steps of "
                                         "the plan's global batch (default: one pass over --data)"),
     tokens: Optional[int] = typer.Option(None, "--tokens", min=1, help="a plan without a task: tokens to train on, "
