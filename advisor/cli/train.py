@@ -73,6 +73,8 @@ def train(
     """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
     every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
     args = SimpleNamespace(**locals())
+    if as_json and not dry_run:
+        exit_on_error(_json_needs_dry_run)
     if dry_run:
         return _dry_run(plan_file, engine, as_json, verbose)
     if launched:
@@ -86,6 +88,10 @@ def train(
                       f"{format_seconds(measured['step_s'] or 0)} measured vs "
                       f"{format_seconds(predicted['step_s'])} predicted; run dir {out}; third-party output in "
                       f"{log_path(out)}")
+
+
+def _json_needs_dry_run() -> None:
+    raise UsageError("--json goes with --dry-run (a training run writes its results to the run directory)")
 
 
 def _dry_run(plan_file: Path, engine: str | None, as_json: bool, verbose: bool) -> None:
