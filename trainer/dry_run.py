@@ -107,7 +107,7 @@ def dry_run(plan: Plan) -> list[LayoutCheck]:
     return checks
 
 
-def _stage_of(name: str, split: list[int]) -> int | None:
+def _stage_of(name: str, split: list[int]) -> int:
     """The pipeline stage of a parameter: its decoder layer's, the first for the embedding, the
     last for the final norm and LM head."""
     match = _LAYER.search(name)
