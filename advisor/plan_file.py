@@ -66,6 +66,16 @@ class Plan(BaseModel):
     stages: list[StagePlan] = Field(default_factory=list)
     solver: FiniteDict = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
+    runnable_here: bool = Field(
+        True, description="false: planned with --any-engine over every engine the cost model prices "
+                          "(Megatron/NeMo layouts); `advisor train` refuses it")
+
+    def stage_layouts(self) -> list[tuple[str | None, Layout]]:
+        """What `advisor train` runs: each stage's name and layout, or (None, the chosen layout) for a
+        plan without stages."""
+        if self.stages:
+            return [(s.name, s.layout) for s in self.stages]
+        return [(None, self.chosen.layout)]
 
     def write(self, path: Path) -> None:
         """Write aside, then rename: a crash never leaves half a plan."""

@@ -10,13 +10,16 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from advisor.capabilities import config_shape, runnable_problem
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, PlannedLayout, StagePlan
 from advisor.specs import (MEMORY_MARGIN, MIN_COMPUTE_FRACTION, GiB, HardwareSpec, ModelSpec, check_number,
                            check_seq_fits)
 from advisor.task import TaskSpec
 from planner.explain import why
+from planner.fix import REQUEST_KEYS, check_fix, describe
 from planner.granularity import plan_stage
 from planner.memory import HOST_MEMORY_USABLE
 from planner.search import PlanRequest, SearchResult, SearchSpace, Solution, plan_layouts, validate_request
@@ -58,6 +61,10 @@ class PlanOptions:
     attention: str | None = None
     dtype: str | None = None
     space: SearchSpace = field(default_factory=SearchSpace)
+    # `--fix`: layout keys held fixed (advisor.specs.parse_layout_string's values; planner/fix.py)
+    fix: dict[str, Any] = field(default_factory=dict)
+    # `--any-engine`: plan over everything the cost model prices, not only what `advisor train` runs
+    any_engine: bool = False
 
 
 def parse_duration(text: str, flag: str = "--deadline") -> float:
@@ -95,13 +102,43 @@ def default_global_batch(devices: int, seq: int) -> int:
 def _request(opts: PlanOptions, devices: int, seq: int, batch: int, methods: tuple[str, ...],
              hardware: HardwareSpec) -> PlanRequest:
     space = SearchSpace(**{**opts.space.__dict__, "methods": methods,
-                           "allow_cross_node_tp": opts.allow_cross_node_tp})
+                           "allow_cross_node_tp": opts.allow_cross_node_tp,
+                           "fixed": {**opts.space.fixed, **_shape_fix(opts)},
+                           "runnable_only": opts.space.runnable_only and not opts.any_engine})
     dtype = opts.dtype or hardware.default_dtype
     req = PlanRequest(model=opts.model, hardware=hardware, devices=devices, seq=seq, global_batch=batch,
                       dtype=dtype, space=space, min_compute_fraction=opts.min_compute_fraction,
                       memory_margin=opts.memory_margin, top_k=opts.top_k, attention=opts.attention)
     validate_request(req)
     return req
+
+
+def _shape_fix(opts: PlanOptions) -> dict[str, Any]:
+    """The fixed keys the search enumerates (the others became the request's own: `_apply_fix`)."""
+    return {key: value for key, value in opts.fix.items() if key not in REQUEST_KEYS}
+
+
+def _apply_fix(opts: PlanOptions) -> None:
+    """Fixed method, dtype and sequence length become the request's, unless the command line
+    asks for another."""
+    for key, attr, flag in (("method", "method", "--method"), ("dtype", "dtype", "dtype"), ("seq", "seq", "--seq-len")):
+        if key not in opts.fix:
+            continue
+        given = getattr(opts, attr)
+        if given not in (None, opts.fix[key]) and not (key == "method" and given == "full"):
+            raise UsageError(f"--fix {key}={opts.fix[key]} contradicts {flag} {given}")
+        setattr(opts, attr, opts.fix[key])
+
+
+def _check_fix(opts: PlanOptions, devices: int, hw: HardwareSpec, seq: int, batch: int,
+               methods: tuple[str, ...]) -> None:
+    """Refuse a fix the trainer cannot run (or, with --any-engine, that no layout has), with the reason."""
+    if opts.fix:
+        runnable = opts.space.runnable_only and not opts.any_engine
+        check_fix(opts.fix, model=opts.model, devices=devices, devices_per_node=hw.devices_per_node,
+                  global_batch=batch, method=methods[0], dtype=opts.dtype or hw.default_dtype, seq=seq,
+                  device_type=hw.device_type, engine=opts.space.engine, runnable_only=runnable,
+                  allow_cross_node_tp=opts.allow_cross_node_tp)
 
 
 def _methods(opts: PlanOptions) -> tuple[str, ...]:
@@ -212,11 +249,13 @@ def make_plan(opts: PlanOptions) -> Plan:
     if opts.gpus_per_node:
         hw = hw.model_copy(update={"devices_per_node": opts.gpus_per_node})
     devices = opts.nodes * per_node
+    _apply_fix(opts)
     check_plan_numbers(opts)
     seq = opts.seq or (opts.task.seq_len if opts.task else 2048)
     batch = opts.global_batch or (opts.task.global_batch if opts.task and opts.task.global_batch else None) \
         or default_global_batch(devices, seq)
     methods = _methods(opts)
+    _check_fix(opts, devices, hw, seq, batch, methods)
     capacity = hw.usable_bytes * (1 - opts.memory_margin)
 
     if opts.objective == "throughput":
@@ -248,6 +287,8 @@ def make_plan(opts: PlanOptions) -> Plan:
     else:
         raise UsageError(f"--objective must be throughput or cost (got {opts.objective})")
 
+    if not result.solutions and opts.fix:
+        raise InfeasiblePlan(_fix_infeasible(opts, result, devices, hw, seq, batch, methods))
     if not result.solutions:
         fixes = _suggestions(opts, devices, seq, batch, methods)
         lines = "\n".join(f"  - {f}" for f in fixes) or "  - none found within 64x the devices"
@@ -266,14 +307,45 @@ def make_plan(opts: PlanOptions) -> Plan:
                      + "; ".join(f"{key} {getattr(hw, key):g} ({where})" for key, where in hw.assumed.items()
                                  if key.startswith("inter_node")))
     planned = _planned(result, capacity, opts.min_compute_fraction)
+    if opts.fix:
+        notes.append(f"fixed by --fix: {describe(opts.fix)}")
+    runnable_here = opts.space.runnable_only and not opts.any_engine
+    if not runnable_here:
+        reason = _not_runnable_reason(planned, opts, hw)
+        notes.append("planned for any engine (--any-engine): " + (f"advisor train refuses it ({reason})" if reason
+                     else "its best layout happens to run here too"))
     plan = Plan(model=opts.model, hardware=hw, nodes=nodes, gpus_per_node=per_node, objective=opts.objective,  # type: ignore[arg-type]
                 min_compute_fraction=opts.min_compute_fraction, chosen=planned[0], alternatives=planned[1:],
-                task=opts.task, notes=notes)
+                task=opts.task, notes=notes, runnable_here=runnable_here)
     if opts.task:
         plan.stages = _plan_stages(opts, plan, hw, seq, batch, nodes)
     plan.solver = {"status": result.status, "seconds": time.perf_counter() - started, "shapes": result.shapes,
                    "ilps": result.ilps, "search_seconds": result.seconds}
     return plan
+
+
+def _fix_infeasible(opts: PlanOptions, result: SearchResult, devices: int, hw: HardwareSpec, seq: int, batch: int,
+                    methods: tuple[str, ...]) -> str:
+    """Why a runnable fix found no plan: no layout of the space holds it, or none fits memory; and
+    whether the same request fits without the fix."""
+    fix = describe(opts.fix)
+    if not result.shapes:
+        reason = (f"no layout of {devices} x {hw.name} at global batch {batch} holds it (the micro-batch is at "
+                  f"most {opts.space.max_micro_batch}, vpp at most {opts.space.max_vpp}, and vpp>1 needs gas "
+                  "divisible by pp)")
+    else:
+        reason = (f"does not fit memory: no layout with it fits {hw.name} ({opts.model.name}, method "
+                  f"{'/'.join(methods)}, sequence length {seq}, global batch {batch})")
+    free = PlanOptions(**{**opts.__dict__, "fix": {}})
+    unfixed, _ = plan_layouts(_request(free, devices, seq, batch, methods, hw))
+    hint = (f"; without --fix: {unfixed.solutions[0].layout.short()}" if unfixed.solutions
+            else "; nor does any layout without it")
+    return f"--fix {fix}: {reason}{hint}"
+
+
+def _not_runnable_reason(planned: list[PlannedLayout], opts: PlanOptions, hw: HardwareSpec) -> str | None:
+    """Why `advisor train` would refuse the plan's first layout (None: it would run it)."""
+    return runnable_problem(planned[0].layout, config_shape(opts.model.hf_config), hw.device_type, opts.space.engine)
 
 
 def _plan_stages(opts: PlanOptions, plan: Plan, hw: HardwareSpec, seq: int, batch: int, nodes: int) -> list[StagePlan]:

@@ -30,6 +30,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import pulp
 
@@ -69,6 +70,8 @@ class SearchSpace:
     pp_degrees: tuple[int, ...] | None = None
     runnable_only: bool = True
     engine: str = "auto"
+    # layout keys held fixed (`advisor plan --fix "tp=8,zero=1"`): only layouts with these values
+    fixed: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -118,13 +121,21 @@ def enumerate_shapes(trace: ModelTrace, req: PlanRequest, method: str) -> list[L
     is at least as good, so they never empty the space of what runs."""
     shape = model_shape(trace)
     device_type = req.hardware.device_type
+    fixed = req.space.fixed
     if req.space.runnable_only:
         def runs(layout: Layout) -> bool:
-            return runnable_problem(layout, shape, device_type, req.space.engine) is None
+            return (has_fixed(layout, fixed)
+                    and runnable_problem(layout, shape, device_type, req.space.engine) is None)
     else:
         def runs(layout: Layout) -> bool:
-            return layout_problem(layout, shape) is None
+            return has_fixed(layout, fixed) and layout_problem(layout, shape) is None
     return [layout for layout in _candidate_shapes(trace, req, method, runs) if runs(layout)]
+
+
+def has_fixed(layout: Layout, fixed: dict[str, Any]) -> bool:
+    """Whether `layout` holds the fixed keys' values. Inside `runs`, so that a dominance rule never
+    skips a layout for one the fix excludes."""
+    return all(getattr(layout, key) == value for key, value in fixed.items())
 
 
 def _candidate_shapes(trace: ModelTrace, req: PlanRequest, method: str, runs) -> list[Layout]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -13,6 +12,7 @@ import numpy as np
 from advisor.errors import UsageError
 from advisor.task import DataSource, StageSpec, TaskSpec
 from trainer.data.demo_corpus import generate_command
+from trainer.data.sources import expand_source_path, read_batches
 from trainer.data.tokenizer import TextTokenizer, resolve_tokenizer_path
 from trainer.stream import Source, pack
 
@@ -62,15 +62,19 @@ def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int):
     return tokenizer
 
 
-def _read_texts(source: DataSource, base: Path) -> list[str]:
-    pattern = str(base / source.path) if not Path(source.path).is_absolute() else source.path
-    paths = sorted(glob.glob(pattern)) or ([pattern] if Path(pattern).exists() else [])
-    if not paths:
+def _source_files(source: DataSource, base: Path) -> list[Path]:
+    """The source's files: a file, a glob or a folder (trainer.data.sources reads paths the same way
+    for `advisor data prepare`)."""
+    try:
+        return expand_source_path(base, source.path, source.format)
+    except UsageError as exc:
         command = generate_command(base)
-        raise UsageError(f"data source not found: {pattern}" + (f" (generated data: `{command}` writes it)"
-                                                                 if command else ""))
+        raise UsageError(f"{exc} (generated data: `{command}` writes it)" if command else str(exc)) from None
+
+
+def _read_texts(source: DataSource, base: Path) -> list[str]:
     texts = []
-    for path in paths:
+    for path in _source_files(source, base):
         if source.format in ("jsonl", "json"):
             with open(path, encoding="utf-8") as f:
                 for line_no, line in enumerate(f, 1):
@@ -86,18 +90,17 @@ def _read_texts(source: DataSource, base: Path) -> list[str]:
                     texts.append(text)
         elif source.format == "text":
             texts.extend(p for p in Path(path).read_text(encoding="utf-8").split("\n\n") if p.strip())
-        else:
-            raise UsageError(f"{path}: format {source.format} is read by `advisor data prepare` shards")
+        else:  # columnar files: through `datasets`, as `advisor data prepare` reads them
+            texts.extend(text for batch in read_batches(path, source.format, source.text_field) for text in batch.texts)
     return texts
 
 
 def _files_stamp(source: DataSource, base: Path) -> list[list]:
     """Each file of the source with its size and modification time: an edited file misses the cache."""
-    pattern = str(base / source.path) if not Path(source.path).is_absolute() else source.path
     stamps = []
-    for path in sorted(glob.glob(pattern)):
+    for path in _source_files(source, base):
         st = os.stat(path)
-        stamps.append([path, st.st_size, st.st_mtime_ns])
+        stamps.append([str(path), st.st_size, st.st_mtime_ns])
     return stamps
 
 

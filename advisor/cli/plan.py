@@ -12,6 +12,7 @@ from advisor.cli.common import MIN_COMPUTE_FRACTION, console, exit_on_error, sta
 from advisor.cli.render import render_plan
 from presets import load_task
 from planner.export import export
+from planner.fix import parse_fix
 from planner.plan import PlanOptions, make_plan, parse_duration
 from presets import load_hardware, load_model
 
@@ -38,6 +39,13 @@ def plan(
         False, "--per-stage-devices", help="let stages run on different device counts (e.g. LoRA on fewer)"),
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let tp span nodes"),
     attention: Optional[str] = typer.Option(None, "--attention", help="flash | sdpa | eager"),
+    fix: Optional[str] = typer.Option(
+        None, "--fix", help="layout keys to hold fixed, e.g. \"tp=8,zero=1\" (dp tp pp vpp sp zero offload mbs "
+        "gas method dtype seq); the planner chooses the rest. Exits 2 with the reason when the trainer cannot "
+        "run it"),
+    any_engine: bool = typer.Option(
+        False, "--any-engine", help="plan over every layout the cost model prices (Megatron/NeMo-style sp, "
+        "interleaving...), not only what `advisor train` runs; the plan is marked not runnable here"),
     out: Optional[Path] = typer.Option(None, "--out", help="write plan.yaml for `advisor train`"),
     export_dir: Optional[Path] = typer.Option(
         None, "--export", help="write deepspeed.json, accelerate.yaml, torchrun.sh, slurm.sbatch there"),
@@ -56,6 +64,7 @@ def plan(
             objective=objective, deadline_s=parse_duration(deadline) if deadline else None, tokens=tokens,
             price_per_gpu_hour=price, min_compute_fraction=min_compute_fraction, top_k=top, mtbf_hours=mtbf_hours,
             per_stage_devices=per_stage_devices, allow_cross_node_tp=allow_cross_node_tp, attention=attention,
+            fix=parse_fix(fix) if fix is not None else {}, any_engine=any_engine,
         )
         result = make_plan(opts)
         return result, write_plan_files(result, out, export_dir)
@@ -65,6 +74,10 @@ def plan(
         print(json.dumps(plan_json(result)))
         return
     render_plan(result)
+    if not result.runnable_here:
+        console.print("[yellow]planned for any engine (--any-engine): marked runnable_here: false, for "
+                      "Megatron-LM, NeMo or DeepSpeed (--export); `advisor train` refuses the layouts it does not "
+                      "run[/yellow]")
     for path in written:
         console.print(f"wrote {path}")
 
@@ -89,4 +102,5 @@ def plan_json(result) -> dict[str, Any]:
         "solver": result.solver,
         "stages": [s.model_dump(mode="json") for s in result.stages],
         "notes": result.notes,
+        "runnable_here": result.runnable_here,
     }

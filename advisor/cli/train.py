@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import typer
@@ -15,7 +17,8 @@ from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.cli.quiet import log_path, quiet_console
 from advisor.cli.render import format_seconds
 from advisor.errors import UsageError
-from advisor.plan_file import load_plan
+from advisor.capabilities import config_shape, runnable_problem
+from advisor.plan_file import Plan, load_plan
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.options import TrainOptions
 from trainer.run_identity import refuse_or_move_aside, restarted
@@ -24,7 +27,8 @@ DEFAULTS = TrainOptions()
 
 
 def train(
-    plan_file: Path = typer.Argument(..., help="plan.yaml from `advisor plan --task ... --out plan.yaml`"),
+    plan_file: Path = typer.Argument(..., help="plan.yaml from `advisor plan ... --out plan.yaml` (with --task: "
+                                     "its stages; without: one stage over --data)"),
     out: Path = typer.Option(Path("runs/latest"), "--out", help="run directory (metrics, events, checkpoints)"),
     resume: bool = typer.Option(False, "--resume", help="continue from the run directory's last checkpoint"),
     overwrite: bool = typer.Option(DEFAULTS.overwrite, "--overwrite/--no-overwrite",
@@ -35,8 +39,15 @@ def train(
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (demos)"),
     seed: int = typer.Option(DEFAULTS.seed, "--seed"),
     weights: Optional[str] = typer.Option(None, "--weights", help="local HF model folder to start from"),
-    data: Optional[Path] = typer.Option(None, "--data", help="`advisor data prepare` folder: length-bucketed "
-                                        "shards (default: the task's data.out when it is fresh, else raw files)"),
+    data: Optional[Path] = typer.Option(None, "--data", help="with a task: an `advisor data prepare` folder of "
+                                        "length-bucketed shards (default: the task's data.out when it is fresh, else "
+                                        "its raw files). Without a task: the data the run trains on as one stage, a "
+                                        "file, glob or folder of jsonl ('text' field), parquet or text, or an "
+                                        "`advisor data prepare` folder (all its stages' train shards)"),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="a plan without a task: optimizer steps of "
+                                        "the plan's global batch (default: one pass over --data)"),
+    tokens: Optional[int] = typer.Option(None, "--tokens", min=1, help="a plan without a task: tokens to train on, "
+                                         "rounded up to whole steps (default: one pass over --data)"),
     nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="nodes (default: Slurm's, else 1)"),
     node_rank: int = typer.Option(0, "--node-rank", min=0),
     master_addr: str = typer.Option("127.0.0.1", "--master-addr"),
@@ -52,40 +63,25 @@ def train(
     spike_warmup_steps: int = typer.Option(DEFAULTS.spike_warmup_steps, "--spike-warmup-steps", hidden=True),
     eval_sequences: int = typer.Option(DEFAULTS.eval_sequences, "--eval-sequences", hidden=True),
     show_progress: bool = typer.Option(DEFAULTS.show_progress, "--show-progress/--no-show-progress", hidden=True),
+    dry_run: bool = typer.Option(False, "--dry-run", help="check every stage's layout against this trainer on "
+                                 "the meta device (no devices, no data), show what each rank holds next to the "
+                                 "cost model's prediction, and exit: 0, or 2 with the reason"),
+    as_json: bool = typer.Option(False, "--json", help="with --dry-run: print one JSON object"),
     verbose: bool = typer.Option(False, "--verbose", help="also show third-party warnings and logs (torch, "
                                  "DeepSpeed, ...) on the console; they always go to RUN_DIR/logs/"),
 ) -> None:
     """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
     every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
-    def go():
-        # deferred: import torch/deepspeed (2.3 s), inside the quiet console so that their warnings are logged
-        from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
-        from trainer.launch import run
-
-        plan = _load_plan(plan_file, engine, data, launched)
-        options = TrainOptions(seed=seed, clip=clip, keep_checkpoints=keep_checkpoints, max_rollbacks=max_rollbacks,
-                               spike_lr_factor=spike_lr_factor, spike_warmup_steps=spike_warmup_steps,
-                               eval_sequences=eval_sequences, max_steps_per_stage=max_steps_per_stage,
-                               weights=weights, show_progress=show_progress and launched,
-                               data=str(data.resolve()) if data else None, overwrite=overwrite, timeout_s=timeout_s)
-        resumed = resume or restarted()  # a torchrun restart or Slurm requeue continues the run
-        if launched:  # a worker: its output goes where the launching CLI sent it
-            return run(plan, plan_file, out, resumed, options, launched, nnodes, node_rank, master_addr, master_port)
-        _claim_run_dir(out, resumed, overwrite, node_rank)
-        use_persistent_extensions_dir()
-        build_cpu_comm_op([s.layout for s in plan.stages] or [plan.chosen.layout], plan.engine, lambda text: console.print(text, highlight=False))
-        # one display, drawn here from metrics.jsonl: the loop (here or in the workers) draws none
-        with RunProgress(console, show_progress, "advisor train") as progress:
-            progress.expect(training_estimate_s(plan, max_steps_per_stage))
-            with progress.training(plan, max_steps_per_stage, out / "metrics.jsonl"):
-                return run(plan, plan_file, out, resumed, options, launched, nnodes, node_rank, master_addr,
-                           master_port)
-
+    args = SimpleNamespace(**locals())
+    if as_json and not dry_run:
+        exit_on_error(_json_needs_dry_run)
+    if dry_run:
+        return _dry_run(plan_file, engine, as_json, verbose)
     if launched:
-        summary = exit_on_error(go)
+        summary = exit_on_error(lambda: _run(args))
     else:
         with quiet_console(out, verbose):
-            summary = exit_on_error(go)
+            summary = exit_on_error(lambda: _run(args))
     if summary and not launched:
         measured, predicted = summary["measured"], summary["predicted"]
         console.print(f"trained {summary['steps']} steps ({summary['rollbacks']} rollbacks); step "
@@ -94,18 +90,95 @@ def train(
                       f"{log_path(out)}")
 
 
+def _json_needs_dry_run() -> None:
+    raise UsageError("--json goes with --dry-run (a training run writes its results to the run directory)")
+
+
+def _dry_run(plan_file: Path, engine: str | None, as_json: bool, verbose: bool) -> None:
+    # deferred: the meta model needs torch and transformers (seconds), only for --dry-run
+    from advisor.cli.dry_run import run_dry
+
+    # third-party warnings of the model build are dropped with the scratch folder: no run dir is made
+    with tempfile.TemporaryDirectory() as scratch, quiet_console(Path(scratch), verbose) as terminal:
+        exit_on_error(lambda: run_dry(_runnable(load_plan(plan_file), engine), as_json, terminal))
+
+
+def _run(a: SimpleNamespace) -> dict | None:
+    """Launch the plan (or, in a launched worker, train its rank); the summary."""
+    # deferred: import torch/deepspeed (2.3 s), inside the quiet console so that their warnings are logged
+    from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
+    from trainer.launch import run
+
+    out = a.out
+    plan = _load_plan(a.plan_file, a.engine, a.data, a.launched)
+    resumed = a.resume or restarted()  # a torchrun restart or Slurm requeue continues the run
+    plan_path, prepared = a.plan_file, a.data
+    if not a.launched:
+        _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
+        if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
+            (plan, prepared), plan_path = _one_stage(plan, a.data, out, a.steps, a.tokens), out / "plan.yaml"
+        elif a.steps is not None or a.tokens is not None:
+            raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
+                             "its stages")
+    options = TrainOptions(seed=a.seed, clip=a.clip, keep_checkpoints=a.keep_checkpoints,
+                           max_rollbacks=a.max_rollbacks, spike_lr_factor=a.spike_lr_factor,
+                           spike_warmup_steps=a.spike_warmup_steps, eval_sequences=a.eval_sequences,
+                           max_steps_per_stage=a.max_steps_per_stage, weights=a.weights,
+                           show_progress=a.show_progress and a.launched,
+                           data=str(prepared.resolve()) if prepared else None, overwrite=a.overwrite,
+                           timeout_s=a.timeout_s)
+    where = (a.nnodes, a.node_rank, a.master_addr, a.master_port)
+    if a.launched:  # a worker: its output goes where the launching CLI sent it
+        return run(plan, plan_path, out, resumed, options, a.launched, *where)
+    use_persistent_extensions_dir()
+    build_cpu_comm_op([s.layout for s in plan.stages] or [plan.chosen.layout], plan.engine,
+                      lambda text: console.print(text, highlight=False))
+    # one display, drawn here from metrics.jsonl: the loop (here or in the workers) draws none
+    with RunProgress(console, a.show_progress, "advisor train") as progress:
+        progress.expect(training_estimate_s(plan, a.max_steps_per_stage))
+        with progress.training(plan, a.max_steps_per_stage, out / "metrics.jsonl"):
+            return run(plan, plan_path, out, resumed, options, a.launched, *where)
+
+
 def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched: bool):
     """The plan to run: its task's generated data in place (once, by the launching process), the
     `data` extra present for prepared shards, and --engine applied."""
-    plan = load_plan(plan_file)
+    plan = _runnable(load_plan(plan_file), engine)
     if plan.task is not None and not launched and ensure_generated_data(plan.task):
         console.print(f"generated the {plan.task.name} task's data into {plan.task.base_dir}")
-    if data is not None and not launched:
+    if data is not None and plan.task is not None and not launched:
         require_data_extra("advisor train --data (prepared shards)")
+    return plan
+
+
+def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None,
+               tokens: int | None) -> tuple[Plan, Path | None]:
+    """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
+    plan; and the prepared-data folder the loop reads (None: raw files)."""
+    if data is None:
+        raise UsageError("this plan has no task: give the data to train on with --data FILE, GLOB or FOLDER "
+                         "(jsonl, parquet or text), or plan with --task")
+    # deferred: reads and tokenizes the data (the counting pass of the default length)
+    from trainer.one_stage import one_stage_plan
+
+    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens)
+    plan.write(out / "plan.yaml")
+    return plan, prepared
+
+
+def _runnable(plan: Plan, engine: str | None) -> Plan:
+    """--engine applied; a plan made with --any-engine refused unless each of its layouts runs here."""
     if engine is not None:
         if engine not in ("auto", "deepspeed", "fsdp2"):
             raise UsageError(f"--engine {engine}: choose auto, deepspeed or fsdp2")
         plan = plan.model_copy(update={"engine": engine})
+    if not plan.runnable_here:
+        shape = config_shape(plan.model.hf_config)
+        for name, layout in plan.stage_layouts():
+            problem = runnable_problem(layout, shape, plan.hardware.device_type, plan.engine)
+            if problem:
+                raise UsageError(f"this plan was made with --any-engine, for other engines: advisor train does "
+                                 f"not run {'stage ' + name if name else 'its layout'} {layout.short()}: {problem}")
     return plan
 
 

@@ -1,0 +1,123 @@
+"""A plan made without `--task`, trained as one stage over `advisor train --data PATH`.
+
+The launching process turns such a plan into an ordinary one-stage plan (a task whose single stage
+reads PATH, sized here) and writes it into the run directory as the run's plan.yaml; the workers and
+a later `--resume` then run it like any other plan, through the loop's one data path.
+
+PATH is a file, glob or folder of jsonl, parquet or text (read through the task's source, as any
+task's raw data), or an `advisor data prepare` folder (its train shards, all stages together, read
+as length-bucketed micro-batches). The stage's length: `--steps`, else `--tokens` (rounded up to
+whole optimizer steps of the plan's global batch), else one pass over the data: the tokens of the
+full sequences PATH packs into at the plan's sequence length, or of the prepared train shards.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+from pathlib import Path
+
+from advisor.errors import UsageError
+from advisor.plan_file import Plan
+from advisor.task import DataPrepSpec, DataSource, StageSpec, TaskSpec
+from planner.granularity import plan_stage
+from planner.plan import PlanOptions
+from trainer.corpus import load_source, tokenizer_for
+from trainer.data.manifest import MANIFEST_NAME, read_manifest, task_fingerprint
+from trainer.data.sources import EXTENSIONS
+
+FORMATS = ("jsonl", "parquet", "text")
+STAGE_NAME = "train"
+CACHE = "data_cache"
+PREPARED_VIEW = "prepared"  # the run dir's one-stage view of an `advisor data prepare` folder  # the run dir's cache of packed sequences, which the loop reads too (trainer/loop.py)
+
+
+def data_format(path: str) -> str:
+    """jsonl, parquet or text, from the files' extensions: a file (text unless its extension says
+    otherwise), or a folder or glob of one kind of file."""
+    given = Path(path)
+    if given.is_dir():
+        files = [f for f in given.rglob("*") if f.is_file()]
+    else:
+        files = [Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file()]
+    kinds = {fmt for f in files for fmt in FORMATS if f.name.endswith(EXTENSIONS[fmt])}
+    if given.is_file():
+        return next(iter(kinds), "text")
+    if not kinds:
+        raise UsageError(f"--data {path}: no {'/'.join(e for f in FORMATS for e in EXTENSIONS[f])} files there")
+    if len(kinds) > 1:
+        raise UsageError(f"--data {path} mixes {' and '.join(sorted(kinds))} files: point it at one kind")
+    return kinds.pop()
+
+
+def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
+                   tokens: int | None) -> tuple[Plan, Path | None]:
+    """`plan` with a one-stage task over `data`, sized by `steps`, `tokens` or one pass; and the
+    prepared-data folder the loop reads (None: raw files, read through the task's source)."""
+    if steps is not None and tokens is not None:
+        raise UsageError("give --steps or --tokens, not both")
+    layout = plan.chosen.layout
+    prepared = Path(data) / MANIFEST_NAME
+    if prepared.is_file():
+        task = _task(plan, None, steps=1, tokenizer=read_manifest(Path(data))["tokenizer"]["path"])
+        view, one_pass = _prepared_view(Path(data), task, run_dir)
+    else:
+        source = DataSource(path=str(Path(data).resolve()), format=data_format(data))  # type: ignore[arg-type]
+        task, view, one_pass = _task(plan, source, steps=1), None, None
+    if steps is None and tokens is None:
+        tokens = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir)
+    if steps is None:
+        steps = max(1, math.ceil(tokens / layout.tokens_per_step))  # type: ignore[operator]
+    stage = task.stages[0].model_copy(update={"steps": steps})
+    task = task.model_copy(update={"stages": [stage]})
+    nodes = math.ceil(layout.devices / plan.gpus_per_node)
+    planned = plan_stage(task, stage, layout, plan.chosen.estimate, nodes, PlanOptions.mtbf_hours,
+                         PlanOptions.checkpoint_write_gbs, plan.min_compute_fraction)
+    return plan.model_copy(update={"task": task, "stages": [planned]}), view
+
+
+def _raw_tokens(plan: Plan, task: TaskSpec, run_dir: Path) -> int:
+    """Tokens of one pass over the raw source: the full sequences it packs into (the loop reads the
+    same packed sequences from the run dir's cache)."""
+    layout = plan.chosen.layout
+    tokenizer = tokenizer_for(task, plan.model.name, int(plan.model.hf_config.get("vocab_size", 0)))
+    sequences = len(load_source(task.stages[0].sources[0], task, tokenizer, layout.seq, run_dir / CACHE))
+    if sequences == 0:
+        raise UsageError(f"--data {task.stages[0].sources[0].path}: not one full sequence of {layout.seq} tokens")
+    return sequences * layout.seq
+
+
+def _prepared_view(folder: Path, task: TaskSpec, run_dir: Path) -> tuple[Path, int]:
+    """A manifest in the run dir whose one stage reads the train shards of every stage `advisor data
+    prepare` wrote in `folder`, fingerprinted for the one-stage task (the loop checks it like any
+    prepared folder); and the tokens of one pass over them. Rewritten only when it changes: the run's
+    fingerprint stamps it, and a --resume must find it as it was."""
+    manifest = read_manifest(folder)
+    splits = [stage.get("train") or {} for stage in manifest["stages"]]
+    shards = [{**s, "path": str((folder / s["path"]).resolve())} for split in splits for s in split.get("shards", [])]
+    tokens = sum(int(split.get("tokens", 0)) for split in splits)
+    if not tokens:
+        raise UsageError(f"--data {folder}: the prepared data holds no training samples")
+    view = {"version": manifest["version"], "task": task.name, "fingerprint": task_fingerprint(task),
+            "seq_len": manifest["seq_len"], "micro_batch_tokens": manifest.get("micro_batch_tokens"),
+            "tokenizer": manifest["tokenizer"], "prepared_from": str(folder.resolve()),
+            "stages": [{"name": STAGE_NAME, "replay": {}, "train": {"shards": shards, "tokens": tokens},
+                        "tokens": tokens, "tokens_with_replay": tokens}]}
+    out = run_dir / PREPARED_VIEW
+    text = json.dumps(view, indent=1) + "\n"
+    path = out / MANIFEST_NAME
+    if not path.is_file() or path.read_text() != text:
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return out, tokens
+
+
+def _task(plan: Plan, source: DataSource | None, steps: int, tokenizer: str | None = None) -> TaskSpec:
+    """The one-stage task: its source (none for prepared data, which the loop reads from shards)."""
+    layout = plan.chosen.layout
+    base = Path(source.path).parent if source else Path.cwd()
+    return TaskSpec(name=f"data:{Path(source.path).name}" if source else "data:prepared", model=plan.model.name,
+                    seq_len=layout.seq, global_batch=layout.global_batch, base_dir=str(base),
+                    data=DataPrepSpec(tokenizer=tokenizer),
+                    stages=[StageSpec(name=STAGE_NAME, sources=[source] if source else [], steps=steps)])
