@@ -57,7 +57,8 @@ ENGINES: dict[EngineName, EngineCapability] = {
     "fsdp2": EngineCapability(
         "fsdp2", "DTensor tensor parallelism and/or FSDP2 over the data-parallel replicas",
         zero_stages=frozenset({0, 1, 2, 3}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
-        recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True),
+        recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
+        sequence_parallel=True),
     "pipeline": EngineCapability(
         "pipeline", "torch.distributed.pipelining 1F1B stages, FSDP2 across replicas, TP inside a stage",
         zero_stages=frozenset({0, 1, 2}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
