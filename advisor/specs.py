@@ -287,7 +287,8 @@ LAYOUT_KEYS_HELP: dict[str, str] = {
     "offload": "none | optimizer | optimizer+params: move ZeRO partitions to host memory",
     "mbs": "micro-batch size (sequences per device per forward/backward)",
     "gas": "gradient-accumulation steps; global batch = dp*mbs*gas",
-    "recompute": "none | selective (op-level: keep matmul outputs, recompute element-wise) | full (whole decoder layer)",
+    "recompute": ("none | selective (op-level: keep matmul outputs, recompute element-wise) "
+                  "| full (whole decoder layer)"),
     "method": "full | lora | qlora (LoRA on 4-bit NF4 frozen weights)",
     "lora_rank": "LoRA rank r (default 16), adapters on all linear projections",
     "dtype": "bf16 | fp16 | fp32 (default: bf16 where the hardware has it, fp32 on CPU)",

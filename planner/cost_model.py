@@ -14,6 +14,7 @@ from advisor.errors import UsageError
 from advisor.layout_rules import ModelShape, layout_problem, tp_crosses_nodes
 from advisor.specs import (
     DTYPE_BYTES,
+    SELECTIVE_POLICY,
     GiB,
     Estimate,
     HardwareSpec,
@@ -414,6 +415,8 @@ def step_seconds(layout: Layout, times: list[StageTime]) -> float:
 
 def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> Estimate:
     notes = check_layout(trace, layout, hardware) + list(trace.notes)
+    if layout.recompute == "selective":
+        notes.append(SELECTIVE_POLICY)
     placement = Placement.of(layout, hardware.devices_per_node)
     split, recomputed = default_split(trace, layout)
     stages = list(enumerate(zip(split, recomputed)))

@@ -268,7 +268,7 @@ class _SavedTensorLog:
 
 def _selective_log(row: set[str], model: "torch.nn.Module") -> Any:
     """A dispatch mode that adds up what op-level selective recomputation keeps: the outputs of
-    `SELECTIVE_SAVED_OPS` (the trainer's policy reads the same list), once per storage, replicated
+    `SELECTIVE_SAVED_OPS` (the trainer's policy reads the same list) in forward, replicated
     when a row-parallel linear makes them (its output is whole on every TP rank) and sharded
     otherwise (column-parallel GEMMs, the attention kernel)."""
     import torch
@@ -281,7 +281,6 @@ def _selective_log(row: set[str], model: "torch.nn.Module") -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.in_row = False
-            self.seen: set = set()
             self.replicated = 0.0
             self.sharded = 0.0
             self.handles = []
@@ -293,9 +292,8 @@ def _selective_log(row: set[str], model: "torch.nn.Module") -> Any:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func.overloadpacket in saved:
-                for tensor in tree_leaves(out):
-                    if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in self.seen:
-                        self.seen.add(id(tensor.untyped_storage()))
+                for tensor in tree_leaves(out):  # each a fresh allocation: no storage is counted twice
+                    if isinstance(tensor, torch.Tensor):
                         nbytes = tensor.untyped_storage().nbytes()
                         if self.in_row:
                             self.replicated += nbytes

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from advisor.specs import SELECTIVE_SAVED_OPS, Layout, ModelSpec
+from test_trainer_parallel import unsplit_losses  # noqa: F401 (fixture)
 from trainer.recompute import recomputed_layer_indices
 
 # Small enough for a test, large enough that activations dominate the weights.
@@ -111,3 +112,23 @@ if __name__ == "__main__":
             got, want = measured_peak(mode, Path(tmp)), predicted_peak(mode)
             print(f"{mode:9s} measured {got / 2**20:8.2f} MiB  predicted {want / 2**20:8.2f} MiB  "
                   f"predicted/measured {want / got:.3f}")
+
+
+# Selective recomputation on every engine against the unsplit model without recomputation:
+# pipeline stages (per-stage counts: only the first stage's layer), DeepSpeed ZeRO-3, TP with sp.
+ENGINE_LAYOUTS = {
+    "pipeline": ({"pp": 2, "stage_layers": [1, 1], "recompute_layers": [1, 0]}, "auto"),
+    "deepspeed": ({"dp": 2, "gas": 2, "zero": 3}, "deepspeed"),
+    "fsdp2": ({"tp": 2, "sp": 1}, "auto"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", list(ENGINE_LAYOUTS))
+def test_selective_recompute_matches_the_unsplit_model_on_every_engine(tmp_path, unsplit_losses,  # noqa: F811
+                                                                       engine) -> None:
+    from test_trainer_parallel import _plan, _train_forked
+
+    fields, choice = ENGINE_LAYOUTS[engine]
+    losses = _train_forked(_plan(tmp_path, {**fields, "recompute": "selective"}, engine=choice), tmp_path / "run")
+    assert losses == pytest.approx(unsplit_losses, abs=1e-5)

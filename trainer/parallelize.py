@@ -83,7 +83,8 @@ def check_parallel_layout(model: torch.nn.Module, layout: Layout) -> None:
                              f"{', '.join(missing)}")
         norms = [n for n in SEQUENCE_PARALLEL_NORMS if not hasattr(first, n)] if layout.sp else []
         if norms:
-            raise UsageError(f"sequence parallelism needs Llama-style norms; this model's layers lack {', '.join(norms)}")
+            raise UsageError(f"sequence parallelism needs Llama-style norms; this model's layers lack "
+                             f"{', '.join(norms)}")
 
 
 def _has(module: torch.nn.Module, name: str) -> bool:
