@@ -63,7 +63,7 @@ ENGINES: dict[EngineName, EngineCapability] = {
         "pipeline", "torch.distributed.pipelining 1F1B stages, FSDP2 across replicas, TP inside a stage",
         zero_stages=frozenset({0, 1, 2}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
         recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
-        tied_embeddings=False),
+        sequence_parallel=True, tied_embeddings=False),
 }
 
 

@@ -119,7 +119,7 @@ if __name__ == "__main__":
 ENGINE_LAYOUTS = {
     "pipeline": ({"pp": 2, "stage_layers": [1, 1], "recompute_layers": [1, 0]}, "auto"),
     "deepspeed": ({"dp": 2, "gas": 2, "zero": 3}, "deepspeed"),
-    "fsdp2": ({"tp": 2, "sp": 1}, "auto"),
+    "fsdp2": ({"tp": 2, "sp": True}, "auto"),
 }
 
 

@@ -1,6 +1,7 @@
-"""Sequence parallelism with tensor parallelism (fsdp2 engine) against the unsplit model: the same
-gradients after one micro-batch (the norms' weights included, whose per-rank gradients are
-partial), and the same per-step losses on the same global batch through the real staged loop."""
+"""Sequence parallelism with tensor parallelism (fsdp2 and pipeline engines) against the unsplit
+model: the same gradients after one micro-batch (the norms' weights included, whose per-rank
+gradients are partial), and the same per-step losses on the same global batch through the real
+staged loop."""
 
 import sys
 from pathlib import Path
@@ -67,6 +68,15 @@ def test_sequence_parallel_gradients_match_the_unsplit_model(tmp_path) -> None:
 @pytest.mark.slow
 def test_sequence_parallel_matches_the_unsplit_model(tmp_path, unsplit_losses) -> None:  # noqa: F811
     # norms on sequence shards, q/k/v on the all-gathered sequence, o/down reduce-scattered
-    losses = _train_forked(_plan(tmp_path, {"tp": 2, "sp": 1}), tmp_path / "run")
+    losses = _train_forked(_plan(tmp_path, {"tp": 2, "sp": True}), tmp_path / "run")
     assert len(losses) == len(unsplit_losses) == 2 * STEPS
+    assert losses == pytest.approx(unsplit_losses, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_inside_pipeline_stages_matches_the_unsplit_model(tmp_path,
+                                                                          unsplit_losses) -> None:  # noqa: F811
+    # 2 stages x tp 2 (4 ranks): each stage cuts its received sequence and gathers what it sends
+    plan = _plan(tmp_path, {"pp": 2, "tp": 2, "sp": True, "stage_layers": [1, 1]})
+    losses = _train_forked(plan, tmp_path / "run")
     assert losses == pytest.approx(unsplit_losses, abs=1e-5)

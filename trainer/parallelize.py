@@ -131,15 +131,24 @@ def apply_sequence_parallel_ends(module: torch.nn.Module, tp_mesh: DeviceMesh) -
     whole model or a pipeline stage) that it holds: the embedding's (replicated) output is cut
     into sequence shards, a DTensor whose global shape keeps HF's positions and causal mask whole;
     the final norm runs on the shards; the LM head, replicated as without sp, takes the
-    all-gathered sequence, so logits and loss are those of the unsplit model."""
+    all-gathered sequence, so logits and loss are those of the unsplit model. A pipeline stage
+    without the embedding cuts its whole received input at its first layer, and one without the
+    head gathers its last layer's output, so that stages exchange plain whole tensors."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleOutput, SequenceParallel,
                                                    parallelize_module)
 
     base = module.model
+    layers = list(base.layers.children())
     if getattr(base, "embed_tokens", None) is not None:
         parallelize_module(base.embed_tokens, tp_mesh, PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
+    else:
+        parallelize_module(layers[0], tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)))
+    if getattr(module, "lm_head", None) is None:
+        parallelize_module(layers[-1], tp_mesh, PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
     if getattr(base, "norm", None) is not None:
         parallelize_module(base.norm, tp_mesh, SequenceParallel())
     if getattr(module, "lm_head", None) is not None:
