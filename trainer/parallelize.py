@@ -4,8 +4,9 @@ In torchtitan's order and spirit: one device mesh owns the degrees (``ParallelMe
 from ``advisor.specs.Layout``), then small ``apply_*`` functions each do one thing, applied in a
 fixed order by ``parallelize``: tensor parallelism (DTensor ``parallelize_module``), then
 sharded data parallelism (FSDP2 ``fully_shard``) or, without it, the cast to the compute dtype.
-Activation checkpointing is applied when the model is built (``trainer.model``), since every
-engine, DeepSpeed's included, needs it. What these engines run is declared in
+With ``sp``, sequence parallelism runs inside the tensor-parallel step (``apply_tensor_parallel``,
+``apply_sequence_parallel_ends``). Activation checkpointing is applied when the model is built
+(``trainer.recompute``), since every engine, DeepSpeed's included, needs it. What these engines run is declared in
 ``advisor.capabilities``; ``check_parallel_layout`` adds what only the built model shows.
 """
 
