@@ -10,7 +10,9 @@ training step of `advisor train`'s plain engine, one forked process per mode.
 """
 
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,8 +39,9 @@ def _batch() -> torch.Tensor:
     return torch.randint(0, CONFIG["vocab_size"], (MBS, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def _measure(rank: int, mode: str, out: str) -> None:
-    """One process: two training steps; the allocator's peak over the second (Adam states exist)."""
+def _measure(rank: int, mode: str, out: str, timed: bool) -> None:
+    """One process: two training steps, the allocator's peak over the second (Adam states exist);
+    when `timed`, the median time of three more."""
     # deferred: the benchmark module imports DeepSpeed, needed only by this measurement
     from bench.measure_memory import load_alloc_hook
     from trainer.engines.plain import PlainEngine
@@ -54,22 +57,29 @@ def _measure(rank: int, mode: str, out: str) -> None:
     hook.reset_peak()
     engine.micro_step(batch)
     engine.optimizer_step(1e-3)
-    Path(out).write_text(json.dumps({"peak": hook.peak_bytes()}))
+    peak = hook.peak_bytes()
+    seconds = []
+    for _ in range(3 if timed else 0):
+        start = time.perf_counter()
+        engine.micro_step(batch)
+        engine.optimizer_step(1e-3)
+        seconds.append(time.perf_counter() - start)
+    Path(out).write_text(json.dumps({"peak": peak, "step_s": statistics.median(seconds) if seconds else None}))
 
 
-def measured_peak(mode: str, tmp: Path) -> int:
+def measure(mode: str, tmp: Path, timed: bool = False) -> dict:
     from profiler.ranks import launch
 
     out = tmp / f"{mode}.json"
-    launch(_measure, 1, (mode, str(out)))
-    return json.loads(out.read_text())["peak"]
+    launch(_measure, 1, (mode, str(out), timed))
+    return json.loads(out.read_text())
 
 
-def predicted_peak(mode: str) -> int:
+def predicted(mode: str):
     from planner.cost_model import estimate
     from presets import load_hardware
 
-    return estimate(SPEC, load_hardware("cpu"), _layout(mode)).memory.peak
+    return estimate(SPEC, load_hardware("cpu"), _layout(mode))
 
 
 def test_selective_policy_changes_no_gradient() -> None:
@@ -97,10 +107,10 @@ def test_the_policy_names_only_aten_ops() -> None:
 
 @pytest.mark.slow
 def test_selective_peak_lies_between_none_and_full_and_matches_the_prediction(tmp_path) -> None:
-    measured = {mode: measured_peak(mode, tmp_path) for mode in MODES}
+    measured = {mode: measure(mode, tmp_path)["peak"] for mode in MODES}
     assert measured["full"] < measured["selective"] < measured["none"]
     for mode in MODES:
-        assert predicted_peak(mode) == pytest.approx(measured[mode], rel=0.10), mode
+        assert predicted(mode).memory.peak == pytest.approx(measured[mode], rel=0.10), mode
 
 
 if __name__ == "__main__":
@@ -108,10 +118,11 @@ if __name__ == "__main__":
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     with tempfile.TemporaryDirectory() as tmp:
+        print("mode       peak measured  predicted  pred/meas | step measured  predicted (uncalibrated cpu preset)")
         for mode in MODES:
-            got, want = measured_peak(mode, Path(tmp)), predicted_peak(mode)
-            print(f"{mode:9s} measured {got / 2**20:8.2f} MiB  predicted {want / 2**20:8.2f} MiB  "
-                  f"predicted/measured {want / got:.3f}")
+            got, want = measure(mode, Path(tmp), timed=True), predicted(mode)
+            print(f"{mode:9s} {got['peak'] / 2**20:9.2f} MiB {want.memory.peak / 2**20:7.2f} MiB "
+                  f"{want.memory.peak / got['peak']:8.3f} | {got['step_s']:9.3f} s {want.time.step_s:9.3f} s")
 
 
 # Selective recomputation on every engine against the unsplit model without recomputation:
