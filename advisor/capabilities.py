@@ -48,21 +48,22 @@ ENGINES: dict[EngineName, EngineCapability] = {
     "plain": EngineCapability(
         "plain", "one process, or DDP across data-parallel replicas",
         zero_stages=frozenset({0}), offloads=frozenset({"none"}), methods=frozenset({"full", "lora"}),
-        recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"})),
+        recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"})),
     "deepspeed": EngineCapability(
         "deepspeed", "DeepSpeed ZeRO 1-3, optionally offloaded to host memory",
         zero_stages=frozenset({1, 2, 3}), offloads=frozenset({"none", "optimizer", "optimizer+params"}),
-        methods=frozenset({"full", "lora"}), recompute=frozenset({"none", "full"}),
+        methods=frozenset({"full", "lora"}), recompute=frozenset({"none", "selective", "full"}),
         dtypes=frozenset({"bf16", "fp16", "fp32"})),
     "fsdp2": EngineCapability(
         "fsdp2", "DTensor tensor parallelism and/or FSDP2 over the data-parallel replicas",
         zero_stages=frozenset({0, 1, 2, 3}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
-        recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True),
+        recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
+        sequence_parallel=True),
     "pipeline": EngineCapability(
         "pipeline", "torch.distributed.pipelining 1F1B stages, FSDP2 across replicas, TP inside a stage",
         zero_stages=frozenset({0, 1, 2}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
-        recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
-        tied_embeddings=False),
+        recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
+        sequence_parallel=True, tied_embeddings=False),
 }
 
 

@@ -20,6 +20,17 @@ GiB = 1024**3
 
 DType = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
+# What "selective" recomputation is: torch's op-level selective activation checkpointing, as FSDP
+# users run it (torchtitan). Inside a checkpointed decoder layer the outputs of these aten ops are
+# kept for backward and every other op (norms, rotary, activations, residual adds) runs again. The
+# trainer's policy (trainer/recompute.py) and the trace's measurement of what it keeps
+# (profiler/model_trace.py) both read this one list.
+SELECTIVE_SAVED_OPS: tuple[str, ...] = (
+    "mm", "addmm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+)
+SELECTIVE_POLICY = (
+    "selective = op-level activation checkpointing: keep matmul and attention outputs, recompute element-wise ops")
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Method = Literal["full", "lora", "qlora"]
 
@@ -279,7 +290,8 @@ LAYOUT_KEYS_HELP: dict[str, str] = {
     "offload": "none | optimizer | optimizer+params: move ZeRO partitions to host memory",
     "mbs": "micro-batch size (sequences per device per forward/backward)",
     "gas": "gradient-accumulation steps; global batch = dp*mbs*gas",
-    "recompute": "none | selective (attention core) | full (whole decoder layer)",
+    "recompute": ("none | selective (op-level: keep matmul outputs, recompute element-wise) "
+                  "| full (whole decoder layer)"),
     "method": "full | lora | qlora (LoRA on 4-bit NF4 frozen weights)",
     "lora_rank": "LoRA rank r (default 16), adapters on all linear projections",
     "dtype": "bf16 | fp16 | fp32 (default: bf16 where the hardware has it, fp32 on CPU)",

@@ -14,6 +14,7 @@ from advisor.errors import UsageError
 from advisor.layout_rules import ModelShape, layout_problem, tp_crosses_nodes
 from advisor.specs import (
     DTYPE_BYTES,
+    SELECTIVE_POLICY,
     GiB,
     Estimate,
     HardwareSpec,
@@ -298,8 +299,6 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overh
     bwd = layers * layer.bwd_flops + (trace.head.bwd_flops if last else 0.0)
     if layout.recompute == "full":
         fwd += recomputed * layer.fwd_flops
-    elif layout.recompute == "selective":  # QK^T and attention-over-V forward again
-        fwd += recomputed * 4 * trace.seq * trace.seq * trace.num_heads * trace.head_dim
     slowdown, flop_rate, adapter_rate, byte_rate = rates.slowdown, rates.flop, rates.adapter, rates.byte
     # LoRA adapters run skinny GEMMs (rank r on one side) far below the dense rate: 2 FLOPs per
     # adapter parameter per token forward, 4 backward (input and weight gradients). They are part
@@ -311,6 +310,8 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overh
     traffic = ELEMENTWISE_PASSES * layers * kept
     if layout.recompute == "full":  # the forward's writes happen twice
         traffic += ELEMENTWISE_PASSES / 4 * recomputed * kept
+    elif layout.recompute == "selective":  # no GEMM runs again: the element-wise ops write what was not kept
+        traffic += ELEMENTWISE_PASSES / 4 * recomputed * max(kept - layer_activation_bytes(trace, layout), 0.0)
     fwd_s = slowdown * mbs * ((fwd - adapter_fwd) / flop_rate + adapter_fwd / adapter_rate) / tp
     bwd_s = slowdown * mbs * ((bwd - adapter_bwd) / flop_rate + adapter_bwd / adapter_rate) / tp
     compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + overhead_s
@@ -327,7 +328,8 @@ def _activation_comm(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, 
     """(tensor-parallel, pipeline) communication seconds of one micro-batch on one stage."""
     tp = layout.tp
     hidden_bytes = layout.mbs * trace.seq * trace.hidden_size * DTYPE_BYTES[layout.dtype]
-    all_reduces = 4 * layers + (2 * recomputed if layout.recompute == "full" else 0) + first + last
+    # both recompute modes re-run the row-parallel reductions (the selective policy keeps no collective)
+    all_reduces = 4 * layers + (2 * recomputed if layout.recompute != "none" else 0) + first + last
     tp_comm = all_reduces * collectives.all_reduce_s(hidden_bytes, tp, hardware, placement.tp_spans_nodes)
     pp_comm = 0.0
     if layout.pp > 1:
@@ -413,6 +415,8 @@ def step_seconds(layout: Layout, times: list[StageTime]) -> float:
 
 def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> Estimate:
     notes = check_layout(trace, layout, hardware) + list(trace.notes)
+    if layout.recompute == "selective":
+        notes.append(SELECTIVE_POLICY)
     placement = Placement.of(layout, hardware.devices_per_node)
     split, recomputed = default_split(trace, layout)
     stages = list(enumerate(zip(split, recomputed)))

@@ -113,19 +113,21 @@ def layer_activation_bytes(trace: ModelTrace, layout: Layout, recompute: str | N
 
     Replicated tensors (LayerNorm inputs, dropout masks after row-parallel linears) are divided by
     tp only with sequence parallelism; tensors inside TP regions always are (Korthikanti et al.
-    2022, Table 2). Selective recomputation drops the s x s attention scores; full recomputation
-    keeps the layer's input only (Table 2 does not divide it by tp).
+    2022, Table 2). Full recomputation keeps the layer's input only (sequence-sharded under sp).
+    Selective recomputation (`advisor.specs.SELECTIVE_POLICY`) keeps that input plus the outputs
+    of the GEMMs and the attention kernel, as the trace measured them under the same op list.
     """
     recompute = recompute or layout.recompute
     layer = trace.layer
     tp = layout.tp
+    seq_split = tp if layout.sp else 1
     if recompute == "full":
-        return layer.input_bytes * layout.mbs
-    replicated = layer.act_replicated_bytes / (tp if layout.sp else 1)
-    sharded = layer.act_sharded_bytes
+        return layer.input_bytes / seq_split * layout.mbs
     if recompute == "selective":
-        sharded -= layer.act_scores_bytes
-    return (replicated + sharded / tp) * layout.mbs
+        kept = (layer.input_bytes + layer.selective_replicated_bytes) / seq_split + layer.selective_sharded_bytes / tp
+        return kept * layout.mbs
+    replicated = layer.act_replicated_bytes / seq_split
+    return (replicated + layer.act_sharded_bytes / tp) * layout.mbs
 
 
 def head_activation_bytes(trace: ModelTrace, layout: Layout) -> float:

@@ -141,9 +141,11 @@ def has_fixed(layout: Layout, fixed: dict[str, Any]) -> bool:
 def _candidate_shapes(trace: ModelTrace, req: PlanRequest, method: str, runs) -> list[Layout]:
     """The product of the discrete choices, less what a runnable layout dominates."""
     space, hw = req.space, req.hardware
-    # With FlashAttention nothing s x s is saved: selective recomputation frees nothing and costs
-    # time, so "none" (k = 0 in the full-recompute family) dominates it.
-    modes = RECOMPUTE_MODES if trace.layer.act_scores_bytes > 0 else ("full",)
+    # Selective recomputation is worth offering only where its policy keeps less than everything;
+    # otherwise "none" (k = 0 in the full-recompute family) dominates it.
+    layer = trace.layer
+    selective_kept = layer.input_bytes + layer.selective_replicated_bytes + layer.selective_sharded_bytes
+    modes = RECOMPUTE_MODES if selective_kept < layer.act_bytes else ("full",)
     out = []
     shape = model_shape(trace)
     tps = space.tp_degrees or tuple(_divisors(req.devices))

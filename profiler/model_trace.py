@@ -35,7 +35,7 @@ from typing import Any, Iterator, Literal
 from pydantic import BaseModel, Field
 
 from advisor.errors import UsageError
-from advisor.specs import DTYPE_BYTES, ModelSpec
+from advisor.specs import DTYPE_BYTES, SELECTIVE_SAVED_OPS, ModelSpec
 from presets import cache_dir
 
 Attention = Literal["flash", "sdpa", "eager"]
@@ -61,6 +61,10 @@ class BlockTrace(BaseModel):
     act_sharded_bytes: float = Field(0.0, description="saved inside TP regions, divided by tp")
     act_scores_bytes: float = Field(0.0, description="the s x s part of the sharded bytes")
     input_bytes: float = Field(0.0, description="the block's input hidden states (kept by full recompute)")
+    selective_replicated_bytes: float = Field(
+        0.0, description="outputs of SELECTIVE_SAVED_OPS outside TP regions (row-parallel GEMMs)")
+    selective_sharded_bytes: float = Field(
+        0.0, description="outputs of SELECTIVE_SAVED_OPS inside TP regions (column GEMMs, attention)")
 
     @property
     def act_bytes(self) -> float:
@@ -262,6 +266,44 @@ class _SavedTensorLog:
         return handles
 
 
+def _selective_log(row: set[str], model: "torch.nn.Module") -> Any:
+    """A dispatch mode that adds up what op-level selective recomputation keeps: the outputs of
+    `SELECTIVE_SAVED_OPS` (the trainer's policy reads the same list) in forward, replicated
+    when a row-parallel linear makes them (its output is whole on every TP rank) and sharded
+    otherwise (column-parallel GEMMs, the attention kernel)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    saved = {getattr(torch.ops.aten, name) for name in SELECTIVE_SAVED_OPS if hasattr(torch.ops.aten, name)}
+
+    class SelectiveLog(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_row = False
+            self.replicated = 0.0
+            self.sharded = 0.0
+            self.handles = []
+            for name, module in model.named_modules():
+                if name.rsplit(".", 1)[-1] in row:
+                    self.handles.append(module.register_forward_pre_hook(lambda *_: setattr(self, "in_row", True)))
+                    self.handles.append(module.register_forward_hook(lambda *_: setattr(self, "in_row", False)))
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in saved:
+                for tensor in tree_leaves(out):  # each a fresh allocation: no storage is counted twice
+                    if isinstance(tensor, torch.Tensor):
+                        nbytes = tensor.untyped_storage().nbytes()
+                        if self.in_row:
+                            self.replicated += nbytes
+                        else:
+                            self.sharded += nbytes
+            return out
+
+    return SelectiveLog()
+
+
 def _tp_names(cfg: dict[str, Any], hf_config: Any) -> tuple[set[str], set[str]]:
     plan = getattr(hf_config, "base_model_tp_plan", None) or {}
     column = set(_COLUMN_NAMES)
@@ -325,21 +367,24 @@ def _trace_once(
         trainable = sum(p.numel() for p in params if p.requires_grad)
         log = _SavedTensorLog({StorageWeakRef(p.untyped_storage()) for p in params}, seq,
                               architecture_dims(cfg)["num_heads"])
-        handles = log.hooks_for(model, *_tp_names(cfg, hf_config))
+        column, row = _tp_names(cfg, hf_config)
+        handles = log.hooks_for(model, column, row)
+        selective = _selective_log(row, model)
         ids = torch.zeros((1, seq), dtype=torch.long)
         with FlopCounterMode(display=False) as counter:
-            with torch.autograd.graph.saved_tensors_hooks(log.pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(log.pack, lambda t: t), selective:
                 loss = model(input_ids=ids, labels=ids).loss
             fwd = counter.get_total_flops()
             if method in ("lora", "qlora") and trainable == 0:
                 raise UsageError("LoRA found no linear layer to adapt in this architecture")
             loss.backward()
             total_flops = counter.get_total_flops()
-        for handle in handles:
+        for handle in handles + selective.handles:
             handle.remove()
     block = BlockTrace(
         params=total, trainable_params=trainable, fwd_flops=float(fwd), bwd_flops=float(total_flops - fwd),
         act_replicated_bytes=log.replicated, act_sharded_bytes=log.sharded, act_scores_bytes=log.scores,
+        selective_replicated_bytes=selective.replicated, selective_sharded_bytes=selective.sharded,
     )
     return block, total, trainable
 
@@ -392,7 +437,7 @@ def _position_params(cfg: dict[str, Any], dims: dict[str, int]) -> int:
     return 0
 
 
-TRACE_FORMAT = 2  # 2: attention FLOPs of the fused CPU kernel counted; bump when what a trace records changes, to invalidate disk caches
+TRACE_FORMAT = 3  # 2: attention FLOPs of the fused CPU kernel counted; 3: what selective recomputation keeps; bump when what a trace records changes, to invalidate disk caches
 
 
 def _cache_dir() -> Path:

@@ -24,10 +24,16 @@ ROWS = [  # (Table 2 row, sequence parallel, recompute)
     ("no_parallelism", False, "none"),
     ("tensor_parallel", False, "none"),
     ("tensor_sequence_parallel", True, "none"),
-    ("tensor_parallel_selective_recompute", False, "selective"),
-    ("tensor_sequence_parallel_selective_recompute", True, "selective"),
     ("full_recompute", False, "full"),
 ]
+# "selective" is torch's op-level policy (advisor.specs.SELECTIVE_POLICY), not Table 2's attention-core
+# variant: a GPT layer keeps its input (2sbh bytes) and its GEMM outputs, c_attn 3h and c_fc 4h inside
+# the TP region, the two c_proj h outside it (2 bytes each); eager attention's batched matmuls and the
+# dropout masks are recomputed. Sequence parallelism also splits the input and the c_proj outputs.
+OP_LEVEL_SELECTIVE = {
+    False: lambda s, b, h, t: s * b * h * (6 + 14 / t),
+    True: lambda s, b, h, t: s * b * h * 20 / t,
+}
 
 
 @pytest.mark.parametrize("row,sp,recompute", ROWS)
@@ -40,6 +46,16 @@ def test_activation_bytes_per_layer_match_korthikanti_table2(gpt_eager_trace, ro
     paper = KORTHIKANTI_TABLE2[row](S, 1, H, A, tp)
     # the paper ignores LayerNorm's fp32 mean and rstd (2 x 2sb x 4 bytes): < 0.1% here
     assert traced == pytest.approx(paper, rel=1e-3)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_selective_recompute_keeps_the_layer_input_and_its_gemm_outputs(gpt_eager_trace, sp, tp) -> None:
+    if sp and tp == 1:
+        pytest.skip("sequence parallelism needs tp > 1")
+    layout = Layout(tp=tp, sp=sp, recompute="selective", mbs=1, seq=S, dtype="fp16")
+    expected = OP_LEVEL_SELECTIVE[sp](S, 1, H, tp)
+    assert layer_activation_bytes(gpt_eager_trace, layout) == pytest.approx(expected, rel=1e-6)
 
 
 def test_micro_batch_size_scales_activations_linearly(gpt_eager_trace) -> None:

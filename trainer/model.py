@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from advisor.errors import UsageError
-from advisor.specs import Layout, ModelSpec, layers_per_stage
+from advisor.specs import Layout, ModelSpec
 from profiler.hardware_bench import TORCH_DTYPES
+from trainer.recompute import apply_recomputation
 
 
 def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None = None) -> torch.nn.Module:
@@ -32,38 +33,6 @@ def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None 
     if layout.method in ("lora", "qlora"):
         model = apply_lora(model, layout)
     return model
-
-
-def apply_recomputation(model: torch.nn.Module, layout: Layout) -> None:
-    """Checkpoint the layers the plan recomputes: in each pipeline stage, the first
-    `recompute_layers[s]` of its own layers (all when unset).
-
-    transformers checkpoints every layer or none; the plan may recompute only some, so we flip the
-    per-layer flag that its GradientCheckpointingLayer reads. Applied before LoRA wraps the model,
-    and for every engine (DeepSpeed's included), which is why it lives here and not among the
-    DTensor `apply_*` steps of `trainer.parallelize`.
-    """
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
-              and m.__class__.__name__.endswith("DecoderLayer")]
-    recomputed = recomputed_layer_indices(len(layers), layout)
-    for index, layer in enumerate(layers):
-        layer.gradient_checkpointing = index in recomputed
-
-
-def recomputed_layer_indices(n_layers: int, layout: Layout) -> set[int]:
-    """Global indices of the decoder layers that recompute: stage by stage (the split of
-    `layers_per_stage`, which the pipeline engine cuts too), the first `recompute_layers[s]`."""
-    if layout.recompute == "none":
-        return set()
-    split = layers_per_stage(n_layers, layout)
-    counts = layout.recompute_layers or split
-    out: set[int] = set()
-    first = 0
-    for held, count in zip(split, counts):
-        out.update(range(first, first + min(count, held)))
-        first += held
-    return out
 
 
 def apply_lora(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:

@@ -4,8 +4,9 @@ In torchtitan's order and spirit: one device mesh owns the degrees (``ParallelMe
 from ``advisor.specs.Layout``), then small ``apply_*`` functions each do one thing, applied in a
 fixed order by ``parallelize``: tensor parallelism (DTensor ``parallelize_module``), then
 sharded data parallelism (FSDP2 ``fully_shard``) or, without it, the cast to the compute dtype.
-Activation checkpointing is applied when the model is built (``trainer.model``), since every
-engine, DeepSpeed's included, needs it. What these engines run is declared in
+With ``sp``, sequence parallelism runs inside the tensor-parallel step (``apply_tensor_parallel``,
+``apply_sequence_parallel_ends``). Activation checkpointing is applied when the model is built
+(``trainer.recompute``), since every engine, DeepSpeed's included, needs it. What these engines run is declared in
 ``advisor.capabilities``; ``check_parallel_layout`` adds what only the built model shows.
 """
 
@@ -28,6 +29,8 @@ from profiler.hardware_bench import TORCH_DTYPES
 # needs one all-reduce forward and one backward.
 COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+# The norms that sequence parallelism runs on sequence shards (Korthikanti et al. 2022, section 4.2).
+SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 @dataclass
@@ -79,6 +82,10 @@ def check_parallel_layout(model: torch.nn.Module, layout: Layout) -> None:
         if missing:
             raise UsageError(f"tensor parallelism needs Llama-style projections; this model's layers lack "
                              f"{', '.join(missing)}")
+        norms = [n for n in SEQUENCE_PARALLEL_NORMS if not hasattr(first, n)] if layout.sp else []
+        if norms:
+            raise UsageError(f"sequence parallelism needs Llama-style norms; this model's layers lack "
+                             f"{', '.join(norms)}")
 
 
 def _has(module: torch.nn.Module, name: str) -> bool:
@@ -88,7 +95,7 @@ def _has(module: torch.nn.Module, name: str) -> bool:
         return False
 
 
-def apply_tensor_parallel(layers: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(layers: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     """Megatron column/row split of every decoder layer's attention and MLP projections.
 
     Embeddings, norms and the LM head stay replicated (plain tensors): their gradients are
@@ -96,13 +103,72 @@ def apply_tensor_parallel(layers: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     HF attention reshapes with ``view(..., -1, head_dim)``, so each rank runs its local share of
     heads without touching the config's head counts (the divisibility check sits in
     ``check_parallel_layout``).
+
+    With sequence parallelism (Korthikanti et al. 2022) the residual stream between the blocks
+    is a DTensor sharded along the sequence: the norms run on each rank's tokens
+    (``SequenceParallel``, replicated weights), each block's input is all-gathered once
+    (``PrepareModuleInput`` to Replicate, so q/k/v and rotary see whole sequences) and the
+    row-parallel output is reduce-scattered back to the sequence shards instead of all-reduced.
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
     plan: dict[str, Any] = {name: ColwiseParallel() for name in COLUMN_PARALLEL}
-    plan.update({name: RowwiseParallel() for name in ROW_PARALLEL})
+    if sequence_parallel:
+        plan.update({name: RowwiseParallel(output_layouts=Shard(1), use_local_output=False) for name in ROW_PARALLEL})
+        plan.update({name: SequenceParallel() for name in SEQUENCE_PARALLEL_NORMS})
+        plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                               desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    else:
+        plan.update({name: RowwiseParallel() for name in ROW_PARALLEL})
     for layer in layers.children():
         parallelize_module(layer, tp_mesh, plan)
+
+
+def apply_sequence_parallel_ends(module: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Where the sequence-sharded residual stream begins and ends, on the parts of `module` (a
+    whole model or a pipeline stage) that it holds: the embedding's (replicated) output is cut
+    into sequence shards, a DTensor whose global shape keeps HF's positions and causal mask whole;
+    the final norm runs on the shards; the LM head, replicated as without sp, takes the
+    all-gathered sequence, so logits and loss are those of the unsplit model. A pipeline stage
+    without the embedding cuts its whole received input at its first layer, and one without the
+    head gathers its last layer's output, so that stages exchange plain whole tensors."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleOutput, SequenceParallel,
+                                                   parallelize_module)
+
+    base = module.model
+    layers = list(base.layers.children())
+    if getattr(base, "embed_tokens", None) is not None:
+        parallelize_module(base.embed_tokens, tp_mesh, PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
+    else:
+        parallelize_module(layers[0], tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)))
+    if getattr(module, "lm_head", None) is None:
+        parallelize_module(layers[-1], tp_mesh, PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
+    if getattr(base, "norm", None) is not None:
+        parallelize_module(base.norm, tp_mesh, SequenceParallel())
+    if getattr(module, "lm_head", None) is not None:
+        parallelize_module(module.lm_head, tp_mesh, PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
+
+
+def reduce_partial_gradients(params: Iterable[torch.nn.Parameter]) -> None:
+    """Sum the gradients DTensor leaves partial: the sequence-parallel norms' weights are
+    replicated, but each rank's gradient covers its own tokens only (``Partial``). One all-reduce
+    each, before clipping, so that the norm and AdamW read whole gradients and every rank takes
+    the same step."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):
+            param.grad = grad.redistribute(placements=[Replicate() if isinstance(p, Partial) else p
+                                                       for p in grad.placements])
 
 
 def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -146,7 +212,9 @@ def parallelize(module: torch.nn.Module, mesh: ParallelMesh, layout: Layout, lay
     or, without data parallelism, a plain cast to that dtype. Both are asked for only when
     needed: FSDP2 alone shards models that have no Llama-style layer container."""
     if layout.tp > 1:
-        apply_tensor_parallel(layers(), mesh.mesh["tp"])
+        apply_tensor_parallel(layers(), mesh.mesh["tp"], sequence_parallel=bool(layout.sp))
+        if layout.sp:
+            apply_sequence_parallel_ends(module, mesh.mesh["tp"])
     dtype = compute_dtype(module, layout)
     if layout.dp > 1:
         apply_fsdp(module, fsdp_units(), mesh.mesh["dp"], reshard_after_forward=reshard_after_forward,

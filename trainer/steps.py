@@ -89,7 +89,7 @@ def normalize_layout(layout: RunLayout) -> RunLayout:
     full = {**LAYOUT_DEFAULTS, **layout}
     if full["world"] not in (1, 2) or full["zero"] not in (0, 1, 2, 3):
         raise ValueError(f"unsupported world/zero: {full}")
-    if full["recompute"] not in ("none", "full") or full["method"] not in ("full", "lora"):
+    if full["recompute"] not in ("none", "selective", "full") or full["method"] not in ("full", "lora"):
         raise ValueError(f"unsupported recompute/method: {full}")
     if full["dtype"] != "fp32":
         raise ValueError("only fp32 is measured on CPU")

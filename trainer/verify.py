@@ -101,10 +101,8 @@ def fork_layout(layout: Layout, device_type: str) -> dict[str, Any] | None:
     if (device_type != "cpu" or layout.tp != 1 or layout.pp != 1 or layout.dp > 2 or layout.offload != "none"
             or layout.dtype != "fp32" or layout.method not in ("full", "lora") or layout.recompute_layers):
         return None
-    # the trainer recomputes whole layers for "selective" (trainer/model.py): time what it runs
-    recompute = "none" if layout.recompute == "none" else "full"
     return normalize_layout({"world": layout.dp, "zero": layout.zero, "mbs": layout.mbs, "seq": layout.seq,
-                             "gas": layout.gas, "recompute": recompute, "method": layout.method,
+                             "gas": layout.gas, "recompute": layout.recompute, "method": layout.method,
                              "dtype": layout.dtype})
 
 

@@ -18,7 +18,8 @@ from advisor.specs import Layout, layers_per_stage
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.engines.base import DTensorState, device
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
-from trainer.parallelize import ParallelMesh, check_parallel_layout, decoder_layers, parallelize
+from trainer.parallelize import (ParallelMesh, check_parallel_layout, decoder_layers, parallelize,
+                                 reduce_partial_gradients)
 
 
 def _split_padding(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,5 +163,7 @@ class PipelineEngine(DTensorState):
         return float(mean)
 
     def optimizer_step(self, lr: float) -> float:
+        if self.layout.sp:
+            reduce_partial_gradients(self.params)
         return optimizer_step(self.optimizer, lr,
                               lambda: clip_sharded_grad_norm(self.params, self.clip, self.pp_group))

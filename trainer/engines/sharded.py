@@ -7,7 +7,8 @@ import torch
 from advisor.specs import Layout
 from trainer.engines.base import DTensorState, forward_backward
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
-from trainer.parallelize import ParallelMesh, check_parallel_layout, decoder_layers, parallelize, shard_units
+from trainer.parallelize import (ParallelMesh, check_parallel_layout, decoder_layers, parallelize,
+                                 reduce_partial_gradients, shard_units)
 
 
 class ShardedEngine(DTensorState):
@@ -41,4 +42,6 @@ class ShardedEngine(DTensorState):
         return forward_backward(self.model, input_ids, self.layout.gas)
 
     def optimizer_step(self, lr: float) -> float:
+        if self.layout.sp:
+            reduce_partial_gradients(self.params)
         return optimizer_step(self.optimizer, lr, lambda: clip_sharded_grad_norm(self.params, self.clip))
