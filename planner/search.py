@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from advisor.errors import UsageError
 from advisor.capabilities import runnable_problem
@@ -407,16 +406,18 @@ class StageProgram:
         upper[2 * pp:slot] = 1
         integrality = np.zeros(width)
         integrality[:slot] = 1
-        self.objective, self.integrality = objective, integrality
-        self.bounds = Bounds(lower, upper)
-        self.constraints = LinearConstraint(np.array(rows), np.array(lo), np.array(hi))
+        self.objective, self.integrality, self.lower, self.upper = objective, integrality, lower, upper
+        self.rows, self.row_lo, self.row_hi = np.array(rows), np.array(lo), np.array(hi)
 
     def _solve(self, integral: bool, cutoff: float = math.inf):
-        constraints = [self.constraints]
+        # deferred: scipy.optimize takes ~1 s to import, which every other verb of the CLI would pay
+        from scipy.optimize import Bounds, LinearConstraint, milp
+
+        constraints = [LinearConstraint(self.rows, self.row_lo, self.row_hi)]
         if cutoff < math.inf:  # only a step below the cutoff matters: the solver prunes by it
             constraints.append(LinearConstraint(self.objective, -np.inf, cutoff))
-        return milp(self.objective, integrality=self.integrality if integral else None, bounds=self.bounds,
-                    constraints=constraints, options={"mip_rel_gap": 0.0})
+        return milp(self.objective, integrality=self.integrality if integral else None,
+                    bounds=Bounds(self.lower, self.upper), constraints=constraints, options={"mip_rel_gap": 0.0})
 
     def relaxed_step_s(self) -> float:
         """The LP relaxation's optimum: no split of this shape steps faster; inf when none fits."""
