@@ -73,7 +73,9 @@ def accelerate_config(plan: Plan, layout: Layout) -> dict | None:
     }
     if engine == "deepspeed":
         config["deepspeed_config"] = {"deepspeed_config_file": "deepspeed.json"}
-    if engine == "fsdp2":  # as trainer/engines/sharded.py runs it: ZeRO-3 reshards after forward, 1/2 keep
+    if engine == "fsdp2":  # as trainer/engines/sharded.py runs it: ZeRO-3 reshards after forward, 1/2 keep.
+        # accelerate checkpoints every layer or none: a plan that recomputes some layers gets every one
+        # (never more memory than planned; the step is slower than priced)
         config["fsdp_config"] = {
             "fsdp_version": 2, "fsdp_reshard_after_forward": layout.zero == 3,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
