@@ -419,20 +419,57 @@ class StageProgram:
         return milp(self.objective, integrality=self.integrality if integral else None,
                     bounds=Bounds(self.lower, self.upper), constraints=constraints, options={"mip_rel_gap": 0.0})
 
+    def _single_stage(self) -> tuple[float, np.ndarray] | None:
+        """pp = 1: the stage holds every layer, so only k (and r = [k > 0]) is free. Every k is tried
+        on the program's own rows, with T, D and O at the least their rows allow (which also leaves
+        the compute rule the most room): the exact optimum, without a solver call."""
+        width = len(self.objective)
+        tdo = slice(width - 3, width)
+        ks = np.arange(int(self.lower[1]), int(self.upper[1]) + 1)
+        x = np.zeros((len(ks), width))
+        x[:, 0], x[:, 1] = self.row_lo[0], ks  # row 0: sum n = L
+        if width > 5:
+            x[:, 2] = ks > 0
+        head = x[:, :width - 3] @ self.rows[:, :width - 3].T  # (choices, rows): all but T, D, O
+        owners = self.rows[:, tdo]
+        for i in range(3):  # rows `var - terms >= low` bound one of T, D, O from below
+            only = (owners[:, i] > 0) & (np.count_nonzero(owners, axis=1) == 1) & np.isfinite(self.row_lo)
+            need = (self.row_lo[only] - head[:, only]) / owners[only, i]
+            x[:, width - 3 + i] = np.maximum(self.lower[width - 3 + i], need.max(axis=1, initial=0.0))
+        activity = x @ self.rows.T
+        slack = 1e-9 * (1 + np.abs(np.where(np.isfinite(self.row_hi), self.row_hi, self.row_lo)))
+        fits = np.all((activity <= self.row_hi + slack) & (activity >= self.row_lo - slack), axis=1)
+        if not fits.any():
+            return None
+        steps = np.where(fits, x @ self.objective, np.inf)
+        best = int(np.argmin(steps))  # the fewest recomputed layers among equals
+        return float(steps[best]), x[best]
+
     def relaxed_step_s(self) -> float:
-        """The LP relaxation's optimum: no split of this shape steps faster; inf when none fits."""
+        """The LP relaxation's optimum (for pp = 1 the exact one): no split of this shape steps
+        faster; inf when none fits."""
+        if self.pp == 1:
+            single = self._single_stage()
+            return single[0] if single else math.inf
         result = self._solve(integral=False)
         return float(result.fun) if result.status == 0 else math.inf
 
     def solve(self, cutoff: float = math.inf) -> Layout | None:
         """The optimal split and recompute counts, as a layout; None when nothing fits with a step
         below `cutoff` (the search's K-th best: a shape that cannot beat it changes no answer)."""
-        result = self._solve(integral=True, cutoff=cutoff)
-        if result.status != 0:
-            return None
+        if self.pp == 1:
+            single = self._single_stage()
+            if single is None or single[0] > cutoff:
+                return None
+            values = single[1]
+        else:
+            result = self._solve(integral=True, cutoff=cutoff)
+            if result.status != 0:
+                return None
+            values = result.x
         pp = self.pp
-        split = [int(round(v)) for v in result.x[:pp]]
-        recomputed = [int(round(v)) for v in result.x[pp:2 * pp]]
+        split = [int(round(v)) for v in values[:pp]]
+        recomputed = [int(round(v)) for v in values[pp:2 * pp]]
         update_fields: dict = {"stage_layers": split if pp > 1 else None}
         if any(recomputed):
             update_fields["recompute_layers"] = recomputed
