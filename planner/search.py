@@ -438,7 +438,8 @@ class StageProgram:
             x[:, width - 3 + i] = np.maximum(self.lower[width - 3 + i], need.max(axis=1, initial=0.0))
         activity = x @ self.rows.T
         slack = 1e-9 * (1 + np.abs(np.where(np.isfinite(self.row_hi), self.row_hi, self.row_lo)))
-        fits = np.all((activity <= self.row_hi + slack) & (activity >= self.row_lo - slack), axis=1)
+        fits = (np.all((activity <= self.row_hi + slack) & (activity >= self.row_lo - slack), axis=1)
+                & np.all((x >= self.lower) & (x <= self.upper), axis=1))
         if not fits.any():
             return None
         steps = np.where(fits, x @ self.objective, np.inf)
