@@ -9,7 +9,8 @@ Every figure is the median of 3.
     python bench/plan_scaling.py [--save before.json] [--before before.json] [--no-write]
 
 `--before` adds the figures of another checkout to the first table: run this script with
-PYTHONPATH=<that checkout> and `--save before.json --no-write` first.
+PYTHONPATH=<that checkout>, from that checkout's folder, with `--save before.json --no-write` first.
+bench/plan_scaling_before.json holds the figures of 7adc055 (PuLP/CBC), measured so.
 """
 
 from __future__ import annotations
@@ -122,17 +123,22 @@ def main() -> None:
             f"{load_average()} at the end, on {os.cpu_count()} shared cores; an idle machine is several times "
             "faster. ILPs solved counts the shapes whose bounds could still beat the 5th best plan; when no "
             "layout meets the 80% compute rule (every row here) the search runs again without it, and both "
-            "passes count.")
+            "passes count. The sweep's layouts differ from this table's runs before 7adc055 because the search "
+            "now returns only layouts `advisor train` runs (no sp, no vpp yet).")
     if before:
-        note += (" `a → b`: before (PuLP/CBC, one subprocess per ILP, shapes ordered by the mean-stage bound "
-                 "alone) → after (HiGHS in process through scipy.optimize.milp, best first over the mean-stage "
-                 "bound and then the ILP's LP relaxation, the K-th best plan as the ILP's cutoff, and valid cuts: "
-                 "some stage holds ceil(L/pp) layers, the least big-M for the recompute indicator).")
+        same = all(f"{r['step_s']:.9g}" == f"{before[r['gpus']]['step_s']:.9g}" for r in rows if r["gpus"] in before)
+        note += (f" The chosen step times {'equal' if same else 'DIFFER FROM'} the previous solver's to 9 digits "
+                 "(a tie in per-stage recompute counts may resolve differently; tests/test_plan_search.py checks "
+                 "the optimum against brute force). `a → b`: before (PuLP/CBC, one subprocess per ILP, shapes "
+                 "ordered by the mean-stage bound alone) → after (HiGHS in process through scipy.optimize.milp, "
+                 "best first over the mean-stage bound and then the ILP's LP relaxation, the K-th best plan as the "
+                 "ILP's cutoff, valid cuts: some stage holds ceil(L/pp) layers, the least big-M for the recompute "
+                 "indicator; one-stage shapes solved by trying every recompute count).")
     body = (f"Issue 13's target, seq {TARGET_SEQ}, global batch {TARGET_BATCH}: solver <= 2 s and the whole "
             f"command <= 10 s at every size.\n\n{target_table(rows, before)}\n\nSweep at seq {SWEEP_SEQ} "
             f"(global batch max(1024, GPUs)):\n\n{sweep}{note}")
     write_section("plan_scaling", "Planning time against device count (llama3-70b, h100-80g)",
-                  "python bench/plan_scaling.py --before <figures of the previous checkout>", body)
+                  "python bench/plan_scaling.py --before bench/plan_scaling_before.json", body)
 
 
 if __name__ == "__main__":
