@@ -500,13 +500,6 @@ def _most_layers(c: _StageCoefficients, layers: int, capacity: float) -> int:
     return max(0, most)
 
 
-def solve_shape(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: float,
-                min_fraction: float) -> Layout | None:
-    """The stage-split ILP of one shape, solved; None when nothing fits."""
-    program = StageProgram(_all_coefficients(trace, layout, hw), layout, trace.num_layers, capacity, min_fraction)
-    return program.solve()
-
-
 # ------------------------------------------------------------------------------------------
 # the search
 
