@@ -1,20 +1,25 @@
-"""Launcher files for a plan: a DeepSpeed config, an accelerate config, the torchrun command and a
-Slurm batch script. The bucket sizes are the ones the cost model assumed (`zero_bucket_elems`)."""
+"""Launcher files for a plan: a DeepSpeed config and an accelerate config where those tools run the
+chosen layout as the trainer does, the torchrun command and a Slurm batch script. The bucket sizes
+are the ones the cost model assumed (`zero_bucket_elems`)."""
 
 from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from advisor.capabilities import engine_for
 from advisor.plan_file import Plan
 from advisor.specs import Layout, safe_name
 from planner.cost_model import zero_bucket_elems
 from profiler.model_trace import trace_model
 
 MASTER_PORT = 29511  # not DeepSpeed's and accelerate's default 29500, which collide on shared hosts
+MAX_RESTARTS = 3  # torchrun's worker restarts before the job fails; each resumes from the last checkpoint
+RUN_DIR = "run"  # beside plan.yaml, unless $RUN_DIR says otherwise
 
 
 def deepspeed_config(plan: Plan, layout: Layout) -> dict:
@@ -29,8 +34,10 @@ def deepspeed_config(plan: Plan, layout: Layout) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if layout.offload == "optimizer+params":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    # DeepSpeed checks train_batch_size == micro * accumulation * its world size, which is its
+    # data-parallel size: the plan's whole world for the layouts DeepSpeed runs (tp = pp = 1)
     return {
-        "train_batch_size": layout.global_batch,
+        "train_batch_size": layout.mbs * layout.gas * layout.dp,
         "train_micro_batch_size_per_gpu": layout.mbs,
         "gradient_accumulation_steps": layout.gas,
         "gradient_clipping": 1.0,
@@ -43,11 +50,20 @@ def deepspeed_config(plan: Plan, layout: Layout) -> dict:
     }
 
 
-def accelerate_config(plan: Plan, layout: Layout) -> dict:
+def accelerate_config(plan: Plan, layout: Layout) -> dict | None:
+    """accelerate's config for the engine that runs `layout` (advisor.capabilities.engine_for), or
+    None where accelerate would run something else: its tensor and pipeline parallelism is not the
+    DTensor plan and torch.distributed.pipelining schedule the trainer runs and the cost model prices,
+    so a file for those layouts would launch an unpriced layout."""
+    engine = engine_for(layout, plan.engine)
+    if engine == "pipeline" or layout.tp > 1:
+        return None
     cpu = plan.hardware.device_type == "cpu"
-    config = {
+    several = "MULTI_CPU" if cpu else "MULTI_GPU"
+    kind = {"deepspeed": "DEEPSPEED", "fsdp2": "FSDP"}.get(engine, several if layout.devices > 1 else "NO")
+    config: dict = {
         "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": "DEEPSPEED" if layout.zero else ("MULTI_GPU" if layout.devices > 1 else "NO"),
+        "distributed_type": kind,
         "num_machines": plan.nodes,
         "num_processes": layout.devices,
         "machine_rank": 0,
@@ -55,29 +71,67 @@ def accelerate_config(plan: Plan, layout: Layout) -> dict:
         "mixed_precision": "no" if layout.dtype == "fp32" else layout.dtype,
         "use_cpu": cpu,
     }
-    if layout.zero:
+    if engine == "deepspeed":
         config["deepspeed_config"] = {"deepspeed_config_file": "deepspeed.json"}
+    if engine == "fsdp2":  # as trainer/engines/sharded.py runs it: ZeRO-3 reshards after forward, 1/2 keep.
+        # accelerate checkpoints every layer or none: a plan that recomputes some layers gets every one
+        # (never more memory than planned; the step is slower than priced)
+        config["fsdp_config"] = {
+            "fsdp_version": 2, "fsdp_reshard_after_forward": layout.zero == 3,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_offload_params": False, "fsdp_activation_checkpointing": layout.recompute != "none",
+            "fsdp_cpu_ram_efficient_loading": True}
     return config
 
 
+class Expanded(str):
+    """A word of ours that the shell expands (`${VAR:-default}`, `$@`): written in double quotes,
+    so that it stays one word whatever the variable holds."""
+
+
 def torchrun_command(plan: Plan, plan_path: str = "plan.yaml") -> list[str]:
+    """torchrun on one node: the c10d rendezvous at MASTER_ADDR:MASTER_PORT gathers the nodes
+    (each node runs the same line); `--resume` continues the run in RUN_DIR when one is there (a
+    rerun, a Slurm requeue) and starts it otherwise; a worker restart by torchrun resumes as well
+    (trainer/run_identity.py `restarted`). The script's own arguments go to `advisor train`."""
     per_node = min(plan.chosen.layout.devices, plan.gpus_per_node)
     return ["torchrun", f"--nnodes={plan.nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=${{MASTER_ADDR:-127.0.0.1}}:{MASTER_PORT}", "-m", "advisor.cli", "train",
-            plan_path, "--launched"]
+            Expanded(f"--rdzv-endpoint=${{MASTER_ADDR:-127.0.0.1}}:${{MASTER_PORT:-{MASTER_PORT}}}"),
+            Expanded(f"--max-restarts=${{MAX_RESTARTS:-{MAX_RESTARTS}}}"), "-m", "advisor.cli", "train", plan_path,
+            "--out", Expanded(f"${{RUN_DIR:-{RUN_DIR}}}"), "--resume", "--launched", Expanded("$@")]
 
 
 def shell_command(words: list[str]) -> str:
     """One shell line with every word quoted, so a path or name holding spaces, `;`, `$()` or quotes
-    stays one argument; only the rendezvous endpoint is left open for `${MASTER_ADDR}` to expand
-    (its other characters are ours)."""
-    return " ".join(w if w.startswith("--rdzv-endpoint=${MASTER_ADDR") else shlex.quote(w) for w in words)
+    stays one argument; our `Expanded` words go in double quotes (their other characters are ours)."""
+    return " ".join(f'"{w}"' if isinstance(w, Expanded) else shlex.quote(w) for w in words)
 
 
 def job_name(model_name: str) -> str:
     """`#SBATCH` lines are not shell, so quoting cannot protect them (a newline in a folder name
     would start a command): the model's name goes in cleaned."""
     return f"advisor-{safe_name(model_name, 60)}"
+
+
+def _environment_notes() -> str:
+    return f"""# MASTER_ADDR  host name or address of the rendezvous node, reachable from every node (default
+#              127.0.0.1: one node); MASTER_PORT: a free TCP port there (default {MASTER_PORT}).
+# RUN_DIR      the run directory: metrics, events, checkpoints (default: {RUN_DIR}/ beside plan.yaml; on
+#              several nodes, a folder every node shares). A run already there is continued.
+# MAX_RESTARTS how often torchrun restarts failed workers (default {MAX_RESTARTS}); they resume from the
+#              last checkpoint.
+# Arguments after the script's name go to `advisor train` (e.g. --weights DIR)."""
+
+
+def torchrun_script(plan: Plan) -> str:
+    return f"""#!/bin/bash
+# Written by `advisor plan --export`: {plan.chosen.layout.short()}
+# Run it on each of the {plan.nodes} node(s), e.g. MASTER_ADDR=node0 ./torchrun.sh
+{_environment_notes()}
+set -euo pipefail
+cd "$(dirname "${{BASH_SOURCE[0]}}")"
+{shell_command(torchrun_command(plan))}
+"""
 
 
 def slurm_script(plan: Plan, plan_path: str = "plan.yaml") -> str:
@@ -92,27 +146,56 @@ def slurm_script(plan: Plan, plan_path: str = "plan.yaml") -> str:
 #SBATCH --gpus-per-node={min(layout.devices, plan.gpus_per_node)}
 #SBATCH --time={minutes // 60:02d}:{minutes % 60:02d}:00
 #SBATCH --output=advisor-%j.log
+#SBATCH --open-mode=append
+#SBATCH --requeue
 # Written by `advisor plan --export`: {layout.short()}
+# Submit from this folder: sbatch slurm.sbatch. A requeued job (a node failure, `scontrol requeue`)
+# continues the run from its last checkpoint (advisor train also reads SLURM_RESTART_COUNT), and
+# appends to its log. MASTER_ADDR is the job's first node.
+{_environment_notes()}
 set -euo pipefail
+cd "${{SLURM_SUBMIT_DIR:-$(dirname "$0")}}"
+if [ ! -f {shlex.quote(plan_path)} ]; then echo "slurm.sbatch: submit it from the folder that holds {plan_path}" >&2; exit 2; fi
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export OMP_NUM_THREADS=1
 srun {command}
 """
 
 
-def export(plan: Plan, directory: Path) -> list[Path]:
-    """Write the four launcher files into `directory` (and the plan beside them)."""
-    directory.mkdir(parents=True, exist_ok=True)
+@dataclass
+class Exported:
+    written: list[Path]
+    skipped: dict[str, str]  # file name: why it was not written
+
+
+def launcher_files(plan: Plan) -> tuple[dict[str, str | None], dict[str, str]]:
+    """The launcher files' texts (None: plan.yaml, written by the plan itself), and the files left
+    out with the reason."""
     layout = plan.chosen.layout
-    written = {
-        "plan.yaml": None,
-        "deepspeed.json": json.dumps(deepspeed_config(plan, layout), indent=2) + "\n",
-        "accelerate.yaml": yaml.safe_dump(accelerate_config(plan, layout), sort_keys=False),
-        "torchrun.sh": "#!/bin/bash\nset -euo pipefail\n" + shell_command(torchrun_command(plan)) + "\n",
-        "slurm.sbatch": slurm_script(plan),
-    }
+    engine = engine_for(layout, plan.engine)
+    texts: dict[str, str | None] = {"plan.yaml": None}
+    skipped = {}
+    if engine == "deepspeed":
+        texts["deepspeed.json"] = json.dumps(deepspeed_config(plan, layout), indent=2) + "\n"
+    else:
+        skipped["deepspeed.json"] = f"the {engine} engine runs this layout, not DeepSpeed"
+    accelerate = accelerate_config(plan, layout)
+    if accelerate is not None:
+        texts["accelerate.yaml"] = yaml.safe_dump(accelerate, sort_keys=False)
+    else:
+        skipped["accelerate.yaml"] = (f"accelerate does not run tp={layout.tp}, pp={layout.pp} as the {engine} "
+                                      "engine does; launch with torchrun.sh or slurm.sbatch")
+    texts["torchrun.sh"] = torchrun_script(plan)
+    texts["slurm.sbatch"] = slurm_script(plan)
+    return texts, skipped
+
+
+def export(plan: Plan, directory: Path) -> Exported:
+    """Write the plan and its launcher files into `directory`; say which were left out and why."""
+    directory.mkdir(parents=True, exist_ok=True)
+    texts, skipped = launcher_files(plan)
     paths = []
-    for name, text in written.items():
+    for name, text in texts.items():
         path = directory / name
         if text is None:
             plan.write(path)
@@ -123,4 +206,6 @@ def export(plan: Plan, directory: Path) -> list[Path]:
         if name.endswith((".sh", ".sbatch")):
             path.chmod(0o755)
         paths.append(path)
-    return paths
+    for name in skipped:  # a file of an earlier export would launch another engine than this plan's
+        (directory / name).unlink(missing_ok=True)
+    return Exported(paths, skipped)

@@ -1,4 +1,4 @@
-"""Layout search: branch and bound over parallel shapes, an ILP (PuLP/CBC) for each shape.
+"""Layout search: branch and bound over parallel shapes, an ILP (HiGHS, through scipy) for each shape.
 
 The decision splits in two, because its two halves have different structure:
 
@@ -26,13 +26,14 @@ The result is therefore the optimum of the cost model over the whole space, whic
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import pulp
+import numpy as np
 
 from advisor.errors import UsageError
 from advisor.capabilities import runnable_problem
@@ -51,6 +52,7 @@ from planner.memory import micro_batches_in_flight
 from profiler.model_trace import ModelTrace, trace_model
 
 RECOMPUTE_MODES = ("selective", "full")
+LP_BOUND_SLACK = 1e-6  # relative: HiGHS's feasibility tolerances move an LP optimum by far less
 
 
 @dataclass
@@ -343,56 +345,172 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
     return Bound(step, layout.gas * mean(lambda c: c.compute) / step)
 
 
-def solve_shape(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: float,
-                min_fraction: float) -> Layout | None:
-    """The stage-split ILP of one shape (see the module docstring); None when nothing fits.
+class StageProgram:
+    """The stage-split ILP of one shape (see the module docstring) in matrix form, for HiGHS through
+    `scipy.optimize.milp`: in process, where PuLP ran CBC as one subprocess per ILP and CBC's branch
+    and bound took up to seconds on pp >= 4 shapes. Its LP relaxation is the shape's second, tighter
+    bound (`relaxed_step_s`): it sees the max over stages, the memory of every stage and the compute
+    rule, which the mean-stage `lower_bound` cannot.
 
-    Memory rows are scaled to units of the capacity and time rows are in seconds, which keeps
-    CBC's tolerances meaningful for byte counts of 1e11 next to times of 1e-3.
+    Variables: n_s (layers), k_s (recomputed layers), r_s (the stage recomputes; only where the
+    recomputed layer regrows activations), then T (slot), D (exposed DP traffic), O (optimizer).
+    Memory rows are in units of the capacity and time rows in seconds, which keeps the solver's
+    tolerances meaningful for byte counts of 1e11 next to times of 1e-3.
     """
-    coeffs = _all_coefficients(trace, layout, hw)
-    layers, pp, gas = trace.num_layers, layout.pp, layout.gas
-    problem = pulp.LpProblem("advisor_stage_split", pulp.LpMinimize)
-    fixed = layers // pp if layout.vpp > 1 else None  # interleaving needs equal stages
-    lo, hi = (1, layers) if fixed is None else (fixed, fixed)
-    n = [pulp.LpVariable(f"n_{s}", lo, hi, cat="Integer") for s in range(pp)]
-    k = [pulp.LpVariable(f"k_{s}", 0, layers, cat="Integer") for s in range(pp)]
-    slot, dp, update = (pulp.LpVariable(name, 0) for name in ("T", "D", "O"))
-    step = (gas + (pp - 1) / layout.vpp) * slot + dp + update
-    problem += step
-    problem += pulp.lpSum(n) == layers
 
-    def fits(a: _Affine, s: int, extra: float | pulp.LpAffineExpression = 0.0) -> pulp.LpConstraint:
-        return (a.c + a.n * n[s] + a.k * k[s] + extra) * (1.0 / capacity) <= 1.0
+    def __init__(self, coeffs: list[_StageCoefficients], layout: Layout, layers: int, capacity: float,
+                 min_fraction: float):
+        pp, gas = layout.pp, layout.gas
+        self.pp, self.layout = pp, layout
+        regrows = [s for s, c in enumerate(coeffs) if c.regrown > 0]
+        r_index = {s: 2 * pp + i for i, s in enumerate(regrows)}
+        width = 2 * pp + len(regrows) + 3
+        slot, dp, update = width - 3, width - 2, width - 1
+        objective = np.zeros(width)
+        objective[[slot, dp, update]] = (gas + (pp - 1) / layout.vpp, 1.0, 1.0)
+        rows: list[np.ndarray] = []
+        lo: list[float] = []
+        hi: list[float] = []
 
-    for s, c in enumerate(coeffs):
-        problem += k[s] <= n[s]
-        if c.regrown > 0:  # the layer being recomputed regrows its activations
-            r = pulp.LpVariable(f"r_{s}", cat="Binary")
-            problem += k[s] <= layers * r
-            problem += fits(c.backward_base, s, c.regrown * r)
-        problem += fits(c.backward_base, s, c.logits)
-        problem += fits(c.optimizer_moment, s)
-        if c.host.n or c.host.c:
-            problem += (c.host.c + c.host.n * n[s]) * (1.0 / c.host_capacity) <= 1.0
-        problem += slot >= c.per_mb.c + c.per_mb.n * n[s] + c.per_mb.k * k[s]
-        dp_comm = c.dp_comm.c + c.dp_comm.n * n[s]
-        problem += dp >= (1 - c.overlap) * dp_comm
-        problem += dp >= dp_comm - (c.dp_hidden.c + c.dp_hidden.n * n[s] + c.dp_hidden.k * k[s])
-        problem += update >= c.update.c + c.update.n * n[s]
-        if min_fraction > 0:
-            problem += gas * (c.compute.c + c.compute.n * n[s] + c.compute.k * k[s]) >= min_fraction * step
-    status = pulp.LpStatus[problem.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=0, gapAbs=0))]
-    if status != "Optimal":
-        return None
-    split = [int(round(v.value())) for v in n]
-    recomputed = [int(round(v.value() or 0)) for v in k]
-    update_fields: dict = {"stage_layers": split if pp > 1 else None}
-    if any(recomputed):
-        update_fields["recompute_layers"] = recomputed
-    else:
-        update_fields.update(recompute="none", recompute_layers=None)
-    return layout.model_copy(update=update_fields)
+        def row(terms: dict[int, float], low: float = -np.inf, high: float = np.inf) -> None:
+            line = np.zeros(width)
+            for index, value in terms.items():
+                line[index] += value
+            rows.append(line)
+            lo.append(low)
+            hi.append(high)
+
+        row({s: 1.0 for s in range(pp)}, layers, layers)
+        most = [_most_layers(c, layers, capacity) for c in coeffs]
+        for s, c in enumerate(coeffs):
+            n, k = s, pp + s
+            row({k: 1.0, n: -1.0}, high=0.0)
+            scale = 1.0 / capacity
+            base = c.backward_base
+            if s in r_index:  # the layer being recomputed regrows its activations
+                row({k: 1.0, r_index[s]: -float(max(1, most[s]))}, high=0.0)  # the least big-M: a tighter LP
+                row({n: base.n * scale, k: base.k * scale, r_index[s]: c.regrown * scale},
+                    high=1.0 - base.c * scale)
+            row({n: base.n * scale, k: base.k * scale}, high=1.0 - (base.c + c.logits) * scale)
+            moment = c.optimizer_moment
+            row({n: moment.n * scale, k: moment.k * scale}, high=1.0 - moment.c * scale)
+            if c.host.n or c.host.c:
+                row({n: c.host.n / c.host_capacity}, high=1.0 - c.host.c / c.host_capacity)
+            row({slot: 1.0, n: -c.per_mb.n, k: -c.per_mb.k}, low=c.per_mb.c)
+            row({dp: 1.0, n: -(1 - c.overlap) * c.dp_comm.n}, low=(1 - c.overlap) * c.dp_comm.c)
+            row({dp: 1.0, n: c.dp_hidden.n - c.dp_comm.n, k: c.dp_hidden.k}, low=c.dp_comm.c - c.dp_hidden.c)
+            row({update: 1.0, n: -c.update.n}, low=c.update.c)
+            if min_fraction > 0:  # gas * compute_s >= f * step
+                row({n: gas * c.compute.n, k: gas * c.compute.k,
+                     **{i: -min_fraction * objective[i] for i in (slot, dp, update)}}, low=-gas * c.compute.c)
+        fixed = layers // pp if layout.vpp > 1 else None  # interleaving needs equal stages
+        lower = np.zeros(width)
+        upper = np.full(width, np.inf)
+        lower[:pp], upper[:pp] = (1, np.maximum(most, 1)) if fixed is None else (fixed, fixed)
+        upper[pp:2 * pp] = layers
+        # Some stage holds at least ceil(L / pp) layers, so each max-over-stages term is at least its
+        # least value over stages at that many layers: valid for every integer split, and it closes
+        # most of the LP's gap where the layers do not divide evenly (80 layers on 32 stages).
+        crowded = -(-layers // pp)
+        lower[slot] = _least_at(crowded, [(c.per_mb.c, c.per_mb.n, c.per_mb.k) for c in coeffs])
+        lower[dp] = _least_at(crowded, [((1 - c.overlap) * c.dp_comm.c, (1 - c.overlap) * c.dp_comm.n, 0.0)
+                                        for c in coeffs])
+        lower[update] = _least_at(crowded, [(c.update.c, c.update.n, c.update.k) for c in coeffs])
+        upper[2 * pp:slot] = 1
+        integrality = np.zeros(width)
+        integrality[:slot] = 1
+        self.objective, self.integrality, self.lower, self.upper = objective, integrality, lower, upper
+        self.rows, self.row_lo, self.row_hi = np.array(rows), np.array(lo), np.array(hi)
+
+    def _solve(self, integral: bool, cutoff: float = math.inf):
+        # deferred: scipy.optimize takes ~1 s to import, which every other verb of the CLI would pay
+        from scipy.optimize import Bounds, LinearConstraint, milp
+
+        constraints = [LinearConstraint(self.rows, self.row_lo, self.row_hi)]
+        if cutoff < math.inf:  # only a step below the cutoff matters: the solver prunes by it
+            constraints.append(LinearConstraint(self.objective, -np.inf, cutoff))
+        return milp(self.objective, integrality=self.integrality if integral else None,
+                    bounds=Bounds(self.lower, self.upper), constraints=constraints, options={"mip_rel_gap": 0.0})
+
+    def _single_stage(self) -> tuple[float, np.ndarray] | None:
+        """pp = 1: the stage holds every layer, so only k (and r = [k > 0]) is free. Every k is tried
+        on the program's own rows, with T, D and O at the least their rows allow (which also leaves
+        the compute rule the most room): the exact optimum, without a solver call."""
+        width = len(self.objective)
+        tdo = slice(width - 3, width)
+        ks = np.arange(int(self.lower[1]), int(self.upper[1]) + 1)
+        x = np.zeros((len(ks), width))
+        x[:, 0], x[:, 1] = self.row_lo[0], ks  # row 0: sum n = L
+        if width > 5:
+            x[:, 2] = ks > 0
+        head = x[:, :width - 3] @ self.rows[:, :width - 3].T  # (choices, rows): all but T, D, O
+        owners = self.rows[:, tdo]
+        for i in range(3):  # rows `var - terms >= low` bound one of T, D, O from below
+            only = (owners[:, i] > 0) & (np.count_nonzero(owners, axis=1) == 1) & np.isfinite(self.row_lo)
+            need = (self.row_lo[only] - head[:, only]) / owners[only, i]
+            x[:, width - 3 + i] = np.maximum(self.lower[width - 3 + i], need.max(axis=1, initial=0.0))
+        activity = x @ self.rows.T
+        slack = 1e-9 * (1 + np.abs(np.where(np.isfinite(self.row_hi), self.row_hi, self.row_lo)))
+        fits = (np.all((activity <= self.row_hi + slack) & (activity >= self.row_lo - slack), axis=1)
+                & np.all((x >= self.lower) & (x <= self.upper), axis=1))
+        if not fits.any():
+            return None
+        steps = np.where(fits, x @ self.objective, np.inf)
+        best = int(np.argmin(steps))  # the fewest recomputed layers among equals
+        return float(steps[best]), x[best]
+
+    def relaxed_step_s(self) -> float:
+        """The LP relaxation's optimum (for pp = 1 the exact one): no split of this shape steps
+        faster; inf when none fits."""
+        if self.pp == 1:
+            single = self._single_stage()
+            return single[0] if single else math.inf
+        result = self._solve(integral=False)
+        return float(result.fun) if result.status == 0 else math.inf
+
+    def solve(self, cutoff: float = math.inf) -> Layout | None:
+        """The optimal split and recompute counts, as a layout; None when nothing fits with a step
+        below `cutoff` (the search's K-th best: a shape that cannot beat it changes no answer)."""
+        if self.pp == 1:
+            single = self._single_stage()
+            if single is None or single[0] > cutoff:
+                return None
+            values = single[1]
+        else:
+            result = self._solve(integral=True, cutoff=cutoff)
+            if result.status != 0:
+                return None
+            values = result.x
+        pp = self.pp
+        split = [int(round(v)) for v in values[:pp]]
+        recomputed = [int(round(v)) for v in values[pp:2 * pp]]
+        update_fields: dict = {"stage_layers": split if pp > 1 else None}
+        if any(recomputed):
+            update_fields["recompute_layers"] = recomputed
+        else:
+            update_fields.update(recompute="none", recompute_layers=None)
+        return self.layout.model_copy(update=update_fields)
+
+
+def _least_at(layers: int, terms: list[tuple[float, float, float]]) -> float:
+    """A lower bound on max_s (c_s + a_s n_s + b_s k_s) over splits where some stage holds `layers`
+    or more (0 <= k_s <= n_s): the least over stages of the term at that many layers, when every term
+    grows with n (else 0, no bound)."""
+    slopes = [a + min(0.0, b) for _, a, b in terms]
+    if min(slopes) < 0:
+        return 0.0
+    return max(0.0, min(c + slope * layers for (c, _, _), slope in zip(terms, slopes)))
+
+
+def _most_layers(c: _StageCoefficients, layers: int, capacity: float) -> int:
+    """The most layers the stage can hold whatever it recomputes (each memory row at its least
+    over 0 <= k <= n): an upper bound on n_s, and the least big-M for `k_s <= M r_s`."""
+    most = layers
+    for const, slope in ((c.backward_base.c + c.logits, c.backward_base.n + min(0.0, c.backward_base.k)),
+                         (c.optimizer_moment.c, c.optimizer_moment.n + min(0.0, c.optimizer_moment.k))):
+        if slope > 0:
+            most = min(most, math.floor((capacity - const) / slope * (1 + 1e-9) + 1e-6))
+    return max(0, most)
 
 
 # ------------------------------------------------------------------------------------------
@@ -431,11 +549,24 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
     found: list[Solution] = []
     seen: set[str] = set()
     ilps = 0
-    for bound, shape in candidates:
+    # Best first over two bounds: a shape enters with its mean-stage bound; popped, it gets its LP
+    # relaxation's bound and goes back; popped again, its ILP is solved. Stops when the K-th best plan
+    # found beats every bound left, so it solves no ILP the single-bound search would have skipped.
+    queue: list[tuple[float, int, StageProgram | None, Layout]] = [
+        (b.step_s, i, None, layout) for i, (b, layout) in enumerate(candidates)]  # sorted: a heap
+    while queue:
+        bound, order, program, shape = heapq.heappop(queue)
         kth = sorted(s.step_s for s in found)[req.top_k - 1] if len(found) >= req.top_k else math.inf
-        if bound.step_s >= kth:
+        if bound >= kth:
             break
-        layout = solve_shape(trace, shape, hw, capacity, min_fraction)
+        if program is None:
+            program = StageProgram(_all_coefficients(trace, shape, hw), shape, trace.num_layers, capacity,
+                                   min_fraction)
+            relaxed = program.relaxed_step_s()
+            if relaxed < math.inf:  # the solver's tolerances: never let its bound pass the true one
+                heapq.heappush(queue, (max(bound, relaxed * (1 - LP_BOUND_SLACK)), order, program, shape))
+            continue
+        layout = program.solve(kth * (1 + LP_BOUND_SLACK))
         ilps += 1
         if layout is not None and layout.short() not in seen:
             est = estimate_from_trace(trace, layout, hw)

@@ -27,7 +27,6 @@ from advisor.plan_file import Plan, load_plan
 from advisor.specs import Layout, ModelSpec
 from advisor.task import TaskSpec
 from planner.plan import PlanOptions, make_plan
-from planner.search import SearchSpace
 from presets import load_hardware
 
 STEPS = 3
@@ -69,7 +68,7 @@ def task(global_batch: int) -> TaskSpec:
 def choose(model: ModelSpec, ranks: int, batch: int, fixed: dict, method: str = "full") -> Plan:
     """The planner's choice for `ranks` CPU devices under the `--fix` constraints."""
     return make_plan(PlanOptions(model=model, hardware=load_hardware("cpu"), gpus_per_node=ranks, task=task(batch),
-                                 method=method, min_compute_fraction=0.0, space=SearchSpace(fixed=fixed)))
+                                 method=method, min_compute_fraction=0.0, fix=dict(fixed)))
 
 
 def pinned(model: ModelSpec, layout: Layout, engine: str = "auto") -> Plan:
@@ -192,7 +191,9 @@ def requests(draw):
         if draw(st.booleans()):
             fixed["zero"] = draw(st.sampled_from([0, 1, 2, 3]))
     if draw(st.booleans()):
-        fixed["recompute"] = draw(st.sampled_from(["none", "selective", "full"]))
+        fixed["mbs"] = draw(st.sampled_from([1, 2]))
+    if ranks > 1 and draw(st.booleans()):
+        fixed["sp"] = draw(st.booleans())
     return family, layers, ranks, batch, fixed
 
 

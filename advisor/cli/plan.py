@@ -78,19 +78,22 @@ def plan(
         console.print("[yellow]planned for any engine (--any-engine): marked runnable_here: false, for "
                       "Megatron-LM, NeMo or DeepSpeed (--export); `advisor train` refuses the layouts it does not "
                       "run[/yellow]")
-    for path in written:
-        console.print(f"wrote {path}")
+    for line in written:
+        console.print(line, highlight=False, markup=False)
 
 
-def write_plan_files(result, out: Path | None, export_dir: Path | None) -> list[Path]:
-    """plan.yaml for `advisor train` and the launcher files, where asked."""
-    written = []
+def write_plan_files(result, out: Path | None, export_dir: Path | None) -> list[str]:
+    """plan.yaml for `advisor train` and the launcher files, where asked: one line per file, written
+    or left out with the reason."""
+    lines = []
     if out:
         result.write(out)
-        written.append(out)
+        lines.append(f"wrote {out}")
     if export_dir:
-        written += export(result, export_dir)
-    return written
+        exported = export(result, export_dir)
+        lines += [f"wrote {path}" for path in exported.written]
+        lines += [f"did not write {name}: {why}" for name, why in exported.skipped.items()]
+    return lines
 
 
 def plan_json(result) -> dict[str, Any]:
