@@ -511,7 +511,7 @@ class _Run:
     def fall_back(self, stage: _Stage, error: str) -> None:
         """Out of memory: switch to the plan's next layout that these processes can run, from the
         last checkpoint (several ranks: ask the launcher to restart them all with it)."""
-        replacement, skipped = next_layout(self.plan, self.failed_layouts)
+        replacement, skipped = next_layout(self.plan, self.failed_layouts, self.dev.type)
         target = self._last_checkpoint()
         step, failed = self.state.global_step + 1, self.layout.short()
         fallback = {"event": "oom_fallback", "step": step, "stage": stage.spec.name, "error": error[:300],
