@@ -240,9 +240,12 @@ def test_run_trains_only_layouts_the_trainer_runs() -> None:
 
 
 @pytest.mark.slow
-def test_verification_times_a_pipeline_candidate_through_the_real_training_loop(tmp_path) -> None:
-    """Layouts the fork harness does not cover (here pp=2) are timed by the real loop under torchrun
-    on the task's first stage, for a few steps; the trial directory loses its checkpoints."""
+def test_verification_times_a_pipeline_candidate_through_the_trainers_pipeline_engine(tmp_path) -> None:
+    """A pp=2 candidate on CPU: forked ranks step the trainer's pipeline engine. On GPUs (which
+    forked children cannot use) the real loop under torchrun times it on the task's first stage, for
+    a few steps, and the trial directory loses its checkpoints: run here directly."""
+    from trainer.verify import _loop_trial
+
     fields = {"dp": 1, "tp": 1, "pp": 2, "zero": 0, "mbs": 1, "gas": 4, "seq": 32, "dtype": "fp32",
               "recompute": "none", "method": "full", "offload": "none", "sp": False, "vpp": 1,
               "stage_layers": None, "recompute_layers": None}
@@ -250,7 +253,10 @@ def test_verification_times_a_pipeline_candidate_through_the_real_training_loop(
     said: list[str] = []
     result = verify(plan, 1, tmp_path / "run", steps=4, say=said.append)
     trial = result.trials[0]
-    assert trial.harness == "loop" and trial.error is None, (trial.error, said)
+    assert trial.harness == "fork" and trial.error is None, (trial.error, said)
     assert trial.measured_step_s and trial.measured_step_s > 0 and len(trial.steps_s) == 4
     assert trial.measured_tokens_per_s == pytest.approx(4 * 32 / trial.measured_step_s)
+
+    looped = _loop_trial(plan, plan.chosen, 4, tmp_path / "run" / "verify" / "1", tmp_path / "run")
+    assert looped["step_s"] > 0 and len(looped["steps_s"]) == 4
     assert not (tmp_path / "run" / "verify" / "1" / "checkpoints").exists()
