@@ -68,9 +68,10 @@ class TimedSteps:
         return statistics.median(self.steps_s[self.warmup:])
 
 
-def random_batch(layout: Layout, vocab: int, rank: int, step: int, micro: int) -> torch.Tensor:
-    """Random token ids of one micro-batch, different per rank, step and micro-batch, reproducible."""
-    generator = torch.Generator().manual_seed(SEED + 1000 * rank + 10 * step + micro)
+def random_batch(layout: Layout, vocab: int, data_rank: int, step: int, micro: int) -> torch.Tensor:
+    """Random token ids of one micro-batch, different per data-parallel rank, step and micro-batch,
+    reproducible."""
+    generator = torch.Generator().manual_seed(SEED + 1000 * data_rank + 10 * step + micro)
     return torch.randint(0, vocab, (layout.mbs, layout.seq), generator=generator)
 
 
@@ -83,6 +84,7 @@ def run_steps(model: ModelSpec, layout: Layout, steps: int, rank: int, meter: Me
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()  # the steps' peak, as the cost model prices it
     vocab = int(model.hf_config["vocab_size"])
+    data_rank = getattr(trained, "data_rank", rank)  # as in the loop: TP/PP ranks of one replica read the same data
     current = [0]
     if meter is not None:
         meter.attach(trained.model, getattr(trained, "optimizer", None))
@@ -90,7 +92,7 @@ def run_steps(model: ModelSpec, layout: Layout, steps: int, rank: int, meter: Me
     seconds, losses = [], []
     for step in range(1, steps + 1):
         current[0] = step
-        batches = (random_batch(layout, vocab, rank, step, micro).to(dev) for micro in range(layout.gas))
+        batches = (random_batch(layout, vocab, data_rank, step, micro).to(dev) for micro in range(layout.gas))
         started = time.perf_counter()
         micro_losses, _ = optimizer_step(trained, _metered(batches, meter, step), LEARNING_RATE)
         if dev.type == "cuda":
