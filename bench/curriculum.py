@@ -117,7 +117,7 @@ def evaluate(run_dir: Path, plan, task, steps: list[int]) -> list[dict[str, floa
         state = torch.load(run_dir / "checkpoints" / f"step-{step:08d}" / "engine.pt", map_location="cpu",
                            weights_only=True)
         model.load_state_dict(state["model"])
-        out.append(_evaluate(model, sources, EVAL_SEQUENCES, torch.device("cpu")))
+        out.append(_evaluate(model, sources, EVAL_SEQUENCES, plan.chosen.layout.mbs, torch.device("cpu")))
     return out
 
 

@@ -61,22 +61,19 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# The model, back-ends and steps are shared with `advisor profile` and the step-time bench.
-from trainer import steps as _steps  # noqa: E402
-from trainer.steps import (  # noqa: E402,F401
+# The engines and steps are `advisor train`'s (trainer/timed_steps.py), as for `advisor profile`
+# and the step-time bench.
+from bench.layout_dicts import (  # noqa: E402,F401
     DDP_SETTINGS,
     LAYOUT_DEFAULTS,
-    LEARNING_RATE,
-    MODEL_CONFIG,
-    SEED,
-    ZERO_SETTINGS,
-    build_model,
-    deepspeed_config,
+    MODEL,
     normalize_layout,
-    random_batch,
-    region,
+    trainer_layout,
     uses_deepspeed,
 )
+from planner.export import model_deepspeed_config  # noqa: E402
+from profiler.ranks import finish_rank, free_port, init_rank  # noqa: E402
+from trainer import timed_steps as _steps  # noqa: E402
 
 Layout = dict[str, Any]
 
@@ -345,14 +342,14 @@ def make_meter(method: str) -> Meter:
 
 def run_steps(layout: Layout, steps: int, rank: int, meter: Meter) -> None:
     """Build the back-end for ``layout`` and run ``steps`` optimizer steps under ``meter``."""
-    _steps.run_steps(layout, steps, rank, meter)
+    _steps.run_steps(MODEL, trainer_layout(layout), steps, rank, meter)
 
 
 
 def _worker(rank: int, layout: Layout, steps: int, method: str, port: int, out_dir: str) -> None:
     """One rank: set up the process group, train under the meter, write its reading."""
     distributed = layout["world"] > 1 or uses_deepspeed(layout)
-    _steps.init_rank(rank, layout["world"], port, distributed)
+    init_rank(rank, layout["world"], port, distributed)
     meter = make_meter(method)
     start = time.perf_counter()
     meter.start()
@@ -360,17 +357,17 @@ def _worker(rank: int, layout: Layout, steps: int, method: str, port: int, out_d
     reading = meter.finish()
     seconds = time.perf_counter() - start
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({**asdict(reading), "seconds": seconds}))
-    _steps.finish_rank(distributed)
+    finish_rank(distributed)
 
 
-_free_port = _steps.free_port
+_free_port = free_port
 
 
 def _prepare_parent(layout: Layout, method: str) -> None:
     """Build/load native extensions once in the parent, so forked ranks inherit them loaded."""
     if method == "alloc_hook":
         load_alloc_hook()
-    _steps.prepare_parent(layout)
+    _steps.prepare_forks([trainer_layout(layout)])
 
 
 def summarize(reading: Reading) -> dict[str, Any]:
@@ -434,7 +431,8 @@ def measure_peak(
         seconds=round(seconds, 2),
         peak_bytes_runs=peaks,
         per_rank=per_rank,
-        settings={"ddp": DDP_SETTINGS} if not uses_deepspeed(layout) else {"zero": ZERO_SETTINGS},
+        settings={"ddp": DDP_SETTINGS} if not uses_deepspeed(layout) else {
+            "zero": model_deepspeed_config(MODEL, "cpu", trainer_layout(layout))["zero_optimization"]},
     )
     return result
 

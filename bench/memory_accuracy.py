@@ -76,7 +76,7 @@ def main() -> None:
     body = "\n".join(lines) + (
         f"\n\nWorst error {100 * max(errors):.1f}% over {len(errors)} layouts (held out: {100 * max(held):.1f}%); "
         "goal: within 10%. demo-tiny is a 4-layer, 256-wide Llama (3.95 M parameters), fp32, AdamW; "
-        "ZeRO runs through DeepSpeed 0.19 with 500k-element buckets.")
+        "ZeRO runs through DeepSpeed 0.19, configured as `advisor train` runs it (planner/export.py).")
     write_section("memory_accuracy", "Peak memory: predicted against measured (demo-tiny, this CPU)",
                   "python -m bench.memory_accuracy", body)
 

@@ -6,9 +6,9 @@ demo task (global batch 16, seq 256):
 1. `advisor run --max-steps-per-stage N` from a fresh cache: profile, plan, verify the top K,
    train, feed back. Its wall time and the layout it trained.
 2. The exhaustive trial: every layout the planner's search space holds for 2 devices at tp = pp
-   = 1 (what the trainer runs), with no and with every layer recomputed, is measured with the same step harness (trainer/steps.py, forked
-   gloo ranks, random tokens, STEPS steps, median after 2 warm-up steps). "selective"
-   recomputation runs as full-layer recomputation, as the trainer runs it.
+   = 1 (what the trainer runs), with no and with every layer recomputed, is measured through
+   `advisor train`'s own engines and step code (trainer/timed_steps.py: forked gloo ranks, random
+   tokens, STEPS steps, median after 2 warm-up steps), each layout as the trainer runs it.
 3. `advisor run` again on the same machine: the profile now carries the first run's feedback. Its
    prediction error of its own trials, against the first run's (the feedback's out-of-sample test).
 
@@ -77,8 +77,8 @@ def search_space(profile: Path) -> list:
     return out
 
 
-def key(run_layout: dict) -> tuple:
-    return tuple(sorted(run_layout.items()))
+def key(layout) -> str:
+    return layout.short()
 
 
 def main() -> None:
@@ -89,8 +89,8 @@ def main() -> None:
     parser.add_argument("--steps-per-stage", type=int, default=4, help="training steps per stage in each run")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args()
-    from trainer.steps import time_steps
-    from trainer.verify import fork_layout
+    from presets import load_model
+    from trainer.timed_steps import time_layout
 
     work = Path(tempfile.mkdtemp(prefix="plan_quality_"))
     cache = work / "cache"
@@ -101,17 +101,16 @@ def main() -> None:
     profile = Path(runs[0][0]["hardware_basis"])
 
     layouts = search_space(profile)
-    measured: dict[tuple, float] = {}
+    measured: dict[str, float] = {}
     rows = []
     started = time.perf_counter()
     for layout in layouts:
-        run = fork_layout(layout, "cpu")
-        if run is None or key(run) in measured:
+        if key(layout) in measured:
             continue
-        result = time_steps(run, steps=args.steps, hf_config=None, threads=1, warmup=2)
-        measured[key(run)] = result["step_s"]
-        rows.append((layout, run, result["step_s"], load_average()))
-        print(f"  {layout.short()}: {result['step_s']:.3f} s (load {rows[-1][3]})", flush=True)
+        step_s = time_layout(load_model("demo-tiny"), layout, steps=args.steps, threads=1, warmup=2).step_s
+        measured[key(layout)] = step_s
+        rows.append((layout, step_s, load_average()))
+        print(f"  {layout.short()}: {step_s:.3f} s (load {rows[-1][2]})", flush=True)
     exhaustive_s = time.perf_counter() - started
     loads.append(load_average())
     for i in range(1, args.runs):
@@ -127,18 +126,14 @@ def main() -> None:
         from advisor.specs import Layout, parse_layout_string
 
         layout = Layout(**parse_layout_string(layout_text))
-        run = fork_layout(layout, "cpu")
-        step = measured.get(key(run)) if run else None
+        step = measured.get(key(layout))
         return (tokens_per_step / step if step else None), layout.short()
 
-    table = ["| # | layout (dp=2, demo-tiny, fp32, seq 256, global batch 16) | executed as | measured step | "
-             "tokens/s | of best | load |", "|---|---|---|---|---|---|---|"]
-    seen = set()
-    for i, (layout, run, step, load) in enumerate(sorted(rows, key=lambda r: r[2]), 1):
-        executed = f"zero={run['zero']},mbs={run['mbs']},gas={run['gas']},recompute={run['recompute']}"
-        seen.add(key(run))
+    table = ["| # | layout (dp=2, demo-tiny, fp32, seq 256, global batch 16) | measured step | "
+             "tokens/s | of best | load |", "|---|---|---|---|---|---|"]
+    for i, (layout, step, load) in enumerate(sorted(rows, key=lambda r: r[1]), 1):
         table.append(f"| {i} | zero={layout.zero},mbs={layout.mbs},gas={layout.gas},recompute={layout.recompute} | "
-                     f"{executed} | {step:.2f} s | {tokens_per_step / step:,.0f} | "
+                     f"{step:.2f} s | {tokens_per_step / step:,.0f} | "
                      f"{100 * tokens_per_step / step / best_tps:.0f}% | {load} |")
     run_table = ["| run | seconds | profile | plan | verify | train | planner's #1 | of best | trained (after verify) | "
                  "of best | trials' step error before feedback (RMS) | after refit |",
@@ -163,10 +158,10 @@ def main() -> None:
     decision_s = [r["timings"].get("profile_s", 0) + r["timings"].get("plan_s", 0) + r["timings"].get("verify_s", 0)
                   for r, _ in runs]
     summary = (
-        f"\n\nBest measured: {_short(','.join(f'{k}={v}' for k, v in best_key))} at {best_tps:,.0f} tokens/s. "
+        f"\n\nBest measured: {_short(best_key)} at {best_tps:,.0f} tokens/s. "
         f"The layout `advisor run` trained reached {', '.join(f'{100 * r:.0f}%' for r in ratios)} of it "
         f"(goal >= {100 * GOAL:.0f}%). Exhaustive trial: {len(rows)} distinct layouts ({len(layouts)} in the "
-        f"search space; selective recomputation runs as full) x {args.steps} steps in {exhaustive_s:.0f} s; "
+        f"search space) x {args.steps} steps in {exhaustive_s:.0f} s; "
         f"`advisor run` decided (profile + plan + verify) in {', '.join(f'{s:.0f}' for s in decision_s)} s and "
         f"took {', '.join(f'{s:.0f}' for _, s in runs)} s in all with {args.steps_per_stage} training steps per "
         f"stage (run 1 profiles from scratch; run 2 reuses the profile). Trials' step error: each run's "

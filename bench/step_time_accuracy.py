@@ -3,9 +3,10 @@
 1. Profile: `advisor profile --quick --model demo-tiny --out PROFILE` (skipped with --profile).
    Its calibration ran a 2-layer cut of demo-tiny at seq 256 (mbs 1, mbs 4, LoRA mbs 2) to fit
    the GEMM and memory efficiencies (planner/calibration.py).
-2. Measure: every layout below trains the full 4-layer demo-tiny (fp32, AdamW; DDP over forked
-   gloo ranks for 2 ranks) for STEPS optimizer steps, one thread per rank (a device is one core,
-   as in the profile); the figure is the median step after WARMUP steps, of the slowest rank.
+2. Measure: every layout below trains the full 4-layer demo-tiny through `advisor train`'s own
+   engine and step code (trainer/timed_steps.py: fp32, AdamW; DDP over forked gloo ranks for 2
+   ranks) for STEPS optimizer steps, one thread per rank (a device is one core, as in the
+   profile); the figure is the median step after WARMUP steps, of the slowest rank.
 3. Predict: `advisor estimate --model demo-tiny --hardware PROFILE --layout ... --json`.
 
 All layouts here are held out: none of them ran in the calibration (other depth, and other
@@ -29,7 +30,9 @@ from typer.testing import CliRunner  # noqa: E402
 
 from advisor.cli import app  # noqa: E402
 from advisor.profile import load_profile  # noqa: E402
-from trainer.steps import time_steps  # noqa: E402
+from advisor.specs import Layout, parse_layout_string  # noqa: E402
+from presets import load_model  # noqa: E402
+from trainer.timed_steps import time_layout  # noqa: E402
 
 # dp is always written out: without it `estimate` fills dp with every device of the node.
 LAYOUTS = [
@@ -47,11 +50,8 @@ LAYOUTS = [
 GOAL = 0.15
 
 
-def run_layout_of(text: str) -> dict:
-    fields = dict(kv.split("=") for kv in text.split(","))
-    return {"world": int(fields.get("dp", 1)), "zero": 0, "mbs": int(fields["mbs"]), "seq": int(fields["seq"]),
-            "gas": int(fields.get("gas", 1)), "recompute": fields.get("recompute", "none"),
-            "method": fields.get("method", "full"), "dtype": "fp32"}
+def layout_of(text: str) -> Layout:
+    return Layout(**parse_layout_string(f"{text},dtype=fp32"))
 
 
 def _short(layout: str) -> str:
@@ -94,13 +94,13 @@ def main() -> None:
              "|---|---|---|---|---|---|---|"]
     errors = []
     for i, layout in enumerate(LAYOUTS, 1):
-        run = run_layout_of(layout)
-        measured = time_steps(run, steps=args.steps, threads=threads, warmup=args.warmup)
+        run = layout_of(layout)
+        measured = time_layout(load_model("demo-tiny"), run, steps=args.steps, threads=threads, warmup=args.warmup)
         load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
         predicted = predict(profile_path, layout)["time"]["step_s"]
-        error = predicted / measured["step_s"] - 1
+        error = predicted / measured.step_s - 1
         errors.append(error)
-        lines.append(f"| {i} | {layout} | {run['world']} | {measured['step_s'] * 1e3:.0f} ms | "
+        lines.append(f"| {i} | {layout} | {run.devices} | {measured.step_s * 1e3:.0f} ms | "
                      f"{predicted * 1e3:.0f} ms | {100 * error:+.1f}% | {load} |")
         print(lines[-1], flush=True)
     within = sum(abs(e) <= GOAL for e in errors)

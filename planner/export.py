@@ -13,7 +13,7 @@ import yaml
 
 from advisor.capabilities import engine_for
 from advisor.plan_file import Plan
-from advisor.specs import Layout, safe_name
+from advisor.specs import Layout, ModelSpec, safe_name
 from planner.cost_model import zero_bucket_elems
 from profiler.model_trace import trace_model
 
@@ -23,11 +23,17 @@ RUN_DIR = "run"  # beside plan.yaml, unless $RUN_DIR says otherwise
 
 
 def deepspeed_config(plan: Plan, layout: Layout) -> dict:
-    trace = trace_model(plan.model, layout.seq, layout.dtype, layout.method, layout.lora_rank,
-                        device_type=plan.hardware.device_type)
+    return model_deepspeed_config(plan.model, plan.hardware.device_type, layout)
+
+
+def model_deepspeed_config(model: ModelSpec, device_type: str, layout: Layout) -> dict:
+    """The DeepSpeed config of `layout` for `model` on `device_type`, without a plan around it: the
+    trainer's timed steps (calibration, verification, the benches) configure DeepSpeed as
+    `advisor train` does."""
+    trace = trace_model(model, layout.seq, layout.dtype, layout.method, layout.lora_rank, device_type=device_type)
     bucket = zero_bucket_elems(trace, layout)
     zero: dict = {"stage": layout.zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                  "contiguous_gradients": True, "overlap_comm": plan.hardware.device_type == "cuda"}
+                  "contiguous_gradients": True, "overlap_comm": device_type == "cuda"}
     if layout.zero == 3:
         zero.update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=0)
     if layout.offload != "none":

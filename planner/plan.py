@@ -239,6 +239,15 @@ def _with_prepared_tokens(task: TaskSpec, counts: dict[str, int] | None, notes: 
     return task.model_copy(update={"stages": stages})
 
 
+def _assumed_network(hw: HardwareSpec, nodes: int) -> list[str]:
+    """A note when a plan spans nodes on inter-node figures that were assumed, not measured."""
+    assumed = {key: where for key, where in hw.assumed.items() if key.startswith("inter_node")}
+    if nodes <= 1 or not assumed:
+        return []
+    return ["this plan spans nodes, but the profile's inter-node figures are assumed, not measured: "
+            + "; ".join(f"{key} {getattr(hw, key):g} ({where})" for key, where in assumed.items())]
+
+
 def make_plan(opts: PlanOptions) -> Plan:
     started = time.perf_counter()
     notes: list[str] = []
@@ -302,10 +311,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     if method != methods[0]:
         notes.append(f"method {method}: {', '.join(m for m in methods if m != method and METHOD_ORDER.index(m) < METHOD_ORDER.index(method))} does not fit")
 
-    if nodes > 1 and any(key.startswith("inter_node") for key in hw.assumed):
-        notes.append("this plan spans nodes, but the profile's inter-node figures are assumed, not measured: "
-                     + "; ".join(f"{key} {getattr(hw, key):g} ({where})" for key, where in hw.assumed.items()
-                                 if key.startswith("inter_node")))
+    notes += _assumed_network(hw, nodes)
     planned = _planned(result, capacity, opts.min_compute_fraction)
     if opts.fix:
         notes.append(f"fixed by --fix: {describe(opts.fix)}")

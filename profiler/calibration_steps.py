@@ -1,8 +1,8 @@
 """Calibration steps: a few real training steps of the target model, timed through a step runner.
 
 The profiler only measures here. The runner that executes the steps is handed in by the composition
-root (the CLI passes the trainer's timed-steps harness), and the factors are fitted to the times by
-`planner/calibration.py`.
+root (the CLI passes the trainer's timed steps, trainer/timed_steps.py: `advisor train`'s own
+engines and step code), and the factors are fitted to the times by `planner/calibration.py`.
 
 Which layouts (`fit_layouts`): mbs 1 and mbs 4 separate per-token from per-micro-batch work, a
 second micro-batch (gas 2) pins the overhead, seq 512 weighs attention, LoRA separates the
@@ -13,7 +13,7 @@ node measures contention (and the collectives the profile measured).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from advisor.specs import Layout, ModelSpec
 from profiler.model_trace import _layers_key
@@ -24,11 +24,10 @@ WARMUP_STEPS = 3
 
 
 class StepRunner(Protocol):
-    """Runs `steps` optimizer steps of `layout` for real and returns at least `step_s`, the median
-    step after `warmup` (the trainer's timed-steps harness, adapted to an `advisor.specs.Layout`)."""
+    """Runs `steps` optimizer steps of `layout` on `model` for real and returns the median step's
+    seconds after `warmup` (the trainer's timed steps: `advisor train`'s engine and step code)."""
 
-    def __call__(self, layout: Layout, *, steps: int, hf_config: dict[str, Any], threads: int,
-                 warmup: int) -> dict[str, Any]: ...
+    def __call__(self, model: ModelSpec, layout: Layout, *, steps: int, threads: int, warmup: int) -> float: ...
 
 
 @dataclass
@@ -53,7 +52,7 @@ def calibration_model(model: ModelSpec, layers: int = CALIBRATION_LAYERS) -> Mod
 
 def fit_layouts(seq: int, devices: int, max_seq: int | None = None) -> list[Layout]:
     """What calibration runs (see the module docstring); the last one on two devices when the
-    node has them (the step harness runs 1 or 2 ranks)."""
+    node has them."""
     layouts = [
         Layout(mbs=1, seq=seq, dtype="fp32"),
         Layout(mbs=4, seq=seq, dtype="fp32"),
@@ -86,7 +85,6 @@ def measure_calibration_steps(
     for layout in layouts:
         if progress:
             progress(f"calibration {layout.short()}")
-        result = step_runner(layout, steps=steps, hf_config=small.hf_config, threads=threads, warmup=WARMUP_STEPS)
-        measured.append(result["step_s"])
+        measured.append(step_runner(small, layout, steps=steps, threads=threads, warmup=WARMUP_STEPS))
     return CalibrationSteps(model=model.name, small=small, threads=threads, steps=steps, layouts=layouts,
                             measured_s=measured)

@@ -56,6 +56,7 @@ def finish_rank(distributed: bool) -> None:
         dist.destroy_process_group()
 
 
-def launch(worker: Callable[..., None], nprocs: int, args: tuple = ()) -> None:
-    """Run ``worker(rank, *args)`` in ``nprocs`` forked ranks and wait for them."""
-    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="fork")
+def launch(worker: Callable[..., None], nprocs: int, args: tuple = (), start_method: str = "fork") -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` forked ranks and wait for them (``spawn`` where the
+    parent may have initialised CUDA, which forked children cannot use)."""
+    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method=start_method)

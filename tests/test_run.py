@@ -174,54 +174,41 @@ def test_a_verified_candidate_becomes_the_plan_with_its_stages_resized() -> None
 
 
 @pytest.mark.slow
-def test_fork_harness_runs_what_the_trainer_runs(tmp_path) -> None:
-    """Verification trials and calibration time `trainer.steps`: its two forked ZeRO-1 ranks of a
-    planned layout give, step by step, the losses of one process stepping the trainer's plain
-    engine over the same four micro-batches (same seed, learning rate and recomputation): data
-    parallelism equals accumulation. (At this learning rate weight decay and clipping move the
-    losses by less than the tolerance; that the harness runs the trainer's engines, `make_engine`,
-    is what carries them.)"""
+def test_verification_trials_time_what_the_trainer_runs() -> None:
+    """Verification trials and calibration time the trainer's own engines (trainer/timed_steps.py):
+    two forked ZeRO-1 ranks of a planned layout give, step by step, the losses of one process
+    stepping the trainer's plain engine over the same four micro-batches (same seed, learning rate
+    and recomputation): data parallelism equals accumulation. (At this learning rate weight decay
+    and clipping move the losses by less than the tolerance; that the steps run the trainer's
+    engines, `build_engine`, is what carries them.)"""
     import statistics
-    from pathlib import Path
 
-    from profiler.ranks import finish_rank, free_port, init_rank, launch
     from test_trainer import CONFIG
     from advisor.specs import ModelSpec
     from trainer.engines import make_engine
     from trainer.loop import TrainOptions
     from trainer.model import build_model
-    from trainer.steps import LEARNING_RATE, SEED, StepTimer, prepare_parent, random_batch, run_steps
-    from trainer.verify import fork_layout
+    from trainer.timed_steps import LEARNING_RATE, SEED, random_batch, time_layout
+    from trainer.verify import trial_harness
 
     steps, vocab = 3, CONFIG["vocab_size"]
-    run = fork_layout(Layout(dp=2, zero=1, mbs=1, gas=2, seq=32, dtype="fp32", recompute="selective"), "cpu")
-    assert run["world"] == 2 and run["recompute"] == "selective"  # timed as the trainer runs it
-
-    def harness_rank(rank: int, port: int) -> None:
-        init_rank(rank, 2, port, distributed=True, threads=1)
-        losses = run_steps(run, steps, rank, StepTimer(), CONFIG)
-        Path(tmp_path, f"rank{rank}.json").write_text(json.dumps(losses))
-        finish_rank(True)
-
-    prepare_parent(run)
-    launch(harness_rank, 2, (free_port(),))
-    per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-    harness = [statistics.fmean(step) for step in zip(*per_rank)]
+    model = ModelSpec(name="tiny", hf_config=CONFIG)
+    planned = Layout(dp=2, zero=1, mbs=1, gas=2, seq=32, dtype="fp32", recompute="selective")
+    timed = time_layout(model, planned, steps=steps, warmup=1, threads=1)
+    assert len(timed.steps_s) == steps and timed.step_s > 0
 
     single = Layout(dp=1, zero=0, mbs=1, gas=4, seq=32, dtype="fp32", recompute="full")
-    engine = make_engine(build_model(ModelSpec(name="tiny", hf_config=CONFIG), single, SEED), single, None,
-                         TrainOptions().clip)
+    engine = make_engine(build_model(model, single, SEED), single, None, TrainOptions().clip)
     trainer = []
     for step in range(1, steps + 1):
-        batches = [random_batch(run, rank, step, micro, vocab) for rank in range(2) for micro in range(2)]
+        batches = [random_batch(planned, vocab, rank, step, micro) for rank in range(2) for micro in range(2)]
         trainer.append(statistics.fmean(engine.micro_step(ids) for ids in batches))
         engine.optimizer_step(LEARNING_RATE)
-    assert harness == pytest.approx(trainer, abs=1e-5)
-    assert harness[0] - harness[1] > 100 * 1e-5  # each step trains by far more than the tolerance
+    assert timed.losses == pytest.approx(trainer, abs=1e-5)
+    assert timed.losses[0] - timed.losses[1] > 100 * 1e-5  # each step trains by far more than the tolerance
 
-    assert fork_layout(Layout(tp=2, seq=256, dtype="fp32"), "cpu") is None
-    assert fork_layout(Layout(dp=2, seq=256, dtype="fp32"), "cuda") is None
-    assert fork_layout(Layout(dp=1, seq=256, dtype="fp32", recompute="full", recompute_layers=[2]), "cpu") is None
+    assert trial_harness(Layout(tp=2, seq=256, dtype="fp32"), "cpu", 4) == ("fork", 4)
+    assert trial_harness(Layout(dp=2, seq=256, dtype="fp32"), "cuda", 3) == ("loop", 4)
 
 
 def test_bad_verify_options_are_one_line_usage_errors(tmp_path) -> None:
@@ -253,9 +240,12 @@ def test_run_trains_only_layouts_the_trainer_runs() -> None:
 
 
 @pytest.mark.slow
-def test_verification_times_a_pipeline_candidate_through_the_real_training_loop(tmp_path) -> None:
-    """Layouts the fork harness does not cover (here pp=2) are timed by the real loop under torchrun
-    on the task's first stage, for a few steps; the trial directory loses its checkpoints."""
+def test_verification_times_a_pipeline_candidate_through_the_trainers_pipeline_engine(tmp_path) -> None:
+    """A pp=2 candidate on CPU: forked ranks step the trainer's pipeline engine. On GPUs (which
+    forked children cannot use) the real loop under torchrun times it on the task's first stage, for
+    a few steps, and the trial directory loses its checkpoints: run here directly."""
+    from trainer.verify import _loop_trial
+
     fields = {"dp": 1, "tp": 1, "pp": 2, "zero": 0, "mbs": 1, "gas": 4, "seq": 32, "dtype": "fp32",
               "recompute": "none", "method": "full", "offload": "none", "sp": False, "vpp": 1,
               "stage_layers": None, "recompute_layers": None}
@@ -263,7 +253,10 @@ def test_verification_times_a_pipeline_candidate_through_the_real_training_loop(
     said: list[str] = []
     result = verify(plan, 1, tmp_path / "run", steps=4, say=said.append)
     trial = result.trials[0]
-    assert trial.harness == "loop" and trial.error is None, (trial.error, said)
+    assert trial.harness == "fork" and trial.error is None, (trial.error, said)
     assert trial.measured_step_s and trial.measured_step_s > 0 and len(trial.steps_s) == 4
     assert trial.measured_tokens_per_s == pytest.approx(4 * 32 / trial.measured_step_s)
+
+    looped = _loop_trial(plan, plan.chosen, 4, tmp_path / "run" / "verify" / "1", tmp_path / "run")
+    assert looped["step_s"] > 0 and len(looped["steps_s"]) == 4
     assert not (tmp_path / "run" / "verify" / "1" / "checkpoints").exists()

@@ -6,7 +6,8 @@
 - `model` builds the Hugging Face model (recomputation, LoRA); `engines/` run it (one `Engine`
   contract: plain/DDP, DeepSpeed ZeRO, FSDP2/TP, pipeline); `parallelize` applies TP and FSDP;
 - `checkpoint`, `spike`, `oom`, `schedule`, `stream`, `prepared`, `corpus`, `scalars`: one job each;
-- `verify` times candidate layouts for `advisor run`; `steps` is the step harness that the profiler's
-  calibration and the benches run (the trainer's own model and engines);
+- `verify` times candidate layouts for `advisor run`; `timed_steps` runs real steps of a layout
+  through the loop's own engine and step code, for the profiler's calibration, the verification
+  trials and the benches;
 - `data/`: `advisor data` (clean, grade, bucket, shard) and the demo corpus.
 """

@@ -16,22 +16,23 @@ import os
 import resource
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from advisor.errors import UsageError
+from advisor.capabilities import EngineChoice
 from advisor.plan_file import Plan, StagePlan, segment_of
-from advisor.specs import Layout
+from advisor.specs import Layout, ModelSpec
 from advisor.task import StageSpec
-from planner.export import deepspeed_config
+from planner.export import model_deepspeed_config
 from trainer import checkpoint
 from trainer.corpus import load_source, stage_sources, tokenizer_for
-from trainer.engines import device, make_engine, select_backend
+from trainer.engines import Engine, device, make_engine, select_backend
 from trainer.handoff import HANDOFF_DIR, write_full_weights
 from trainer.oom import OOMInjector, free_memory, is_oom, next_layout, relaunch_layout, request_relaunch
 from trainer.model import build_model
@@ -162,14 +163,47 @@ def _start(position: int, stage: int, skips: list[list[int]]) -> int:
     return position
 
 
-def _evaluate(model: torch.nn.Module, sources: list[Source], count: int, dev: torch.device) -> dict[str, float]:
-    """Mean token loss per eval source (first `count` sequences, in order), no gradients."""
+def build_engine(model: ModelSpec, layout: Layout, device_type: str, engine: EngineChoice, options: TrainOptions,
+                 dev: torch.device, masked_padding: bool = False) -> Engine:
+    """The engine `advisor train` runs `layout` with: the trainer's model, on `dev`, under the engine the
+    capability declaration names, DeepSpeed configured as the plan's export. The timed steps
+    (trainer/timed_steps.py: calibration, verification trials, benches) build theirs here too."""
+    built = build_model(model, layout, options.seed, options.weights).to(dev)
+    if masked_padding:
+        mask_padding(built)  # bucketed micro-batches mark padding -1
+    ds_config = None
+    if select_backend(layout, engine) == "deepspeed":
+        ds_config = model_deepspeed_config(model, device_type, layout)
+    return make_engine(built, layout, ds_config, options.clip, engine)
+
+
+def optimizer_step(engine: Engine, micro_batches: Iterable[torch.Tensor], lr: float) -> tuple[list[float | None], float]:
+    """One optimizer step of `engine`: forward and backward of each micro-batch, then the update at
+    `lr`; the micro-batches' losses and the gradient norm. `advisor train` and the timed steps both
+    step through here."""
+    losses = [engine.micro_step(batch) for batch in micro_batches]
+    return losses, engine.optimizer_step(lr)
+
+
+def _evaluate(model: torch.nn.Module, sources: list[Source], count: int, mbs: int,
+              dev: torch.device) -> dict[str, float]:
+    """Mean token loss per eval source (first `count` sequences, in order), no gradients.
+
+    In micro-batches of the layout's `mbs`: without gradients a micro-batch holds less than a
+    training micro-step does, so the stage-end evaluation is never what runs out of memory. Every
+    sequence has the same length, so the mean of the micro-batches' mean token losses weighted by
+    their sequence counts is the mean over all tokens."""
     results = {}
     model.eval()
     with torch.no_grad():
         for source in sources:
-            batch = torch.from_numpy(source.sequences[:count]).to(dev)
-            results[source.name] = float(model(input_ids=batch, labels=batch).loss)
+            sequences = source.sequences[:count]
+            total = 0.0
+            for start in range(0, len(sequences), mbs):
+                batch = torch.from_numpy(sequences[start:start + mbs]).to(dev)
+                total += float(model(input_ids=batch, labels=batch).loss) * len(batch)
+                del batch
+            results[source.name] = total / len(sequences)
     model.train()
     return results
 
@@ -325,15 +359,11 @@ class _Run:
         stage = _checkpoint_stage(checkpoint_dir)
         return (checkpoint_dir / HANDOFF_DIR).is_dir() and 0 < stage == segment_of(self.plan, stage).first
 
-    def _build_engine(self) -> Any:
-        weights = str(self.handoff) if self.handoff is not None else self.options.weights
-        model = build_model(self.plan.model, self.layout, self.options.seed, weights).to(self.dev)
-        if self.prepared is not None:
-            mask_padding(model)  # bucketed micro-batches mark padding -1
-        ds_config = None
-        if select_backend(self.layout, self.plan.engine) == "deepspeed":
-            ds_config = deepspeed_config(self.plan, self.layout)
-        return make_engine(model, self.layout, ds_config, self.options.clip, self.plan.engine)
+    def _build_engine(self) -> Engine:
+        """The segment's engine; after a boundary, from the full weights the previous segment handed on."""
+        options = replace(self.options, weights=str(self.handoff)) if self.handoff is not None else self.options
+        return build_engine(self.plan.model, self.layout, self.plan.hardware.device_type, self.plan.engine,
+                            options, self.dev, masked_padding=self.prepared is not None)
 
     def _fresh_guard(self) -> SpikeGuard:
         return SpikeGuard(warmup_steps=self.options.spike_warmup_steps)
@@ -445,7 +475,7 @@ class _Run:
         """Eval loss of every skill seen so far, at the stage end: forgetting shows here."""
         name = stage.spec.name
         self.evals[name] = _evaluate_stages(self.engine.model, self.task, stage.index, self.tokenizer,
-                                            self.layout.seq, self.cache, self.options, self.dev)
+                                            self.layout, self.cache, self.options, self.dev)
         self.events.write({"event": "eval", "stage": name, "step": self.state.global_step, "losses": self.evals[name]})
         self.scalars.evals(self.state.global_step, self.evals[name])
 
@@ -480,9 +510,9 @@ class _Run:
         started = time.perf_counter()
         position = _start(self.state.positions[stage.index], stage.index, self.state.skips)
         lr = self._learning_rate(stage)
+        usage = [0, 0, 0]  # prepared data: real tokens, token slots, slots without buckets
         try:
-            losses, usage = self._accumulate(stage, position)
-            grad_norm = self.engine.optimizer_step(lr)
+            losses, grad_norm = optimizer_step(self.engine, self._micro_batches(stage, position, usage), lr)
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -495,19 +525,18 @@ class _Run:
         self.fall_back(stage, error)  # out of the except block: the failed step's tensors are freed
         return None
 
-    def _accumulate(self, stage: _Stage, position: int) -> tuple[list[float | None], list[int]]:
+    def _micro_batches(self, stage: _Stage, position: int, usage: list[int]) -> Iterator[torch.Tensor]:
+        """This rank's micro-batches of the step at data `position`, counting into `usage` what they
+        hold (prepared data)."""
         layout = self.layout
-        losses = []
-        usage = [0, 0, 0]  # prepared data: real tokens, token slots, slots without buckets
         data_rank = getattr(self.engine, "data_rank", self.rank)  # TP/PP ranks of one replica read the same data
         for micro in range(layout.gas):
             batch = stage.stream.global_batch(position, layout.dp, layout.mbs, layout.gas, data_rank, micro)
             if self.prepared is not None:
                 micro_usage = stage.stream.usage(position, layout.dp, layout.mbs, data_rank, micro)
-                usage = [a + b for a, b in zip(usage, micro_usage)]
+                usage[:] = [a + b for a, b in zip(usage, micro_usage)]
             self.inject.check(self.state.global_step + 1, micro, batch)
-            losses.append(self.engine.micro_step(torch.from_numpy(batch).to(self.dev)))
-        return losses, usage
+            yield torch.from_numpy(batch).to(self.dev)
 
     def record(self, stage: _Stage, step: _Step) -> None:
         """Count a good step: advance the data, log its metrics."""
@@ -533,7 +562,7 @@ class _Run:
     def fall_back(self, stage: _Stage, error: str) -> None:
         """Out of memory: switch to the plan's next layout that these processes can run, from the
         last checkpoint (several ranks: ask the launcher to restart them all with it)."""
-        replacement, skipped = next_layout(self.plan, self.failed_layouts)
+        replacement, skipped = next_layout(self.plan, self.failed_layouts, self.dev.type)
         target = self._last_checkpoint()
         step, failed = self.state.global_step + 1, self.layout.short()
         fallback = {"event": "oom_fallback", "step": step, "stage": stage.spec.name, "error": error[:300],
@@ -612,17 +641,17 @@ class _Run:
         return summary
 
 
-def _evaluate_stages(model, task, upto: int, tokenizer, seq: int, cache: Path, options: TrainOptions,
+def _evaluate_stages(model, task, upto: int, tokenizer, layout: Layout, cache: Path, options: TrainOptions,
                      dev: torch.device) -> dict[str, float]:
-    """Eval loss per stage (skill) with eval data, for stages 0..upto."""
+    """Eval loss per stage (skill) with eval data, for stages 0..upto, in micro-batches of the layout's."""
     sources = []
     for stage in task.stages[: upto + 1]:
         for src in stage.eval_sources:
-            sequences = load_source(src, task, tokenizer, seq, cache)
+            sequences = load_source(src, task, tokenizer, layout.seq, cache)
             if len(sequences):
                 sources.append(Source(stage.name, sequences, 1.0))
     module = getattr(model, "module", model)
-    return _evaluate(module, sources, options.eval_sequences, dev)
+    return _evaluate(module, sources, options.eval_sequences, layout.mbs, dev)
 
 
 def _peak_bytes() -> tuple[int, str]:

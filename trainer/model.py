@@ -1,8 +1,8 @@
 """The model a plan trains: the HF causal LM from its config (or local weights), in the layout's
 dtype, with its recomputation and its method (full fine-tuning, LoRA or QLoRA).
 
-Every engine, the benches' step harness and calibration build their model here, so that what is
-timed is what `advisor train` runs.
+Every engine, and so the timed steps of calibration, verification and the benches, builds its
+model here, so that what is timed is what `advisor train` runs.
 """
 
 from __future__ import annotations

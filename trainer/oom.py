@@ -5,7 +5,11 @@ The plan ranks alternatives that keep the global batch (dp x mbs x gas). A fallb
 only what the running processes can change in place: micro-batch size, accumulation,
 recomputation and offload. Anything that needs another world size, another parallel shape or
 another engine (ZeRO stage, method, dtype) cannot load the same checkpoint in the same processes
-and is skipped, with the reason recorded.
+and is skipped, with the reason recorded; so is any layout the trainer does not run for this model
+(`advisor.capabilities.runnable_problem`, the judge the planner's search and `make_engine` use).
+
+The loop leaves the `except` block before it rebuilds: until then the exception's traceback keeps
+the failed step's frames, and with them its activations and gradients, alive.
 
 One process switches in place. Several cannot: a rank out of memory leaves the others waiting in a
 collective, so it writes RUN_DIR/oom_relaunch.json and exits; torchrun stops the node's other
@@ -27,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from advisor.capabilities import config_shape, runnable_problem
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
 from advisor.specs import Layout
@@ -67,10 +72,12 @@ class OOMInjector:
                                          f"> {self.tokens}")
 
 
-def next_layout(plan: Plan, failed: list[Layout]) -> tuple[Layout | None, list[str]]:
-    """The best alternative not yet tried that the running processes can switch to, and why the
-    alternatives passed over were skipped."""
+def next_layout(plan: Plan, failed: list[Layout], device_type: str | None = None) -> tuple[Layout | None, list[str]]:
+    """The best alternative not yet tried that the running processes can switch to and the trainer
+    runs on `device_type` (default: the plan's), and why the alternatives passed over were skipped."""
     current = failed[-1]
+    shape = config_shape(plan.model.hf_config)
+    device_type = device_type or plan.hardware.device_type
     skipped = []
     for candidate in (p.layout for p in plan.alternatives):
         if any(candidate == tried for tried in failed):
@@ -85,6 +92,10 @@ def next_layout(plan: Plan, failed: list[Layout]) -> tuple[Layout | None, list[s
         changed = [key for key in _FIXED if getattr(candidate, key) != getattr(current, key)]
         if changed:
             skipped.append(f"{candidate.short()}: changes {', '.join(changed)} (another engine or shape)")
+            continue
+        problem = runnable_problem(candidate, shape, device_type, plan.engine)
+        if problem:
+            skipped.append(f"{candidate.short()}: not runnable here ({problem})")
             continue
         return candidate, skipped
     return None, skipped

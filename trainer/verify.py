@@ -2,14 +2,13 @@
 them, and pick the fastest measured (the source article: "run small stress tests to find the batch
 size and split that suit your own hardware").
 
-Two harnesses time a candidate:
+Both ways of timing a candidate run `advisor train`'s own engines and step code:
 
-* `fork` (CPU layouts that trainer/steps.py covers: data parallel, 1-2 ranks, fp32, full or
-  LoRA): `time_steps` forks gloo ranks from this process and trains the plan's model on random
-  tokens: about a second of start-up per trial.
-* `loop` (everything else, GPUs included): the real training loop (`trainer.launch.run`) on the
-  task's first stage, capped at a few steps, in RUN_DIR/verify/<rank>/ (its checkpoints are
-  removed afterwards). Its summary also gives the measured peak memory.
+* `fork` (CPU): the trainer's timed steps (trainer/timed_steps.py) fork the layout's ranks from
+  this process and step the plan's model on random tokens: about a second of start-up per trial.
+* `loop` (GPUs, which forked children cannot use): the real training loop (`trainer.launch.run`)
+  on the task's first stage, capped at a few steps, in RUN_DIR/verify/<rank>/ (its checkpoints
+  are removed afterwards). Its summary also gives the measured peak memory.
 
 Every candidate shares the plan's global batch, so the fastest step is the highest tokens/s.
 `verify.json` in the run dir records predicted against measured per candidate.
@@ -35,7 +34,7 @@ from planner.plan import PlanOptions
 from profiler.ranks import free_port
 from trainer.launch import run as run_training
 from trainer.options import TrainOptions
-from trainer.steps import normalize_layout, time_steps
+from trainer.timed_steps import time_layout
 
 # Switch away from the planner's choice only for a measured gain above this: a trial of a few
 # steps on a shared machine is noisy, and the cost model's ranking is the tie-breaker.
@@ -96,19 +95,10 @@ def training_threads(devices: int, device_type: str) -> int:
     return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // devices))
 
 
-def fork_layout(layout: Layout, device_type: str) -> dict[str, Any] | None:
-    """The trainer/steps.py run layout of `layout`, or None when that harness cannot run it."""
-    if (device_type != "cpu" or layout.tp != 1 or layout.pp != 1 or layout.dp > 2 or layout.offload != "none"
-            or layout.dtype != "fp32" or layout.method not in ("full", "lora") or layout.recompute_layers):
-        return None
-    return normalize_layout({"world": layout.dp, "zero": layout.zero, "mbs": layout.mbs, "seq": layout.seq,
-                             "gas": layout.gas, "recompute": layout.recompute, "method": layout.method,
-                             "dtype": layout.dtype})
-
-
 def trial_harness(layout: Layout, device_type: str, steps: int) -> tuple[str, int]:
-    """The harness that times `layout` and its step count (the loop leaves its first 2 steps out)."""
-    if fork_layout(layout, device_type) is not None:
+    """How `layout` is timed and its step count (the loop leaves its first 2 steps out): forked
+    ranks on CPU; on GPUs the training loop under its launcher."""
+    if device_type == "cpu":
         return "fork", steps
     return "loop", max(steps, 4)
 
@@ -136,10 +126,10 @@ def candidate_plan(plan: Plan, planned: PlannedLayout, first_stage_only: bool = 
     return plan.model_copy(update=update)
 
 
-def _fork_trial(plan: Plan, planned: PlannedLayout, run_layout: dict[str, Any], steps: int, warmup: int,
-                threads: int) -> dict[str, Any]:
-    result = time_steps(run_layout, steps=steps, hf_config=plan.model.hf_config, threads=threads, warmup=warmup)
-    return {"step_s": result["step_s"], "steps_s": result["steps_s"]}
+def _fork_trial(plan: Plan, planned: PlannedLayout, steps: int, warmup: int, threads: int) -> dict[str, Any]:
+    timed = time_layout(plan.model, planned.layout, steps=steps, warmup=warmup, threads=threads, engine=plan.engine)
+    return {"step_s": timed.step_s, "steps_s": timed.steps_s, "peak_bytes": timed.peak_bytes,
+            "peak_source": timed.peak_source}
 
 
 def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path, run_dir: Path) -> dict[str, Any]:
@@ -176,15 +166,15 @@ def verify(plan: Plan, k: int, run_dir: Path, steps: int = 4, warmup: int = 2, s
         trial = Trial(rank=rank, layout=layout.short(), predicted_step_s=est.time.step_s,
                       predicted_tokens_per_s=est.throughput.tokens_per_s, predicted_peak_bytes=int(est.memory.peak),
                       threads=training_threads(layout.devices, device_type))
-        forkable = fork_layout(layout, device_type)
         trial.harness, trial.steps = trial_harness(layout, device_type, steps)
+        forked = trial.harness == "fork"
         say(f"verify {rank}/{len(candidates)}: {layout.short()} ({trial.steps} steps, {trial.harness})")
         began = time.perf_counter()
         directory = run_dir / "verify" / str(rank)
         try:
-            with watch(trial, None if forkable else directory / "metrics.jsonl"):
-                if forkable:
-                    measured = _fork_trial(plan, planned, forkable, trial.steps, warmup, trial.threads)
+            with watch(trial, None if forked else directory / "metrics.jsonl"):
+                if forked:
+                    measured = _fork_trial(plan, planned, trial.steps, warmup, trial.threads)
                 else:
                     measured = _loop_trial(plan, planned, trial.steps, directory, run_dir)
         except Exception as exc:  # an OOM or a back-end failure rules the candidate out, not the run

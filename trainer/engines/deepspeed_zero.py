@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,39 @@ from advisor.specs import Layout
 from trainer.engines.base import state_bytes
 from trainer.engines.optimizer import set_learning_rate
 
+ACCELERATOR_ENV = "DS_ACCELERATOR"
+
+
+def import_deepspeed() -> Any:
+    """DeepSpeed, imported in this process for the device it runs on.
+
+    DeepSpeed chooses its accelerator once, at import: on a machine without CUDA it is told the CPU
+    one (its probe of every other accelerator otherwise warns). The variable is set for that import
+    alone, never left in this process's environment: processes started from here (torchrun's ranks
+    of `advisor run`) inherit the environment, and on a GPU machine ranks told "cpu" would run
+    DeepSpeed on the CPU accelerator."""
+    if "deepspeed" in sys.modules or torch.cuda.is_available():
+        import deepspeed  # heavy optional dependency: only ZeRO layouts load it
+
+        return deepspeed
+    with _environment(ACCELERATOR_ENV, "cpu"):
+        import deepspeed  # heavy optional dependency: only ZeRO layouts load it
+    return deepspeed
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    """`name=value` in os.environ inside the block; outside it, what was there before."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
 
 class DeepSpeedEngine:
     """DeepSpeed counts micro-steps itself and updates only at the accumulation boundary; it
@@ -19,8 +55,7 @@ class DeepSpeedEngine:
 
     def __init__(self, model: torch.nn.Module, layout: Layout, config: dict[str, Any], clip: float,
                  weight_decay: float = 0.0):
-        import deepspeed  # heavy optional dependency: only ZeRO plans load it
-
+        deepspeed = import_deepspeed()
         config = dict(config)
         config["gradient_clipping"] = clip  # DeepSpeed clips at 1.0 unless told (NOTES trap 3)
         cpu = not torch.cuda.is_available()

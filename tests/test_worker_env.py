@@ -1,0 +1,88 @@
+"""What a training worker's environment carries: only what its own engine needs.
+
+`advisor run` starts torchrun with its own environment. Nothing that the profiler, the verification
+trials or DeepSpeed's CPU set-up did in that process may reach the workers: a `DS_ACCELERATOR=cpu`
+left behind would put every DeepSpeed rank of a GPU machine on the CPU accelerator. Each check runs
+in a fresh interpreter, whose environment has no DS_ACCELERATOR, so that what an import or a set-up
+step leaves behind shows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_trainer import make_plan_file
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Everything `advisor run` does in its own process before it launches the training workers, then
+# the launch, with torchrun replaced by a recorder of the environment it would get.
+RECORD_LAUNCH_ENV = textwrap.dedent("""
+    import json, os, subprocess, sys
+    from pathlib import Path
+    import advisor.cli.run_chain, advisor.cli.compose  # the verb's imports (the profiler, verify, timed steps)
+    from advisor.plan_file import load_plan
+    from advisor.specs import Layout
+    from trainer import launch
+    from trainer.engines.deepspeed_zero import import_deepspeed
+    from trainer.options import TrainOptions
+    from trainer.timed_steps import prepare_forks
+
+    prepare_forks([Layout(dp=2, mbs=1, seq=32, dtype="fp32")])  # what the profile's forks load
+    import_deepspeed()  # what a ZeRO verification trial loads before forking
+    before = dict(os.environ)
+    subprocess.run = lambda command, env, check: workers.append(env) or subprocess.CompletedProcess(command, 0)
+    plan_path = Path(sys.argv[1])
+    record = {"before": before}
+    for device in ("cuda", "cpu"):
+        launch._cuda = lambda: device == "cuda"  # the machine the launcher believes it is on
+        workers = []
+        launch.run(load_plan(plan_path), plan_path, plan_path.parent / "run", False, TrainOptions(), False, None,
+                   0, "127.0.0.1", 29999)
+        record[device] = workers[0]
+    print(json.dumps(record))
+""")
+
+
+@pytest.mark.slow
+def test_advisor_run_hands_its_workers_nothing_their_engine_does_not_need(tmp_path) -> None:
+    plan_path = make_plan_file(tmp_path, devices=2, steps=2)
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", RECORD_LAUNCH_ENV, str(plan_path)], env=env, capture_output=True,
+                          text=True, check=True, timeout=300)
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    before = record["before"]
+    assert "DS_ACCELERATOR" not in before, "a set-up step left DS_ACCELERATOR in advisor run's environment"
+    for device, added in (("cuda", set()), ("cpu", {"OMP_NUM_THREADS"})):
+        worker = record[device]
+        assert "DS_ACCELERATOR" not in worker
+        # only the CPU's share of the cores is added, and nothing else changes
+        assert set(worker) - set(before) == added, device
+        assert {k: worker[k] for k in before} == before
+
+
+CPU_WORKER_IMPORT = textwrap.dedent("""
+    import json, os
+    from trainer.engines.deepspeed_zero import import_deepspeed
+    print(json.dumps({"accelerator": import_deepspeed().get_accelerator().device_name(),
+                      "env": os.environ.get("DS_ACCELERATOR")}))
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_cpu_worker_runs_deepspeed_on_the_cpu_accelerator_without_leaving_the_variable_set() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", CPU_WORKER_IMPORT], env=env, capture_output=True, text=True,
+                          check=True, timeout=300)
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record == {"accelerator": "cpu", "env": None}
+    assert "Setting accelerator to CPU" not in done.stderr + done.stdout  # told, not guessed after a probe

@@ -1,0 +1,192 @@
+"""Real optimizer steps of one layout, timed and measured, through `advisor train`'s own code.
+
+The profiler's calibration, `advisor run`'s verification trials and the accuracy benches measure
+here, so that what they time is what the trainer runs: the engine comes from the loop's
+`build_engine` (the trainer's model, the engine the capability declaration names, DeepSpeed
+configured as the plan's export) and every step goes through the loop's `optimizer_step`. Only
+the data differ: random token ids, reproducible per rank, step and micro-batch, instead of a
+task's stream (the time and memory of a step do not depend on which tokens it reads).
+
+Ranks are forked from this process (profiler/ranks.py) after it has imported the model code and
+DeepSpeed: 0.4 s for two ranks instead of seconds of torchrun and imports per trial
+(shared/NOTES-cpu-stack.md, "Time"). Each rank joins its process group as `advisor train`'s
+workers do (gloo on CPU, nccl on CUDA).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+
+from advisor.capabilities import EngineChoice, check_runnable, config_shape
+from advisor.specs import Layout, ModelSpec
+from profiler.ranks import finish_rank, free_port, init_rank, launch
+from trainer.engines import device, select_backend
+from trainer.engines.deepspeed_zero import import_deepspeed
+from trainer.loop import build_engine, optimizer_step
+from trainer.options import TrainOptions
+
+SEED = 0
+LEARNING_RATE = 1e-4
+
+
+class Meter(Protocol):
+    """Watches the steps (bench/measure_memory.py follows live tensor bytes with one); regions are
+    entered and left in order, never nested."""
+
+    def start(self) -> None: ...  # before the engine is built
+    def attach(self, model: torch.nn.Module, optimizer: Any) -> None: ...  # once the engine exists
+    def begin(self, step: int, phase: str) -> None: ...  # phase: forward | backward | optimizer
+    def end(self) -> None: ...
+    def finish(self) -> Any: ...  # what it read (JSON, or a dataclass of it)
+
+
+@dataclass
+class TimedSteps:
+    """What the steps measured: per step, the slowest rank's seconds and the ranks' mean loss."""
+
+    steps_s: list[float]
+    losses: list[float]
+    warmup: int
+    threads: int
+    peak_bytes: int | None  # the allocator's peak over the steps, highest rank (CUDA only)
+    peak_source: str | None
+
+    @property
+    def step_s(self) -> float:
+        """The median step after the warm-up."""
+        return statistics.median(self.steps_s[self.warmup:])
+
+
+def random_batch(layout: Layout, vocab: int, data_rank: int, step: int, micro: int) -> torch.Tensor:
+    """Random token ids of one micro-batch, different per data-parallel rank, step and micro-batch,
+    reproducible."""
+    generator = torch.Generator().manual_seed(SEED + 1000 * data_rank + 10 * step + micro)
+    return torch.randint(0, vocab, (layout.mbs, layout.seq), generator=generator)
+
+
+def run_steps(model: ModelSpec, layout: Layout, steps: int, rank: int, meter: Meter | None = None,
+              engine: EngineChoice = "auto") -> tuple[list[float], list[float]]:
+    """Build `advisor train`'s engine for `layout` in this rank and take `steps` optimizer steps;
+    each step's seconds and this rank's mean loss."""
+    dev = device()
+    trained = build_engine(model, layout, dev.type, engine, TrainOptions(seed=SEED), dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # the steps' peak, as the cost model prices it
+    vocab = int(model.hf_config["vocab_size"])
+    data_rank = getattr(trained, "data_rank", rank)  # as in the loop: TP/PP ranks of one replica read the same data
+    current = [0]
+    if meter is not None:
+        meter.attach(trained.model, getattr(trained, "optimizer", None))
+        hook = trained.model.register_forward_hook(lambda *_: _forward_done(meter, current))
+    seconds, losses = [], []
+    for step in range(1, steps + 1):
+        current[0] = step
+        batches = (random_batch(layout, vocab, data_rank, step, micro).to(dev) for micro in range(layout.gas))
+        started = time.perf_counter()
+        micro_losses, _ = optimizer_step(trained, _metered(batches, meter, step), LEARNING_RATE)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+        if meter is not None:
+            meter.end()  # the optimizer region
+        losses.append(statistics.fmean(x for x in micro_losses if x is not None))
+    if meter is not None:
+        hook.remove()
+    del trained
+    return seconds, losses
+
+
+def _forward_done(meter: Meter, current: list[int]) -> None:
+    """The model returned: its forward region ends and the backward region begins (an engine's
+    micro-step is forward and backward in one call)."""
+    meter.end()
+    meter.begin(current[0], "backward")
+
+
+def _metered(batches: Iterator[torch.Tensor], meter: Meter | None, step: int) -> Iterator[torch.Tensor]:
+    """The micro-batches, each opening the meter's forward region as the engine takes it and
+    closing the backward region when it asks for the next; the last one opens the optimizer region."""
+    for batch in batches:
+        if meter is not None:
+            meter.begin(step, "forward")
+        yield batch
+        if meter is not None:
+            meter.end()
+    if meter is not None:
+        meter.begin(step, "optimizer")
+
+
+def prepare_forks(layouts: list[Layout], engine: EngineChoice = "auto") -> None:
+    """Import the model code and DeepSpeed once in this process, so that forked ranks inherit them
+    loaded (each rank would otherwise spend seconds importing them)."""
+    from peft import get_peft_model  # noqa: F401  deferred: seconds of imports the forks inherit
+    from transformers import AutoModelForCausalLM  # noqa: F401  deferred, as above
+
+    if any(select_backend(layout, engine) == "deepspeed" for layout in layouts):
+        import_deepspeed()
+        if not torch.cuda.is_available():
+            from deepspeed.comm.torch import build_shm_op  # deferred: DeepSpeed is imported just above
+
+            build_shm_op()  # DeepSpeed's CPU comm op: 30-45 s on a cold TORCH_EXTENSIONS_DIR
+
+
+def _rank(rank: int, model: ModelSpec, layout: Layout, steps: int, port: int, out_dir: str, threads: int | None,
+          engine: EngineChoice, meter_factory: Callable[[], Meter] | None) -> None:
+    world = layout.devices
+    distributed = world > 1 or select_backend(layout, engine) == "deepspeed"  # DeepSpeed needs a group of one
+    init_rank(rank, world, port, distributed=False, threads=threads)
+    if distributed:  # as `advisor train`'s workers join theirs (trainer/launch.py)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=TrainOptions().timeout_s))
+    meter = meter_factory() if meter_factory else None
+    if meter is not None:
+        meter.start()
+    seconds, losses = run_steps(model, layout, steps, rank, meter, engine)
+    peak = int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
+    reading = meter.finish() if meter is not None else None
+    record = {"seconds": seconds, "losses": losses, "peak_bytes": peak,
+              "meter": asdict(reading) if is_dataclass(reading) else reading}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    finish_rank(distributed)
+
+
+def time_layout(model: ModelSpec, layout: Layout, steps: int = 6, warmup: int = 1, threads: int | None = None,
+                engine: EngineChoice = "auto", meter_factory: Callable[[], Meter] | None = None,
+                readings: list[Any] | None = None) -> TimedSteps:
+    """Take `steps` optimizer steps of `layout` on `model` in freshly forked ranks (randomly
+    initialised, seeded alike on every rank).
+
+    `threads` per rank defaults to the cores shared out evenly. A `meter_factory` makes each rank's
+    meter; what its `finish()` returns lands in `readings`, one per rank.
+    """
+    if steps <= warmup:
+        raise ValueError(f"need more than {warmup} steps to time a steady step")
+    check_runnable(layout, config_shape(model.hf_config), device().type, engine)  # the trainer's refusal, here
+    prepare_forks([layout], engine)
+    world = layout.devices
+    with tempfile.TemporaryDirectory(prefix="timed_steps_") as out_dir:
+        launch(_rank, world, (model, layout, steps, free_port(), out_dir, threads, engine, meter_factory),
+               start_method="spawn" if torch.cuda.is_available() else "fork")
+        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    if readings is not None:
+        readings.extend(r["meter"] for r in ranks)
+    peaks = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
+    return TimedSteps(
+        steps_s=[max(per_step) for per_step in zip(*(r["seconds"] for r in ranks))],
+        losses=[statistics.fmean(per_step) for per_step in zip(*(r["losses"] for r in ranks))],
+        warmup=warmup, threads=threads or max(1, (os.cpu_count() or 1) // world),
+        peak_bytes=max(peaks) if peaks else None,
+        peak_source="torch.cuda.max_memory_allocated" if peaks else None)
