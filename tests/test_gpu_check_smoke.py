@@ -1,0 +1,27 @@
+"""bench/gpu_check.py is run by whoever is lent a GPU, once, with minutes on the clock: its code path
+must not rot on the CPU-only machines. The smoke run takes its CPU branch (a tiny model, no profile,
+no figures written) through the same rows: capability check, cost-model estimate, timed steps."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+
+def test_the_gpu_check_runs_its_rows_through_the_trainers_timed_steps_on_cpu() -> None:
+    from bench import gpu_check
+
+    rows = gpu_check.main(["--cpu-smoke"])
+    measured = rows[2:]
+    assert len(measured) == len(gpu_check.SMOKE_LAYOUTS)
+    for row in measured:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2].endswith(" ms") and cells[3].endswith(" ms") and cells[4].endswith("%"), row
+    # the GPU rows themselves: each a valid one-device layout the cost model prices for the 1B model
+    from advisor.specs import ModelSpec, resolve_layout
+    from planner.cost_model import estimate
+    from presets import load_hardware
+
+    h100, model = load_hardware("h100-80g"), ModelSpec(name="llama-1b", hf_config=gpu_check.LLAMA_1B)
+    for text in gpu_check.LAYOUTS:
+        assert estimate(model, h100, resolve_layout(text, 1, h100), attention="sdpa").memory.fits, text
