@@ -48,7 +48,9 @@ ENGINES: dict[EngineName, EngineCapability] = {
     "plain": EngineCapability(
         "plain", "one process, or DDP across data-parallel replicas",
         zero_stages=frozenset({0}), offloads=frozenset({"none"}), methods=frozenset({"full", "lora"}),
-        recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"})),
+        recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"}),
+        # a bitsandbytes NF4 base (trainer/adapters.py): trained on CPU here; CUDA runs bitsandbytes' own kernels
+        qlora_devices=frozenset({"cpu", "cuda"})),
     "deepspeed": EngineCapability(
         "deepspeed", "DeepSpeed ZeRO 1-3, optionally offloaded to host memory",
         zero_stages=frozenset({1, 2, 3}), offloads=frozenset({"none", "optimizer", "optimizer+params"}),
