@@ -71,10 +71,26 @@ def quantize_base(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
             # backward: training afterwards silently stops reaching the adapters (trap 4 of the
             # CPU-stack notes). Training needs the autograd path, so that repack stays off.
             module.support_avx512bf16_for_cpu = False
+            module.register_load_state_dict_pre_hook(load_quantized_weight)
     model.is_loaded_in_4bit = True  # what transformers' quantizer marks; peft reads it to pick 4-bit LoRA layers
     # The plan's recomputation is already applied (trainer.model.apply_recomputation); peft's
     # default would checkpoint every layer instead, so it stays off here.
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def load_quantized_weight(module: torch.nn.Module, state_dict: dict, prefix: str, *_args) -> None:
+    """Restore a `Linear4bit`'s NF4 weight and quant state from what its `state_dict` wrote (the
+    engines' checkpoints, for `--resume`). bitsandbytes saves the quant state beside the weight but
+    leaves reading it back to transformers' checkpoint loader; `Params4bit.from_prequantized` is
+    its own way to rebuild one, so this hook hands it those entries before torch copies the rest."""
+    import bitsandbytes as bnb  # only QLoRA models register this hook
+
+    key = prefix + "weight"
+    stats = {name[len(key) + 1:]: state_dict.pop(name) for name in list(state_dict) if name.startswith(key + ".")}
+    if stats:
+        # the packed data stays in the state dict: torch then copies it into the rebuilt weight
+        module.weight = bnb.nn.Params4bit.from_prequantized(state_dict[key], stats, device=module.weight.device,
+                                                            module=module)
 
 
 class AdapterGradientGuard:
