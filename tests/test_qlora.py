@@ -16,8 +16,6 @@ from presets import load_hardware, load_task
 from profiler.model_trace import trace_model
 from test_trainer import read_jsonl, write_task
 
-pytest.importorskip("bitsandbytes")
-
 CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 272, "max_position_embeddings": 128}
 MODEL = ModelSpec(name="tiny-qlora", hf_config=CONFIG)
