@@ -112,7 +112,8 @@ def adapted_linears_per_layer(trace: ModelTrace) -> int:
     """Linear layers of one decoder layer that LoRA adapts (and QLoRA quantises), from the trace:
     a rank-r adapter on an (in, out) linear adds r(in + out) parameters. The attention's q, k, v
     and o projections are four of them (Llama, Mistral, Qwen2); the rest are MLP matrices of
-    hidden x intermediate (two, or three when gated)."""
+    hidden x intermediate (two, or three when gated). GPT-2's fused q/k/v reads as 6 instead of 4:
+    two tensors' constants, a few KiB."""
     hidden, heads = trace.hidden_size, trace.head_dim * trace.num_heads
     kv = trace.head_dim * trace.num_kv_heads
     attention = (hidden + heads) + 2 * (hidden + kv) + (heads + hidden)

@@ -19,6 +19,11 @@ from test_trainer import read_jsonl, write_task
 CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 272, "max_position_embeddings": 128}
 MODEL = ModelSpec(name="tiny-qlora", hf_config=CONFIG)
+# tied embeddings (one fp32 matrix for both ends), GQA, and q/k/v biases beside the 4-bit weights
+QWEN2 = ModelSpec(name="tiny-qwen2", hf_config={
+    "model_type": "qwen2", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True,
+    "max_position_embeddings": 128})
 STEPS = 3
 # bf16 compute over the 4-bit base, fp32 adapters and gradients. Each rank's micro-batch runs the
 # same shapes as the 1-process run's micro-batches, and DDP's fp32 mean of two gradients equals the
@@ -31,27 +36,29 @@ def _qlora_layout(**fields) -> Layout:
     return Layout(method="qlora", dtype="bf16", lora_rank=4, mbs=1, gas=2, **fields)
 
 
-def _trained_engine(layout: Layout):
+def _trained_engine(layout: Layout, model: ModelSpec = MODEL):
     """A QLoRA model on the plain engine after one optimizer step and one more backward: its
     parameters, gradients and Adam states all exist."""
     from trainer.engines import make_engine
     from trainer.model import build_model
 
-    engine = make_engine(build_model(MODEL, layout, seed=0), layout, None, clip=1.0)
-    batch = torch.randint(0, CONFIG["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))
+    engine = make_engine(build_model(model, layout, seed=0), layout, None, clip=1.0)
+    batch = torch.randint(0, model.hf_config["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))
     engine.micro_step(batch)
     engine.optimizer_step(1e-3)
     engine.micro_step(batch)
     return engine
 
 
-def test_qlora_base_is_nf4_and_model_states_match_the_cost_model() -> None:
+@pytest.mark.parametrize("model", [MODEL, QWEN2], ids=lambda m: m.name)
+def test_qlora_base_is_nf4_and_model_states_match_the_cost_model(model: ModelSpec) -> None:
     import bitsandbytes as bnb
 
     layout = _qlora_layout(seq=32)
-    engine = _trained_engine(layout)
+    engine = _trained_engine(layout, model)
+    layers = model.hf_config["num_hidden_layers"]
     linears = [m for name, m in engine.module.named_modules() if name.endswith("base_layer")]
-    assert len(linears) == 7 * CONFIG["num_hidden_layers"]  # q, k, v, o, gate, up, down
+    assert len(linears) == 7 * layers  # q, k, v, o, gate, up, down
     assert all(isinstance(m, bnb.nn.Linear4bit) and isinstance(m.weight, bnb.nn.Params4bit)
                and m.weight.dtype == torch.uint8 and m.weight.quant_state.quant_type == "nf4" for m in linears)
     assert all(m.weight.quant_state.nested for m in linears)  # double quantisation
@@ -60,9 +67,9 @@ def test_qlora_base_is_nf4_and_model_states_match_the_cost_model() -> None:
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapters)
 
     held = engine.state_bytes()
-    trace = trace_model(MODEL, 32, dtype="bf16", method="qlora", lora_rank=4, device_type="cpu",
+    trace = trace_model(model, 32, dtype="bf16", method="qlora", lora_rank=4, device_type="cpu",
                         use_disk_cache=False)
-    priced = stage_memory(trace, layout, load_hardware("cpu"), 0, CONFIG["num_hidden_layers"], 0)
+    priced = stage_memory(trace, layout, load_hardware("cpu"), 0, layers, 0)
     assert held["parameters"] == pytest.approx(priced.weights, rel=0.02)
     assert held["gradients"] == pytest.approx(priced.gradients, rel=0.02)
     assert held["optimizer"] == pytest.approx(priced.optimizer, rel=0.02)

@@ -55,17 +55,24 @@ def quantize_base(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
     from peft import prepare_model_for_kbit_training  # heavy optional dependency, only for LoRA plans
     from transformers import BitsAndBytesConfig
     from transformers.integrations import replace_with_bnb_linear
+    from transformers.pytorch_utils import Conv1D
     from transformers.quantizers.base import get_keys_to_not_convert
 
     config = BitsAndBytesConfig(**NF4_SETTINGS, bnb_4bit_compute_dtype=TORCH_DTYPES[layout.dtype])
-    weights = {name: module.weight.detach() for name, module in model.named_modules()
-               if type(module) is torch.nn.Linear}
+    # the modules replace_with_bnb_linear swaps; GPT-2's Conv1D stores its weight as (in, out),
+    # the Linear4bit that replaces it wants (out, in)
+    originals = {name: module for name, module in model.named_modules()
+                 if type(module) is torch.nn.Linear or isinstance(module, Conv1D)}
     replace_with_bnb_linear(model, modules_to_not_convert=get_keys_to_not_convert(model), quantization_config=config)
     target = device()
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
-            module.weight = bnb.nn.Params4bit(weights.pop(name), requires_grad=False,
-                                              **module.weight.__dict__).to(target)
+            original = originals.pop(name)
+            weight = original.weight.detach()
+            module.weight = bnb.nn.Params4bit(weight.T if isinstance(original, Conv1D) else weight,
+                                              requires_grad=False, **module.weight.__dict__).to(target)
+            if original.bias is not None:  # created on the meta device by the swap; stays 16-bit
+                module.bias = torch.nn.Parameter(original.bias.detach(), requires_grad=False)
             # On a CPU with AVX512-BF16, a forward in eval mode without grad (evaluation) would
             # repack the weight once and for all into an inference-only layout whose matmul has no
             # backward: training afterwards silently stops reaching the adapters (trap 4 of the
