@@ -87,6 +87,16 @@ def test_a_qlora_checkpoint_restores_the_4bit_base_and_adapters_into_another_mod
         assert torch.equal(other(input_ids=ids).logits, expected)
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_qlora_keeps_the_plans_recomputation(recompute: str) -> None:
+    # peft's prepare_model_for_kbit_training would checkpoint every layer by default
+    from trainer.model import build_model
+
+    layout = _qlora_layout(recompute=recompute, **({"recompute_layers": [1]} if recompute == "full" else {}))
+    layers = [m for m in build_model(MODEL, layout, seed=0).modules() if m.__class__.__name__.endswith("DecoderLayer")]
+    assert [layer.gradient_checkpointing for layer in layers] == ([True, False] if recompute == "full" else [False, False])
+
+
 def test_a_training_forward_after_a_backward_that_missed_the_adapters_is_refused() -> None:
     from advisor.errors import UsageError
     from trainer.model import build_model
