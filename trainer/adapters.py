@@ -51,7 +51,7 @@ def quantize_base(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
     try:
         import bitsandbytes as bnb  # optional: only QLoRA plans need it
     except ImportError:
-        raise UsageError("QLoRA needs bitsandbytes: pip install 'advisor[qlora]'") from None
+        raise UsageError('QLoRA needs bitsandbytes: pip install -e ".[qlora]"') from None
     from peft import prepare_model_for_kbit_training  # heavy optional dependency, only for LoRA plans
     from transformers import BitsAndBytesConfig
     from transformers.integrations import replace_with_bnb_linear
