@@ -48,7 +48,12 @@ ENGINES: dict[EngineName, EngineCapability] = {
     "plain": EngineCapability(
         "plain", "one process, or DDP across data-parallel replicas",
         zero_stages=frozenset({0}), offloads=frozenset({"none"}), methods=frozenset({"full", "lora"}),
-        recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"})),
+        recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"}),
+        # a bitsandbytes NF4 base (trainer/adapters.py), tested on CPU; CUDA runs bitsandbytes' own kernels (untested here)
+        qlora_devices=frozenset({"cpu", "cuda"})),
+    # No QLoRA: ZeRO 1-3 do train a 4-bit base, but DeepSpeed casts the module to its dtype (the fp32
+    # embeddings, norms and adapters of the recipe become bf16, with fp32 master copies), which is not
+    # what planner/memory.py prices for QLoRA.
     "deepspeed": EngineCapability(
         "deepspeed", "DeepSpeed ZeRO 1-3, optionally offloaded to host memory",
         zero_stages=frozenset({1, 2, 3}), offloads=frozenset({"none", "optimizer", "optimizer+params"}),

@@ -85,7 +85,8 @@ def check_layout(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> l
     if tp_crosses_nodes(layout.tp, hardware.devices_per_node):
         notes.append(f"tp={layout.tp} crosses nodes ({hardware.devices_per_node} devices per node): slow")
     if layout.method == "qlora" and hardware.device_type == "cpu":
-        notes.append("QLoRA needs bitsandbytes with CUDA to be fast; on CPU it runs a slow fallback")
+        notes.append("QLoRA on CPU runs bitsandbytes' torch fallback (de-quantise, then matmul), whose speed "
+                     "is not measured: expect steps slower than predicted")
     return notes
 
 
@@ -106,6 +107,19 @@ def _stage_params(trace: ModelTrace, layers: int, first: bool, last: bool, pp: i
             params += trace.embedding.params
             trainable += trace.embedding.trainable_params
     return params, trainable, quantizable
+
+
+def adapted_linears_per_layer(trace: ModelTrace) -> int:
+    """Linear layers of one decoder layer that LoRA adapts (and QLoRA quantises), from the trace:
+    a rank-r adapter on an (in, out) linear adds r(in + out) parameters. The attention's q, k, v
+    and o projections are four of them (Llama, Mistral, Qwen2); the rest are MLP matrices of
+    hidden x intermediate (two, or three when gated). GPT-2's fused q/k/v reads as 6 instead of 4:
+    two tensors' constants, a few KiB."""
+    hidden, heads = trace.hidden_size, trace.head_dim * trace.num_heads
+    kv = trace.head_dim * trace.num_kv_heads
+    attention = (hidden + heads) + 2 * (hidden + kv) + (heads + hidden)
+    mlp = trace.layer.trainable_params / max(trace.lora_rank, 1) - attention
+    return 4 + max(round(mlp / (hidden + trace.intermediate_size)), 0)
 
 
 def _resident_gradients(layout: Layout, gradients: float) -> float:
@@ -209,7 +223,8 @@ def stage_memory(
     tp, pp = layout.tp, layout.pp
     first, last = stage == 0, stage == pp - 1
     params, trainable, quantizable = _stage_params(trace, layers, first, last, pp)
-    states = model_state_bytes(params / tp, trainable / tp, layout, quantizable / tp)
+    nf4_tensors = layers * adapted_linears_per_layer(trace) if layout.method == "qlora" else 0
+    states = model_state_bytes(params / tp, trainable / tp, layout, quantizable / tp, nf4_tensors)
 
     in_flight = micro_batches_in_flight(stage, layout)
     kept = layer_activation_bytes(trace, layout, recompute="none")

@@ -13,6 +13,12 @@ from profiler.model_trace import ModelTrace
 # Bytes per parameter of a 4-bit NF4 weight with double quantisation (Dettmers et al. 2023,
 # QLoRA section 3): 4 bits + an 8-bit absmax per 64-weight block + an fp32 constant per 256 blocks.
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# What bitsandbytes keeps once per quantised tensor besides its blocks, all fp32: the 16-value NF4
+# code book, the offset of the double-quantised absmax and the 256-value code of its 8-bit quantiser.
+NF4_TENSOR_BYTES = 4 * (16 + 1 + 256)
+# peft's `prepare_model_for_kbit_training` (the QLoRA recipe the trainer runs) up-casts every frozen
+# tensor it does not quantise (embeddings, norms, the LM head) to fp32.
+QLORA_UNQUANTIZED_BYTES = 4
 # peft keeps LoRA adapters in fp32 by default (`autocast_adapter_dtype=True`), whatever the base.
 ADAPTER_BYTES = 4
 # Gradient bucket sizes that our exported DeepSpeed/DDP configs set (trainer and planner share them).
@@ -50,12 +56,13 @@ def optimizer_bytes_per_param(layout: Layout) -> int:
 
 
 def model_state_bytes(
-    params: float, trainable: float, layout: Layout, quantizable: float | None = None
+    params: float, trainable: float, layout: Layout, quantizable: float | None = None, nf4_tensors: float = 0.0
 ) -> ModelStates:
     """Weights, gradients and optimizer states on one device, for `params` held by its shard.
 
     `params` and `trainable` are counted after tensor/pipeline splitting but before ZeRO;
-    `quantizable` is the frozen part that QLoRA stores in NF4 (decoder linear layers).
+    `quantizable` is the frozen part that QLoRA stores in NF4 (decoder linear layers), in
+    `nf4_tensors` tensors; the rest of its frozen part is fp32.
     ZeRO stage 1 divides the optimizer states by dp, stage 2 also the gradients, stage 3 also
     the weights (Rajbhandari et al. 2020, section 5).
     """
@@ -67,8 +74,13 @@ def model_state_bytes(
         optim = trainable * optimizer_bytes_per_param(layout)
     else:
         frozen = params - trainable
-        nf4 = (quantizable if quantizable is not None else frozen) if layout.method == "qlora" else 0.0
-        weights = (frozen - nf4) * w + nf4 * NF4_BYTES_PER_PARAM + trainable * ADAPTER_BYTES
+        if layout.method == "qlora":
+            nf4 = quantizable if quantizable is not None else frozen
+            weights = ((frozen - nf4) * QLORA_UNQUANTIZED_BYTES + nf4 * NF4_BYTES_PER_PARAM
+                       + nf4_tensors * NF4_TENSOR_BYTES)
+        else:
+            weights = frozen * w
+        weights += trainable * ADAPTER_BYTES
         grads = trainable * ADAPTER_BYTES
         optim = trainable * 8  # fp32 adapters need no separate master copy
     if layout.zero >= 1:

@@ -146,8 +146,8 @@ def _methods(opts: PlanOptions) -> tuple[str, ...]:
         return METHOD_ORDER
     if opts.method not in METHOD_ORDER:
         raise UsageError(f"--method must be one of auto, {', '.join(METHOD_ORDER)} (got {opts.method})")
-    if opts.method == "qlora" and opts.hardware.device_type == "cpu":
-        raise UsageError("QLoRA needs bitsandbytes' 4-bit kernels on CUDA; on CPU use --method lora")
+    if opts.method == "qlora" and opts.dtype == "fp32":
+        raise UsageError("--method qlora computes in bf16 over its 4-bit base: drop --dtype fp32")
     return (opts.method,)
 
 
@@ -167,7 +167,7 @@ def _suggestions(opts: PlanOptions, devices: int, seq: int, batch: int, methods:
     hw = opts.hardware
     found = []
     for method in METHOD_ORDER:
-        if method in methods or (method == "qlora" and hw.device_type == "cpu"):
+        if method in methods:
             continue
         result, _ = plan_layouts(_request(opts, devices, seq, batch, (method,), hw))
         if result.solutions:

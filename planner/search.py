@@ -30,7 +30,7 @@ import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -585,6 +585,8 @@ def plan_layouts(req: PlanRequest) -> tuple[SearchResult, str]:
     cheaper method trades model quality); relax the compute rule only when nothing meets it."""
     last: SearchResult | None = None
     for method in req.space.methods:
+        if method == "qlora" and req.dtype == "fp32":
+            req = replace(req, dtype="bf16")  # the 4-bit base computes in bf16 (an fp32 QLoRA layout is refused)
         trace = trace_model(req.model, req.seq, req.dtype, method, attention=req.attention,  # type: ignore[arg-type]
                             device_type=req.hardware.device_type)
         bounded = bound_shapes(trace, req, method)  # shared by the strict and the relaxed search

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from advisor.errors import UsageError
 from advisor.specs import Layout, ModelSpec
 from profiler.hardware_bench import TORCH_DTYPES
+from trainer.adapters import apply_lora
 from trainer.recompute import apply_recomputation
 
 
@@ -35,12 +35,3 @@ def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None 
     return model
 
 
-def apply_lora(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
-    """LoRA adapters of rank `lora_rank` on every linear layer (alpha 2r, no dropout); the base
-    stays frozen."""
-    if layout.method == "qlora" and not torch.cuda.is_available():
-        raise UsageError("QLoRA needs bitsandbytes' 4-bit kernels on CUDA; this machine has none (use lora)")
-    from peft import LoraConfig, get_peft_model  # heavy optional dependency, only for LoRA plans
-
-    return get_peft_model(model, LoraConfig(r=layout.lora_rank, lora_alpha=2 * layout.lora_rank,
-                                            lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"))

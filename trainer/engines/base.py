@@ -105,13 +105,27 @@ def _storage(tensor: torch.Tensor) -> int:
     return local.untyped_storage().data_ptr()
 
 
+def quantization_constants(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors a quantised parameter keeps beside its packed data: a bitsandbytes 4-bit
+    weight's quant state (block absmax, code books, and the nested state of double quantisation)."""
+    out: list[torch.Tensor] = []
+    states = [getattr(p, "quant_state", None) for p in parameters]
+    while states:
+        state = states.pop()
+        if state is not None:
+            out.extend(t for t in vars(state).values() if torch.is_tensor(t))
+            states.append(getattr(state, "state2", None))
+    return out
+
+
 def state_bytes(parameters: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer,
                 gradients: Iterable[torch.Tensor] | None = None) -> dict[str, int]:
     """Parameters, gradients and optimizer state held through torch tensors: the parameters,
     the gradients (their ``.grad`` unless the engine keeps them elsewhere), and every tensor of
     the optimizer's per-parameter state (Adam's moments and step), plus the optimizer's own
     parameters when they are copies (DeepSpeed's fp32 master partitions of 16-bit or ZeRO-1/2
-    weights) rather than views of the model's own storage."""
+    weights) rather than views of the model's own storage. Quantised parameters count their
+    quantisation constants too."""
     parameters = list(parameters)
     own = {_storage(p) for p in parameters}
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
@@ -120,7 +134,7 @@ def state_bytes(parameters: Iterable[torch.Tensor], optimizer: torch.optim.Optim
     if gradients is None:
         gradients = [p.grad for p in parameters + masters]
     return {
-        "parameters": local_bytes(parameters),
+        "parameters": local_bytes(parameters + quantization_constants(parameters)),
         "gradients": local_bytes(gradients),
         "optimizer": local_bytes(masters + moments),
     }
