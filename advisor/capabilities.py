@@ -59,10 +59,11 @@ ENGINES: dict[EngineName, EngineCapability] = {
         zero_stages=frozenset({0, 1, 2, 3}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
         recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True),
     "pipeline": EngineCapability(
-        "pipeline", "torch.distributed.pipelining 1F1B stages, FSDP2 across replicas, TP inside a stage",
-        zero_stages=frozenset({0, 1, 2}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
+        "pipeline", "torch.distributed.pipelining 1F1B or interleaved 1F1B stages, FSDP2 across replicas, "
+        "TP inside a stage",
+        zero_stages=frozenset({0, 1, 2, 3}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
         recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
-        tied_embeddings=False),
+        max_vpp=4, tied_embeddings=False),
 }
 
 
@@ -103,8 +104,7 @@ def engine_problem(layout: Layout, shape: ModelShape, device_type: str, engine: 
     """Why `engine` does not run `layout` as priced (None: it does)."""
     name = engine.name
     if layout.zero not in engine.zero_stages:
-        return f"the {name} engine does not run zero={layout.zero}" + (
-            " (ZeRO-3 under pipeline parallelism would never reshard)" if name == "pipeline" else "")
+        return f"the {name} engine does not run zero={layout.zero}"
     if layout.offload not in engine.offloads:
         return f"the {name} engine does not run offload={layout.offload} (offload runs through DeepSpeed, without tp/pp)"
     if layout.method == "qlora":

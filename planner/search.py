@@ -340,9 +340,8 @@ def solve_shape(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
     coeffs = _all_coefficients(trace, layout, hw)
     layers, pp, gas = trace.num_layers, layout.pp, layout.gas
     problem = pulp.LpProblem("advisor_stage_split", pulp.LpMinimize)
-    fixed = layers // pp if layout.vpp > 1 else None  # interleaving needs equal stages
-    lo, hi = (1, layers) if fixed is None else (fixed, fixed)
-    n = [pulp.LpVariable(f"n_{s}", lo, hi, cat="Integer") for s in range(pp)]
+    # each device holds vpp chunks of at least one layer (advisor.specs.chunk_layers)
+    n = [pulp.LpVariable(f"n_{s}", layout.vpp, layers, cat="Integer") for s in range(pp)]
     k = [pulp.LpVariable(f"k_{s}", 0, layers, cat="Integer") for s in range(pp)]
     slot, dp, update = (pulp.LpVariable(name, 0) for name in ("T", "D", "O"))
     step = (gas + (pp - 1) / layout.vpp) * slot + dp + update

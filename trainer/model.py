@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from advisor.errors import UsageError
-from advisor.specs import Layout, ModelSpec, layers_per_stage
+from advisor.specs import Layout, ModelSpec, chunk_layers, layers_per_stage
 from profiler.hardware_bench import TORCH_DTYPES
 
 
@@ -35,8 +35,8 @@ def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None 
 
 
 def apply_recomputation(model: torch.nn.Module, layout: Layout) -> None:
-    """Checkpoint the layers the plan recomputes: in each pipeline stage, the first
-    `recompute_layers[s]` of its own layers (all when unset).
+    """Checkpoint the layers the plan recomputes: on each pipeline device, the first
+    `recompute_layers[s]` of its own layers (all when unset; see `recomputed_layer_indices`).
 
     transformers checkpoints every layer or none; the plan may recompute only some, so we flip the
     per-layer flag that its GradientCheckpointingLayer reads. Applied before LoRA wraps the model,
@@ -52,17 +52,18 @@ def apply_recomputation(model: torch.nn.Module, layout: Layout) -> None:
 
 
 def recomputed_layer_indices(n_layers: int, layout: Layout) -> set[int]:
-    """Global indices of the decoder layers that recompute: stage by stage (the split of
-    `layers_per_stage`, which the pipeline engine cuts too), the first `recompute_layers[s]`."""
+    """Global indices of the decoder layers that recompute: device by device (the split of
+    `layers_per_stage`, which the pipeline engine cuts too), the first `recompute_layers[s]` of
+    the device's own layers, taken chunk by chunk (`chunk_layers`) when the pipeline
+    interleaves: its first chunk holds the most micro-batches in flight."""
     if layout.recompute == "none":
         return set()
-    split = layers_per_stage(n_layers, layout)
-    counts = layout.recompute_layers or split
+    chunks = chunk_layers(n_layers, layout)
+    counts = layout.recompute_layers or layers_per_stage(n_layers, layout)
     out: set[int] = set()
-    first = 0
-    for held, count in zip(split, counts):
-        out.update(range(first, first + min(count, held)))
-        first += held
+    for device, count in enumerate(counts):
+        held = [layer for chunk in chunks[device::layout.pp] for layer in chunk]
+        out.update(held[:count])
     return out
 
 
