@@ -10,6 +10,7 @@ for three DP x PP layouts in turn.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ from advisor.layout_rules import pipeline_problem
 from advisor.plan_file import load_plan
 from advisor.specs import Layout, ModelSpec, chunk_layers
 from planner.memory import micro_batches_in_flight
-from test_trainer import CONFIG, make_plan_file, read_jsonl
+from test_trainer import CONFIG, make_plan_file
+from test_trainer_parallel import _train_forked
 from trainer.model import recomputed_layer_indices
 
 FIVE_LAYERS = {**CONFIG, "num_hidden_layers": 5}
@@ -74,15 +76,6 @@ def test_the_declaration_admits_interleaving_and_zero3_under_pp() -> None:
 # -- pp=2, vpp=2, 5 layers as 3/2, through the real staged loop ---------------------------------
 
 
-def _rank_train(rank: int, world: int, port: int, plan_path: str, run_dir: str) -> None:
-    from profiler.ranks import finish_rank, init_rank
-    from trainer.loop import TrainOptions, train
-
-    init_rank(rank, world, port, distributed=world > 1, threads=1)
-    train(load_plan(plan_path), Path(run_dir), False, TrainOptions(show_progress=False))
-    finish_rank(world > 1)
-
-
 def _five_layer_plan(root: Path, fields: dict) -> Path:
     layout = {**UNSPLIT, **fields}
     path = make_plan_file(root, devices=layout["dp"] * layout["pp"], steps=STEPS, layout_fields=layout)
@@ -92,23 +85,158 @@ def _five_layer_plan(root: Path, fields: dict) -> Path:
     return path
 
 
-def _train_forked(plan: Path, run_dir: Path) -> list[float]:
-    from profiler.ranks import free_port, launch
-
-    world = load_plan(plan).chosen.layout.devices
-    launch(_rank_train, world, (world, free_port(), str(plan), str(run_dir)))
-    return [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+def _evals(run_dir: Path) -> list[float]:
+    stages = json.loads((run_dir / "summary.json").read_text())["stages"]
+    return [loss for stage in stages for loss in stage["eval"].values()]
 
 
 @pytest.mark.slow
-def test_interleaved_uneven_pipeline_matches_the_unsplit_model(tmp_path) -> None:
+def test_interleaved_uneven_pipeline_matches_the_unsplit_model_and_resumes(tmp_path) -> None:
     import torch.distributed.pipelining  # noqa: F401  (imported before forking)
 
     reference = _train_forked(_five_layer_plan(tmp_path / "one", {}), tmp_path / "one" / "run")
     plan = _five_layer_plan(tmp_path / "pp", {"pp": 2, "vpp": 2, "stage_layers": [3, 2]})
-    losses = _train_forked(plan, tmp_path / "pp" / "run")
+    run = tmp_path / "pp" / "run"
+    losses = _train_forked(plan, run)
     assert len(losses) == 2 * STEPS
     assert losses == pytest.approx(reference, abs=1e-5)
-    summary = json.loads((tmp_path / "pp" / "run" / "summary.json").read_text())
-    one = json.loads((tmp_path / "one" / "run" / "summary.json").read_text())
-    assert json.dumps(summary.get("evals")) == json.dumps(one.get("evals")) or summary.get("evals") is None
+    assert _evals(run) == pytest.approx(_evals(tmp_path / "one" / "run"), abs=1e-5)  # forward through the chunks
+
+    # resume from the first curriculum stage's DCP checkpoint (names independent of the chunking)
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / f"step-{STEPS:08d}" / "dcp").is_dir()
+    shutil.rmtree(checkpoints / f"step-{2 * STEPS:08d}")
+    assert _train_forked(plan, run, resume=True) == losses
+
+
+# -- DP x PP on 4 ranks: ZeRO-1/2/3 as priced, recompute counts per device ----------------------
+
+DP_PP = {"dp": 2, "pp": 2, "mbs": 1, "gas": 2, "dtype": "fp32"}
+DP_PP_LAYOUTS = {
+    # 5 layers as 3/2; ZeRO-3 gathers every layer for each micro-batch's forward and backward
+    "zero3": {"zero": 3, "stage_layers": [3, 2]},
+    # even split 2/3, chunks [0] [1] | [2] [3 4]: device 0 recomputes layer 0, device 1 layers 1 and 3
+    "zero2_interleaved_recompute": {"zero": 2, "vpp": 2, "recompute": "full", "recompute_layers": [1, 2]},
+    "zero1_interleaved": {"zero": 1, "vpp": 2, "stage_layers": [3, 2]},
+}
+LR = 1e-2
+
+
+def _batches():
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return [[torch.randint(0, CONFIG["vocab_size"], (1, 16), generator=generator) for _ in range(4)]
+            for _ in range(STEPS)]
+
+
+def _observe(model) -> tuple[dict, set]:
+    """Forward calls per decoder layer (a recomputed layer runs twice per micro-batch), and whether
+    a layer's weights are sharded DTensors right after its forward (hooks run after FSDP's own)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    forwards: dict[str, int] = {}
+    sharded: set[bool] = set()
+    for key, layer in model.model.layers.items():
+        def count(module, args, key=key):
+            forwards[key] = forwards.get(key, 0) + 1
+
+        def check(module, args, output):
+            if torch.is_grad_enabled():
+                sharded.add(isinstance(module.self_attn.q_proj.weight, DTensor))
+        # transformers checkpoints a layer's `forward`, so only hooks inside it see the recompute,
+        # and a pre-hook: the recompute stops early, once the last saved tensor is rebuilt
+        layer.mlp.register_forward_pre_hook(count)
+        layer.register_forward_hook(check)
+    return forwards, sharded
+
+
+def _run_layout(layout: Layout, reduces: list[int]) -> dict:
+    from trainer.engines import make_engine
+    from trainer.model import build_model
+
+    model = build_model(ModelSpec(name="tiny", hf_config=FIVE_LAYERS), layout, seed=0)
+    engine = make_engine(model, layout, None, clip=1.0)
+    forwards, sharded = _observe(model)
+    losses, reduced = [], []
+    for step, batch in enumerate(_batches()):
+        if step == 1:
+            forwards.clear()  # the first step also infers the stages' shapes
+        reduces[0] = 0
+        for j in range(layout.gas):
+            loss = engine.micro_step(batch[engine.data_rank * layout.gas + j])
+        losses.append(loss)
+        reduced.append(reduces[0])
+        engine.optimizer_step(LR)
+    whole = sum(p.numel() for p in model.parameters())  # a DTensor counts its global size
+    return {"losses": losses, "forwards": forwards, "sharded": sorted(sharded), "reduces": reduced,
+            "layers": sorted(int(k) for k in model.model.layers), "data_rank": engine.data_rank,
+            "stage": engine.stage_index, "state": engine.state_bytes(), "device_params": whole}
+
+
+def _rank_dp_pp(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+
+    from profiler.ranks import finish_rank, init_rank
+
+    init_rank(rank, world, port, distributed=True, threads=1)
+    reduces = [0]
+    reduce = param_group.foreach_reduce
+
+    def counted(*args, **kwargs):  # one call per FSDP parameter group and gradient reduction
+        reduces[0] += 1
+        return reduce(*args, **kwargs)
+
+    param_group.foreach_reduce = counted
+    results = {name: _run_layout(Layout(**{**DP_PP, **fields}), reduces) for name, fields in DP_PP_LAYOUTS.items()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    finish_rank(True)
+
+
+def _unsplit_losses() -> list[float]:
+    """One process, the four micro-batches of each step on the whole model."""
+    from trainer.engines import make_engine
+    from trainer.model import build_model
+
+    layout = Layout(**UNSPLIT)
+    engine = make_engine(build_model(ModelSpec(name="tiny", hf_config=FIVE_LAYERS), layout, seed=0), layout,
+                         None, clip=1.0)
+    losses = []
+    for batch in _batches():
+        losses.append(sum(engine.micro_step(b) for b in batch) / len(batch))
+        engine.optimizer_step(LR)
+    return losses
+
+
+@pytest.mark.slow
+def test_dp_x_pp_runs_zero_1_2_3_and_recompute_counts_as_priced(tmp_path) -> None:
+    import torch.distributed.fsdp  # noqa: F401  (imported before forking)
+    import torch.distributed.pipelining  # noqa: F401
+
+    from profiler.ranks import free_port, launch
+
+    reference = _unsplit_losses()
+    launch(_rank_dp_pp, 4, (4, free_port(), str(tmp_path)))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for name, fields in DP_PP_LAYOUTS.items():
+        layout = Layout(**{**DP_PP, **fields})
+        last = [r[name] for r in ranks if r[name]["stage"] == 1]
+        replica_mean = [sum(r["losses"][s] for r in last) / 2 for s in range(STEPS)]
+        assert replica_mean == pytest.approx(reference, abs=1e-5), name
+
+        recomputed = recomputed_layer_indices(5, layout)
+        for r in ranks:
+            held = r[name]
+            # weights: ZeRO-3 sharded again right after each forward; ZeRO-1/2 stay gathered
+            assert held["sharded"] == [layout.zero == 3], name
+            # gradients: ZeRO-2/3 reduce-scatter every micro-batch, ZeRO-1 once per step, one
+            # reduction per FSDP group: each decoder layer, plus the embedding or the head group
+            groups = len(held["layers"]) + 1
+            assert held["reduces"][1:] == [groups * (layout.gas if layout.zero >= 2 else 1)] * (STEPS - 1), name
+            # recomputed layers run forward twice per micro-batch (2 steps x gas micro-batches)
+            runs = 2 * layout.gas
+            assert held["forwards"] == {str(i): runs * (2 if i in recomputed else 1) for i in held["layers"]}, name
+            # at rest the weights are sharded over the 2 replicas (FSDP2), fp32
+            assert held["state"]["parameters"] == 4 * held["device_params"] // 2, name
+    assert recomputed_layer_indices(5, Layout(**{**DP_PP, **DP_PP_LAYOUTS["zero2_interleaved_recompute"]})) == {0, 1, 3}
