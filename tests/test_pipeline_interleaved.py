@@ -73,6 +73,42 @@ def test_the_declaration_admits_interleaving_and_zero3_under_pp() -> None:
     assert ENGINES["pipeline"].max_vpp >= 2 and 3 in ENGINES["pipeline"].zero_stages
 
 
+@pytest.mark.parametrize("memory_share", [2.0, 1.0, 0.8])
+def test_stage_split_ilp_equals_brute_force_for_uneven_interleaved_splits(memory_share) -> None:
+    import itertools
+
+    from advisor.errors import UsageError
+    from planner.cost_model import estimate_from_trace
+    from planner.search import solve_shape
+    from profiler.model_trace import trace_model
+    from test_plan_search import SEQ, compositions, hardware
+
+    # a 4k vocabulary makes the last stage (LM head, loss) the heavy one: the best split is 3/2
+    model = ModelSpec(name="tiny5", hf_config={**FIVE_LAYERS, "hidden_size": 64, "intermediate_size": 128,
+                                               "num_attention_heads": 4, "num_key_value_heads": 4,
+                                               "vocab_size": 4096})
+    trace = trace_model(model, SEQ, "bf16", attention="eager", device_type="cuda")
+    shape = Layout(pp=2, vpp=2, gas=4, recompute="full", dtype="bf16", seq=SEQ)
+    roomy = estimate_from_trace(trace, shape.model_copy(update={"stage_layers": [3, 2]}), hardware(1e6))
+    hw = hardware(roomy.memory.peak * memory_share / 2**20)
+    best = None
+    for split in compositions(5, 2):
+        for recomputed in itertools.product(*[range(n + 1) for n in split]):
+            layout = shape.model_copy(update={"stage_layers": split, "recompute_layers": list(recomputed)})
+            try:
+                est = estimate_from_trace(trace, layout, hw)
+            except UsageError:  # a device with fewer layers than chunks
+                continue
+            if est.memory.peak <= hw.usable_bytes and (best is None or est.time.step_s < best[0] - 1e-12):
+                best = (est.time.step_s, layout)
+    chosen = solve_shape(trace, shape, hw, hw.usable_bytes, 0.0)
+    if best is None:
+        assert chosen is None
+        return
+    assert estimate_from_trace(trace, chosen, hw).time.step_s == pytest.approx(best[0], rel=1e-9)
+    assert chosen.stage_layers == [3, 2]
+
+
 # -- pp=2, vpp=2, 5 layers as 3/2, through the real staged loop ---------------------------------
 
 
