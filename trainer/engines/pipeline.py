@@ -1,5 +1,7 @@
 """Pipeline parallelism through ``torch.distributed.pipelining``, with FSDP2 over the
-data-parallel sub-mesh for DP x PP and tensor parallelism inside each stage for tp > 1.
+data-parallel sub-mesh for DP x PP and tensor parallelism inside each stage for tp > 1. With
+vpp > 1 each rank holds vpp model chunks (virtual stages rank + k*pp, `advisor.specs.chunk_layers`)
+run by the interleaved 1F1B schedule.
 
 ``micro_step`` defers the work: the schedule runs all of a step's micro-batches at once, on the
 gas-th call, and returns their mean loss there (None before). Checkpoints are DCP folders whose
