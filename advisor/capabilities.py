@@ -42,6 +42,8 @@ class EngineCapability:
     # tensor parallelism with fewer key/value heads than tp (each head replicated on tp/kv ranks)
     replicated_kv_heads: bool = False
     qlora_devices: frozenset[str] = frozenset()
+    # zero=0 across data-parallel replicas runs as priced: whole replicas, one gradient all-reduce
+    replicas_without_zero: bool = True
 
 
 ENGINES: dict[EngineName, EngineCapability] = {
@@ -63,7 +65,7 @@ ENGINES: dict[EngineName, EngineCapability] = {
         "TP inside a stage",
         zero_stages=frozenset({0, 1, 2, 3}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
         recompute=frozenset({"none", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
-        max_vpp=4, tied_embeddings=False),
+        max_vpp=4, tied_embeddings=False, replicas_without_zero=False),
 }
 
 
@@ -105,6 +107,9 @@ def engine_problem(layout: Layout, shape: ModelShape, device_type: str, engine: 
     name = engine.name
     if layout.zero not in engine.zero_stages:
         return f"the {name} engine does not run zero={layout.zero}"
+    if layout.zero == 0 and layout.dp > 1 and not engine.replicas_without_zero:
+        return (f"the {name} engine shards across its {layout.dp} data-parallel replicas (FSDP2): plan zero>=1, "
+                "not zero=0 (whole replicas)")
     if layout.offload not in engine.offloads:
         return f"the {name} engine does not run offload={layout.offload} (offload runs through DeepSpeed, without tp/pp)"
     if layout.method == "qlora":

@@ -71,6 +71,10 @@ def test_the_declaration_admits_interleaving_and_zero3_under_pp() -> None:
     layout = Layout(dp=2, pp=2, vpp=2, gas=4, zero=3, stage_layers=[3, 2], dtype="fp32")
     assert runnable_problem(layout, shape, "cpu") is None
     assert ENGINES["pipeline"].max_vpp >= 2 and 3 in ENGINES["pipeline"].zero_stages
+    # FSDP2 shards the optimizer across pipeline replicas, which zero=0 does not price
+    whole_replicas = layout.model_copy(update={"zero": 0})
+    assert "plan zero>=1" in runnable_problem(whole_replicas, shape, "cpu")
+    assert runnable_problem(whole_replicas.model_copy(update={"dp": 1, "gas": 8}), shape, "cpu") is None
 
 
 @pytest.mark.parametrize("memory_share", [2.0, 1.0, 0.8])

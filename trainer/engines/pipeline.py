@@ -159,9 +159,10 @@ class PipelineEngine(DTensorState):
     the schedule the bubble (pp - 1)/vpp and the warm-up memory are priced for; the zero-bubble
     and looped-BFS variants would need other prices).
 
-    ZeRO under PP as priced: zero <= 2 keep the weights gathered through the step (resharding
-    after forward would make every micro-batch pay another all-gather, torchtitan); zero = 3
-    reshards them after every micro-batch's forward and backward (`_sharded_stage_class`).
+    ZeRO across pipeline replicas as priced: zero 1/2 keep the weights gathered through the step
+    (resharding after forward would make every micro-batch pay another all-gather, torchtitan);
+    zero 3 reshards them after every micro-batch's forward and backward (`_sharded_stage_class`).
+    zero 0 runs without replicas only (advisor/capabilities.py): FSDP2 would shard the optimizer.
     """
 
     def __init__(self, model: torch.nn.Module, layout: Layout, clip: float, weight_decay: float = 0.0):
