@@ -301,10 +301,11 @@ def chunk_layers(n_layers: int, layout: Layout) -> list[range]:
     """The decoder layers of each model chunk (virtual stage) of a pipeline, by virtual stage id:
     device d holds chunks d, d + pp, ..., d + (vpp - 1)pp, and the model's layers run through the
     ids in order. Each device's `layers_per_stage` share splits into its vpp chunks as evenly as
-    possible, any remainder on its later chunks (they hold fewer micro-batches in flight than its
-    first). The trainer's cut and its choice of recomputed layers read this; the cost model prices
-    a device's layers in whole-device units, exact when they divide by vpp. With vpp = 1 the
-    chunks are the stages of `layers_per_stage`."""
+    possible, any remainder on its later chunks: they hold fewer micro-batches in flight than its
+    first, so the cost model's whole-device pricing of the activations (planner/memory.py
+    `micro_batches_in_flight`) is exact when the device's layers divide by vpp and an upper bound
+    otherwise (a remainder on the earlier chunks would exceed it). The trainer's cut and its choice
+    of recomputed layers read this. With vpp = 1 the chunks are the stages of `layers_per_stage`."""
     vpp = layout.vpp
     sizes = [0] * (layout.pp * vpp)
     for device, held in enumerate(layers_per_stage(n_layers, layout)):

@@ -66,6 +66,41 @@ def test_in_flight_micro_batches_follow_the_schedule_that_runs() -> None:
     assert micro_batches_in_flight(0, Layout(pp=2, vpp=2, gas=4)) == 5 / 2
 
 
+def _schedule_peak_layers(layout: Layout, layers: int, rank: int) -> int:
+    """Most decoder layers' activations `rank` holds at once under torch's own interleaved 1F1B
+    order (its action list, replayed: a forward adds its chunk's layers, a backward frees them)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    schedule = object.__new__(ScheduleInterleaved1F1B)  # the order only: no stages, no process group
+    schedule.n_local_stages, schedule.pp_group_size, schedule._n_microbatches = layout.vpp, layout.pp, layout.gas
+    schedule.number_of_rounds = max(1, layout.gas // layout.pp)
+    schedule.microbatches_per_round = layout.gas // schedule.number_of_rounds
+    chunks = chunk_layers(layers, layout)
+    live = peak = 0
+    for action in filter(None, schedule._calculate_single_rank_operations(rank)):
+        if action.computation_type == _ComputationType.FORWARD:
+            live += len(chunks[action.stage_index])
+            peak = max(peak, live)
+        elif action.computation_type == _ComputationType.FULL_BACKWARD:
+            live -= len(chunks[action.stage_index])
+    return peak
+
+
+@pytest.mark.parametrize("pp, vpp, gas", [(2, 2, 4), (3, 2, 3), (4, 3, 8), (2, 4, 2)])
+def test_priced_in_flight_layers_equal_torchs_schedule_on_even_chunks_and_bound_it_on_uneven(pp, vpp, gas) -> None:
+    from advisor.specs import layers_per_stage
+
+    for layers in range(pp * vpp, 3 * pp * vpp + 1):
+        layout = Layout(pp=pp, vpp=vpp, gas=gas)
+        for rank, held in enumerate(layers_per_stage(layers, layout)):
+            priced = micro_batches_in_flight(rank, layout) * held
+            ran = _schedule_peak_layers(layout, layers, rank)
+            if held % vpp == 0:
+                assert ran == pytest.approx(priced), (layers, rank)
+            else:  # the remainder on a device's later chunks, which hold fewer micro-batches
+                assert ran <= priced + 1e-9, (layers, rank)
+
+
 def test_the_declaration_admits_interleaving_and_zero3_under_pp() -> None:
     shape = config_shape(FIVE_LAYERS)
     layout = Layout(dp=2, pp=2, vpp=2, gas=4, zero=3, stage_layers=[3, 2], dtype="fp32")
