@@ -4,9 +4,10 @@ after every micro-batch's forward, ZeRO-2/3 reduce-scattering gradients after ev
 and per-stage recompute counts landing on each device's own layers.
 
 Every multi-rank run is compared with one process training the unsplit 5-layer model on the same
-global batch (fp32, 3 steps, within 1e-5). Two multi-rank launches in all: the real staged loop
-for pp=2 vpp=2 (evaluation and checkpoints included), and one 4-rank launch that builds the engine
-for three DP x PP layouts in turn.
+global batch (fp32, 3 steps, within 1e-5). Three multi-rank launches in all: the real staged loop
+for pp=2 vpp=2 (evaluation included) and its resume, and one 4-rank launch that builds the engine
+for three DP x PP layouts in turn. The priced in-flight activations are checked against torch's
+own interleaved schedule, replayed.
 """
 
 import json
@@ -66,39 +67,46 @@ def test_in_flight_micro_batches_follow_the_schedule_that_runs() -> None:
     assert micro_batches_in_flight(0, Layout(pp=2, vpp=2, gas=4)) == 5 / 2
 
 
-def _schedule_peak_layers(layout: Layout, layers: int, rank: int) -> int:
-    """Most decoder layers' activations `rank` holds at once under torch's own interleaved 1F1B
-    order (its action list, replayed: a forward adds its chunk's layers, a backward frees them)."""
+def _schedule_peak_activations(layout: Layout, layers: int, rank: int, recomputed: set[int], kept: float) -> float:
+    """Most activations `rank` holds at once under torch's own interleaved 1F1B order (its action
+    list, replayed: a forward adds its chunk's layers, a backward frees them), a layer weighing 1,
+    or `kept` when it recomputes."""
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
     schedule = object.__new__(ScheduleInterleaved1F1B)  # the order only: no stages, no process group
     schedule.n_local_stages, schedule.pp_group_size, schedule._n_microbatches = layout.vpp, layout.pp, layout.gas
     schedule.number_of_rounds = max(1, layout.gas // layout.pp)
     schedule.microbatches_per_round = layout.gas // schedule.number_of_rounds
-    chunks = chunk_layers(layers, layout)
-    live = peak = 0
+    weight = [sum(kept if i in recomputed else 1.0 for i in chunk) for chunk in chunk_layers(layers, layout)]
+    live = peak = 0.0
     for action in filter(None, schedule._calculate_single_rank_operations(rank)):
         if action.computation_type == _ComputationType.FORWARD:
-            live += len(chunks[action.stage_index])
+            live += weight[action.stage_index]
             peak = max(peak, live)
         elif action.computation_type == _ComputationType.FULL_BACKWARD:
-            live -= len(chunks[action.stage_index])
+            live -= weight[action.stage_index]
     return peak
 
 
 @pytest.mark.parametrize("pp, vpp, gas", [(2, 2, 4), (3, 2, 3), (4, 3, 8), (2, 4, 2)])
-def test_priced_in_flight_layers_equal_torchs_schedule_on_even_chunks_and_bound_it_on_uneven(pp, vpp, gas) -> None:
+def test_priced_in_flight_activations_equal_torchs_schedule_on_even_chunks_and_bound_it_otherwise(pp, vpp, gas) -> None:
     from advisor.specs import layers_per_stage
 
+    kept = 0.25  # what a recomputed layer keeps, relative to a whole layer's activations
     for layers in range(pp * vpp, 3 * pp * vpp + 1):
-        layout = Layout(pp=pp, vpp=vpp, gas=gas)
-        for rank, held in enumerate(layers_per_stage(layers, layout)):
-            priced = micro_batches_in_flight(rank, layout) * held
-            ran = _schedule_peak_layers(layout, layers, rank)
-            if held % vpp == 0:
-                assert ran == pytest.approx(priced), (layers, rank)
-            else:  # the remainder on a device's later chunks, which hold fewer micro-batches
-                assert ran <= priced + 1e-9, (layers, rank)
+        split = Layout(pp=pp, vpp=vpp, gas=gas, recompute="full")
+        held = layers_per_stage(layers, split)
+        for share in (0.0, 0.5, 1.0):  # of each device's layers recomputed
+            counts = [int(share * n) for n in held]
+            layout = split.model_copy(update={"stage_layers": held, "recompute_layers": counts})
+            recomputed = recomputed_layer_indices(layers, layout)
+            for rank, (n, k) in enumerate(zip(held, counts)):
+                priced = micro_batches_in_flight(rank, layout) * (n - k + k * kept)
+                ran = _schedule_peak_activations(layout, layers, rank, recomputed, kept)
+                if n % vpp == 0 and k in (0, n):
+                    assert ran == pytest.approx(priced), (layers, rank, k)
+                else:  # remainders on a device's later chunks, recomputation on its first ones
+                    assert ran <= priced + 1e-9, (layers, rank, k)
 
 
 def test_the_declaration_admits_interleaving_and_zero3_under_pp() -> None:
