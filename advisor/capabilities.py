@@ -42,6 +42,8 @@ class EngineCapability:
     # tensor parallelism with fewer key/value heads than tp (each head replicated on tp/kv ranks)
     replicated_kv_heads: bool = False
     qlora_devices: frozenset[str] = frozenset()
+    # zero=0 across data-parallel replicas runs as priced: whole replicas, one gradient all-reduce
+    replicas_without_zero: bool = True
 
 
 ENGINES: dict[EngineName, EngineCapability] = {
@@ -65,10 +67,11 @@ ENGINES: dict[EngineName, EngineCapability] = {
         recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
         sequence_parallel=True),
     "pipeline": EngineCapability(
-        "pipeline", "torch.distributed.pipelining 1F1B stages, FSDP2 across replicas, TP inside a stage",
-        zero_stages=frozenset({0, 1, 2}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
+        "pipeline", "torch.distributed.pipelining 1F1B or interleaved 1F1B stages, FSDP2 across replicas, "
+        "TP inside a stage",
+        zero_stages=frozenset({0, 1, 2, 3}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
         recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
-        sequence_parallel=True, tied_embeddings=False),
+        sequence_parallel=True, max_vpp=4, tied_embeddings=False, replicas_without_zero=False),
 }
 
 
@@ -109,8 +112,10 @@ def engine_problem(layout: Layout, shape: ModelShape, device_type: str, engine: 
     """Why `engine` does not run `layout` as priced (None: it does)."""
     name = engine.name
     if layout.zero not in engine.zero_stages:
-        return f"the {name} engine does not run zero={layout.zero}" + (
-            " (ZeRO-3 under pipeline parallelism would never reshard)" if name == "pipeline" else "")
+        return f"the {name} engine does not run zero={layout.zero}"
+    if layout.zero == 0 and layout.dp > 1 and not engine.replicas_without_zero:
+        return (f"the {name} engine shards across its {layout.dp} data-parallel replicas (FSDP2): plan zero>=1, "
+                "not zero=0 (whole replicas)")
     if layout.offload not in engine.offloads:
         return f"the {name} engine does not run offload={layout.offload} (offload runs through DeepSpeed, without tp/pp)"
     if layout.method == "qlora":

@@ -3,7 +3,7 @@
 `Layout`'s own validator (advisor/specs.py) refuses combinations that make no sense for any model
 (sp without tp, vpp without pp, offload without ZeRO...). The rules here need the model's shape:
 tensor parallelism splits attention heads, key/value heads and the MLP width, a pipeline needs a
-decoder layer per stage, and interleaving needs equal chunks. The planner's search skips what breaks
+decoder layer per stage (per chunk when interleaved). The planner's search skips what breaks
 them and the cost model refuses it with the same line. What one back-end cannot run yet (a
 capability, not a structure) is the trainer's to say.
 """
@@ -40,15 +40,22 @@ def tensor_parallel_problem(tp: int, shape: ModelShape) -> str | None:
 
 
 def pipeline_problem(pp: int, vpp: int, gas: int, stage_layers: list[int] | None, num_layers: int) -> str | None:
-    """Why this pipeline cannot cut a model of `num_layers` decoder layers (None: it can)."""
+    """Why this pipeline cannot cut a model of `num_layers` decoder layers (None: it can).
+
+    Interleaving (vpp > 1) runs torch's `ScheduleInterleaved1F1B`: each device holds vpp chunks of
+    at least one layer each, split as `advisor.specs.chunk_layers` says (uneven splits
+    allowed). The schedule runs gas // pp rounds and needs gas divisible by them; we ask for gas
+    divisible by pp, so that every round is pp micro-batches: the schedule whose warm-up and
+    bubble the cost model prices (Narayanan et al. 2021, section 2.2). Without interleaving any
+    gas runs (GPipe below pp micro-batches, 1F1B from there)."""
     if pp > num_layers:
         return f"pp={pp} exceeds the {num_layers} decoder layers"
-    if vpp > 1 and num_layers % (pp * vpp):
-        return f"interleaving needs layers divisible by pp*vpp: {num_layers} % {pp * vpp} != 0"
+    if vpp > 1 and pp * vpp > num_layers:
+        return f"interleaving needs a decoder layer per chunk: pp*vpp = {pp * vpp} exceeds the {num_layers} layers"
     if vpp > 1 and gas % pp:
         return f"interleaved 1F1B needs gas divisible by pp (gas={gas}, pp={pp})"
-    if vpp > 1 and stage_layers and len(set(stage_layers)) > 1:
-        return "interleaved 1F1B (vpp>1) needs the same number of layers on every stage"
+    if stage_layers and min(stage_layers) < vpp:
+        return f"stage_layers: each device needs at least vpp={vpp} layers (one per chunk)"
     if stage_layers and sum(stage_layers) != num_layers:
         return f"stage_layers sum to {sum(stage_layers)}, the model has {num_layers} layers"
     return None

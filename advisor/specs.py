@@ -312,6 +312,25 @@ def layers_per_stage(n_layers: int, layout: Layout) -> list[int]:
     return [base + (1 if stage >= layout.pp - extra else 0) for stage in range(layout.pp)]
 
 
+def chunk_layers(n_layers: int, layout: Layout) -> list[range]:
+    """The decoder layers of each model chunk (virtual stage) of a pipeline, by virtual stage id:
+    device d holds chunks d, d + pp, ..., d + (vpp - 1)pp, and the model's layers run through the
+    ids in order. Each device's `layers_per_stage` share splits into its vpp chunks as evenly as
+    possible, any remainder on its later chunks: they hold fewer micro-batches in flight than its
+    first, so the cost model's whole-device pricing of the activations (planner/memory.py
+    `micro_batches_in_flight`) is exact when the device's layers divide by vpp and an upper bound
+    otherwise (a remainder on the earlier chunks would exceed it). The trainer's cut and its choice
+    of recomputed layers read this. With vpp = 1 the chunks are the stages of `layers_per_stage`."""
+    vpp = layout.vpp
+    sizes = [0] * (layout.pp * vpp)
+    for device, held in enumerate(layers_per_stage(n_layers, layout)):
+        base, extra = divmod(held, vpp)
+        for k in range(vpp):
+            sizes[device + k * layout.pp] = base + (1 if k >= vpp - extra else 0)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
 def safe_name(name: str, max_chars: int = 80) -> str:
     """A file or folder name (or a Slurm job name) from a user's name: letters, digits, dot, dash and
     underscore. A name that cleaning changed gets `+` and a hash of the original, so `a b` and `a_b`

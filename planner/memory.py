@@ -105,17 +105,20 @@ def model_state_bytes(
 
 
 def micro_batches_in_flight(stage: int, layout: Layout) -> float:
-    """Micro-batches whose activations a stage holds at its peak, in whole-stage units.
+    """Micro-batches whose activations a stage holds at its peak, in whole-stage units, under the
+    schedule the pipeline engine runs (torch.distributed.pipelining).
 
-    1F1B: stage r keeps pp - r micro-batches. Interleaved 1F1B (Megatron): rank r runs
-    2(pp - r - 1) + (vpp - 1)pp warm-up chunks plus one, each chunk 1/vpp of the stage
-    (Korthikanti et al. 2022, section 4.2.3: the first stage holds L(1 + (p-1)/(pm)) layers).
+    1F1B (gas >= pp): stage r keeps pp - r micro-batches. GPipe (gas < pp, which 1F1B cannot
+    fill): every forward runs before the first backward, so every stage keeps all gas.
+    Interleaved 1F1B (vpp > 1, gas a multiple of pp): rank r runs 2(pp - r - 1) + (vpp - 1)pp
+    warm-up chunks plus one, each chunk 1/vpp of the stage (Korthikanti et al. 2022, section 4.2.3:
+    the first stage holds L(1 + (p-1)/(pm)) layers; torch's `_get_warmup_ops` with rounds of pp).
     """
     pp, vpp, gas = layout.pp, layout.vpp, layout.gas
     if pp == 1:
         return 1.0
     if vpp == 1:
-        return float(min(pp - stage, gas))
+        return float(pp - stage if gas >= pp else gas)
     chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp, gas * vpp - 1) + 1
     return chunks / vpp
 

@@ -303,6 +303,25 @@ class Bound:
     max_compute_fraction: float  # upper bound on the least busy stage's compute share
 
 
+def _most_layers(c: _StageCoefficients, layers: int, capacity: float) -> int:
+    """At most how many decoder layers (<= `layers`) one stage can hold within its memory rows of
+    the ILP, whatever it recomputes: its memory is affine in the recomputed count k, so k = 0 or
+    k = n is least, and each row, affine in n, allows the n below its crossing (or every n up to
+    `layers` when it falls with n). An upper bound, which is all the search's bound needs."""
+    limit = capacity * (1 + 1e-9)
+
+    def most(a: float, b: float, cap: float = limit) -> int:  # max n in [-1, layers] with a + b n <= cap
+        if a + b * layers <= cap:
+            return layers
+        return min(layers, math.floor((cap - a) / b + 1e-9)) if b > 0 and a <= cap else -1
+
+    base = c.backward_base
+    keep_all = most(base.c + c.logits, base.n)
+    recompute_all = most(base.c + max(c.logits, c.regrown), base.n + base.k)
+    return min(max(keep_all, recompute_all), most(c.optimizer_moment.c, c.optimizer_moment.n),
+               most(c.host.c, c.host.n, c.host_capacity * (1 + 1e-9)))
+
+
 def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: float) -> Bound | None:
     """A valid bound for every split of this shape; None if no split can fit in memory.
 
@@ -330,6 +349,9 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
         return None
     if max(c.host(1, 0) - c.host_capacity for c in coeffs) > 0:
         return None
+    most = [_most_layers(c, layers, capacity) for c in _all_coefficients(trace, layout, hw)]
+    if min(most) < layout.vpp or sum(most) < layers:
+        return None  # no split fits: some stage cannot hold its vpp chunks, or all cannot hold L
     # least recomputation that the mean stage needs (layers placed where they cost least memory)
     base = sum(w * (c.backward_base.c + c.logits) for w, c in zip(counts, coeffs))
     excess = base + min(c.backward_base.n for c in coeffs) * layers - pp * capacity
@@ -403,10 +425,10 @@ class StageProgram:
             if min_fraction > 0:  # gas * compute_s >= f * step
                 row({n: gas * c.compute.n, k: gas * c.compute.k,
                      **{i: -min_fraction * objective[i] for i in (slot, dp, update)}}, low=-gas * c.compute.c)
-        fixed = layers // pp if layout.vpp > 1 else None  # interleaving needs equal stages
         lower = np.zeros(width)
         upper = np.full(width, np.inf)
-        lower[:pp], upper[:pp] = (1, np.maximum(most, 1)) if fixed is None else (fixed, fixed)
+        # each device holds vpp chunks of at least one layer (advisor.specs.chunk_layers)
+        lower[:pp], upper[:pp] = layout.vpp, np.maximum(most, layout.vpp)
         upper[pp:2 * pp] = layers
         # Some stage holds at least ceil(L / pp) layers, so each max-over-stages term is at least its
         # least value over stages at that many layers: valid for every integer split, and it closes
@@ -500,17 +522,6 @@ def _least_at(layers: int, terms: list[tuple[float, float, float]]) -> float:
     if min(slopes) < 0:
         return 0.0
     return max(0.0, min(c + slope * layers for (c, _, _), slope in zip(terms, slopes)))
-
-
-def _most_layers(c: _StageCoefficients, layers: int, capacity: float) -> int:
-    """The most layers the stage can hold whatever it recomputes (each memory row at its least
-    over 0 <= k <= n): an upper bound on n_s, and the least big-M for `k_s <= M r_s`."""
-    most = layers
-    for const, slope in ((c.backward_base.c + c.logits, c.backward_base.n + min(0.0, c.backward_base.k)),
-                         (c.optimizer_moment.c, c.optimizer_moment.n + min(0.0, c.optimizer_moment.k))):
-        if slope > 0:
-            most = min(most, math.floor((capacity - const) / slope * (1 + 1e-9) + 1e-6))
-    return max(0, most)
 
 
 # ------------------------------------------------------------------------------------------

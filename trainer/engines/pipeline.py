@@ -1,5 +1,7 @@
 """Pipeline parallelism through ``torch.distributed.pipelining``, with FSDP2 over the
-data-parallel sub-mesh for DP x PP and tensor parallelism inside each stage for tp > 1.
+data-parallel sub-mesh for DP x PP and tensor parallelism inside each stage for tp > 1. With
+vpp > 1 each rank holds vpp model chunks (virtual stages rank + k*pp, `advisor.specs.chunk_layers`)
+run by the interleaved 1F1B schedule.
 
 ``micro_step`` defers the work: the schedule runs all of a step's micro-batches at once, on the
 gas-th call, and returns their mean loss there (None before). Checkpoints are DCP folders whose
@@ -14,7 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from advisor.specs import Layout, layers_per_stage
+from advisor.specs import Layout, chunk_layers
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.engines.base import DTensorState, device
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
@@ -30,33 +32,27 @@ def _split_padding(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batch.masked_fill(pad, 0), batch.masked_fill(pad, -100)
 
 
-class PipelineStageModule(torch.nn.Module):
-    """One pipeline stage cut out of an HF causal LM, keeping the model's parameter names
-    (``model.layers.5.…``) so that checkpoints read the same whatever the split.
+class PipelineChunk(torch.nn.Module):
+    """One model chunk (a virtual pipeline stage) cut out of an HF causal LM: a run of decoder
+    layers, with the embedding on the first chunk and the final norm and LM head on the last. It
+    keeps the model's parameter names (``model.layers.5.…``), so checkpoints read the same
+    whatever the split.
 
-    The first stage embeds token ids; the others take hidden states. The last stage applies the
-    final norm and LM head and returns logits. Attention runs without a mask, which HF's sdpa
-    path turns into a causal kernel (shared/NOTES-cpu-stack.md, trap 5: eager would not be causal).
+    Attention runs without a mask, which HF's sdpa path turns into a causal kernel
+    (shared/NOTES-cpu-stack.md, trap 5: eager would not be causal).
     """
 
-    def __init__(self, model: torch.nn.Module, stage_index: int, layers_per_stage: list[int]):
+    def __init__(self, model: torch.nn.Module, layer_ids: range, first: bool, last: bool):
         super().__init__()
         base = model.model
         if base.config._attn_implementation != "sdpa":
             base.config._attn_implementation = "sdpa"
-        first = sum(layers_per_stage[:stage_index])
-        keep = range(first, first + layers_per_stage[stage_index])
-        kept = torch.nn.ModuleDict({str(i): base.layers[i] for i in keep})
-        base.layers = kept  # drops the other stages' layers: this rank never holds them again
-        last = stage_index == len(layers_per_stage) - 1
-        if stage_index > 0:
-            base.embed_tokens = None
-        if not last:
-            base.norm = None
-        self.model = base
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = base.embed_tokens if first else None
+        self.model.layers = torch.nn.ModuleDict({str(i): base.layers[i] for i in layer_ids})
+        self.model.norm = base.norm if last else None
+        self.model.rotary_emb = base.rotary_emb  # buffers only, shared by the device's chunks
         self.lm_head = model.lm_head if last else None
-        if not last:
-            model.lm_head = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.model
@@ -70,57 +66,116 @@ class PipelineStageModule(torch.nn.Module):
         return self.lm_head(base.norm(hidden))
 
 
+def cut_chunks(model: torch.nn.Module, layout: Layout, device_index: int) -> list[PipelineChunk]:
+    """This device's chunks, virtual stages device_index + k*pp for k < vpp (the layers of
+    `advisor.specs.chunk_layers`). The HF model is pruned to what the device holds, so that it
+    keeps no other layer and serves as the one module that names the device's parameters (DCP
+    checkpoints, state counts)."""
+    split = chunk_layers(len(decoder_layers(model)), layout)
+    chunks = [PipelineChunk(model, split[i], i == 0, i == len(split) - 1)
+              for i in range(device_index, len(split), layout.pp)]
+    base = model.model
+    base.layers = torch.nn.ModuleDict({key: layer for chunk in chunks for key, layer in chunk.model.layers.items()})
+    if chunks[0].model.embed_tokens is None:
+        base.embed_tokens = None
+    if chunks[-1].lm_head is None:
+        base.norm = None
+        model.lm_head = None
+    return chunks
+
+
 class PipelineForward(torch.nn.Module):
     """The whole pipeline as a module for evaluation: ``forward(input_ids, labels).loss``.
 
-    Forward only, one micro-batch of any size, hidden states sent stage to stage; the loss
-    computed on the last stage is broadcast so every rank returns the same value.
+    Forward only, one micro-batch of any size: hidden states go chunk to chunk in virtual-stage
+    order (rank r runs stages r, r + pp, ...); the loss computed on the last chunk is broadcast so
+    every rank returns the same value. Sharded parameters are released afterwards.
     """
 
-    def __init__(self, stage: torch.nn.Module, engine: "PipelineEngine"):
+    def __init__(self, chunks: list[PipelineChunk], engine: "PipelineEngine"):
         super().__init__()
-        self.stage = stage
+        self.chunks = torch.nn.ModuleList(chunks)
         self._engine = [engine]  # not a submodule
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
         engine = self._engine[0]
-        group, index, stages = engine.pp_group, engine.stage_index, engine.layout.pp
+        group, index, pp = engine.pp_group, engine.stage_index, engine.layout.pp
         input_ids, padded_labels = _split_padding(input_ids)
         if labels is not None:
             labels = padded_labels
-        if index == 0:
-            x = input_ids
-        else:
-            x = torch.empty((*input_ids.shape, engine.hidden_size), dtype=engine.activation_dtype,
-                            device=input_ids.device)
-            dist.recv(x, src=dist.get_global_rank(group, index - 1), group=group)
-        out = self.stage(x)
+        out = input_ids
+        for k, chunk in enumerate(self.chunks):
+            stage_id = index + k * pp
+            if stage_id > 0:
+                out = torch.empty((*input_ids.shape, engine.hidden_size), dtype=engine.activation_dtype,
+                                  device=input_ids.device)
+                dist.recv(out, src=dist.get_global_rank(group, (index - 1) % pp), group=group)
+            out = chunk(out)
+            if stage_id < engine.stages - 1:
+                dist.send(out.contiguous(), dst=dist.get_global_rank(group, (index + 1) % pp), group=group)
         loss = torch.zeros((), dtype=torch.float32, device=input_ids.device)
-        if index < stages - 1:
-            dist.send(out.contiguous(), dst=dist.get_global_rank(group, index + 1), group=group)
-        elif labels is not None:
+        if engine.is_last and labels is not None:
             loss = engine.loss_fn(out, labels).float()
         dist.broadcast(loss, src=engine.last_stage_rank, group=group)
+        engine.reshard()
         return SimpleNamespace(loss=loss)
 
 
-class PipelineEngine(DTensorState):
-    """This rank's stage, the 1F1B schedule over ``gas`` micro-batches of ``mbs`` sequences (GPipe
-    when gas < pp, which 1F1B cannot fill), FSDP2 over the data-parallel sub-mesh and TP inside
-    the stage.
+def _sharded_stage_class(zero: int) -> type:
+    """`PipelineStage` with ZeRO-2/3 as the cost model prices them (planner/cost_model.py
+    `_gradient_comm`, planner/memory.py `model_state_bytes`): gradients reduce-scattered after
+    every micro-batch's backward (each rank keeps 1/dp of them), and under ZeRO-3 the weights
+    resharded after it too, so that they are gathered for every micro-batch's forward and
+    backward. torch's stage instead keeps whole gradients and gathered weights until the step's
+    last backward, which is ZeRO-1 (the optimizer sharded), and what zero <= 1 runs."""
+    from torch.distributed.fsdp import FSDPModule  # loaded for PP only
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._backward import stage_backward
 
-    With data parallelism the stage keeps its parameters gathered between forward and backward:
-    resharding after forward would make every micro-batch pay another all-gather (torchtitan).
+    if zero < 2:
+        return PipelineStage
+
+    class ShardedGradientStage(PipelineStage):
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):  # type: ignore[no-untyped-def]
+            if not isinstance(self.submod, FSDPModule) or backward_type != "full":
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            # the stage's own flags, but reducing (and for ZeRO-3 resharding) every micro-batch;
+            # the step's final `perform_reduce_grad` then finds nothing left to reduce
+            self.submod.set_is_last_backward(False)
+            self.submod.set_reshard_after_backward(zero == 3)
+            self.submod.set_requires_gradient_sync(True)
+            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+            return grads, None
+
+    return ShardedGradientStage
+
+
+class PipelineEngine(DTensorState):
+    """This rank's chunks of the pipeline, its schedule over ``gas`` micro-batches of ``mbs``
+    sequences, FSDP2 over the data-parallel sub-mesh and TP inside each chunk.
+
+    Schedules (what `advisor.layout_rules.pipeline_problem` admits and planner/memory.py
+    `micro_batches_in_flight` prices): 1F1B, GPipe when gas < pp (which 1F1B cannot fill), and
+    with vpp > 1 chunks per rank torch's `ScheduleInterleaved1F1B` (Megatron's interleaved 1F1B,
+    the schedule the bubble (pp - 1)/vpp and the warm-up memory are priced for; the zero-bubble
+    and looped-BFS variants would need other prices).
+
+    ZeRO across pipeline replicas as priced: zero 1/2 keep the weights gathered through the step
+    (resharding after forward would make every micro-batch pay another all-gather, torchtitan);
+    zero 3 reshards them after every micro-batch's forward and backward (`_sharded_stage_class`).
+    zero 0 runs without replicas only (advisor/capabilities.py): FSDP2 would shard the optimizer.
     """
 
     def __init__(self, model: torch.nn.Module, layout: Layout, clip: float, weight_decay: float = 0.0):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # loaded for PP only
+        from torch.distributed.pipelining import (  # loaded for PP only
+            Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B)
 
         check_parallel_layout(model, layout)
         self.layout, self.clip = layout, clip
         self.mesh = ParallelMesh.build(layout)
         self.pp_group = self.mesh.group("pp")
         self.stage_index = self.mesh.coordinate("pp")
+        self.stages = layout.pp * layout.vpp
         self.last_stage_rank = dist.get_global_rank(self.pp_group, layout.pp - 1)
         self.is_last = self.stage_index == layout.pp - 1
         self.hidden_size = int(model.config.hidden_size)
@@ -129,21 +184,35 @@ class PipelineEngine(DTensorState):
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = \
             lambda logits, labels: hf_loss(logits=logits, labels=labels, vocab_size=vocab)
 
-        split = layers_per_stage(len(decoder_layers(model)), layout)
-        stage = PipelineStageModule(model, self.stage_index, split)
-        parallelize(stage, self.mesh, layout, layers=lambda: stage.model.layers,
-                    fsdp_units=lambda: list(stage.model.layers.children()), reshard_after_forward=False)
+        self.chunks = cut_chunks(model, layout, self.stage_index)
+        for chunk in self.chunks:
+            parallelize(chunk, self.mesh, layout, layers=lambda c=chunk: c.model.layers,
+                        fsdp_units=lambda c=chunk: list(c.model.layers.children()),
+                        reshard_after_forward=layout.zero == 3)
         self.activation_dtype = TORCH_DTYPES[layout.dtype]
-        self.params = [p for p in stage.parameters() if p.requires_grad]
+        self.module = model  # pruned to this rank's chunks: the parameters under their HF names
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, weight_decay)
-        pipeline_stage = PipelineStage(stage, self.stage_index, layout.pp, device(), group=self.pp_group)
-        schedule = Schedule1F1B if layout.gas >= layout.pp else ScheduleGPipe
+        stage_class = _sharded_stage_class(layout.zero if layout.dp > 1 else 0)
+        stages = [stage_class(chunk, self.stage_index + k * layout.pp, self.stages, device(), group=self.pp_group)
+                  for k, chunk in enumerate(self.chunks)]
         # loss_fn returns each micro-batch's mean; the schedule divides gradients by gas
-        self.schedule = schedule(pipeline_stage, n_microbatches=layout.gas, loss_fn=self.loss_fn)
-        self.module = stage
-        self.model = PipelineForward(stage, self)
+        if layout.vpp > 1:
+            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=layout.gas, loss_fn=self.loss_fn)
+        else:
+            schedule = Schedule1F1B if layout.gas >= layout.pp else ScheduleGPipe
+            self.schedule = schedule(stages[0], n_microbatches=layout.gas, loss_fn=self.loss_fn)
+        self.model = PipelineForward(self.chunks, self)
         self.data_rank = self.mesh.coordinate("dp")
         self._buffer: list[torch.Tensor] = []
+
+    def reshard(self) -> None:
+        """Free gathered weights (FSDP2) after a forward outside the schedule (evaluation)."""
+        from torch.distributed.fsdp import FSDPModule  # loaded for PP only
+
+        for chunk in self.chunks:
+            if isinstance(chunk, FSDPModule):
+                chunk.reshard()
 
     def micro_step(self, input_ids: torch.Tensor) -> float | None:
         """Buffer micro-batches; on the gas-th, run the schedule (forward and backward of all of
