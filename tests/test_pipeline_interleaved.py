@@ -23,7 +23,7 @@ from advisor.specs import Layout, ModelSpec, chunk_layers
 from planner.memory import micro_batches_in_flight
 from test_trainer import CONFIG, make_plan_file
 from test_trainer_parallel import _train_forked
-from trainer.model import recomputed_layer_indices
+from trainer.recompute import recomputed_layer_indices
 
 FIVE_LAYERS = {**CONFIG, "num_hidden_layers": 5}
 UNSPLIT = {"dp": 1, "tp": 1, "pp": 1, "mbs": 1, "gas": 4, "zero": 0, "dtype": "fp32"}
@@ -126,7 +126,7 @@ def test_stage_split_ilp_equals_brute_force_for_uneven_interleaved_splits(memory
 
     from advisor.errors import UsageError
     from planner.cost_model import estimate_from_trace
-    from planner.search import solve_shape
+    from planner.search import StageProgram, _all_coefficients
     from profiler.model_trace import trace_model
     from test_plan_search import SEQ, compositions, hardware
 
@@ -148,7 +148,7 @@ def test_stage_split_ilp_equals_brute_force_for_uneven_interleaved_splits(memory
                 continue
             if est.memory.peak <= hw.usable_bytes and (best is None or est.time.step_s < best[0] - 1e-12):
                 best = (est.time.step_s, layout)
-    chosen = solve_shape(trace, shape, hw, hw.usable_bytes, 0.0)
+    chosen = StageProgram(_all_coefficients(trace, shape, hw), shape, trace.num_layers, hw.usable_bytes, 0.0).solve()
     if best is None:
         assert chosen is None
         return

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from advisor.specs import SELECTIVE_SAVED_OPS, Layout, layers_per_stage
+from advisor.specs import SELECTIVE_SAVED_OPS, Layout, chunk_layers, layers_per_stage
 
 
 def selective_policy() -> Callable[..., Any]:
@@ -64,15 +64,16 @@ def apply_recomputation(model: torch.nn.Module, layout: Layout) -> None:
 
 
 def recomputed_layer_indices(n_layers: int, layout: Layout) -> set[int]:
-    """Global indices of the decoder layers that recompute: stage by stage (the split of
-    `layers_per_stage`, which the pipeline engine cuts too), the first `recompute_layers[s]`."""
+    """Global indices of the decoder layers that recompute: device by device (the split of
+    `layers_per_stage`, which the pipeline engine cuts too), the first `recompute_layers[s]` of
+    the device's own layers, taken chunk by chunk (`chunk_layers`) when the pipeline
+    interleaves: its first chunk holds the most micro-batches in flight."""
     if layout.recompute == "none":
         return set()
-    split = layers_per_stage(n_layers, layout)
-    counts = layout.recompute_layers or split
+    chunks = chunk_layers(n_layers, layout)
+    counts = layout.recompute_layers or layers_per_stage(n_layers, layout)
     out: set[int] = set()
-    first = 0
-    for held, count in zip(split, counts):
-        out.update(range(first, first + min(count, held)))
-        first += held
+    for device, count in enumerate(counts):
+        held = [layer for chunk in chunks[device::layout.pp] for layer in chunk]
+        out.update(held[:count])
     return out
