@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from advisor.capabilities import ENGINE_CHOICES, engine_for
 from advisor.errors import UsageError
 from advisor.layout_rules import ModelShape, layout_problem, tp_crosses_nodes
 from advisor.specs import (
@@ -29,13 +30,16 @@ from planner import collectives
 from planner.memory import (
     ADAPTER_BYTES,
     HOST_MEMORY_USABLE,
-    ZERO3_PREFETCH_LAYERS,
     ZERO_REDUCE_BUCKET_ELEMS,
+    ModelStates,
+    fsdp_shards,
+    gathered_parameter_bytes,
     head_activation_bytes,
     layer_activation_bytes,
     logits_transient_bytes,
     micro_batches_in_flight,
     model_state_bytes,
+    stored_dtype_bytes,
 )
 from profiler.model_trace import ModelTrace, trace_model
 
@@ -107,14 +111,36 @@ def _stage_params(trace: ModelTrace, layers: int, first: bool, last: bool, pp: i
     return params, trainable, quantizable
 
 
-def _resident_gradients(layout: Layout, gradients: float) -> float:
+def engine_of(layout: Layout, engine: str = "auto") -> str:
+    """The engine that runs `layout`: `engine` is the plan's choice (auto, deepspeed, fsdp2; see
+    advisor.capabilities.engine_for) or already an engine's name."""
+    return engine_for(layout, engine) if engine in ENGINE_CHOICES else engine
+
+
+def stage_model_states(trace: ModelTrace, layout: Layout, engine: str = "auto", stage: int = 0) -> ModelStates:
+    """Parameter, gradient and optimizer-state bytes one device of pipeline stage `stage` holds
+    between steps, as the engine that runs `layout` keeps them (the quantities `Engine.state_bytes`
+    reports, and the ZeRO paper's Table 1 counts)."""
+    split, _ = default_split(trace, layout)
+    params, trainable, quantizable = _stage_params(trace, split[stage], stage == 0, stage == layout.pp - 1,
+                                                   layout.pp)
+    tp = layout.tp
+    return model_state_bytes(params / tp, trainable / tp, layout, quantizable / tp, engine_of(layout, engine))
+
+
+def _resident_gradients(layout: Layout, engine: str, gradients: float, params: float) -> float:
     """Gradient bytes already allocated when the forward pass runs (at the activation peak).
 
     Gradients are created during backward and freed by `zero_grad(set_to_none=True)`, so at the
     start of backward none exist, unless something keeps them: accumulation across micro-batches
     (gas > 1), DDP's bucket buffers (dp > 1, as large as the gradients), or ZeRO-3's persistent
     gradient partition. Measured on this CPU with PyTorch DDP and DeepSpeed ZeRO-1/2/3
-    (bench/memory_accuracy.py)."""
+    (bench/memory_accuracy.py). FSDP2 accumulating without reducing (gas > 1 below ZeRO-2) keeps
+    the whole stage's unsharded gradients, in fp32 when it reduces in fp32."""
+    if fsdp_shards(layout, engine):
+        if layout.gas == 1:
+            return 0.0
+        return gradients if layout.zero >= 2 else params * stored_dtype_bytes(layout, engine)
     if layout.gas > 1 or layout.zero == 3 or (layout.zero == 0 and layout.dp > 1):
         return gradients
     return 0.0
@@ -128,18 +154,20 @@ def zero_bucket_elems(trace: ModelTrace, layout: Layout) -> int:
     return int(min(ZERO_REDUCE_BUCKET_ELEMS, math.ceil(shard)))
 
 
-def _optimizer_temporaries(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, trainable: float) -> float:
-    """fp32 scratch of the optimizer step: none for fused GPU kernels; on CPU, PyTorch's
-    single-tensor AdamW allocates `denom` and the update, each the size of the tensor it updates
-    (DeepSpeed hands it one flat partition, so the whole partition)."""
+def _optimizer_temporaries(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engine: str,
+                           trainable: float) -> float:
+    """Scratch of the optimizer step: none for fused GPU kernels; on CPU, PyTorch's single-tensor
+    AdamW allocates `denom` and the update, each the size of the tensor it updates, in its dtype
+    (DeepSpeed hands it one flat fp32 partition, so the whole partition)."""
     if hardware.device_type == "cuda" or layout.offload != "none":
         return 0.0
-    if layout.zero >= 1:
+    if engine == "deepspeed":
         return 2 * 4 * trainable / layout.dp
     if layout.method != "full":
         return 2 * 4 * trace.hidden_size * layout.lora_rank
     largest = max(trace.vocab_size * trace.hidden_size, trace.intermediate_size * trace.hidden_size) / layout.tp
-    return 2 * 4 * largest
+    shards = layout.dp if fsdp_shards(layout, engine) else 1
+    return 2 * stored_dtype_bytes(layout, engine) * largest / shards
 
 
 @dataclass(frozen=True)
@@ -155,7 +183,7 @@ class StageMemory:
     activations: float
     logits: float
     regrown: float
-    zero3_live: float
+    zero3_live: float  # weights gathered whole at the start of backward (ZeRO-3 prefetch, FSDP2 units)
     scratch: float
     host: float  # offloaded bytes of this device in host RAM
     host_capacity: float  # this device's share of its node's usable RAM
@@ -196,19 +224,23 @@ class StageMemory:
 
 
 def stage_memory(
-    trace: ModelTrace, layout: Layout, hardware: HardwareSpec, stage: int, layers: int, recomputed: int
+    trace: ModelTrace, layout: Layout, hardware: HardwareSpec, stage: int, layers: int, recomputed: int,
+    engine: str = "auto",
 ) -> StageMemory:
     """Memory of a device of pipeline stage `stage` holding `layers` decoder layers, of which
-    `recomputed` use the layout's recomputation mode and the rest keep all activations.
+    `recomputed` use the layout's recomputation mode and the rest keep all activations, as the
+    engine that runs the layout (`engine_of`) keeps its states.
 
     Two moments compete for the peak: the start of backward (all in-flight activations, the loss
-    buffers or the layer being recomputed, gradients that are resident) and the optimizer step
-    (all gradients, communication buckets, the optimizer's scratch; activations freed).
+    buffers or the layer being recomputed, gradients that are resident, weights gathered by
+    ZeRO-3/FSDP2) and the optimizer step (all gradients, communication buckets, the optimizer's
+    scratch; activations freed).
     """
+    engine = engine_of(layout, engine)
     tp, pp = layout.tp, layout.pp
     first, last = stage == 0, stage == pp - 1
     params, trainable, quantizable = _stage_params(trace, layers, first, last, pp)
-    states = model_state_bytes(params / tp, trainable / tp, layout, quantizable / tp)
+    states = model_state_bytes(params / tp, trainable / tp, layout, quantizable / tp, engine)
 
     in_flight = micro_batches_in_flight(stage, layout)
     kept = layer_activation_bytes(trace, layout, recompute="none")
@@ -219,15 +251,17 @@ def stage_memory(
 
     w = DTYPE_BYTES[layout.dtype]
     grad_bytes = w if layout.method == "full" else ADAPTER_BYTES
-    buckets = zero_bucket_elems(trace, layout) * grad_bytes if layout.zero >= 1 and layout.dp > 1 else 0.0
+    deepspeed_buckets = engine == "deepspeed" and layout.dp > 1
+    buckets = zero_bucket_elems(trace, layout) * grad_bytes if deepspeed_buckets else 0.0
+    root = params - layers * trace.layer.params
     return StageMemory(
         weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
-        resident_gradients=_resident_gradients(layout, states.gradients),
+        resident_gradients=_resident_gradients(layout, engine, states.gradients, params / tp),
         activations=activations,
         logits=logits_transient_bytes(trace, layout) if last else 0.0,
         regrown=kept - reduced if recomputed and layout.recompute != "none" else 0.0,
-        zero3_live=ZERO3_PREFETCH_LAYERS * trace.layer.params / tp * w if layout.zero == 3 else 0.0,
-        scratch=buckets + _optimizer_temporaries(trace, layout, hardware, trainable / tp),
+        zero3_live=gathered_parameter_bytes(params / tp, trace.layer.params / tp, root / tp, layout, engine),
+        scratch=buckets + _optimizer_temporaries(trace, layout, hardware, engine, trainable / tp),
         host=states.host,
         host_capacity=host_share(layout, hardware),
     )
@@ -340,12 +374,21 @@ def _activation_comm(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, 
     return tp_comm, pp_comm
 
 
-def _gradient_comm(layout: Layout, hardware: HardwareSpec, placement: Placement, grad_bytes: float,
+def _gradient_comm(layout: Layout, engine: str, hardware: HardwareSpec, placement: Placement, grad_bytes: float,
                    weight_bytes: float, bwd_s: float, compute: float) -> tuple[float, float]:
     """(data-parallel communication of one step, the compute it can hide under)."""
     dp, gas, spans = layout.dp, layout.gas, placement.dp_spans_nodes
     if dp <= 1:
         return 0.0, 0.0
+    if fsdp_shards(layout, engine):
+        # FSDP2 all-gathers each unit's weights for every micro-batch's forward (and again for its
+        # backward when it reshards after forward: ZeRO-3 outside a pipeline), and reduce-scatters
+        # the gradients every micro-batch from ZeRO-2 on, else once at the accumulation boundary.
+        gathers = 2 if layout.zero == 3 and engine == "fsdp2" else 1
+        per_mb = gathers * collectives.all_gather_s(weight_bytes, dp, hardware, spans)
+        reduces = gas if layout.zero >= 2 else 1
+        dp_comm = gas * per_mb + reduces * collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
+        return dp_comm, gas * compute
     if layout.zero <= 1:  # one all-reduce after the last micro-batch, overlapped with its backward
         return collectives.all_reduce_s(grad_bytes, dp, hardware, spans), bwd_s
     if layout.zero == 2:  # DeepSpeed reduce-scatters every micro-batch, gathers weights once
@@ -356,6 +399,17 @@ def _gradient_comm(layout: Layout, hardware: HardwareSpec, placement: Placement,
     per_mb = 2 * collectives.all_gather_s(weight_bytes, dp, hardware, spans)
     per_mb += collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
     return gas * per_mb, gas * compute
+
+
+def gradient_comm_bytes(layout: Layout, engine: str, trainable: float) -> float:
+    """Bytes of the gradients one device reduces across data-parallel replicas per reduction:
+    FSDP2 reduces in fp32 (its MixedPrecisionPolicy's reduce_dtype), whatever it computes in; DDP
+    and DeepSpeed reduce in the gradients' own dtype; LoRA's adapters are fp32."""
+    if layout.method != "full":
+        return trainable * ADAPTER_BYTES
+    if fsdp_shards(layout, engine):
+        return trainable * stored_dtype_bytes(layout, engine)
+    return trainable * DTYPE_BYTES[layout.dtype]
 
 
 def _optimizer_time(layout: Layout, hardware: HardwareSpec, rates: _Rates, params: float,
@@ -376,8 +430,9 @@ def _optimizer_time(layout: Layout, hardware: HardwareSpec, rates: _Rates, param
 
 def stage_time(
     trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, stage: int, layers: int,
-    recomputed: int,
+    recomputed: int, engine: str = "auto",
 ) -> StageTime:
+    engine = engine_of(layout, engine)
     first, last = stage == 0, stage == layout.pp - 1
     rates = _rates(layout, hardware)
     compute, useful, bwd_s = _micro_batch_compute(trace, layout, rates, hardware.efficiency.micro_batch_overhead_s,
@@ -386,8 +441,8 @@ def stage_time(
     params, trainable, _ = _stage_params(trace, layers, first, last, layout.pp)
     params, trainable = params / layout.tp, trainable / layout.tp
     w = DTYPE_BYTES[layout.dtype]
-    grad_bytes = trainable * (w if layout.method == "full" else ADAPTER_BYTES)
-    dp_comm, window = _gradient_comm(layout, hardware, placement, grad_bytes, params * w, bwd_s, compute)
+    grad_bytes = gradient_comm_bytes(layout, engine, trainable)
+    dp_comm, window = _gradient_comm(layout, engine, hardware, placement, grad_bytes, params * w, bwd_s, compute)
     optimizer, offload = _optimizer_time(layout, hardware, rates, params, trainable)
     return StageTime(
         compute_mb=compute, useful_compute_mb=useful, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,
@@ -411,17 +466,20 @@ def step_seconds(layout: Layout, times: list[StageTime]) -> float:
             + max(t.optimizer + t.offload for t in times))
 
 
-def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> Estimate:
+def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engine: str = "auto") -> Estimate:
+    """Memory and step time of `layout` as the engine that runs it (`engine_of`: the plan's engine
+    choice, or an engine's name) runs it."""
+    engine = engine_of(layout, engine)
     notes = check_layout(trace, layout, hardware) + list(trace.notes)
     placement = Placement.of(layout, hardware.devices_per_node)
     split, recomputed = default_split(trace, layout)
     stages = list(enumerate(zip(split, recomputed)))
 
-    memories = [stage_memory(trace, layout, hardware, i, n, r) for i, (n, r) in stages]
+    memories = [stage_memory(trace, layout, hardware, i, n, r, engine) for i, (n, r) in stages]
     worst = max(range(layout.pp), key=lambda i: (not memories[i].host_fits, memories[i].peak))
     memory = memories[worst].estimate(worst, hardware.usable_bytes)
 
-    times = [stage_time(trace, layout, hardware, placement, i, n, r) for i, (n, r) in stages]
+    times = [stage_time(trace, layout, hardware, placement, i, n, r, engine) for i, (n, r) in stages]
     slowest = max(times, key=lambda t: t.per_micro_batch)
     gas = layout.gas
     step = step_seconds(layout, times)
@@ -456,11 +514,11 @@ def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpe
 
 
 def estimate(
-    model: ModelSpec, hardware: HardwareSpec, layout: Layout, attention: str | None = None
+    model: ModelSpec, hardware: HardwareSpec, layout: Layout, attention: str | None = None, engine: str = "auto",
 ) -> Estimate:
-    """Predict memory and step time of `layout` for `model` on `hardware`."""
+    """Predict memory and step time of `layout` for `model` on `hardware`, run by `engine`."""
     trace = trace_model(
         model, layout.seq, dtype=layout.dtype, method=layout.method, lora_rank=layout.lora_rank,
         attention=attention, device_type=hardware.device_type,  # type: ignore[arg-type]
     )
-    return estimate_from_trace(trace, layout, hardware)
+    return estimate_from_trace(trace, layout, hardware, engine)

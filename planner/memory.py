@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from advisor.capabilities import engine_for
 from advisor.specs import DTYPE_BYTES, Layout
 from profiler.model_trace import ModelTrace
 
@@ -38,39 +39,71 @@ class ModelStates:
         return self.weights + self.gradients + self.optimizer
 
 
-def optimizer_bytes_per_param(layout: Layout) -> int:
-    """Adam: fp32 momentum and variance, plus an fp32 master copy unless training is pure fp32.
+def master_weights(layout: Layout, engine: str) -> bool:
+    """Whether the optimizer keeps a separate fp32 copy of the weights it updates.
 
     DeepSpeed ZeRO keeps its own fp32 partition even when the model is fp32 (it clones the
-    partition into the optimizer), so K = 12 whenever ZeRO >= 1 (ZeRO paper, section 3.1: K = 12).
+    partition into the optimizer; ZeRO paper, section 3.1: K = 12). The plain engine casts a bf16
+    model to bf16 and runs AdamW on those weights: no master copy. FSDP2 (the fsdp2 and pipeline
+    engines) keeps its sharded parameters in fp32 when it shards (dp > 1 with ZeRO >= 1) and
+    computes in bf16 through its MixedPrecisionPolicy: the fp32 shards are the weights the
+    optimizer updates, so there is no separate master either.
     """
-    if layout.dtype != "fp32" or layout.zero >= 1:
+    return engine == "deepspeed"
+
+
+def stored_dtype_bytes(layout: Layout, engine: str) -> int:
+    """Bytes per element of the weights an engine stores (and of their gradients and Adam moments,
+    unless the engine keeps those elsewhere): FSDP2 with ZeRO >= 1 across replicas keeps fp32
+    shards and casts to the layout's dtype per gathered unit; every other engine stores the
+    layout's dtype (DeepSpeed its 16-bit module weights, beside the fp32 master)."""
+    if engine in ("fsdp2", "pipeline") and layout.dp > 1 and layout.zero >= 1:
+        return 4
+    return DTYPE_BYTES[layout.dtype]
+
+
+def optimizer_bytes_per_param(layout: Layout, engine: str = "deepspeed") -> int:
+    """Adam's two moments, in the dtype of the weights it updates, plus the fp32 master copy where
+    the engine keeps one (`master_weights`): K = 12 for DeepSpeed, 8 for fp32 weights elsewhere,
+    4 for AdamW on the plain engine's bf16 weights (torch keeps the moments in the weights' dtype)."""
+    if master_weights(layout, engine):
         return 12
-    return 8
+    return 2 * stored_dtype_bytes(layout, engine)
+
+
+def fsdp_shards(layout: Layout, engine: str) -> bool:
+    """FSDP2 shards weights, gradients and optimizer states across the data-parallel replicas
+    whatever the ZeRO stage (ZeRO 1/2 only change when it reshards)."""
+    return engine in ("fsdp2", "pipeline") and layout.dp > 1
 
 
 def model_state_bytes(
-    params: float, trainable: float, layout: Layout, quantizable: float | None = None
+    params: float, trainable: float, layout: Layout, quantizable: float | None = None, engine: str | None = None,
 ) -> ModelStates:
-    """Weights, gradients and optimizer states on one device, for `params` held by its shard.
+    """Weights, gradients and optimizer states on one device, for `params` held by its shard, as
+    `engine` (advisor.capabilities.engine_for; None: the one that runs `layout` by default) keeps them.
 
     `params` and `trainable` are counted after tensor/pipeline splitting but before ZeRO;
     `quantizable` is the frozen part that QLoRA stores in NF4 (decoder linear layers).
-    ZeRO stage 1 divides the optimizer states by dp, stage 2 also the gradients, stage 3 also
-    the weights (Rajbhandari et al. 2020, section 5).
+    DeepSpeed: ZeRO stage 1 divides the optimizer states by dp, stage 2 also the gradients, stage 3
+    also the weights (Rajbhandari et al. 2020, section 5). FSDP2 divides all three by dp at every
+    stage, in the dtype it stores (`stored_dtype_bytes`).
     """
-    w = DTYPE_BYTES[layout.dtype]
+    engine = engine or engine_for(layout)
+    w = stored_dtype_bytes(layout, engine)
     dp = layout.dp
     if layout.method == "full":
         weights = params * w
         grads = trainable * w
-        optim = trainable * optimizer_bytes_per_param(layout)
+        optim = trainable * optimizer_bytes_per_param(layout, engine)
     else:
         frozen = params - trainable
         nf4 = (quantizable if quantizable is not None else frozen) if layout.method == "qlora" else 0.0
         weights = (frozen - nf4) * w + nf4 * NF4_BYTES_PER_PARAM + trainable * ADAPTER_BYTES
         grads = trainable * ADAPTER_BYTES
         optim = trainable * 8  # fp32 adapters need no separate master copy
+    if fsdp_shards(layout, engine):
+        return ModelStates(weights / dp, grads / dp, optim / dp, 0.0)
     if layout.zero >= 1:
         optim /= dp
     if layout.zero >= 2:
@@ -90,6 +123,28 @@ def model_state_bytes(
         host += weights
         weights = 0.0
     return ModelStates(weights, grads, optim, host)
+
+
+def gathered_parameter_bytes(params: float, layer_params: float, root_params: float, layout: Layout,
+                             engine: str) -> float:
+    """Full (unsharded) weights alive at the start of backward beyond the device's shards, in the
+    compute dtype. `params`: the stage's parameters after TP; `layer_params`: one decoder layer's;
+    `root_params`: what sits outside the decoder layers (embedding, final norm, head).
+
+    DeepSpeed ZeRO-3 holds the layer being computed and the one prefetched. FSDP2 (dp > 1) does not
+    reshard after forward below ZeRO-3 (nor ever under the pipeline engine: torchtitan's rule), so
+    every unit stays gathered from its forward to its backward: the whole stage at the start of
+    backward. With ZeRO-3 it reshards each layer after forward; the root unit (embedding, norm,
+    head) stays gathered, since backward needs it first.
+    """
+    w = DTYPE_BYTES[layout.dtype]
+    if engine == "deepspeed":
+        return ZERO3_PREFETCH_LAYERS * layer_params * w if layout.zero == 3 else 0.0
+    if not fsdp_shards(layout, engine):
+        return 0.0
+    if layout.zero == 3 and engine == "fsdp2":
+        return (root_params + ZERO3_PREFETCH_LAYERS * layer_params) * w
+    return params * w
 
 
 def micro_batches_in_flight(stage: int, layout: Layout) -> float:
@@ -138,9 +193,27 @@ def head_activation_bytes(trace: ModelTrace, layout: Layout) -> float:
 def logits_transient_bytes(trace: ModelTrace, layout: Layout) -> float:
     """Loss buffers alive at the start of backward beyond the saved fp32 log-softmax, per device.
 
-    The fp32 gradient of the log-softmax (the size of the logits), plus its down-cast copy when
-    the model computes in 16 bits. Measured on this CPU in fp32: one logits-sized buffer.
+    HF's loss up-casts the logits to fp32 and `cross_entropy` saves its fp32 log-softmax (in the
+    traced head activations). Its backward then holds two more fp32 buffers of the logits' size at
+    once: the gradient of the loss with respect to the log-softmax and the one it returns for the
+    logits (the down-cast copy for 16-bit logits comes after the first is freed). Measured with the
+    CPU allocator counter for vocabularies of 4k-32k, fp32 and bf16: 3.0-3.3 logits-sized fp32
+    buffers at the backward peak, the saved one included.
     """
-    tokens_vocab = layout.mbs * trace.seq * trace.vocab_size / layout.tp
+    return 2 * logits_fp32_bytes(trace, layout)
+
+
+def logits_fp32_bytes(trace: ModelTrace, layout: Layout) -> float:
+    """One micro-batch's logits in fp32 on one device (vocab-parallel under TP): the unit of the loss's
+    buffers."""
+    return layout.mbs * trace.seq * trace.vocab_size * 4 / layout.tp
+
+
+def evaluation_peak_bytes(trace: ModelTrace, layout: Layout, batch: int) -> float:
+    """What evaluating `batch` sequences under no_grad adds to the model states: the logits in the
+    layout's dtype, their fp32 up-cast and the log-softmax (fp32 logits are not copied), plus one
+    layer's working set. Measured: 2.0 (fp32) and 2.5 (bf16) fp32 logits buffers."""
+    one = logits_fp32_bytes(trace, layout) / layout.mbs * batch
     w = DTYPE_BYTES[layout.dtype]
-    return tokens_vocab * (4 + (w if w != 4 else 0))
+    layer = layer_activation_bytes(trace, layout, recompute="none") / layout.mbs * batch
+    return one * (2 + (w / 4 if w != 4 else 0)) + layer
