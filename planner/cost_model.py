@@ -348,12 +348,33 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overh
     fwd_s = slowdown * mbs * ((fwd - adapter_fwd) / flop_rate + adapter_fwd / adapter_rate) / tp
     bwd_s = slowdown * mbs * ((bwd - adapter_bwd) / flop_rate + adapter_bwd / adapter_rate) / tp
     compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + overhead_s
+    compute += slowdown * mbs * _score_matmul_extra_s(trace, layout, rates, layers, recomputed)
     model_flops = layers * (layer.fwd_flops + layer.bwd_flops) + (
         trace.head.fwd_flops + trace.head.bwd_flops if last else 0.0)
     adapter_all = 3 * adapter * layers
     useful = slowdown * mbs * ((model_flops - adapter_all) / flop_rate + adapter_all / adapter_rate) / tp
     useful += slowdown * ELEMENTWISE_PASSES * layers * kept / byte_rate + overhead_s
     return compute, useful, bwd_s
+
+
+def _score_matmul_extra_s(trace: ModelTrace, layout: Layout, rates: _Rates, layers: int, recomputed: int) -> float:
+    """Seconds that explicit (eager) attention's two score matmuls, QK^T and scores x V, lose to
+    memory bandwidth on one sequence, beyond their FLOPs at the dense GEMM rate.
+
+    Each s x s score element costs 2 * head_dim FLOPs and is written (or read) once in the
+    activation dtype: an arithmetic intensity of 2 * head_dim / bytes FLOP/byte, below a GPU's
+    ridge point for head_dim <= ~128 in 16 bits (roofline: Williams et al. 2009). Fused
+    (flash/sdpa) kernels never write the scores, so this applies to eager attention only.
+    """
+    if trace.attention != "eager":
+        return 0.0
+    intensity = 2 * trace.head_dim / DTYPE_BYTES[layout.dtype]
+    rate = min(rates.flop, rates.byte * intensity)
+    if rate >= rates.flop:
+        return 0.0
+    per_layer_fwd = 4 * trace.seq * trace.seq * trace.num_heads * trace.head_dim  # QK^T and scores x V
+    passes = 3 * layers + (recomputed if layout.recompute == "full" else 0)  # forward 1, backward 2
+    return passes * per_layer_fwd / layout.tp * (1 / rate - 1 / rates.flop)
 
 
 def _activation_comm(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, layers: int,
