@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from advisor.capabilities import engine_for  # noqa: E402
+from benchmarks_md import write_section  # noqa: E402
 from advisor.specs import Layout, ModelSpec  # noqa: E402
 from planner.cost_model import estimate_from_trace  # noqa: E402
 from planner.export import deepspeed_config  # noqa: E402
@@ -231,28 +232,76 @@ def describe(row: Row) -> str:
     return ", ".join(parts)
 
 
+def quick_profile(out: Path) -> Path:
+    """`advisor profile --quick` with its calibration steps on the calibration config (a fresh
+    process: its own ranks, its own timing)."""
+    import subprocess
+
+    config = out.with_name(f"{CALIBRATION}.json")
+    config.write_text(json.dumps(CONFIGS[CALIBRATION]))
+    subprocess.run([sys.executable, "-m", "advisor.cli", "profile", "--quick", "--model", str(config),
+                    "--out", str(out)], check=True, cwd=Path(__file__).resolve().parent.parent)
+    return out
+
+
+def _error(predicted: float, measured: float) -> float:
+    return predicted / measured - 1
+
+
+def table(results: list[dict[str, Any]], hardware_name: str) -> str:
+    lines = ["| # | config | layout | measured MiB | predicted MiB | error | measured s | predicted s | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(
+            f"| {r['index']} | {r['config']}{' (calibration)' if r['config'] == CALIBRATION else ''} | {r['row']} | "
+            f"{r['peak_bytes'] / 2**20:.1f} | {r['predicted_peak'] / 2**20:.1f} | "
+            f"{100 * _error(r['predicted_peak'], r['peak_bytes']):+.1f}% | {r['step_s']:.3f} | "
+            f"{r['predicted_step_s']:.3f} | {100 * _error(r['predicted_step_s'], r['step_s']):+.1f}% |")
+    held = [r for r in results if r["config"] != CALIBRATION]
+    memory = [abs(_error(r["predicted_peak"], r["peak_bytes"])) for r in held]
+    time_ = [abs(_error(r["predicted_step_s"], r["step_s"])) for r in held]
+    configs = "; ".join(f"`{name}`: vocab {c['vocab_size']}, hidden {c['hidden_size']}, {c['num_hidden_layers']} "
+                        f"layers, {c['num_attention_heads']}/{c['num_key_value_heads']} heads, "
+                        f"{'tied' if c['tie_word_embeddings'] else 'untied'}" for name, c in CONFIGS.items())
+    return "\n".join(lines) + (
+        f"\n\nHeld-out rows: {len(held)} of {len(results)}. Peak memory |error|: median "
+        f"{100 * statistics.median(memory):.1f}%, worst {100 * max(memory):.1f}% (targets 5% / 10%). Step time "
+        f"|error|: median {100 * statistics.median(time_):.1f}%, worst {100 * max(time_):.1f}% (targets 10% / 20%), "
+        f"predicted on `{hardware_name}`.\n\nModels (Llama-family configs, not presets): {configs}. Measured "
+        "through the trainer's own `build_model`, `make_engine` and `micro_step`/`optimizer_step` in forked gloo "
+        "ranks, fp32; memory is the CPU allocator counter (`profiler/tensor_memory.py`: every tensor, DeepSpeed's "
+        "flat buffers included), the steady-step peak of the most loaded rank; time is the slowest rank's median "
+        "steady step. Predicted by `planner.cost_model` for the engine `engine_for` picks.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated 1-based row indices")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--profile", type=Path, help="profile.json of `advisor profile --quick` (step time)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--profile", type=Path, help="an existing profile.json (default: run `advisor profile "
+                        "--quick` on the calibration config first)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    rows = [ROWS[int(i) - 1] for i in args.only.split(",")] if args.only else ROWS
-    hardware = load_hardware(str(args.profile)) if args.profile else load_hardware("cpu")
+    indices = [int(i) for i in args.only.split(",")] if args.only else list(range(1, len(ROWS) + 1))
+    rows = [ROWS[i - 1] for i in indices]
+    profile = args.profile or quick_profile(Path(tempfile.mkdtemp(prefix="accuracy_")) / "profile.json")
+    hardware = load_hardware(str(profile))
     prepare_parent(rows)
     results = []
-    for index, row in enumerate(rows, 1):
-        measured = measure(row, args.steps)
+    for index, row in zip(indices, rows):
+        measured = measure(row, args.steps, warmup=1)
         est = predict(row, hardware)
-        result = {"row": describe(row), "config": row.config, **measured,
-                  "predicted_peak": est.memory.peak, "predicted_step_s": est.time.step_s}
-        results.append(result)
-        print(f"[{index}/{len(rows)}] {row.config:14} {describe(row):40} peak {measured['peak_bytes'] / 2**20:8.1f} "
-              f"MiB pred {est.memory.peak / 2**20:8.1f} ({est.memory.peak / measured['peak_bytes'] - 1:+.1%})  "
-              f"step {measured['step_s']:.3f}s pred {est.time.step_s:.3f}s "
-              f"({est.time.step_s / measured['step_s'] - 1:+.1%})", flush=True)
+        results.append({"index": index, "row": describe(row), "config": row.config, **measured,
+                        "predicted_peak": est.memory.peak, "predicted_step_s": est.time.step_s})
+        print(f"[{index}] {row.config:14} {describe(row):40} peak {measured['peak_bytes'] / 2**20:8.1f} MiB "
+              f"({_error(est.memory.peak, measured['peak_bytes']):+.1%})  step {measured['step_s']:.3f} s "
+              f"({_error(est.time.step_s, measured['step_s']):+.1%})", flush=True)
     Path(__file__).with_name("accuracy.json").write_text(json.dumps(results, indent=1) + "\n")
+    body = table(results, hardware.name)
+    print(body)
+    if not args.no_write:
+        write_section("accuracy", "Held-out accuracy: peak memory and step time of the trainer's engines "
+                      "(this CPU)", "python -m bench.accuracy", body)
 
 
 if __name__ == "__main__":

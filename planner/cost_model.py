@@ -183,7 +183,7 @@ class StageMemory:
     activations: float
     logits: float
     regrown: float
-    zero3_live: float  # weights gathered whole at the start of backward (ZeRO-3 prefetch, FSDP2 units)
+    zero3_live: float  # live at the start of backward beyond the shards: gathered weights (ZeRO-3, FSDP2), ZeRO-2/3's reduce bucket
     scratch: float
     host: float  # offloaded bytes of this device in host RAM
     host_capacity: float  # this device's share of its node's usable RAM
@@ -254,13 +254,18 @@ def stage_memory(
     deepspeed_buckets = engine == "deepspeed" and layout.dp > 1
     buckets = zero_bucket_elems(trace, layout) * grad_bytes if deepspeed_buckets else 0.0
     root = params - layers * trace.layer.params
+    gathered = gathered_parameter_bytes(params / tp, trace.layer.params / tp, root / tp, layout, engine)
+    if deepspeed_buckets and layout.zero >= 2:
+        # ZeRO-2/3 reduce gradients during backward through their bucket, allocated as the first
+        # gradients arrive: alive with the loss's buffers (measured: one bucket, ZeRO-3 on this CPU)
+        gathered += buckets
     return StageMemory(
         weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
         resident_gradients=_resident_gradients(layout, engine, states.gradients, params / tp),
         activations=activations,
         logits=logits_transient_bytes(trace, layout) if last else 0.0,
         regrown=kept - reduced if recomputed and layout.recompute != "none" else 0.0,
-        zero3_live=gathered_parameter_bytes(params / tp, trace.layer.params / tp, root / tp, layout, engine),
+        zero3_live=gathered,
         scratch=buckets + _optimizer_temporaries(trace, layout, hardware, engine, trainable / tp),
         host=states.host,
         host_capacity=host_share(layout, hardware),

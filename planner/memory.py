@@ -20,6 +20,11 @@ ADAPTER_BYTES = 4
 DDP_BUCKET_BYTES = 25 * 2**20
 ZERO_REDUCE_BUCKET_ELEMS = 50_000_000
 ZERO3_PREFETCH_LAYERS = 2  # the layer being computed plus the one being all-gathered ahead
+# DeepSpeed ZeRO-3 defaults our exported config keeps: a gathered parameter is released only when its
+# next use is further than stage3_max_reuse_distance parameters away, and at most
+# stage3_max_live_parameters stay gathered. With both at 1e9, a stage of fewer parameters stays
+# gathered whole from its forward to its backward (measured on this CPU: exactly the whole model).
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
 # Share of a node's RAM that offloaded states may use: the OS, the data loader and pinned
@@ -131,7 +136,8 @@ def gathered_parameter_bytes(params: float, layer_params: float, root_params: fl
     compute dtype. `params`: the stage's parameters after TP; `layer_params`: one decoder layer's;
     `root_params`: what sits outside the decoder layers (embedding, final norm, head).
 
-    DeepSpeed ZeRO-3 holds the layer being computed and the one prefetched. FSDP2 (dp > 1) does not
+    DeepSpeed ZeRO-3 keeps up to stage3_max_live_parameters gathered (`ZERO3_MAX_LIVE_PARAMETERS`),
+    at least the layer being computed and the one prefetched. FSDP2 (dp > 1) does not
     reshard after forward below ZeRO-3 (nor ever under the pipeline engine: torchtitan's rule), so
     every unit stays gathered from its forward to its backward: the whole stage at the start of
     backward. With ZeRO-3 it reshards each layer after forward; the root unit (embedding, norm,
@@ -139,7 +145,9 @@ def gathered_parameter_bytes(params: float, layer_params: float, root_params: fl
     """
     w = DTYPE_BYTES[layout.dtype]
     if engine == "deepspeed":
-        return ZERO3_PREFETCH_LAYERS * layer_params * w if layout.zero == 3 else 0.0
+        if layout.zero < 3:
+            return 0.0
+        return max(min(params, ZERO3_MAX_LIVE_PARAMETERS), ZERO3_PREFETCH_LAYERS * layer_params) * w
     if not fsdp_shards(layout, engine):
         return 0.0
     if layout.zero == 3 and engine == "fsdp2":
