@@ -35,6 +35,7 @@ from planner.memory import (
     fsdp_shards,
     gathered_parameter_bytes,
     head_activation_bytes,
+    vocab_shards,
     layer_activation_bytes,
     logits_transient_bytes,
     micro_batches_in_flight,
@@ -92,23 +93,32 @@ def check_layout(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> l
     return notes
 
 
-def _stage_params(trace: ModelTrace, layers: int, first: bool, last: bool, pp: int) -> tuple[float, float, float]:
-    """(params, trainable, quantizable) on one device of a stage, before ZeRO, after TP."""
-    params = layers * trace.layer.params
-    trainable = layers * trace.layer.trainable_params
+def _stage_params(trace: ModelTrace, layers: int, first: bool, last: bool, pp: int, tp: int = 1,
+                  vocab: int = 1) -> tuple[float, float, float]:
+    """(params, trainable, quantizable) on one device of a stage, before ZeRO: the decoder layers
+    divided by `tp`, the embedding and head by `vocab` (`vocab_shards`)."""
+    params = layers * trace.layer.params / tp
+    trainable = layers * trace.layer.trainable_params / tp
     # QLoRA quantises the decoder's linear weights; norms (2 vectors per layer) stay in 16 bits.
-    quantizable = layers * max(trace.layer.params - trace.layer.trainable_params - 2 * trace.hidden_size, 0)
+    quantizable = layers * max(trace.layer.params - trace.layer.trainable_params - 2 * trace.hidden_size, 0) / tp
     if first:
-        params += trace.embedding.params
-        trainable += trace.embedding.trainable_params
+        params += trace.embedding.params / vocab
+        trainable += trace.embedding.trainable_params / vocab
     if last:
-        params += trace.head.params
-        trainable += trace.head.trainable_params
+        params += trace.head.params / vocab
+        trainable += trace.head.trainable_params / vocab
         tied = trace.head.params < trace.vocab_size * trace.hidden_size
         if tied and pp > 1:  # Megatron keeps a copy of a tied embedding on the last stage
-            params += trace.embedding.params
-            trainable += trace.embedding.trainable_params
+            params += trace.embedding.params / vocab
+            trainable += trace.embedding.trainable_params / vocab
     return params, trainable, quantizable
+
+
+def device_params(trace: ModelTrace, layout: Layout, engine: str, layers: int, stage: int) -> tuple[float, float, float]:
+    """(params, trainable, quantizable) one device of pipeline stage `stage` holds, after tensor
+    parallelism and before ZeRO, as `engine` splits them."""
+    return _stage_params(trace, layers, stage == 0, stage == layout.pp - 1, layout.pp, layout.tp,
+                         vocab_shards(layout, engine))
 
 
 def engine_of(layout: Layout, engine: str = "auto") -> str:
@@ -122,10 +132,9 @@ def stage_model_states(trace: ModelTrace, layout: Layout, engine: str = "auto", 
     between steps, as the engine that runs `layout` keeps them (the quantities `Engine.state_bytes`
     reports, and the ZeRO paper's Table 1 counts)."""
     split, _ = default_split(trace, layout)
-    params, trainable, quantizable = _stage_params(trace, split[stage], stage == 0, stage == layout.pp - 1,
-                                                   layout.pp)
-    tp = layout.tp
-    return model_state_bytes(params / tp, trainable / tp, layout, quantizable / tp, engine_of(layout, engine))
+    engine = engine_of(layout, engine)
+    params, trainable, quantizable = device_params(trace, layout, engine, split[stage], stage)
+    return model_state_bytes(params, trainable, layout, quantizable, engine)
 
 
 def _resident_gradients(layout: Layout, engine: str, gradients: float, params: float) -> float:
@@ -165,7 +174,8 @@ def _optimizer_temporaries(trace: ModelTrace, layout: Layout, hardware: Hardware
         return 2 * 4 * trainable / layout.dp
     if layout.method != "full":
         return 2 * 4 * trace.hidden_size * layout.lora_rank
-    largest = max(trace.vocab_size * trace.hidden_size, trace.intermediate_size * trace.hidden_size) / layout.tp
+    largest = max(trace.vocab_size * trace.hidden_size / vocab_shards(layout, engine),
+                  trace.intermediate_size * trace.hidden_size / layout.tp)
     shards = layout.dp if fsdp_shards(layout, engine) else 1
     return 2 * stored_dtype_bytes(layout, engine) * largest / shards
 
@@ -239,34 +249,34 @@ def stage_memory(
     engine = engine_of(layout, engine)
     tp, pp = layout.tp, layout.pp
     first, last = stage == 0, stage == pp - 1
-    params, trainable, quantizable = _stage_params(trace, layers, first, last, pp)
-    states = model_state_bytes(params / tp, trainable / tp, layout, quantizable / tp, engine)
+    params, trainable, quantizable = device_params(trace, layout, engine, layers, stage)
+    states = model_state_bytes(params, trainable, layout, quantizable, engine)
 
     in_flight = micro_batches_in_flight(stage, layout)
     kept = layer_activation_bytes(trace, layout, recompute="none")
     reduced = layer_activation_bytes(trace, layout)
     activations = in_flight * ((layers - recomputed) * kept + recomputed * reduced)
     if last:
-        activations += head_activation_bytes(trace, layout)
+        activations += head_activation_bytes(trace, layout, engine)
 
     w = DTYPE_BYTES[layout.dtype]
     grad_bytes = w if layout.method == "full" else ADAPTER_BYTES
     deepspeed_buckets = engine == "deepspeed" and layout.dp > 1
     buckets = zero_bucket_elems(trace, layout) * grad_bytes if deepspeed_buckets else 0.0
-    root = params - layers * trace.layer.params
-    gathered = gathered_parameter_bytes(params / tp, trace.layer.params / tp, root / tp, layout, engine)
+    root = params - layers * trace.layer.params / tp
+    gathered = gathered_parameter_bytes(params, trace.layer.params / tp, root, layout, engine)
     if deepspeed_buckets and layout.zero >= 2:
         # ZeRO-2/3 reduce gradients during backward through their bucket, allocated as the first
         # gradients arrive: alive with the loss's buffers (measured: one bucket, ZeRO-3 on this CPU)
         gathered += buckets
     return StageMemory(
         weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
-        resident_gradients=_resident_gradients(layout, engine, states.gradients, params / tp),
+        resident_gradients=_resident_gradients(layout, engine, states.gradients, params),
         activations=activations,
-        logits=logits_transient_bytes(trace, layout) if last else 0.0,
+        logits=logits_transient_bytes(trace, layout, engine) if last else 0.0,
         regrown=kept - reduced if recomputed and layout.recompute != "none" else 0.0,
         zero3_live=gathered,
-        scratch=buckets + _optimizer_temporaries(trace, layout, hardware, engine, trainable / tp),
+        scratch=buckets + _optimizer_temporaries(trace, layout, hardware, engine, trainable),
         host=states.host,
         host_capacity=host_share(layout, hardware),
     )
@@ -328,13 +338,14 @@ def _rates(layout: Layout, hardware: HardwareSpec) -> _Rates:
 
 
 def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overhead_s: float, layers: int,
-                         recomputed: int, last: bool) -> tuple[float, float, float]:
+                         recomputed: int, last: bool, vocab: int) -> tuple[float, float, float]:
     """(compute, useful compute, backward) seconds of one micro-batch on one stage; useful leaves
-    out the recomputed forward."""
+    out the recomputed forward. The head's FLOPs split `vocab` ways (`vocab_shards`), the rest tp."""
     tp, mbs = layout.tp, layout.mbs
     layer = trace.layer
-    fwd = layers * layer.fwd_flops + (trace.head.fwd_flops if last else 0.0)
-    bwd = layers * layer.bwd_flops + (trace.head.bwd_flops if last else 0.0)
+    head_share = tp / vocab if last else 0.0  # the head's FLOPs, in units divided by tp below
+    fwd = layers * layer.fwd_flops + trace.head.fwd_flops * head_share
+    bwd = layers * layer.bwd_flops + trace.head.bwd_flops * head_share
     if layout.recompute == "full":
         fwd += recomputed * layer.fwd_flops
     elif layout.recompute == "selective":  # QK^T and attention-over-V forward again
@@ -354,8 +365,7 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overh
     bwd_s = slowdown * mbs * ((bwd - adapter_bwd) / flop_rate + adapter_bwd / adapter_rate) / tp
     compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + overhead_s
     compute += slowdown * mbs * _score_matmul_extra_s(trace, layout, rates, layers, recomputed)
-    model_flops = layers * (layer.fwd_flops + layer.bwd_flops) + (
-        trace.head.fwd_flops + trace.head.bwd_flops if last else 0.0)
+    model_flops = layers * (layer.fwd_flops + layer.bwd_flops) + (trace.head.fwd_flops + trace.head.bwd_flops) * head_share
     adapter_all = 3 * adapter * layers
     useful = slowdown * mbs * ((model_flops - adapter_all) / flop_rate + adapter_all / adapter_rate) / tp
     useful += slowdown * ELEMENTWISE_PASSES * layers * kept / byte_rate + overhead_s
@@ -462,10 +472,9 @@ def stage_time(
     first, last = stage == 0, stage == layout.pp - 1
     rates = _rates(layout, hardware)
     compute, useful, bwd_s = _micro_batch_compute(trace, layout, rates, hardware.efficiency.micro_batch_overhead_s,
-                                                  layers, recomputed, last)
+                                                  layers, recomputed, last, vocab_shards(layout, engine))
     tp_comm, pp_comm = _activation_comm(trace, layout, hardware, placement, layers, recomputed, first, last)
-    params, trainable, _ = _stage_params(trace, layers, first, last, layout.pp)
-    params, trainable = params / layout.tp, trainable / layout.tp
+    params, trainable, _ = device_params(trace, layout, engine, layers, stage)
     w = DTYPE_BYTES[layout.dtype]
     grad_bytes = gradient_comm_bytes(layout, engine, trainable)
     dp_comm, window = _gradient_comm(layout, engine, hardware, placement, grad_bytes, params * w, bwd_s, compute)

@@ -191,14 +191,24 @@ def layer_activation_bytes(trace: ModelTrace, layout: Layout, recompute: str | N
     return (replicated + sharded / tp) * layout.mbs
 
 
-def head_activation_bytes(trace: ModelTrace, layout: Layout) -> float:
-    """Final norm and lm_head input plus the fp32 log-softmax that the loss keeps (vocab-parallel)."""
+def vocab_shards(layout: Layout, engine: str | None = None) -> int:
+    """How many ways tensor parallelism splits the embedding, the LM head and the logits: Megatron's
+    vocab-parallel layers divide them by tp; the trainer's DTensor engines (fsdp2, pipeline) split
+    the decoder layers only and keep these whole on every TP rank (trainer/parallelize.py
+    apply_tensor_parallel), so every rank computes the full logits and loss."""
+    engine = engine or engine_for(layout)
+    return 1 if engine in ("fsdp2", "pipeline") else layout.tp
+
+
+def head_activation_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
+    """Final norm and lm_head input plus the fp32 log-softmax that the loss keeps (vocab-parallel
+    where the engine splits the vocabulary)."""
     head = trace.head
     replicated = head.act_replicated_bytes / (layout.tp if layout.sp else 1)
-    return (replicated + head.act_sharded_bytes / layout.tp) * layout.mbs
+    return (replicated + head.act_sharded_bytes / vocab_shards(layout, engine)) * layout.mbs
 
 
-def logits_transient_bytes(trace: ModelTrace, layout: Layout) -> float:
+def logits_transient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
     """Loss buffers alive at the start of backward beyond the saved fp32 log-softmax, per device.
 
     HF's loss up-casts the logits to fp32 and `cross_entropy` saves its fp32 log-softmax (in the
@@ -208,20 +218,20 @@ def logits_transient_bytes(trace: ModelTrace, layout: Layout) -> float:
     CPU allocator counter for vocabularies of 4k-32k, fp32 and bf16: 3.0-3.3 logits-sized fp32
     buffers at the backward peak, the saved one included.
     """
-    return 2 * logits_fp32_bytes(trace, layout)
+    return 2 * logits_fp32_bytes(trace, layout, engine)
 
 
-def logits_fp32_bytes(trace: ModelTrace, layout: Layout) -> float:
-    """One micro-batch's logits in fp32 on one device (vocab-parallel under TP): the unit of the loss's
+def logits_fp32_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
+    """One micro-batch's logits in fp32 on one device (`vocab_shards`): the unit of the loss's
     buffers."""
-    return layout.mbs * trace.seq * trace.vocab_size * 4 / layout.tp
+    return layout.mbs * trace.seq * trace.vocab_size * 4 / vocab_shards(layout, engine)
 
 
-def evaluation_peak_bytes(trace: ModelTrace, layout: Layout, batch: int) -> float:
+def evaluation_peak_bytes(trace: ModelTrace, layout: Layout, batch: int, engine: str | None = None) -> float:
     """What evaluating `batch` sequences under no_grad adds to the model states: the logits in the
     layout's dtype, their fp32 up-cast and the log-softmax (fp32 logits are not copied), plus one
     layer's working set. Measured: 2.0 (fp32) and 2.5 (bf16) fp32 logits buffers."""
-    one = logits_fp32_bytes(trace, layout) / layout.mbs * batch
+    one = logits_fp32_bytes(trace, layout, engine) / layout.mbs * batch
     w = DTYPE_BYTES[layout.dtype]
     layer = layer_activation_bytes(trace, layout, recompute="none") / layout.mbs * batch
     return one * (2 + (w / 4 if w != 4 else 0)) + layer
