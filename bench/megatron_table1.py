@@ -23,6 +23,7 @@ from paper_tables import MEGATRON_SEQ_LEN, MEGATRON_TABLE1, MEGATRON_VOCAB  # no
 
 from advisor.specs import HardwareSpec, Layout, ModelSpec  # noqa: E402
 from planner.cost_model import estimate  # noqa: E402
+from planner.memory import MEGATRON  # noqa: E402
 from presets import load_hardware  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def main() -> None:
         gas = r["batch_size"] // (r["dp"] * r["micro_batch"])
         layout = Layout(dp=r["dp"], tp=r["tp"], pp=r["pp"], vpp=r["model_chunks"], mbs=r["micro_batch"], gas=gas,
                         recompute="full", dtype="fp16", seq=MEGATRON_SEQ_LEN)
-        est = estimate(model, hardware, layout, attention="eager", engine="plain")
+        est = estimate(model, hardware, layout, attention="eager", engine=MEGATRON)
         flops = paper_flops_per_iteration(r["batch_size"], MEGATRON_SEQ_LEN, r["layers"], r["hidden"], MEGATRON_VOCAB)
         predicted = flops / est.time.step_s / r["gpus"] / 1e12
         rows.append((r, layout, est, predicted, predicted / r["tflops_per_gpu"] - 1))

@@ -44,6 +44,11 @@ class ModelStates:
         return self.weights + self.gradients + self.optimizer
 
 
+# Not an engine of ours: Megatron-LM's, for pricing published Megatron runs (bench/megatron_table1.py):
+# fp32 master weights, a DDP all-reduce of the gradients, vocab-parallel embedding and head.
+MEGATRON = "megatron"
+
+
 def master_weights(layout: Layout, engine: str) -> bool:
     """Whether the optimizer keeps a separate fp32 copy of the weights it updates.
 
@@ -54,7 +59,7 @@ def master_weights(layout: Layout, engine: str) -> bool:
     computes in bf16 through its MixedPrecisionPolicy: the fp32 shards are the weights the
     optimizer updates, so there is no separate master either.
     """
-    return engine == "deepspeed"
+    return engine in ("deepspeed", MEGATRON)
 
 
 def stored_dtype_bytes(layout: Layout, engine: str) -> int:
