@@ -281,22 +281,33 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, help="an existing profile.json (default: run `advisor profile "
                         "--quick` on the calibration config first)")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--predict-only", action="store_true", help="re-predict the measurements saved in "
+                        "bench/accuracy.json (with the profile they were predicted on); measures nothing")
     args = parser.parse_args()
+    saved = Path(__file__).with_name("accuracy.json")
     indices = [int(i) for i in args.only.split(",")] if args.only else list(range(1, len(ROWS) + 1))
+    previous = {r["index"]: r for r in json.loads(saved.read_text())} if args.predict_only else {}
+    if args.predict_only:
+        indices = [i for i in indices if i in previous]
     rows = [ROWS[i - 1] for i in indices]
-    profile = args.profile or quick_profile(Path(tempfile.mkdtemp(prefix="accuracy_")) / "profile.json")
+    profile = args.profile or (Path(next(iter(previous.values()))["profile"]) if previous else
+                               quick_profile(Path(tempfile.mkdtemp(prefix="accuracy_")) / "profile.json"))
     hardware = load_hardware(str(profile))
-    prepare_parent(rows)
+    if not args.predict_only:
+        prepare_parent(rows)
     results = []
     for index, row in zip(indices, rows):
-        measured = measure(row, args.steps, warmup=1)
+        measured = previous[index] if args.predict_only else measure(row, args.steps, warmup=1)
+        measured = {key: measured[key] for key in ("peak_bytes", "static_bytes", "forward_backward_peak",
+                                                   "optimizer_peak", "step_s")}
         est = predict(row, hardware)
         results.append({"index": index, "row": describe(row), "config": row.config, **measured,
-                        "predicted_peak": est.memory.peak, "predicted_step_s": est.time.step_s})
+                        "predicted_peak": est.memory.peak, "predicted_step_s": est.time.step_s,
+                        "profile": str(profile)})
+        saved.write_text(json.dumps(results, indent=1) + "\n")  # a long run keeps what it measured
         print(f"[{index}] {row.config:14} {describe(row):40} peak {measured['peak_bytes'] / 2**20:8.1f} MiB "
               f"({_error(est.memory.peak, measured['peak_bytes']):+.1%})  step {measured['step_s']:.3f} s "
               f"({_error(est.time.step_s, measured['step_s']):+.1%})", flush=True)
-    Path(__file__).with_name("accuracy.json").write_text(json.dumps(results, indent=1) + "\n")
     body = table(results, hardware.name)
     print(body)
     if not args.no_write:

@@ -30,6 +30,7 @@ from planner import collectives
 from planner.memory import (
     ADAPTER_BYTES,
     HOST_MEMORY_USABLE,
+    MEGATRON,
     ZERO_REDUCE_BUCKET_ELEMS,
     ModelStates,
     fsdp_shards,
@@ -144,14 +145,18 @@ def _resident_gradients(layout: Layout, engine: str, gradients: float, params: f
     start of backward none exist, unless something keeps them: accumulation across micro-batches
     (gas > 1), DDP's bucket buffers (dp > 1, as large as the gradients), or ZeRO-3's persistent
     gradient partition. Measured on this CPU with PyTorch DDP and DeepSpeed ZeRO-1/2/3
-    (bench/memory_accuracy.py). FSDP2 accumulating without reducing (gas > 1 below ZeRO-2) keeps
+    (bench/memory_accuracy.py, bench/accuracy.py). FSDP2 accumulating without reducing (gas > 1 below ZeRO-2) keeps
     the whole stage's unsharded gradients, in fp32 when it reduces in fp32."""
     if fsdp_shards(layout, engine):
         if layout.gas == 1:
             return 0.0
         return gradients if layout.zero >= 2 else params * stored_dtype_bytes(layout, engine)
-    if layout.gas > 1 or layout.zero == 3 or (layout.zero == 0 and layout.dp > 1):
-        return gradients
+    if engine == "plain" and layout.dp > 1:
+        # DDP's buckets persist; gradients accumulated under no_sync after a zero_grad(set_to_none)
+        # are fresh tensors beside them, not views into them (measured: twice the gradients, gas 2)
+        return gradients * (2 if layout.gas > 1 else 1)
+    if layout.gas > 1 or layout.zero == 3 or (engine == MEGATRON and layout.dp > 1):
+        return gradients  # Megatron-LM's DDP keeps persistent gradient buffers
     return 0.0
 
 
@@ -193,7 +198,7 @@ class StageMemory:
     activations: float
     logits: float
     regrown: float
-    zero3_live: float  # live at the start of backward beyond the shards: gathered weights (ZeRO-3, FSDP2), ZeRO-2/3's reduce bucket
+    zero3_live: float  # live at the start of backward beyond the shards: gathered weights (ZeRO-3, FSDP2), ZeRO-3's reduce bucket
     scratch: float
     host: float  # offloaded bytes of this device in host RAM
     host_capacity: float  # this device's share of its node's usable RAM
@@ -265,9 +270,9 @@ def stage_memory(
     buckets = zero_bucket_elems(trace, layout) * grad_bytes if deepspeed_buckets else 0.0
     root = params - layers * trace.layer.params / tp
     gathered = gathered_parameter_bytes(params, trace.layer.params / tp, root, layout, engine)
-    if deepspeed_buckets and layout.zero >= 2:
-        # ZeRO-2/3 reduce gradients during backward through their bucket, allocated as the first
-        # gradients arrive: alive with the loss's buffers (measured: one bucket, ZeRO-3 on this CPU)
+    if deepspeed_buckets and layout.zero == 3:
+        # ZeRO-3 reduces gradients during backward through its bucket, allocated as the first
+        # gradients arrive: alive with the loss's buffers (measured on this CPU; ZeRO-2's is not)
         gathered += buckets
     return StageMemory(
         weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
