@@ -104,7 +104,7 @@ def _rows() -> list[Row]:
         Row("deep-4k", L(mbs=4, seq=1024, recompute="full", **f32)),
         Row("deep-4k", L(pp=2, mbs=2, gas=4, seq=256, **f32)),
         Row("deep-4k", L(pp=2, dp=2, mbs=1, gas=2, seq=256, **f32)),
-        Row("deep-4k", L(tp=2, dp=2, mbs=2, seq=256, **f32)),
+        Row("gqa-50k", L(tp=2, dp=2, mbs=2, seq=256, **f32)),
         Row("deep-4k", L(dp=2, zero=3, mbs=4, seq=512, **f32)),
         Row("wide-64k-tied", L(mbs=1, seq=256, **f32)),
         Row("wide-64k-tied", L(mbs=4, seq=256, **f32)),
@@ -286,28 +286,29 @@ def main() -> None:
     args = parser.parse_args()
     saved = Path(__file__).with_name("accuracy.json")
     indices = [int(i) for i in args.only.split(",")] if args.only else list(range(1, len(ROWS) + 1))
-    previous = {r["index"]: r for r in json.loads(saved.read_text())} if args.predict_only else {}
+    kept = {r["index"]: r for r in json.loads(saved.read_text())} if saved.is_file() else {}
     if args.predict_only:
-        indices = [i for i in indices if i in previous]
+        indices = [i for i in indices if i in kept]
     rows = [ROWS[i - 1] for i in indices]
-    profile = args.profile or (Path(next(iter(previous.values()))["profile"]) if previous else
+    profile = args.profile or (Path(kept[indices[0]]["profile"]) if args.predict_only else
                                quick_profile(Path(tempfile.mkdtemp(prefix="accuracy_")) / "profile.json"))
     hardware = load_hardware(str(profile))
     if not args.predict_only:
         prepare_parent(rows)
-    results = []
     for index, row in zip(indices, rows):
-        measured = previous[index] if args.predict_only else measure(row, args.steps, warmup=1)
+        measured = kept[index] if args.predict_only else measure(row, args.steps, warmup=1)
         measured = {key: measured[key] for key in ("peak_bytes", "static_bytes", "forward_backward_peak",
                                                    "optimizer_peak", "step_s")}
         est = predict(row, hardware)
-        results.append({"index": index, "row": describe(row), "config": row.config, **measured,
-                        "predicted_peak": est.memory.peak, "predicted_step_s": est.time.step_s,
-                        "profile": str(profile)})
-        saved.write_text(json.dumps(results, indent=1) + "\n")  # a long run keeps what it measured
+        kept[index] = {"index": index, "row": describe(row), "config": row.config, **measured,
+                       "predicted_peak": est.memory.peak, "predicted_step_s": est.time.step_s,
+                       "profile": str(profile)}
+        # rows measured earlier stay (a long run is resumable: measure the missing rows with --only)
+        saved.write_text(json.dumps([kept[i] for i in sorted(kept)], indent=1) + "\n")
         print(f"[{index}] {row.config:14} {describe(row):40} peak {measured['peak_bytes'] / 2**20:8.1f} MiB "
               f"({_error(est.memory.peak, measured['peak_bytes']):+.1%})  step {measured['step_s']:.3f} s "
               f"({_error(est.time.step_s, measured['step_s']):+.1%})", flush=True)
+    results = [kept[i] for i in sorted(kept)]
     body = table(results, hardware.name)
     print(body)
     if not args.no_write:
