@@ -115,7 +115,8 @@ def _stage_params(trace: ModelTrace, layers: int, first: bool, last: bool, pp: i
     return params, trainable, quantizable
 
 
-def device_params(trace: ModelTrace, layout: Layout, engine: str, layers: int, stage: int) -> tuple[float, float, float]:
+def device_params(trace: ModelTrace, layout: Layout, engine: str, layers: int,
+                  stage: int) -> tuple[float, float, float]:
     """(params, trainable, quantizable) one device of pipeline stage `stage` holds, after tensor
     parallelism and before ZeRO, as `engine` splits them."""
     return _stage_params(trace, layers, stage == 0, stage == layout.pp - 1, layout.pp, layout.tp,
@@ -145,8 +146,8 @@ def _resident_gradients(layout: Layout, engine: str, gradients: float, params: f
     start of backward none exist, unless something keeps them: accumulation across micro-batches
     (gas > 1), DDP's bucket buffers (dp > 1, as large as the gradients), or ZeRO-3's persistent
     gradient partition. Measured on this CPU with PyTorch DDP and DeepSpeed ZeRO-1/2/3
-    (bench/memory_accuracy.py, bench/accuracy.py). FSDP2 accumulating without reducing (gas > 1 below ZeRO-2) keeps
-    the whole stage's unsharded gradients, in fp32 when it reduces in fp32."""
+    (bench/memory_accuracy.py, bench/accuracy.py). FSDP2 accumulating without reducing (gas > 1
+    below ZeRO-2) keeps the whole stage's unsharded gradients, in fp32 when it reduces in fp32."""
     if fsdp_shards(layout, engine):
         if layout.gas == 1:
             return 0.0
@@ -198,7 +199,8 @@ class StageMemory:
     activations: float
     logits: float
     regrown: float
-    zero3_live: float  # live at the start of backward beyond the shards: gathered weights (ZeRO-3, FSDP2), ZeRO-3's reduce bucket
+    # live at the start of backward beyond the shards: gathered weights (ZeRO-3, FSDP2), ZeRO-3's bucket
+    zero3_live: float
     scratch: float
     host: float  # offloaded bytes of this device in host RAM
     host_capacity: float  # this device's share of its node's usable RAM
@@ -252,8 +254,7 @@ def stage_memory(
     scratch; activations freed).
     """
     engine = engine_of(layout, engine)
-    tp, pp = layout.tp, layout.pp
-    first, last = stage == 0, stage == pp - 1
+    tp, last = layout.tp, stage == layout.pp - 1
     params, trainable, quantizable = device_params(trace, layout, engine, layers, stage)
     states = model_state_bytes(params, trainable, layout, quantizable, engine)
 
@@ -370,7 +371,8 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overh
     bwd_s = slowdown * mbs * ((bwd - adapter_bwd) / flop_rate + adapter_bwd / adapter_rate) / tp
     compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + overhead_s
     compute += slowdown * mbs * _score_matmul_extra_s(trace, layout, rates, layers, recomputed)
-    model_flops = layers * (layer.fwd_flops + layer.bwd_flops) + (trace.head.fwd_flops + trace.head.bwd_flops) * head_share
+    model_flops = (layers * (layer.fwd_flops + layer.bwd_flops)
+                   + (trace.head.fwd_flops + trace.head.bwd_flops) * head_share)
     adapter_all = 3 * adapter * layers
     useful = slowdown * mbs * ((model_flops - adapter_all) / flop_rate + adapter_all / adapter_rate) / tp
     useful += slowdown * ELEMENTWISE_PASSES * layers * kept / byte_rate + overhead_s
