@@ -271,7 +271,15 @@ def table(results: list[dict[str, Any]], hardware_name: str) -> str:
         "through the trainer's own `build_model`, `make_engine` and `micro_step`/`optimizer_step` in forked gloo "
         "ranks, fp32; memory is the CPU allocator counter (`profiler/tensor_memory.py`: every tensor, DeepSpeed's "
         "flat buffers included), the steady-step peak of the most loaded rank; time is the slowest rank's median "
-        "steady step. Predicted by `planner.cost_model` for the engine `engine_for` picks.")
+        "steady step. Predicted by `planner.cost_model` for the engine `engine_for` picks.\n\n"
+        "What these rows taught the cost model (all measured here, then priced for every layout): the loss "
+        "holds three logits-sized fp32 buffers at the start of backward (the saved log-softmax, its gradient "
+        "and the gradient it returns), not two; the DTensor engines keep the embedding, LM head and logits whole "
+        "on every TP rank; FSDP2 keeps fp32 shards at every ZeRO stage and, below ZeRO-3, every unit gathered "
+        "from forward to backward; DeepSpeed ZeRO-3 as exported keeps up to stage3_max_live_parameters "
+        "gathered and its reduce bucket alive in backward; DDP accumulating under no_sync holds fresh gradients "
+        "beside its persistent buckets. Step times were measured while seven other sessions shared the two "
+        "cores (load average 15-19): they are noisy.")
 
 
 def main() -> None:
