@@ -207,10 +207,16 @@ def vocab_shards(layout: Layout, engine: str | None = None) -> int:
 
 def head_activation_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
     """Final norm and lm_head input plus the fp32 log-softmax that the loss keeps (vocab-parallel
-    where the engine splits the vocabulary)."""
+    where the engine splits the vocabulary). The pipeline engine's schedule also keeps the last
+    stage's output, the logits in the layout's dtype, until it runs that micro-batch's backward
+    (measured: one more logits-sized buffer on the last stage)."""
+    engine = engine or engine_for(layout)
     head = trace.head
     replicated = head.act_replicated_bytes / (layout.tp if layout.sp else 1)
-    return (replicated + head.act_sharded_bytes / vocab_shards(layout, engine)) * layout.mbs
+    kept = (replicated + head.act_sharded_bytes / vocab_shards(layout, engine)) * layout.mbs
+    if engine == "pipeline":
+        kept += logits_fp32_bytes(trace, layout, engine) * DTYPE_BYTES[layout.dtype] / 4
+    return kept
 
 
 def logits_transient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
