@@ -278,8 +278,10 @@ def table(results: list[dict[str, Any]], hardware_name: str) -> str:
         "on every TP rank; FSDP2 keeps fp32 shards at every ZeRO stage and, below ZeRO-3, every unit gathered "
         "from forward to backward; DeepSpeed ZeRO-3 as exported keeps up to stage3_max_live_parameters "
         "gathered and its reduce bucket alive in backward; DDP accumulating under no_sync holds fresh gradients "
-        "beside its persistent buckets. Step times were measured while seven other sessions shared the two "
-        "cores (load average 15-19): they are noisy.")
+        "beside its persistent buckets. Step times are not yet within their targets: this run shared the "
+        "two cores with other sessions (load average 2-10 while it ran; its quick profile's fp32 GEMM reached "
+        "49 GFLOP/s of the ~185 a quiet machine gives), and each row times only 2 steady steps after 1 "
+        "warm-up step (calibration warms up 3).")
 
 
 def main() -> None:
