@@ -192,58 +192,8 @@ class ProfilerMeter:
         return reading
 
 
-# Why hand-written: c10 has no thread-agnostic, queryable byte counter for CPU tensors (the
-# profiler's reporter is thread-local), so we wrap the CPU allocator itself. Blocks still come
-# from the wrapped default allocator, so the profiler's reporter keeps working underneath.
-_ALLOC_HOOK_SOURCE = r"""
-#include <torch/extension.h>
-#include <c10/core/CPUAllocator.h>
-#include <atomic>
-namespace {
-std::atomic<int64_t> g_live{0}, g_peak{0};
-struct Block { c10::DataPtr inner; int64_t nbytes; };
-void release(void* ctx) {
-  auto* block = static_cast<Block*>(ctx);
-  g_live.fetch_sub(block->nbytes);
-  delete block;  // drops the inner DataPtr, i.e. frees through the wrapped allocator
-}
-struct CountingAllocator final : c10::Allocator {
-  c10::Allocator* base;
-  explicit CountingAllocator(c10::Allocator* b) : base(b) {}
-  c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = base->allocate(n);
-    if (n == 0) return inner;
-    void* data = inner.get();
-    int64_t live = g_live.fetch_add(int64_t(n)) + int64_t(n);
-    int64_t peak = g_peak.load();
-    while (live > peak && !g_peak.compare_exchange_weak(peak, live)) {}
-    return c10::DataPtr(data, new Block{std::move(inner), int64_t(n)}, &release,
-                        c10::Device(c10::DeviceType::CPU));
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-};
-}
-void install() {
-  static CountingAllocator* counting = new CountingAllocator(c10::GetCPUAllocator());
-  c10::SetCPUAllocator(counting, /*priority=*/100);
-}
-int64_t live_bytes() { return g_live.load(); }
-int64_t peak_bytes() { return g_peak.load(); }
-void reset_peak() { g_peak.store(g_live.load()); }
-"""
-
-
-def load_alloc_hook() -> Any:
-    """Build (cached in TORCH_EXTENSIONS_DIR) and import the counting allocator extension."""
-    from torch.utils.cpp_extension import load_inline
-
-    return load_inline(
-        "bench_cpu_alloc_counter",
-        cpp_sources=_ALLOC_HOOK_SOURCE,
-        functions=["install", "live_bytes", "peak_bytes", "reset_peak"],
-    )
+# The counting wrapper around the CPU allocator lives with the trainer's own memory reading.
+from profiler.tensor_memory import load_counter as load_alloc_hook  # noqa: E402
 
 
 class AllocHookMeter:

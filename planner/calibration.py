@@ -110,7 +110,10 @@ def fit_factors(terms: list[Terms], measured_s: list[float]) -> dict[str, float]
     lower = np.array([UNKNOWNS[n][2][0] for n in names])
     upper = np.array([UNKNOWNS[n][2][1] for n in names])
     solution = lsq_linear(slopes, 1 - offset, bounds=(lower, upper), method="bvls")
-    return efficiencies_of(dict(zip(names, (float(v) for v in solution.x))))
+    # bvls can land a rounding error outside a bound (-7e-18 for a zero overhead), which the profile's
+    # own schema then refuses
+    fitted = np.clip(solution.x, lower, upper)
+    return efficiencies_of(dict(zip(names, (float(v) for v in fitted))))
 
 
 def fit_to_steps(cases: list[tuple[ModelTrace, Layout]], measured_s: list[float], hardware: HardwareSpec,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from advisor.capabilities import ENGINE_CHOICES, engine_for
 from advisor.errors import UsageError
 from advisor.layout_rules import ModelShape, layout_problem, tp_crosses_nodes
 from advisor.specs import (
@@ -30,13 +31,18 @@ from planner import collectives
 from planner.memory import (
     ADAPTER_BYTES,
     HOST_MEMORY_USABLE,
-    ZERO3_PREFETCH_LAYERS,
+    MEGATRON,
     ZERO_REDUCE_BUCKET_ELEMS,
+    ModelStates,
+    fsdp_shards,
+    gathered_parameter_bytes,
     head_activation_bytes,
+    vocab_shards,
     layer_activation_bytes,
     logits_transient_bytes,
     micro_batches_in_flight,
     model_state_bytes,
+    stored_dtype_bytes,
 )
 from profiler.model_trace import ModelTrace, trace_model
 
@@ -90,22 +96,24 @@ def check_layout(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> l
     return notes
 
 
-def _stage_params(trace: ModelTrace, layers: int, first: bool, last: bool, pp: int) -> tuple[float, float, float]:
-    """(params, trainable, quantizable) on one device of a stage, before ZeRO, after TP."""
-    params = layers * trace.layer.params
-    trainable = layers * trace.layer.trainable_params
+def _stage_params(trace: ModelTrace, layers: int, first: bool, last: bool, pp: int, tp: int = 1,
+                  vocab: int = 1) -> tuple[float, float, float]:
+    """(params, trainable, quantizable) on one device of a stage, before ZeRO: the decoder layers
+    divided by `tp`, the embedding and head by `vocab` (`vocab_shards`)."""
+    params = layers * trace.layer.params / tp
+    trainable = layers * trace.layer.trainable_params / tp
     # QLoRA quantises the decoder's linear weights; norms (2 vectors per layer) stay in 16 bits.
-    quantizable = layers * max(trace.layer.params - trace.layer.trainable_params - 2 * trace.hidden_size, 0)
+    quantizable = layers * max(trace.layer.params - trace.layer.trainable_params - 2 * trace.hidden_size, 0) / tp
     if first:
-        params += trace.embedding.params
-        trainable += trace.embedding.trainable_params
+        params += trace.embedding.params / vocab
+        trainable += trace.embedding.trainable_params / vocab
     if last:
-        params += trace.head.params
-        trainable += trace.head.trainable_params
+        params += trace.head.params / vocab
+        trainable += trace.head.trainable_params / vocab
         tied = trace.head.params < trace.vocab_size * trace.hidden_size
         if tied and pp > 1:  # Megatron keeps a copy of a tied embedding on the last stage
-            params += trace.embedding.params
-            trainable += trace.embedding.trainable_params
+            params += trace.embedding.params / vocab
+            trainable += trace.embedding.trainable_params / vocab
     return params, trainable, quantizable
 
 
@@ -122,16 +130,50 @@ def adapted_linears_per_layer(trace: ModelTrace) -> int:
     return 4 + max(round(mlp / (hidden + trace.intermediate_size)), 0)
 
 
-def _resident_gradients(layout: Layout, gradients: float) -> float:
+def device_params(trace: ModelTrace, layout: Layout, engine: str, layers: int,
+                  stage: int) -> tuple[float, float, float]:
+    """(params, trainable, quantizable) one device of pipeline stage `stage` holds, after tensor
+    parallelism and before ZeRO, as `engine` splits them."""
+    return _stage_params(trace, layers, stage == 0, stage == layout.pp - 1, layout.pp, layout.tp,
+                         vocab_shards(layout, engine))
+
+
+def engine_of(layout: Layout, engine: str = "auto") -> str:
+    """The engine that runs `layout`: `engine` is the plan's choice (auto, deepspeed, fsdp2; see
+    advisor.capabilities.engine_for) or already an engine's name."""
+    return engine_for(layout, engine) if engine in ENGINE_CHOICES else engine
+
+
+def stage_model_states(trace: ModelTrace, layout: Layout, engine: str = "auto", stage: int = 0) -> ModelStates:
+    """Parameter, gradient and optimizer-state bytes one device of pipeline stage `stage` holds
+    between steps, as the engine that runs `layout` keeps them (the quantities `Engine.state_bytes`
+    reports, and the ZeRO paper's Table 1 counts)."""
+    split, _ = default_split(trace, layout)
+    engine = engine_of(layout, engine)
+    params, trainable, quantizable = device_params(trace, layout, engine, split[stage], stage)
+    nf4_tensors = split[stage] * adapted_linears_per_layer(trace) if layout.method == "qlora" else 0
+    return model_state_bytes(params, trainable, layout, quantizable, nf4_tensors, engine=engine)
+
+
+def _resident_gradients(layout: Layout, engine: str, gradients: float, params: float) -> float:
     """Gradient bytes already allocated when the forward pass runs (at the activation peak).
 
     Gradients are created during backward and freed by `zero_grad(set_to_none=True)`, so at the
     start of backward none exist, unless something keeps them: accumulation across micro-batches
     (gas > 1), DDP's bucket buffers (dp > 1, as large as the gradients), or ZeRO-3's persistent
     gradient partition. Measured on this CPU with PyTorch DDP and DeepSpeed ZeRO-1/2/3
-    (bench/memory_accuracy.py)."""
-    if layout.gas > 1 or layout.zero == 3 or (layout.zero == 0 and layout.dp > 1):
-        return gradients
+    (bench/memory_accuracy.py, bench/accuracy.py). FSDP2 accumulating without reducing (gas > 1
+    below ZeRO-2) keeps the whole stage's unsharded gradients, in fp32 when it reduces in fp32."""
+    if fsdp_shards(layout, engine):
+        if layout.gas == 1:
+            return 0.0
+        return gradients if layout.zero >= 2 else params * stored_dtype_bytes(layout, engine)
+    if engine == "plain" and layout.dp > 1:
+        # DDP's buckets persist; gradients accumulated under no_sync after a zero_grad(set_to_none)
+        # are fresh tensors beside them, not views into them (measured: twice the gradients, gas 2)
+        return gradients * (2 if layout.gas > 1 else 1)
+    if layout.gas > 1 or layout.zero == 3 or (engine == MEGATRON and layout.dp > 1):
+        return gradients  # Megatron-LM's DDP keeps persistent gradient buffers
     return 0.0
 
 
@@ -143,18 +185,21 @@ def zero_bucket_elems(trace: ModelTrace, layout: Layout) -> int:
     return int(min(ZERO_REDUCE_BUCKET_ELEMS, math.ceil(shard)))
 
 
-def _optimizer_temporaries(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, trainable: float) -> float:
-    """fp32 scratch of the optimizer step: none for fused GPU kernels; on CPU, PyTorch's
-    single-tensor AdamW allocates `denom` and the update, each the size of the tensor it updates
-    (DeepSpeed hands it one flat partition, so the whole partition)."""
+def _optimizer_temporaries(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engine: str,
+                           trainable: float) -> float:
+    """Scratch of the optimizer step: none for fused GPU kernels; on CPU, PyTorch's single-tensor
+    AdamW allocates `denom` and the update, each the size of the tensor it updates, in its dtype
+    (DeepSpeed hands it one flat fp32 partition, so the whole partition)."""
     if hardware.device_type == "cuda" or layout.offload != "none":
         return 0.0
-    if layout.zero >= 1:
+    if engine == "deepspeed":
         return 2 * 4 * trainable / layout.dp
     if layout.method != "full":
         return 2 * 4 * trace.hidden_size * layout.lora_rank
-    largest = max(trace.vocab_size * trace.hidden_size, trace.intermediate_size * trace.hidden_size) / layout.tp
-    return 2 * 4 * largest
+    largest = max(trace.vocab_size * trace.hidden_size / vocab_shards(layout, engine),
+                  trace.intermediate_size * trace.hidden_size / layout.tp)
+    shards = layout.dp if fsdp_shards(layout, engine) else 1
+    return 2 * stored_dtype_bytes(layout, engine) * largest / shards
 
 
 @dataclass(frozen=True)
@@ -170,6 +215,7 @@ class StageMemory:
     activations: float
     logits: float
     regrown: float
+    # live at the start of backward beyond the shards: gathered weights (ZeRO-3, FSDP2), ZeRO-3's bucket
     zero3_live: float
     scratch: float
     host: float  # offloaded bytes of this device in host RAM
@@ -211,39 +257,49 @@ class StageMemory:
 
 
 def stage_memory(
-    trace: ModelTrace, layout: Layout, hardware: HardwareSpec, stage: int, layers: int, recomputed: int
+    trace: ModelTrace, layout: Layout, hardware: HardwareSpec, stage: int, layers: int, recomputed: int,
+    engine: str = "auto",
 ) -> StageMemory:
     """Memory of a device of pipeline stage `stage` holding `layers` decoder layers, of which
-    `recomputed` use the layout's recomputation mode and the rest keep all activations.
+    `recomputed` use the layout's recomputation mode and the rest keep all activations, as the
+    engine that runs the layout (`engine_of`) keeps its states.
 
     Two moments compete for the peak: the start of backward (all in-flight activations, the loss
-    buffers or the layer being recomputed, gradients that are resident) and the optimizer step
-    (all gradients, communication buckets, the optimizer's scratch; activations freed).
+    buffers or the layer being recomputed, gradients that are resident, weights gathered by
+    ZeRO-3/FSDP2) and the optimizer step (all gradients, communication buckets, the optimizer's
+    scratch; activations freed).
     """
-    tp, pp = layout.tp, layout.pp
-    first, last = stage == 0, stage == pp - 1
-    params, trainable, quantizable = _stage_params(trace, layers, first, last, pp)
+    engine = engine_of(layout, engine)
+    tp, last = layout.tp, stage == layout.pp - 1
+    params, trainable, quantizable = device_params(trace, layout, engine, layers, stage)
     nf4_tensors = layers * adapted_linears_per_layer(trace) if layout.method == "qlora" else 0
-    states = model_state_bytes(params / tp, trainable / tp, layout, quantizable / tp, nf4_tensors)
+    states = model_state_bytes(params, trainable, layout, quantizable, nf4_tensors, engine=engine)
 
     in_flight = micro_batches_in_flight(stage, layout)
     kept = layer_activation_bytes(trace, layout, recompute="none")
     reduced = layer_activation_bytes(trace, layout)
     activations = in_flight * ((layers - recomputed) * kept + recomputed * reduced)
     if last:
-        activations += head_activation_bytes(trace, layout)
+        activations += head_activation_bytes(trace, layout, engine)
 
     w = DTYPE_BYTES[layout.dtype]
     grad_bytes = w if layout.method == "full" else ADAPTER_BYTES
-    buckets = zero_bucket_elems(trace, layout) * grad_bytes if layout.zero >= 1 and layout.dp > 1 else 0.0
+    deepspeed_buckets = engine == "deepspeed" and layout.dp > 1
+    buckets = zero_bucket_elems(trace, layout) * grad_bytes if deepspeed_buckets else 0.0
+    root = params - layers * trace.layer.params / tp
+    gathered = gathered_parameter_bytes(params, trace.layer.params / tp, root, layout, engine)
+    if deepspeed_buckets and layout.zero == 3:
+        # ZeRO-3 reduces gradients during backward through its bucket, allocated as the first
+        # gradients arrive: alive with the loss's buffers (measured on this CPU; ZeRO-2's is not)
+        gathered += buckets
     return StageMemory(
         weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
-        resident_gradients=_resident_gradients(layout, states.gradients),
+        resident_gradients=_resident_gradients(layout, engine, states.gradients, params),
         activations=activations,
-        logits=logits_transient_bytes(trace, layout) if last else 0.0,
+        logits=logits_transient_bytes(trace, layout, engine) if last else 0.0,
         regrown=kept - reduced if recomputed and layout.recompute != "none" else 0.0,
-        zero3_live=ZERO3_PREFETCH_LAYERS * trace.layer.params / tp * w if layout.zero == 3 else 0.0,
-        scratch=buckets + _optimizer_temporaries(trace, layout, hardware, trainable / tp),
+        zero3_live=gathered,
+        scratch=buckets + _optimizer_temporaries(trace, layout, hardware, engine, trainable),
         host=states.host,
         host_capacity=host_share(layout, hardware),
     )
@@ -305,13 +361,14 @@ def _rates(layout: Layout, hardware: HardwareSpec) -> _Rates:
 
 
 def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overhead_s: float, layers: int,
-                         recomputed: int, last: bool) -> tuple[float, float, float]:
+                         recomputed: int, last: bool, vocab: int) -> tuple[float, float, float]:
     """(compute, useful compute, backward) seconds of one micro-batch on one stage; useful leaves
-    out the recomputed forward."""
+    out the recomputed forward. The head's FLOPs split `vocab` ways (`vocab_shards`), the rest tp."""
     tp, mbs = layout.tp, layout.mbs
     layer = trace.layer
-    fwd = layers * layer.fwd_flops + (trace.head.fwd_flops if last else 0.0)
-    bwd = layers * layer.bwd_flops + (trace.head.bwd_flops if last else 0.0)
+    head_share = tp / vocab if last else 0.0  # the head's FLOPs, in units divided by tp below
+    fwd = layers * layer.fwd_flops + trace.head.fwd_flops * head_share
+    bwd = layers * layer.bwd_flops + trace.head.bwd_flops * head_share
     if layout.recompute == "full":
         fwd += recomputed * layer.fwd_flops
     slowdown, flop_rate, adapter_rate, byte_rate = rates.slowdown, rates.flop, rates.adapter, rates.byte
@@ -330,12 +387,33 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overh
     fwd_s = slowdown * mbs * ((fwd - adapter_fwd) / flop_rate + adapter_fwd / adapter_rate) / tp
     bwd_s = slowdown * mbs * ((bwd - adapter_bwd) / flop_rate + adapter_bwd / adapter_rate) / tp
     compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + overhead_s
-    model_flops = layers * (layer.fwd_flops + layer.bwd_flops) + (
-        trace.head.fwd_flops + trace.head.bwd_flops if last else 0.0)
+    compute += slowdown * mbs * _score_matmul_extra_s(trace, layout, rates, layers, recomputed)
+    model_flops = (layers * (layer.fwd_flops + layer.bwd_flops)
+                   + (trace.head.fwd_flops + trace.head.bwd_flops) * head_share)
     adapter_all = 3 * adapter * layers
     useful = slowdown * mbs * ((model_flops - adapter_all) / flop_rate + adapter_all / adapter_rate) / tp
     useful += slowdown * ELEMENTWISE_PASSES * layers * kept / byte_rate + overhead_s
     return compute, useful, bwd_s
+
+
+def _score_matmul_extra_s(trace: ModelTrace, layout: Layout, rates: _Rates, layers: int, recomputed: int) -> float:
+    """Seconds that explicit (eager) attention's two score matmuls, QK^T and scores x V, lose to
+    memory bandwidth on one sequence, beyond their FLOPs at the dense GEMM rate.
+
+    Each s x s score element costs 2 * head_dim FLOPs and is written (or read) once in the
+    activation dtype: an arithmetic intensity of 2 * head_dim / bytes FLOP/byte, below a GPU's
+    ridge point for head_dim <= ~128 in 16 bits (roofline: Williams et al. 2009). Fused
+    (flash/sdpa) kernels never write the scores, so this applies to eager attention only.
+    """
+    if trace.attention != "eager":
+        return 0.0
+    intensity = 2 * trace.head_dim / DTYPE_BYTES[layout.dtype]
+    rate = min(rates.flop, rates.byte * intensity)
+    if rate >= rates.flop:
+        return 0.0
+    per_layer_fwd = 4 * trace.seq * trace.seq * trace.num_heads * trace.head_dim  # QK^T and scores x V
+    passes = 3 * layers + (recomputed if layout.recompute == "full" else 0)  # forward 1, backward 2
+    return passes * per_layer_fwd / layout.tp * (1 / rate - 1 / rates.flop)
 
 
 def _activation_comm(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, layers: int,
@@ -357,12 +435,21 @@ def _activation_comm(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, 
     return tp_comm, pp_comm
 
 
-def _gradient_comm(layout: Layout, hardware: HardwareSpec, placement: Placement, grad_bytes: float,
+def _gradient_comm(layout: Layout, engine: str, hardware: HardwareSpec, placement: Placement, grad_bytes: float,
                    weight_bytes: float, bwd_s: float, compute: float) -> tuple[float, float]:
     """(data-parallel communication of one step, the compute it can hide under)."""
     dp, gas, spans = layout.dp, layout.gas, placement.dp_spans_nodes
     if dp <= 1:
         return 0.0, 0.0
+    if fsdp_shards(layout, engine):
+        # FSDP2 all-gathers each unit's weights for every micro-batch's forward (and again for its
+        # backward when it reshards after forward: ZeRO-3 outside a pipeline), and reduce-scatters
+        # the gradients every micro-batch from ZeRO-2 on, else once at the accumulation boundary.
+        gathers = 2 if layout.zero == 3 and engine == "fsdp2" else 1
+        per_mb = gathers * collectives.all_gather_s(weight_bytes, dp, hardware, spans)
+        reduces = gas if layout.zero >= 2 else 1
+        dp_comm = gas * per_mb + reduces * collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
+        return dp_comm, gas * compute
     if layout.zero <= 1:  # one all-reduce after the last micro-batch, overlapped with its backward
         return collectives.all_reduce_s(grad_bytes, dp, hardware, spans), bwd_s
     if layout.zero == 2:  # DeepSpeed reduce-scatters every micro-batch, gathers weights once
@@ -373,6 +460,17 @@ def _gradient_comm(layout: Layout, hardware: HardwareSpec, placement: Placement,
     per_mb = 2 * collectives.all_gather_s(weight_bytes, dp, hardware, spans)
     per_mb += collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
     return gas * per_mb, gas * compute
+
+
+def gradient_comm_bytes(layout: Layout, engine: str, trainable: float) -> float:
+    """Bytes of the gradients one device reduces across data-parallel replicas per reduction:
+    FSDP2 reduces in fp32 (its MixedPrecisionPolicy's reduce_dtype), whatever it computes in; DDP
+    and DeepSpeed reduce in the gradients' own dtype; LoRA's adapters are fp32."""
+    if layout.method != "full":
+        return trainable * ADAPTER_BYTES
+    if fsdp_shards(layout, engine):
+        return trainable * stored_dtype_bytes(layout, engine)
+    return trainable * DTYPE_BYTES[layout.dtype]
 
 
 def _optimizer_time(layout: Layout, hardware: HardwareSpec, rates: _Rates, params: float,
@@ -393,18 +491,18 @@ def _optimizer_time(layout: Layout, hardware: HardwareSpec, rates: _Rates, param
 
 def stage_time(
     trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, stage: int, layers: int,
-    recomputed: int,
+    recomputed: int, engine: str = "auto",
 ) -> StageTime:
+    engine = engine_of(layout, engine)
     first, last = stage == 0, stage == layout.pp - 1
     rates = _rates(layout, hardware)
     compute, useful, bwd_s = _micro_batch_compute(trace, layout, rates, hardware.efficiency.micro_batch_overhead_s,
-                                                  layers, recomputed, last)
+                                                  layers, recomputed, last, vocab_shards(layout, engine))
     tp_comm, pp_comm = _activation_comm(trace, layout, hardware, placement, layers, recomputed, first, last)
-    params, trainable, _ = _stage_params(trace, layers, first, last, layout.pp)
-    params, trainable = params / layout.tp, trainable / layout.tp
+    params, trainable, _ = device_params(trace, layout, engine, layers, stage)
     w = DTYPE_BYTES[layout.dtype]
-    grad_bytes = trainable * (w if layout.method == "full" else ADAPTER_BYTES)
-    dp_comm, window = _gradient_comm(layout, hardware, placement, grad_bytes, params * w, bwd_s, compute)
+    grad_bytes = gradient_comm_bytes(layout, engine, trainable)
+    dp_comm, window = _gradient_comm(layout, engine, hardware, placement, grad_bytes, params * w, bwd_s, compute)
     optimizer, offload = _optimizer_time(layout, hardware, rates, params, trainable)
     return StageTime(
         compute_mb=compute, useful_compute_mb=useful, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,
@@ -428,7 +526,10 @@ def step_seconds(layout: Layout, times: list[StageTime]) -> float:
             + max(t.optimizer + t.offload for t in times))
 
 
-def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> Estimate:
+def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engine: str = "auto") -> Estimate:
+    """Memory and step time of `layout` as the engine that runs it (`engine_of`: the plan's engine
+    choice, or an engine's name) runs it."""
+    engine = engine_of(layout, engine)
     notes = check_layout(trace, layout, hardware) + list(trace.notes)
     if layout.recompute == "selective":
         notes.append(SELECTIVE_POLICY)
@@ -436,11 +537,11 @@ def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpe
     split, recomputed = default_split(trace, layout)
     stages = list(enumerate(zip(split, recomputed)))
 
-    memories = [stage_memory(trace, layout, hardware, i, n, r) for i, (n, r) in stages]
+    memories = [stage_memory(trace, layout, hardware, i, n, r, engine) for i, (n, r) in stages]
     worst = max(range(layout.pp), key=lambda i: (not memories[i].host_fits, memories[i].peak))
     memory = memories[worst].estimate(worst, hardware.usable_bytes)
 
-    times = [stage_time(trace, layout, hardware, placement, i, n, r) for i, (n, r) in stages]
+    times = [stage_time(trace, layout, hardware, placement, i, n, r, engine) for i, (n, r) in stages]
     slowest = max(times, key=lambda t: t.per_micro_batch)
     gas = layout.gas
     step = step_seconds(layout, times)
@@ -475,11 +576,11 @@ def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpe
 
 
 def estimate(
-    model: ModelSpec, hardware: HardwareSpec, layout: Layout, attention: str | None = None
+    model: ModelSpec, hardware: HardwareSpec, layout: Layout, attention: str | None = None, engine: str = "auto",
 ) -> Estimate:
-    """Predict memory and step time of `layout` for `model` on `hardware`."""
+    """Predict memory and step time of `layout` for `model` on `hardware`, run by `engine`."""
     trace = trace_model(
         model, layout.seq, dtype=layout.dtype, method=layout.method, lora_rank=layout.lora_rank,
         attention=attention, device_type=hardware.device_type,  # type: ignore[arg-type]
     )
-    return estimate_from_trace(trace, layout, hardware)
+    return estimate_from_trace(trace, layout, hardware, engine)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from advisor.capabilities import engine_for
 from advisor.specs import DTYPE_BYTES, Layout
 from profiler.model_trace import ModelTrace
 
@@ -25,6 +26,11 @@ ADAPTER_BYTES = 4
 DDP_BUCKET_BYTES = 25 * 2**20
 ZERO_REDUCE_BUCKET_ELEMS = 50_000_000
 ZERO3_PREFETCH_LAYERS = 2  # the layer being computed plus the one being all-gathered ahead
+# DeepSpeed ZeRO-3 defaults our exported config keeps: a gathered parameter is released only when its
+# next use is further than stage3_max_reuse_distance parameters away, and at most
+# stage3_max_live_parameters stay gathered. With both at 1e9, a stage of fewer parameters stays
+# gathered whole from its forward to its backward (measured on this CPU: exactly the whole model).
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
 # Share of a node's RAM that offloaded states may use: the OS, the data loader and pinned
@@ -44,34 +50,70 @@ class ModelStates:
         return self.weights + self.gradients + self.optimizer
 
 
-def optimizer_bytes_per_param(layout: Layout) -> int:
-    """Adam: fp32 momentum and variance, plus an fp32 master copy unless training is pure fp32.
+# Not an engine of ours: Megatron-LM's, for pricing published Megatron runs (bench/megatron_table1.py):
+# fp32 master weights, a DDP all-reduce of the gradients, vocab-parallel embedding and head.
+MEGATRON = "megatron"
+
+
+def master_weights(layout: Layout, engine: str) -> bool:
+    """Whether the optimizer keeps a separate fp32 copy of the weights it updates.
 
     DeepSpeed ZeRO keeps its own fp32 partition even when the model is fp32 (it clones the
-    partition into the optimizer), so K = 12 whenever ZeRO >= 1 (ZeRO paper, section 3.1: K = 12).
+    partition into the optimizer; ZeRO paper, section 3.1: K = 12). The plain engine casts a bf16
+    model to bf16 and runs AdamW on those weights: no master copy. FSDP2 (the fsdp2 and pipeline
+    engines) keeps its sharded parameters in fp32 when it shards (dp > 1 with ZeRO >= 1) and
+    computes in bf16 through its MixedPrecisionPolicy: the fp32 shards are the weights the
+    optimizer updates, so there is no separate master either.
     """
-    if layout.dtype != "fp32" or layout.zero >= 1:
+    return engine in ("deepspeed", MEGATRON)
+
+
+def stored_dtype_bytes(layout: Layout, engine: str) -> int:
+    """Bytes per element of the weights an engine stores (and of their gradients and Adam moments,
+    unless the engine keeps those elsewhere): FSDP2 with ZeRO >= 1 across replicas keeps fp32
+    shards and casts to the layout's dtype per gathered unit; every other engine stores the
+    layout's dtype (DeepSpeed its 16-bit module weights, beside the fp32 master)."""
+    if engine in ("fsdp2", "pipeline") and layout.dp > 1 and layout.zero >= 1:
+        return 4
+    return DTYPE_BYTES[layout.dtype]
+
+
+def optimizer_bytes_per_param(layout: Layout, engine: str = "deepspeed") -> int:
+    """Adam's two moments, in the dtype of the weights it updates, plus the fp32 master copy where
+    the engine keeps one (`master_weights`): K = 12 for DeepSpeed, 8 for fp32 weights elsewhere,
+    4 for AdamW on the plain engine's bf16 weights (torch keeps the moments in the weights' dtype)."""
+    if master_weights(layout, engine):
         return 12
-    return 8
+    return 2 * stored_dtype_bytes(layout, engine)
+
+
+def fsdp_shards(layout: Layout, engine: str) -> bool:
+    """FSDP2 shards weights, gradients and optimizer states across the data-parallel replicas
+    whatever the ZeRO stage (ZeRO 1/2 only change when it reshards)."""
+    return engine in ("fsdp2", "pipeline") and layout.dp > 1
 
 
 def model_state_bytes(
-    params: float, trainable: float, layout: Layout, quantizable: float | None = None, nf4_tensors: float = 0.0
+    params: float, trainable: float, layout: Layout, quantizable: float | None = None, nf4_tensors: float = 0.0,
+    engine: str | None = None,
 ) -> ModelStates:
-    """Weights, gradients and optimizer states on one device, for `params` held by its shard.
+    """Weights, gradients and optimizer states on one device, for `params` held by its shard, as
+    `engine` (advisor.capabilities.engine_for; None: the one that runs `layout` by default) keeps them.
 
     `params` and `trainable` are counted after tensor/pipeline splitting but before ZeRO;
     `quantizable` is the frozen part that QLoRA stores in NF4 (decoder linear layers), in
     `nf4_tensors` tensors; the rest of its frozen part is fp32.
-    ZeRO stage 1 divides the optimizer states by dp, stage 2 also the gradients, stage 3 also
-    the weights (Rajbhandari et al. 2020, section 5).
+    DeepSpeed: ZeRO stage 1 divides the optimizer states by dp, stage 2 also the gradients, stage 3
+    also the weights (Rajbhandari et al. 2020, section 5). FSDP2 divides all three by dp at every
+    stage, in the dtype it stores (`stored_dtype_bytes`).
     """
-    w = DTYPE_BYTES[layout.dtype]
+    engine = engine or engine_for(layout)
+    w = stored_dtype_bytes(layout, engine)
     dp = layout.dp
     if layout.method == "full":
         weights = params * w
         grads = trainable * w
-        optim = trainable * optimizer_bytes_per_param(layout)
+        optim = trainable * optimizer_bytes_per_param(layout, engine)
     else:
         frozen = params - trainable
         if layout.method == "qlora":
@@ -83,6 +125,8 @@ def model_state_bytes(
         weights += trainable * ADAPTER_BYTES
         grads = trainable * ADAPTER_BYTES
         optim = trainable * 8  # fp32 adapters need no separate master copy
+    if fsdp_shards(layout, engine):
+        return ModelStates(weights / dp, grads / dp, optim / dp, 0.0)
     if layout.zero >= 1:
         optim /= dp
     if layout.zero >= 2:
@@ -102,6 +146,31 @@ def model_state_bytes(
         host += weights
         weights = 0.0
     return ModelStates(weights, grads, optim, host)
+
+
+def gathered_parameter_bytes(params: float, layer_params: float, root_params: float, layout: Layout,
+                             engine: str) -> float:
+    """Full (unsharded) weights alive at the start of backward beyond the device's shards, in the
+    compute dtype. `params`: the stage's parameters after TP; `layer_params`: one decoder layer's;
+    `root_params`: what sits outside the decoder layers (embedding, final norm, head).
+
+    DeepSpeed ZeRO-3 keeps up to stage3_max_live_parameters gathered (`ZERO3_MAX_LIVE_PARAMETERS`),
+    at least the layer being computed and the one prefetched. FSDP2 (dp > 1) does not
+    reshard after forward below ZeRO-3 (nor ever under the pipeline engine: torchtitan's rule), so
+    every unit stays gathered from its forward to its backward: the whole stage at the start of
+    backward. With ZeRO-3 it reshards each layer after forward; the root unit (embedding, norm,
+    head) stays gathered, since backward needs it first.
+    """
+    w = DTYPE_BYTES[layout.dtype]
+    if engine == "deepspeed":
+        if layout.zero < 3:
+            return 0.0
+        return max(min(params, ZERO3_MAX_LIVE_PARAMETERS), ZERO3_PREFETCH_LAYERS * layer_params) * w
+    if not fsdp_shards(layout, engine):
+        return 0.0
+    if layout.zero == 3 and engine == "fsdp2":
+        return (root_params + ZERO3_PREFETCH_LAYERS * layer_params) * w
+    return params * w
 
 
 def micro_batches_in_flight(stage: int, layout: Layout) -> float:
@@ -145,19 +214,53 @@ def layer_activation_bytes(trace: ModelTrace, layout: Layout, recompute: str | N
     return (replicated + layer.act_sharded_bytes / tp) * layout.mbs
 
 
-def head_activation_bytes(trace: ModelTrace, layout: Layout) -> float:
-    """Final norm and lm_head input plus the fp32 log-softmax that the loss keeps (vocab-parallel)."""
+def vocab_shards(layout: Layout, engine: str | None = None) -> int:
+    """How many ways tensor parallelism splits the embedding, the LM head and the logits: Megatron's
+    vocab-parallel layers divide them by tp; the trainer's DTensor engines (fsdp2, pipeline) split
+    the decoder layers only and keep these whole on every TP rank (trainer/parallelize.py
+    apply_tensor_parallel), so every rank computes the full logits and loss."""
+    engine = engine or engine_for(layout)
+    return 1 if engine in ("fsdp2", "pipeline") else layout.tp
+
+
+def head_activation_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
+    """Final norm and lm_head input plus the fp32 log-softmax that the loss keeps (vocab-parallel
+    where the engine splits the vocabulary). The pipeline engine's schedule also keeps the last
+    stage's output, the logits in the layout's dtype, until it runs that micro-batch's backward
+    (measured: one more logits-sized buffer on the last stage)."""
+    engine = engine or engine_for(layout)
     head = trace.head
     replicated = head.act_replicated_bytes / (layout.tp if layout.sp else 1)
-    return (replicated + head.act_sharded_bytes / layout.tp) * layout.mbs
+    kept = (replicated + head.act_sharded_bytes / vocab_shards(layout, engine)) * layout.mbs
+    if engine == "pipeline":
+        kept += logits_fp32_bytes(trace, layout, engine) * DTYPE_BYTES[layout.dtype] / 4
+    return kept
 
 
-def logits_transient_bytes(trace: ModelTrace, layout: Layout) -> float:
+def logits_transient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
     """Loss buffers alive at the start of backward beyond the saved fp32 log-softmax, per device.
 
-    The fp32 gradient of the log-softmax (the size of the logits), plus its down-cast copy when
-    the model computes in 16 bits. Measured on this CPU in fp32: one logits-sized buffer.
+    HF's loss up-casts the logits to fp32 and `cross_entropy` saves its fp32 log-softmax (in the
+    traced head activations). Its backward then holds two more fp32 buffers of the logits' size at
+    once: the gradient of the loss with respect to the log-softmax and the one it returns for the
+    logits (the down-cast copy for 16-bit logits comes after the first is freed). Measured with the
+    CPU allocator counter for vocabularies of 4k-32k, fp32 and bf16: 3.0-3.3 logits-sized fp32
+    buffers at the backward peak, the saved one included.
     """
-    tokens_vocab = layout.mbs * trace.seq * trace.vocab_size / layout.tp
+    return 2 * logits_fp32_bytes(trace, layout, engine)
+
+
+def logits_fp32_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
+    """One micro-batch's logits in fp32 on one device (`vocab_shards`): the unit of the loss's
+    buffers."""
+    return layout.mbs * trace.seq * trace.vocab_size * 4 / vocab_shards(layout, engine)
+
+
+def evaluation_peak_bytes(trace: ModelTrace, layout: Layout, batch: int, engine: str | None = None) -> float:
+    """What evaluating `batch` sequences under no_grad adds to the model states: the logits in the
+    layout's dtype, their fp32 up-cast and the log-softmax (fp32 logits are not copied), plus one
+    layer's working set. Measured: 2.0 (fp32) and 2.5 (bf16) fp32 logits buffers."""
+    one = logits_fp32_bytes(trace, layout, engine) / layout.mbs * batch
     w = DTYPE_BYTES[layout.dtype]
-    return tokens_vocab * (4 + (w if w != 4 else 0))
+    layer = layer_activation_bytes(trace, layout, recompute="none") / layout.mbs * batch
+    return one * (2 + (w / 4 if w != 4 else 0)) + layer

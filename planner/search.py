@@ -580,7 +580,7 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
         layout = program.solve(kth * (1 + LP_BOUND_SLACK))
         ilps += 1
         if layout is not None and layout.short() not in seen:
-            est = estimate_from_trace(trace, layout, hw)
+            est = estimate_from_trace(trace, layout, hw, req.space.engine)  # priced as the engine that runs it
             if _accept(est, capacity, min_fraction):  # always, when the ILP mirrors the cost model
                 seen.add(layout.short())
                 found.append(Solution(layout, est, est.time.step_s, est.compute_fraction >= req.min_compute_fraction))

@@ -179,6 +179,26 @@ def _gpu_kernel_contracts(enabled: bool) -> Iterator[None]:
         torch.nn.functional.dropout = original
 
 
+@contextlib.contextmanager
+def _one_unpacked_sequence() -> Iterator[None]:
+    """Let HF's mask code see what a real run sees: one unpacked sequence.
+
+    transformers decides whether a batch packs several sequences by reading the position ids, which
+    fake tensors cannot do, so under FakeTensorMode it assumes packing: it materialises an s x s
+    causal mask, which SDPA then saves, and a mask turns off SDPA's native GQA, so the key/value
+    heads get expanded and saved expanded. A real run of the same model finds no packing, passes no
+    mask and saves neither (measured: an s x s fp32 tensor and the expanded k/v per layer too many).
+    """
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 def _count_cpu_attention_flops() -> None:
     """Teach `FlopCounterMode` the CPU fused attention kernel, which it does not count.
 
@@ -358,7 +378,7 @@ def _trace_once(
                 LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
                            target_modules="all-linear", task_type="CAUSAL_LM"),
             )
-    with FakeTensorMode(allow_non_fake_inputs=True), _gpu_kernel_contracts(gpu_contracts):
+    with FakeTensorMode(allow_non_fake_inputs=True), _gpu_kernel_contracts(gpu_contracts), _one_unpacked_sequence():
         model.to_empty(device="cpu")
         model.tie_weights()  # to_empty gives tied matrices separate storage
         model.train()
@@ -438,6 +458,9 @@ def _position_params(cfg: dict[str, Any], dims: dict[str, int]) -> int:
 
 
 TRACE_FORMAT = 3  # 2: attention FLOPs of the fused CPU kernel counted; 3: what selective recomputation keeps; bump when what a trace records changes, to invalidate disk caches
+# SDPA traces (CPU) changed alone (4: one unpacked sequence, no mask, native GQA); the FlashAttention
+# contract of GPU traces never saved the mask, so their (shipped) traces stay valid
+SDPA_TRACE_FORMAT = 4
 
 
 def _cache_dir() -> Path:
@@ -471,7 +494,8 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "presets" / "traces"
 
 
 def _trace_key(versions: str, args: tuple) -> str:
-    return hashlib.sha256(json.dumps([TRACE_FORMAT, versions, *args]).encode()).hexdigest()[:24]
+    fmt = SDPA_TRACE_FORMAT if args[6] == "sdpa" else TRACE_FORMAT  # args[6]: the attention
+    return hashlib.sha256(json.dumps([fmt, versions, *args]).encode()).hexdigest()[:24]
 
 
 def _read_trace(path: Path) -> ModelTrace | None:

@@ -100,6 +100,11 @@ def test_stage_ends_checkpoint_and_learning_rate_rewarms(tmp_path) -> None:
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["finished"] and summary["steps"] == len(metrics) and summary["nan"] is False
     assert set(summary["stages"][1]["eval"]) == {"language", "math"}  # forgetting is measured
+    # the measured peak is tensor memory (the allocator counter), which the cost model predicts;
+    # the process's RSS (hundreds of MB of libraries here) would be a hundred times larger
+    measured, predicted = summary["measured"], summary["predicted"]
+    assert measured["peak_source"].startswith("CPU allocator counter")
+    assert predicted["peak_bytes"] / measured["peak_bytes"] == pytest.approx(1.0, abs=0.1)
 
 
 def test_poisoned_batch_rolls_back_skips_and_finishes(tmp_path, monkeypatch) -> None:

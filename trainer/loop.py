@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -30,6 +29,7 @@ from advisor.plan_file import Plan, StagePlan, segment_of
 from advisor.specs import Layout, ModelSpec
 from advisor.task import StageSpec
 from planner.export import model_deepspeed_config
+from profiler.tensor_memory import TensorMemory
 from trainer import checkpoint
 from trainer.corpus import load_source, stage_sources, tokenizer_for
 from trainer.engines import Engine, device, make_engine, select_backend
@@ -281,6 +281,7 @@ class _Run:
         self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab)
         self.cache = run_dir / "data_cache"
         self.dev = device()
+        self.memory = TensorMemory(self.dev)  # before the model is built: it counts what is allocated from now on
         self.step_times: list[float] = []
         self.evals: dict[str, dict[str, float]] = {}
         self.rollbacks = 0  # this run's, over all its resumes (the budget: never restored from a checkpoint)
@@ -627,7 +628,7 @@ class _Run:
 
     def finish(self) -> dict[str, Any]:
         """summary.json: predicted against measured, per-stage results, what the run had to change."""
-        summary = _summary(self.plan, self.state, self.step_times, self._all_evals(), self.run_dir)
+        summary = _summary(self.plan, self.state, self.step_times, self._all_evals(), self.run_dir, self.memory)
         summary["layout_used"] = self.layout.short()
         summary["oom_fallbacks"] = self.state.oom_fallbacks
         prepared = self.prepared
@@ -654,16 +655,18 @@ def _evaluate_stages(model, task, upto: int, tokenizer, layout: Layout, cache: P
     return _evaluate(module, sources, options.eval_sequences, layout.mbs, dev)
 
 
-def _peak_bytes() -> tuple[int, str]:
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated"
-    # ru_maxrss is the process's resident high-water mark in KiB: it includes the Python and
-    # library footprint, so on CPU it over-reads tensor memory (see shared/NOTES-cpu-stack.md)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "ru_maxrss (RSS, over-reads tensors)"
+def _peak_bytes(memory: TensorMemory) -> tuple[int, str]:
+    """The most loaded rank's peak of tensor memory (the quantity the cost model predicts): CUDA's
+    allocator counter, or on the CPU the counting allocator of `profiler.tensor_memory`."""
+    peak = torch.tensor([memory.peak()], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item()), memory.source
 
 
-def _summary(plan: Plan, state: LoopState, step_times: list[float], evals: dict, run_dir: Path) -> dict[str, Any]:
-    peak, how = _peak_bytes()
+def _summary(plan: Plan, state: LoopState, step_times: list[float], evals: dict, run_dir: Path,
+             memory: TensorMemory) -> dict[str, Any]:
+    peak, how = _peak_bytes(memory)
     steady = step_times[2:] or step_times
     predicted = plan.chosen.estimate
     metrics = _read_jsonl(run_dir / "metrics.jsonl")

@@ -1,0 +1,121 @@
+"""Tensor memory of this process: live bytes and their peak, on CUDA or on the CPU.
+
+CUDA has `torch.cuda.max_memory_allocated`. The CPU has no such counter, so we wrap the CPU
+allocator itself. Every CPU tensor storage (DeepSpeed's flat buffers, partitions and buckets,
+FSDP2's gathered parameters, gloo's staging tensors) is allocated through
+``c10::GetCPUAllocator()``. A small C++ extension (built once with ``load_inline`` into
+TORCH_EXTENSIONS_DIR, about 50 s cold, milliseconds when cached) puts a counting wrapper in front
+of it: an atomic count of live bytes and their peak, in every thread. Like the CUDA counter it
+counts requested bytes (no allocator rounding) and sees nothing that is not a tensor.
+
+Only tensors allocated after `install()` are counted, so install it before the model is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Why hand-written: c10 has no thread-agnostic, queryable byte counter for CPU tensors (the
+# profiler's memory reporter is thread-local and drifts under gloo's worker threads), so we wrap
+# the CPU allocator. Blocks still come from the wrapped default allocator.
+_ALLOC_HOOK_SOURCE = r"""
+#include <torch/extension.h>
+#include <c10/core/CPUAllocator.h>
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+namespace {
+std::atomic<int64_t> g_live{0}, g_peak{0};
+std::atomic<bool> g_installed{false};
+std::mutex g_mutex;
+// The block behind each pointer. The context must stay the data pointer itself: oneDNN's bf16
+// kernels assert data == context on CPU storages, as the default allocator's DataPtrs have it.
+std::unordered_map<void*, std::pair<c10::DataPtr, int64_t>>* g_blocks =
+    new std::unordered_map<void*, std::pair<c10::DataPtr, int64_t>>();
+void release(void* data) {
+  c10::DataPtr inner;
+  int64_t nbytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_blocks->find(data);
+    if (it == g_blocks->end()) return;
+    inner = std::move(it->second.first);
+    nbytes = it->second.second;
+    g_blocks->erase(it);
+  }
+  g_live.fetch_sub(nbytes);
+}  // `inner` frees through the wrapped allocator here
+struct CountingAllocator final : c10::Allocator {
+  c10::Allocator* base;
+  explicit CountingAllocator(c10::Allocator* b) : base(b) {}
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = base->allocate(n);
+    if (n == 0) return inner;
+    void* data = inner.get();
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      g_blocks->emplace(data, std::make_pair(std::move(inner), int64_t(n)));
+    }
+    int64_t live = g_live.fetch_add(int64_t(n)) + int64_t(n);
+    int64_t peak = g_peak.load();
+    while (live > peak && !g_peak.compare_exchange_weak(peak, live)) {}
+    return c10::DataPtr(data, data, &release, c10::Device(c10::DeviceType::CPU));
+  }
+  // oneDNN allocates through raw_allocate/raw_deallocate, which need a context-free deleter
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+}
+void install() {
+  if (g_installed.exchange(true)) return;
+  static CountingAllocator* counting = new CountingAllocator(c10::GetCPUAllocator());
+  c10::SetCPUAllocator(counting, /*priority=*/100);
+}
+int64_t live_bytes() { return g_live.load(); }
+int64_t peak_bytes() { return g_peak.load(); }
+void reset_peak() { g_peak.store(g_live.load()); }
+"""
+
+_hook: Any = None
+
+
+def load_counter() -> Any:
+    """Build (cached in TORCH_EXTENSIONS_DIR) and import the counting allocator extension. Call it
+    in a launcher's parent before forking ranks, so that they inherit it loaded."""
+    global _hook
+    if _hook is None:
+        from torch.utils.cpp_extension import load_inline
+
+        _hook = load_inline("advisor_cpu_tensor_bytes", cpp_sources=_ALLOC_HOOK_SOURCE,
+                            functions=["install", "live_bytes", "peak_bytes", "reset_peak"])
+    return _hook
+
+
+class TensorMemory:
+    """Live tensor bytes and their peak on `device`: CUDA's own counters, or the CPU counter."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        if not self.cuda:
+            load_counter().install()
+
+    @property
+    def source(self) -> str:
+        return "torch.cuda.max_memory_allocated" if self.cuda else "CPU allocator counter (tensor bytes)"
+
+    def live(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device)) if self.cuda else int(_hook.live_bytes())
+
+    def peak(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else int(_hook.peak_bytes())
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _hook.reset_peak()
