@@ -180,10 +180,8 @@ def _candidate_shapes(trace: ModelTrace, req: PlanRequest, method: str, runs) ->
                         if zero and dp == 1 and (zero != 2 or "optimizer" not in space.offloads
                                                  or hw.device_type == "cpu"):
                             continue  # ZeRO shards across replicas; alone it only serves ZeRO-Offload
-                        if zero == 0 and dp > 1 and 1 in space.zero_stages and runs(Layout(
-                                dp=dp, tp=tp, pp=pp, vpp=vpp, sp=sp, zero=1, mbs=mbs, gas=gas, method=method,
-                                dtype=req.dtype, seq=req.seq)):
-                            continue  # ZeRO-1 dominates: same all-reduce, 1/dp of the optimizer
+                        # no dominance between zero=0 and ZeRO-1 now that each is priced as its engine keeps
+                        # it: DDP's bf16 AdamW holds no fp32 master, DeepSpeed's and FSDP2's ZeRO-1 do
                         for offload in space.offloads:
                             if offload == "optimizer" and zero == 0 or offload == "optimizer+params" and zero != 3:
                                 continue

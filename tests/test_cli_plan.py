@@ -58,9 +58,10 @@ def test_plan_writes_a_plan_train_can_read_and_exports_launchers(tmp_path) -> No
     layout = plan.chosen.layout
     assert layout.devices == 16 and layout.global_batch == 256
     assert all(alt.layout.global_batch == 256 for alt in plan.alternatives)  # OOM fallbacks keep the batch
-    # the pipeline engine runs this layout: no DeepSpeed or accelerate file (tests/test_export_scripts.py)
-    assert engine_for(layout, plan.engine) == "pipeline"
-    assert not (export_dir / "deepspeed.json").exists() and not (export_dir / "accelerate.yaml").exists()
+    # a DeepSpeed file only for the DeepSpeed engine, an accelerate file only without tp/pp (tests/test_export_scripts.py)
+    engine = engine_for(layout, plan.engine)
+    assert (export_dir / "deepspeed.json").exists() == (engine == "deepspeed")
+    assert (export_dir / "accelerate.yaml").exists() == (layout.tp == 1 and layout.pp == 1)
     assert "--nnodes=2" in (export_dir / "torchrun.sh").read_text()
     slurm = (export_dir / "slurm.sbatch").read_text()
     assert "#SBATCH --nodes=2" in slurm and "srun torchrun" in slurm
