@@ -116,7 +116,15 @@ def fix_problem(fixed: dict[str, Any], model: ModelSpec, devices: int, devices_p
     if "tp" in fixed and tp_crosses_nodes(fixed["tp"], devices_per_node) and not allow_cross_node_tp:
         return f"tp={fixed['tp']} would span nodes of {devices_per_node} devices (add --allow-cross-node-tp)"
     probe = _probe(fixed, shape_fixed, devices, shape, method, dtype, seq)
-    return runnable_problem(probe, shape, device_type, engine) if runnable_only else layout_problem(probe, shape)
+
+    def problem_of(layout: Layout) -> str | None:
+        return runnable_problem(layout, shape, device_type, engine) if runnable_only else layout_problem(layout, shape)
+
+    problem = problem_of(probe)
+    if problem and "zero" not in fixed and probe.dp > 1:  # some engines shard replicas only under ZeRO
+        if any(problem_of(probe.model_copy(update={"zero": zero})) is None for zero in (1, 2, 3)):
+            return None
+    return problem
 
 
 def check_fix(fixed: dict[str, Any], **request: Any) -> None:

@@ -155,11 +155,11 @@ def test_tp_and_pp_layouts_get_no_deepspeed_or_accelerate_file_and_the_cli_says_
     (tmp_path / "launch").mkdir()
     (tmp_path / "launch" / "deepspeed.json").write_text("{}")  # an earlier export's: it would launch DeepSpeed
     result = CliRunner().invoke(app, ["plan", "--model", "llama3-8b", "--hardware", "a100-80g", "--nodes", "2",
-                                      "--seq-len", "4096", "--global-batch", "256", "--export",
+                                      "--seq-len", "4096", "--global-batch", "256", "--fix", "pp=2", "--export",
                                       str(tmp_path / "launch")])
     assert result.exit_code == 0, result.output
     layout = load_plan(tmp_path / "launch" / "plan.yaml").chosen.layout
-    assert layout.pp > 1 or layout.tp > 1  # the planner's choice here: the pipeline engine
+    assert layout.pp == 2  # held by --fix: the pipeline engine runs it
     assert sorted(p.name for p in (tmp_path / "launch").iterdir()) == ["plan.yaml", "slurm.sbatch", "torchrun.sh"]
     text = " ".join(result.output.split())
     assert "did not write deepspeed.json: the pipeline engine runs this layout, not DeepSpeed" in text

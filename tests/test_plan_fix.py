@@ -74,7 +74,7 @@ def test_impossible_fix_says_which_rule_binds(fix: str, reason: str) -> None:
 def test_interleaving_fix_is_judged_by_the_declaration() -> None:
     result = plan(*LLAMA8, "--fix", "vpp=2")
     shape = config_shape(load_model("llama3-8b").hf_config)
-    problem = runnable_problem(Layout(dp=4, pp=2, vpp=2, gas=2, seq=4096), shape, "cuda")
+    problem = runnable_problem(Layout(dp=4, pp=2, vpp=2, gas=2, zero=1, seq=4096), shape, "cuda")
     if problem is None:  # interleaved pipelines run now: the fix holds instead
         assert result.exit_code == 0, result.output
         return
