@@ -149,6 +149,7 @@ PINNED = [
     ("zero2-deepspeed", "qwen2", 2, {"dp": 2, "gas": 2, "zero": 2}, "auto"),
     ("zero3-deepspeed", "mistral", 2, {"dp": 2, "gas": 2, "zero": 3}, "auto"),
     ("zero1-fsdp2", "llama", 2, {"dp": 2, "gas": 2, "zero": 1}, "fsdp2"),
+    ("zero2-fsdp2", "mistral", 2, {"dp": 2, "gas": 2, "zero": 2}, "fsdp2"),
     ("zero3-fsdp2", "qwen2", 2, {"dp": 2, "gas": 2, "zero": 3}, "fsdp2"),
     ("offload", "llama", 2, {"dp": 2, "gas": 2, "zero": 2, "offload": "optimizer"}, "auto"),
     ("tp2-sp", "mistral", 2, {"tp": 2, "sp": True, "gas": 4}, "auto"),
