@@ -312,7 +312,7 @@ class _Run:
         return sum(e.get("event") == "rollback" for e in read_records(self.events.path)[0]) if self.main else 0
 
     def _build_engine(self) -> Any:
-        model = build_model(self.plan.model, self.layout, self.options.seed, self.options.weights).to(self.dev)
+        model = build_model(self.plan.model, self.layout, self.options.seed, self.options.weights)
         if self.prepared is not None:
             mask_padding(model)  # bucketed micro-batches mark padding -1
         ds_config = None

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from advisor.specs import Layout
-from trainer.engines.base import state_bytes
+from trainer.engines.base import device, state_bytes
 from trainer.engines.optimizer import set_learning_rate
+from trainer.materialize import materialize, materialize_zero3, pending_init
 
 
 class DeepSpeedEngine:
@@ -26,6 +27,10 @@ class DeepSpeedEngine:
         cpu = not torch.cuda.is_available()
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": weight_decay,
                                                           "torch_adam": cpu}}
+        if layout.zero == 3:  # partitioned by DeepSpeed's own zero.Init, then each rank fills its partition
+            materialize_zero3(model, pending_init(model), config)
+        else:
+            materialize(model, pending_init(model), device())
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         self.layout = layout

@@ -18,6 +18,7 @@ from advisor.specs import Layout, layers_per_stage
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.engines.base import DTensorState, device
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
+from trainer.materialize import materialize, pending_init
 from trainer.parallelize import ParallelMesh, check_parallel_layout, decoder_layers, parallelize
 
 
@@ -132,6 +133,7 @@ class PipelineEngine(DTensorState):
         stage = PipelineStageModule(model, self.stage_index, split)
         parallelize(stage, self.mesh, layout, layers=lambda: stage.model.layers,
                     fsdp_units=lambda: list(stage.model.layers.children()), reshard_after_forward=False)
+        materialize(stage, pending_init(model), device())  # only this stage's modules, and their local shards
         self.activation_dtype = TORCH_DTYPES[layout.dtype]
         self.params = [p for p in stage.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, weight_decay)
