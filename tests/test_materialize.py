@@ -167,3 +167,86 @@ def test_seeded_init_does_not_depend_on_which_modules_a_rank_fills() -> None:
     assert all(torch.equal(p, torch.ones_like(p)) for p in norms)  # HF's own init (RMSNorm ones)
     std = whole.model.layers[0].mlp.up_proj.weight.std().item()
     assert std == pytest.approx(whole.config.initializer_range, rel=0.05)  # HF's normal(0, 0.02)
+
+
+# -- models larger than a rank: start-up memory ----------------------------------------------------
+
+# ~110 M parameters (441 MB in fp32) in many small tensors: one rank of 4 holds ~110 MB, and the
+# largest tensor drawn whole while filling (an MLP projection, 2.9 MB) stays well inside 10% of it.
+LARGE = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 34,
+         "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1024, "max_position_embeddings": 256}
+LARGE_RANKS = 4
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _rank_start(rank: int, world: int, port: int, choice: str, out: str) -> None:
+    """Start the engine's model on this rank and report its peak resident memory above the
+    baseline (the method is in the report): glibc returns large frees to the OS (mmap threshold
+    64 KiB, NOTES "Memory measurement"); the same start-up runs first on a tiny model, so that
+    the code pages a forked rank faults in on first use belong to the baseline; the baseline is
+    VmRSS then, the kernel's high-water mark is reset (clear_refs 5) and read back (VmHWM)."""
+    import ctypes
+    import gc
+
+    import deepspeed
+
+    from profiler.ranks import finish_rank, init_rank
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    init_rank(rank, world, port, distributed=True, threads=1)
+    if choice == "deepspeed":
+        deepspeed.init_distributed()  # its communication set-up (shm_comm), as much a part of the process as gloo's
+    _start(CONFIG, choice, world)
+    gc.collect()
+    baseline = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    held = _start(LARGE, choice, world)
+    peak = _status_kib("VmHWM") - baseline
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"peak_kib": peak, "held": held}))
+    finish_rank(True)
+
+
+def _start(config: dict, choice: str, world: int) -> int:
+    """Build `config` on the meta device and shard it as the engine does; the parameter bytes this
+    rank then holds. DeepSpeed: the engine's own first step (`deepspeed.initialize` then adds its
+    fp32 partitions and gradient buffer, the optimizer's share, not the model's)."""
+    from trainer.engines import make_engine
+    from trainer.engines.base import local_bytes
+    from trainer.materialize import materialize_zero3, pending_init
+    from trainer.model import build_model
+
+    layout = Layout(**{**ONE, "dp": world, "gas": 1, "zero": 3})
+    model = build_model(ModelSpec(name="large", hf_config=config), layout, seed=0)
+    if choice == "deepspeed":
+        materialize_zero3(model, pending_init(model), {**DS_ZERO3, "train_batch_size": world})
+        return local_bytes(p.ds_tensor for p in model.parameters())
+    return make_engine(model, layout, None, clip=0.0, engine="fsdp2").state_bytes()["parameters"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", ["deepspeed", "fsdp2"])
+def test_a_model_four_times_a_ranks_share_starts_within_that_share(tmp_path, choice) -> None:
+    import deepspeed  # noqa: F401  (imported before forking: the ranks inherit it loaded)
+    import torch
+    import torch.distributed.fsdp  # noqa: F401
+
+    from profiler.ranks import free_port, launch
+    from trainer.materialize import materialize, pending_init
+
+    tiny = _build(Layout(**ONE))  # what building imports on first use is part of the baseline, not of the model
+    materialize(tiny, pending_init(tiny), torch.device("cpu"))
+
+    launch(_rank_start, LARGE_RANKS, (LARGE_RANKS, free_port(), choice, str(tmp_path)))
+    h, i, v, layers = (LARGE[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers"))
+    fp32_bytes = 4 * (2 * v * h + h + layers * (4 * h * h + 3 * h * i + 2 * h))  # the formula, not the model
+    share = fp32_bytes / LARGE_RANKS
+    for rank in range(LARGE_RANKS):
+        held = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        assert held["held"] == pytest.approx(share, rel=0.01)  # sharded: a quarter each
+        assert share * 0.9 <= held["peak_kib"] * 1024 <= share * 1.10, (rank, held["peak_kib"] * 1024 / share)

@@ -146,36 +146,54 @@ def _fill(module: torch.nn.Module, init: PendingInit, target: Target) -> None:
     with _weights(init.weights) as read, torch.no_grad():
         for name, owner in module.named_modules():
             own = [(attr, p) for attr, p in owner._parameters.items() if p is not None and id(p) not in done]
-            if not own:
-                continue
-            values = None if read is not None else _initial_values(owner, name, init)
-            for attr, p in own:
-                done.add(id(p))
-                local, part = target(p)
-                full_name = f"{name}.{attr}" if name else attr
-                if read is not None:
-                    value = part(read(full_name), _global_shape(p))
-                else:
-                    full = values[attr]
-                    value = part(lambda index, full=full: full[index], full.shape)
-                local.copy_(value.reshape(local.shape))
+            done.update(id(p) for _, p in own)
+            if own:
+                _fill_module(owner, name, own, init, target, read)
+
+
+def _fill_module(owner: torch.nn.Module, name: str, own: list[tuple[str, torch.Tensor]], init: PendingInit,
+                 target: Target, read: Any) -> None:
+    """One module's parameters: its full values (drawn, or read by slices) live only in here, so
+    that the transient is one module's, not two."""
+    values = None if read is not None else _initial_values(owner, name, init)
+    for attr, p in own:
+        local, part = target(p)
+        full_name = f"{name}.{attr}" if name else attr
+        if read is not None:
+            value = part(read(full_name), _global_shape(p))
+        else:
+            full = values[attr]
+            value = part(lambda index, full=full: full[index], full.shape)
+        local.copy_(value.reshape(local.shape))
 
 
 def _initial_values(module: torch.nn.Module, name: str, init: PendingInit) -> dict[str, torch.Tensor]:
-    """The full fp32 values of `module`'s own parameters as the unsplit model draws them: on
-    scratch CPU tensors of the global shape, the module's own `reset_parameters` and then the
-    model's `_init_weights`, from a generator seeded by (seed, module name)."""
+    """The full fp32 values of `module`'s own parameters as the unsplit model draws them, on
+    scratch CPU tensors of the global shape, from a generator seeded by (seed, module name).
+
+    HF's construction runs torch's `reset_parameters` of each layer and then the model's
+    `_init_weights`, which overwrites what it covers. We run `_init_weights` first and fall back
+    to that order only for modules whose parameters it left untouched (a NaN in the first and
+    last element, as inits fill whole tensors): the same distribution without drawing every
+    weight twice or scanning it."""
     real = dict(module._parameters)
     try:
+        scratch = []
         for attr, p in real.items():
             if p is not None:
-                module._parameters[attr] = torch.nn.Parameter(
-                    torch.empty(_global_shape(p), dtype=torch.float32), requires_grad=False)
+                fresh = torch.empty(_global_shape(p), dtype=torch.float32)
+                if fresh.numel():
+                    fresh.view(-1)[[0, -1]] = float("nan")
+                module._parameters[attr] = torch.nn.Parameter(fresh, requires_grad=False)
+                scratch.append(fresh)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_module_seed(init.seed, name))
-            if hasattr(module, "reset_parameters") and not any(True for _ in module.children()):
-                module.reset_parameters()  # torch's own init of a leaf (what HF's construction runs first)
+            torch.default_generator.manual_seed(_module_seed(init.seed, name))  # CPU only: the scratch is there
             init.init_module(module)
+            if any(t.numel() and t.view(-1)[[0, -1]].isnan().any() for t in scratch) \
+                    and hasattr(module, "reset_parameters"):
+                torch.default_generator.manual_seed(_module_seed(init.seed, name))
+                module.reset_parameters()  # torch's own init, what HF's construction runs first
+                init.init_module(module)
         return {attr: p.data for attr, p in module._parameters.items() if p is not None}
     finally:
         module._parameters.update(real)
@@ -211,7 +229,8 @@ def _zero3_target(p: torch.Tensor) -> tuple[torch.Tensor, Slicer]:
     def part(read: Callable[[tuple[slice, ...]], torch.Tensor], shape: torch.Size) -> torch.Tensor:
         row = max(1, int(torch.Size(shape[1:]).numel())) if len(shape) > 1 else 1
         stop = min(start + size, shape.numel())
-        out = torch.zeros(size, dtype=local.dtype)
+        out = torch.empty(size, dtype=local.dtype)
+        out[max(0, stop - start):] = 0  # DeepSpeed's padding of the last partition
         if stop > start:
             first, last = start // row, -(-stop // row)
             rows = read((slice(first, last),)).reshape(-1)
@@ -262,13 +281,18 @@ def _read_blocks(read: Callable[[tuple[slice, ...]], torch.Tensor], index: list[
     """The sub-tensor at the cartesian product of `index`, read block by block."""
     if any(len(i) == 0 for i in index):
         return torch.empty([len(i) for i in index])
+    return _gather(read, [_runs(i) for i in index], ())
 
-    def gather(prefix: tuple[slice, ...], dim: int) -> torch.Tensor:
-        if dim == len(index):
-            return read(prefix)
-        return torch.cat([gather(prefix + (run,), dim + 1) for run in _runs(index[dim])], dim=dim)
 
-    return gather((), 0)
+def _gather(read: Callable[[tuple[slice, ...]], torch.Tensor], runs: list[list[slice]],
+            prefix: tuple[slice, ...]) -> torch.Tensor:
+    # a module-level recursion, not a closure: a self-referencing closure is a cycle that would
+    # keep each module's full values alive until the garbage collector runs
+    dim = len(prefix)
+    if dim == len(runs):
+        return read(prefix)
+    blocks = [_gather(read, runs, prefix + (run,)) for run in runs[dim]]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
 
 
 class _WeightsReader:
