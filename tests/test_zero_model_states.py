@@ -77,10 +77,10 @@ TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_
         "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64}
 # The exported DeepSpeed config's ZeRO-3 setting that decides what a rank holds (planner/export.py):
 # no parameter is kept whole ("persistent") on every rank.
-DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
+DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "train_batch_size": 4,
              "zero_optimization": {"stage": 0, "stage3_param_persistence_threshold": 0},
              "steps_per_print": 1_000_000}
-FP32 = {"mbs": 1, "gas": 1, "dtype": "fp32", "seq": 16}
+FP32 = {"mbs": 1, "gas": 2, "dtype": "fp32", "seq": 16}  # accumulating: ZeRO-1 holds whole gradients
 # (engine choice, layout) of every engine on 2 ranks
 TWO_RANK_CASES = {
     "ddp": ("auto", {"dp": 2, "zero": 0}),
@@ -91,8 +91,9 @@ TWO_RANK_CASES = {
 
 
 def _held_after_one_step(layout: Layout, choice: str) -> dict[str, int]:
-    """Gradients as held after a micro-batch's backward, parameters and optimizer states after the
-    optimizer step (Adam's moments exist from then on)."""
+    """Gradients at their most between the micro-batches of a step (after each backward: whole
+    while ZeRO-0/1 accumulate, partitions from ZeRO-2 on), parameters and optimizer states after
+    the optimizer step (Adam's moments exist from then on)."""
     import torch
 
     from advisor.specs import ModelSpec
@@ -102,8 +103,11 @@ def _held_after_one_step(layout: Layout, choice: str) -> dict[str, int]:
     model = build_model(ModelSpec(name="tiny", hf_config=TINY), layout, seed=0)
     config = {**DS_CONFIG, "zero_optimization": {**DS_CONFIG["zero_optimization"], "stage": layout.zero}}
     engine = make_engine(model, layout, config if choice == "deepspeed" else None, clip=0.0, engine=choice)
-    engine.micro_step(torch.randint(0, TINY["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(0)))
-    gradients = engine.state_bytes()["gradients"]
+    tokens = torch.randint(0, TINY["vocab_size"], (layout.gas, 1, 16), generator=torch.Generator().manual_seed(0))
+    gradients = 0
+    for micro_batch in tokens:
+        engine.micro_step(micro_batch)
+        gradients = max(gradients, engine.state_bytes()["gradients"])
     engine.optimizer_step(1e-3)
     return {**engine.state_bytes(), "gradients": gradients}
 
@@ -150,10 +154,24 @@ def _stage_params(rank: int, layout: Layout) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if n.startswith(first) == (rank == 0))
 
 
-# FSDP2 keeps sharded fp32 weights, gradients and moments at every ZeRO stage and no fp32 master: a
-# cost model that prices DeepSpeed for it is off by dp x on the weights (and gradients at ZeRO-1)
-# and by 12/8 on the optimizer. planner/memory.py prices per engine on the pricing branch.
-FSDP2_PRICED_AS_DEEPSPEED = "the cost model prices DeepSpeed's model states where FSDP2 runs"
+# Where the cost model and the engines disagree (measured here; reported for the pricing change):
+KNOWN_MISMATCHES = {
+    # DeepSpeed's stage 3 keeps no separate fp32 master when the weights are fp32 (stage3.py,
+    # _create_fp32_partitions): K = 8, not 12; stages 1/2 do clone one.
+    "deepspeed-zero3": lambda: "DeepSpeed ZeRO-3 on fp32 weights keeps no fp32 master: 8 bytes/param of "
+                               "optimizer state, priced 12",
+    # FSDP2 under ZeRO-1 skips the reduce-scatter while accumulating: whole unsharded gradients
+    # (4 bytes/param), beside sharded weights and moments (no master).
+    "fsdp2-zero1": lambda: ("FSDP2 ZeRO-1 holds whole gradients while accumulating, priced /dp" if _per_engine_pricing()
+                            else "FSDP2 shards weights at ZeRO-1 and keeps no fp32 master; priced as DeepSpeed"),
+    "fsdp2-zero2": lambda: None if _per_engine_pricing() else "FSDP2 shards weights at ZeRO-2; priced as DeepSpeed",
+    "fsdp2-zero3": lambda: None if _per_engine_pricing() else "FSDP2 keeps no fp32 master; priced as DeepSpeed (K=12)",
+}
+
+
+def _case(case: str):
+    reason = KNOWN_MISMATCHES.get(case, lambda: None)()
+    return pytest.param(case, marks=pytest.mark.xfail(reason=reason, strict=True)) if reason else case
 
 
 @pytest.fixture(scope="module")
@@ -172,10 +190,7 @@ def two_rank_holdings(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [
-    pytest.param(case, marks=pytest.mark.xfail(
-        case.startswith("fsdp2") and not _per_engine_pricing(), reason=FSDP2_PRICED_AS_DEEPSPEED, strict=True))
-    for case in TWO_RANK_CASES])
+@pytest.mark.parametrize("case", [_case(case) for case in TWO_RANK_CASES])
 def test_each_rank_holds_the_model_states_the_cost_model_prices(two_rank_holdings, case) -> None:
     choice, fields = TWO_RANK_CASES[case]
     layout = Layout(**FP32, **fields)

@@ -61,11 +61,13 @@ class DeepSpeedEngine:
         """Under ZeRO-3 a parameter counts its partition (``ds_tensor``) plus its module tensor,
         which is empty between gathers unless DeepSpeed keeps it whole (small "persistent"
         parameters); the optimizer counts DeepSpeed's fp32 master partitions and their Adam
-        moments."""
+        moments; the gradients its partitions, plus the whole ``.grad`` ZeRO-1 keeps while
+        micro-batches accumulate."""
         parameters = [t for p in self.engine.module.parameters() for t in (p, getattr(p, "ds_tensor", None))
                       if t is not None]
         zero_optimizer = self.optimizer
-        return state_bytes(parameters, zero_optimizer.optimizer, _gradient_partitions(zero_optimizer))
+        accumulating = [p.grad for p in self.engine.module.parameters()]  # ZeRO-1 until the boundary
+        return state_bytes(parameters, zero_optimizer.optimizer, _gradient_partitions(zero_optimizer) + accumulating)
 
 
 def _gradient_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
