@@ -250,3 +250,38 @@ def test_a_model_four_times_a_ranks_share_starts_within_that_share(tmp_path, cho
         held = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
         assert held["held"] == pytest.approx(share, rel=0.01)  # sharded: a quarter each
         assert share * 0.9 <= held["peak_kib"] * 1024 <= share * 1.10, (rank, held["peak_kib"] * 1024 / share)
+
+
+def _rank_dp_tp(rank: int, world: int, port: int, out: str, weights: str) -> None:
+    """DP x TP 2 x 2 (FSDP2 sharding TP-local rows: strided shards), filled by the seeded init and
+    by --weights: every parameter gathered whole."""
+    from torch.distributed.tensor import DTensor
+
+    from profiler.ranks import finish_rank, init_rank
+    from trainer.engines import make_engine
+
+    init_rank(rank, world, port, distributed=True, threads=1)
+    layout = Layout(**{**TWO, "tp": 2})
+    whole = {}
+    for source in (None, weights):
+        engine = make_engine(_build(layout, source), layout, None, clip=0.0, engine="fsdp2")
+        whole[str(source is not None)] = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1).tolist()
+            for n, p in engine.module.named_parameters()}
+        engine = None
+    if rank == 0:
+        Path(out, "whole.json").write_text(json.dumps(whole))
+    finish_rank(True)
+
+
+@pytest.mark.slow
+def test_dp_x_tp_shards_reassemble_the_unsplit_model(tmp_path, unsplit) -> None:
+    from profiler.ranks import free_port, launch
+
+    values, _, folder = unsplit
+    launch(_rank_dp_tp, 4, (4, free_port(), str(tmp_path), str(folder)))
+    whole = json.loads(Path(tmp_path, "whole.json").read_text())
+    for filled in whole.values():
+        assert filled.keys() == values.keys()
+        for name, full in values.items():
+            assert filled[name] == full.reshape(-1).tolist(), name

@@ -26,7 +26,7 @@ import contextlib
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -69,14 +69,7 @@ def materialize(module: torch.nn.Module, init: PendingInit | None, device: torch
     model) storage on `device` and its local values; no-op when `init` is None (already real)."""
     if init is None:
         return
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers() if not b.is_meta}
-    tied = _tied_attributes(module)
-    module.to_empty(device=device)  # FSDP2 re-points its sharded storage here
-    for owner, attr, source in tied:  # to_empty gives each holder of a tied tensor its own copy
-        setattr(owner, attr, getattr(*source))
-    for name, buffer in module.named_buffers():
-        if name in buffers:
-            buffer.copy_(buffers[name])
+    _give_storage(module, device)
     _fill(module, init, _local_target)
     for holder in (module, *module.modules()):
         if getattr(holder, PENDING, None) is not None:
@@ -95,14 +88,7 @@ def materialize_zero3(model: torch.nn.Module, init: PendingInit | None, config: 
     dtype = _zero3_dtype(config)
     if dtype is not None:
         model.to(dtype)  # on the meta device, free: DeepSpeed partitions in the dtype it computes in
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
-    tied = _tied_attributes(model)
-    model.to_empty(device="cpu")
-    for owner, attr, source in tied:
-        setattr(owner, attr, getattr(*source))
-    for name, buffer in model.named_buffers():
-        if name in buffers:
-            buffer.copy_(buffers[name])
+    _give_storage(model, torch.device("cpu"))
     deepspeed.init_distributed()  # zero.Init reads the world size from DeepSpeed's comm, as initialize would set it
     deepspeed.zero.Init(module=model, config_dict_or_path=config)
     _fill(model, init, _zero3_target)
@@ -115,6 +101,19 @@ def _zero3_dtype(config: dict[str, Any]) -> torch.dtype | None:
     if config.get("fp16", {}).get("enabled"):
         return torch.float16
     return None
+
+
+def _give_storage(module: torch.nn.Module, device: torch.device) -> None:
+    """Uninitialised storage on `device` for every parameter (`to_empty`, which FSDP2 follows by
+    re-pointing its sharded storage), keeping the ties and the buffers' values that it drops."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers() if not b.is_meta}
+    tied = _tied_attributes(module)
+    module.to_empty(device=device)
+    for owner, attr, source in tied:  # to_empty gives each holder of a tied tensor its own copy
+        setattr(owner, attr, getattr(*source))
+    for name, buffer in module.named_buffers():
+        if name in buffers:
+            buffer.copy_(buffers[name])
 
 
 def _tied_attributes(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, tuple[torch.nn.Module, str]]]:
@@ -241,22 +240,24 @@ def _zero3_target(p: torch.Tensor) -> tuple[torch.Tensor, Slicer]:
 
 
 def _dtensor_index(p: Any) -> list[torch.Tensor]:
-    """Per dimension, the global indices this rank's shard of DTensor `p` holds. Each dimension is
-    split independently, so distributing `arange(n)` with the placements that split that dimension
-    (others replicated) gives its indices by DTensor's own rule, strided FSDP-over-TP shards included."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    """Per dimension, the global indices this rank's shard of DTensor `p` holds: `torch.chunk` of
+    `arange(n)` by every mesh dimension that shards it, in the order the engines apply them: plain
+    shards first (TP, or FSDP2 alone), then strided ones (FSDP2 sharding the TP-local rows).
+    Written out because DTensor exposes only offsets, which strided shards do not have."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    index = []
-    for dim, n in enumerate(p.shape):
-        placements = [type(pl)(0, **_strided(pl)) if isinstance(pl, Shard) and pl.dim == dim else Replicate()
-                      for pl in p.placements]
-        index.append(distribute_tensor(torch.arange(n), p.device_mesh, placements, src_data_rank=None).to_local())
+    coordinate = p.device_mesh.get_coordinate()
+    index = [torch.arange(n) for n in p.shape]
+    placements = list(enumerate(p.placements))
+    ordered = [m for m in placements if not isinstance(m[1], _StridedShard)] + \
+              [m for m in placements if isinstance(m[1], _StridedShard)]
+    for mesh_dim, placement in ordered:
+        if isinstance(placement, (Shard, _StridedShard)):
+            chunks = torch.chunk(index[placement.dim], p.device_mesh.size(mesh_dim))
+            mine = coordinate[mesh_dim]
+            index[placement.dim] = chunks[mine] if mine < len(chunks) else index[placement.dim][:0]
     return index
-
-
-def _strided(placement: Any) -> dict[str, int]:
-    factor = getattr(placement, "split_factor", None)
-    return {"split_factor": factor} if factor is not None else {}
 
 
 def _runs(index: torch.Tensor) -> list[slice]:
@@ -317,7 +318,4 @@ class _WeightsReader:
 
 def _weights(folder: str | None) -> Any:
     """A context giving the reader of `folder`'s tensors, or None for a random init."""
-    if folder is None:
-        return contextlib.nullcontext(None)
-    reader = _WeightsReader(Path(folder))
-    return contextlib.nullcontext(reader)
+    return contextlib.nullcontext(_WeightsReader(Path(folder)) if folder else None)
