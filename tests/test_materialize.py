@@ -18,6 +18,7 @@ ONE = {"dp": 1, "tp": 1, "pp": 1, "mbs": 1, "gas": 2, "zero": 0, "dtype": "fp32"
 TWO = {**ONE, "dp": 2, "gas": 1, "zero": 3}
 DS_ZERO3 = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
             "zero_optimization": {"stage": 3}, "steps_per_print": 1_000_000}
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
 STEPS = 3
 
 
@@ -71,10 +72,13 @@ def _rank_run(rank: int, world: int, port: int, choice: str, out: str, weights: 
         return counted
 
     _WeightsReader.__call__ = counting
-    layout = Layout(**TWO)
+    offload = choice.endswith("+offload")  # ZeRO-3 with parameters and optimizer states in host memory
+    choice = choice.removesuffix("+offload")
+    layout = Layout(**TWO, offload="optimizer+params" if offload else "none")
+    config = {**DS_ZERO3, "zero_optimization": {"stage": 3, **OFFLOAD}} if offload else DS_ZERO3
     model = _build(layout, weights)
     built_on_meta = all(p.is_meta for p in model.parameters())
-    engine = make_engine(model, layout, DS_ZERO3 if choice == "deepspeed" else None, clip=0.0, engine=choice)
+    engine = make_engine(model, layout, config if choice == "deepspeed" else None, clip=0.0, engine=choice)
     shards = _local_shards(engine, choice)
     losses = _losses(engine, rank, world)
     Path(out, f"rank{rank}.json").write_text(json.dumps(
@@ -117,6 +121,7 @@ def _expected_shard(full, rank: int, world: int, choice: str) -> list[float]:
 
     if choice == "fsdp2":
         return torch.chunk(full, world, dim=0)[rank].reshape(-1).tolist()
+    # DeepSpeed, offloaded or not
     flat = full.reshape(-1)
     size = -(-flat.numel() // world)
     padded = torch.cat([flat, flat.new_zeros(size * world - flat.numel())])
@@ -125,7 +130,7 @@ def _expected_shard(full, rank: int, world: int, choice: str) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("weights", [False, True], ids=["seeded-init", "weights"])
-@pytest.mark.parametrize("choice", ["fsdp2", "deepspeed"])
+@pytest.mark.parametrize("choice", ["fsdp2", "deepspeed", "deepspeed+offload"])
 def test_zero3_on_two_ranks_holds_slices_of_the_unsplit_model_and_trains_like_it(
         tmp_path, unsplit, choice, weights) -> None:
     from profiler.ranks import free_port, launch
