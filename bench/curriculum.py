@@ -103,6 +103,7 @@ def evaluate(run_dir: Path, plan, task, steps: list[int]) -> list[dict[str, floa
 
     from advisor.task import DataSource
     from trainer.corpus import load_source, tokenizer_for
+    from trainer.materialize import materialize, pending_init
     from trainer.model import build_model
     from trainer.loop import _evaluate
     from trainer.stream import Source
@@ -112,6 +113,7 @@ def evaluate(run_dir: Path, plan, task, steps: list[int]) -> list[dict[str, floa
     sources = [Source(skill, load_source(DataSource(path=path), task, tokenizer, seq, run_dir / "data_cache"), 1.0)
                for skill, path in SKILLS.items()]
     model = build_model(plan.model, plan.chosen.layout.model_copy(update={"recompute": "none"}), 0)
+    materialize(model, pending_init(model), torch.device("cpu"))  # built on the meta device: give it storage
     out = []
     for step in steps:
         state = torch.load(run_dir / "checkpoints" / f"step-{step:08d}" / "engine.pt", map_location="cpu",

@@ -109,3 +109,142 @@ def test_fsdp2_gathers_the_whole_stage_below_zero3() -> None:
     assert z2 == 2 * params  # reshard_after_forward=False: every unit gathered, in bf16
     assert z3 == 2 * (root + 2 * layer)  # the root stays gathered; one layer computed, one prefetched
     assert ds3 == 2 * params  # below stage3_max_live_parameters DeepSpeed keeps everything gathered
+
+
+# -- what each engine's ranks hold, against the model-state terms ---------------------------------
+
+TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64}
+# The exported DeepSpeed config's ZeRO-3 setting that decides what a rank holds (planner/export.py):
+# no parameter is kept whole ("persistent") on every rank.
+DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "train_batch_size": 4,
+             "zero_optimization": {"stage": 0, "stage3_param_persistence_threshold": 0},
+             "steps_per_print": 1_000_000}
+FP32 = {"mbs": 1, "gas": 2, "dtype": "fp32", "seq": 16}  # accumulating: ZeRO-1 holds whole gradients
+# (engine choice, layout) of every engine on 2 ranks
+TWO_RANK_CASES = {
+    "ddp": ("auto", {"dp": 2, "zero": 0}),
+    **{f"deepspeed-zero{z}": ("deepspeed", {"dp": 2, "zero": z}) for z in (1, 2, 3)},
+    **{f"fsdp2-zero{z}": ("fsdp2", {"dp": 2, "zero": z}) for z in (1, 2, 3)},
+    "pipeline": ("auto", {"pp": 2}),
+}
+
+
+def _held_after_one_step(layout: Layout, choice: str) -> dict[str, int]:
+    """Gradients at their most between the micro-batches of a step (after each backward: whole
+    while ZeRO-0/1 accumulate, partitions from ZeRO-2 on), parameters and optimizer states after
+    the optimizer step (Adam's moments exist from then on)."""
+    import torch
+
+    from advisor.specs import ModelSpec
+    from trainer.engines import make_engine
+    from trainer.model import build_model
+
+    model = build_model(ModelSpec(name="tiny", hf_config=TINY), layout, seed=0)
+    config = {**DS_CONFIG, "zero_optimization": {**DS_CONFIG["zero_optimization"], "stage": layout.zero}}
+    engine = make_engine(model, layout, config if choice == "deepspeed" else None, clip=0.0, engine=choice)
+    tokens = torch.randint(0, TINY["vocab_size"], (layout.gas, 1, 16), generator=torch.Generator().manual_seed(0))
+    gradients = 0
+    for micro_batch in tokens:
+        engine.micro_step(micro_batch)
+        gradients = max(gradients, engine.state_bytes()["gradients"])
+    engine.optimizer_step(1e-3)
+    return {**engine.state_bytes(), "gradients": gradients}
+
+
+def _rank_holdings(rank: int, world: int, port: int, out: str) -> None:
+    import json
+    from pathlib import Path
+
+    from profiler.ranks import finish_rank, init_rank
+    from trainer.engines import select_backend
+
+    init_rank(rank, world, port, distributed=True, threads=1)
+    held = {}
+    for case, (choice, fields) in TWO_RANK_CASES.items():
+        layout = Layout(**FP32, **fields)
+        held[case] = {**_held_after_one_step(layout, choice), "engine": select_backend(layout, choice)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(held))
+    finish_rank(True)
+
+
+def _per_engine_pricing() -> bool:
+    import inspect
+
+    return "engine" in inspect.signature(model_state_bytes).parameters
+
+
+def _priced(params: float, layout: Layout, engine: str):
+    """The cost model's model-state terms for `engine`, where planner/memory.py prices per engine."""
+    if _per_engine_pricing():
+        return model_state_bytes(params, params, layout, engine=engine)
+    return model_state_bytes(params, params, layout)
+
+
+def _stage_params(rank: int, layout: Layout) -> int:
+    """Parameters this rank's pipeline stage holds (whole model when pp = 1), from the unsplit model's
+    names: stage 0 the embedding and first layer, stage 1 the second layer, final norm and head."""
+    from advisor.specs import ModelSpec
+    from trainer.model import build_model
+
+    model = build_model(ModelSpec(name="tiny", hf_config=TINY), Layout(**FP32), seed=0)  # meta: shapes only
+    if layout.pp == 1:
+        return sum(p.numel() for p in model.parameters())
+    first = ("model.embed_tokens.", "model.layers.0.")
+    return sum(p.numel() for n, p in model.named_parameters() if n.startswith(first) == (rank == 0))
+
+
+# Where the cost model and the engines disagree (measured here; reported for the pricing change):
+KNOWN_MISMATCHES = {
+    # DeepSpeed's stage 3 keeps no separate fp32 master when the weights are fp32 (stage3.py,
+    # _create_fp32_partitions): K = 8, not 12; stages 1/2 do clone one.
+    "deepspeed-zero3": lambda: "DeepSpeed ZeRO-3 on fp32 weights keeps no fp32 master: 8 bytes/param of "
+                               "optimizer state, priced 12",
+    # FSDP2 under ZeRO-1 skips the reduce-scatter while accumulating: whole unsharded gradients
+    # (4 bytes/param), beside sharded weights and moments (no master).
+    "fsdp2-zero1": lambda: ("FSDP2 ZeRO-1 holds whole gradients while accumulating, priced /dp" if _per_engine_pricing()
+                            else "FSDP2 shards weights at ZeRO-1 and keeps no fp32 master; priced as DeepSpeed"),
+    "fsdp2-zero2": lambda: None if _per_engine_pricing() else "FSDP2 shards weights at ZeRO-2; priced as DeepSpeed",
+    "fsdp2-zero3": lambda: None if _per_engine_pricing() else "FSDP2 keeps no fp32 master; priced as DeepSpeed (K=12)",
+}
+
+
+def _case(case: str):
+    reason = KNOWN_MISMATCHES.get(case, lambda: None)()
+    return pytest.param(case, marks=pytest.mark.xfail(reason=reason, strict=True)) if reason else case
+
+
+@pytest.fixture(scope="module")
+def two_rank_holdings(tmp_path_factory) -> list[dict]:
+    import json
+
+    import deepspeed  # noqa: F401  (imported before forking: the ranks inherit it loaded)
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.pipelining  # noqa: F401
+
+    from profiler.ranks import free_port, launch
+
+    out = tmp_path_factory.mktemp("holdings")
+    launch(_rank_holdings, 2, (2, free_port(), str(out)))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [_case(case) for case in TWO_RANK_CASES])
+def test_each_rank_holds_the_model_states_the_cost_model_prices(two_rank_holdings, case) -> None:
+    choice, fields = TWO_RANK_CASES[case]
+    layout = Layout(**FP32, **fields)
+    for rank, held in enumerate(two_rank_holdings):
+        measured = held[case]
+        priced = _priced(_stage_params(rank, layout), layout, measured["engine"])
+        assert measured["parameters"] == pytest.approx(priced.weights, rel=0.02), (rank, measured, priced)
+        assert measured["gradients"] == pytest.approx(priced.gradients, rel=0.02), (rank, measured, priced)
+        assert measured["optimizer"] == pytest.approx(priced.optimizer, rel=0.02), (rank, measured, priced)
+
+
+def test_one_process_holds_the_model_states_the_cost_model_prices() -> None:
+    layout = Layout(**FP32)
+    measured = _held_after_one_step(layout, "auto")
+    priced = _priced(_stage_params(0, layout), layout, "plain")
+    assert (measured["parameters"], measured["gradients"]) == (priced.weights, priced.gradients)
+    assert measured["optimizer"] == pytest.approx(priced.optimizer, rel=0.02)  # plus Adam's 4-byte steps

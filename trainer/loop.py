@@ -168,7 +168,7 @@ def build_engine(model: ModelSpec, layout: Layout, device_type: str, engine: Eng
     """The engine `advisor train` runs `layout` with: the trainer's model, on `dev`, under the engine the
     capability declaration names, DeepSpeed configured as the plan's export. The timed steps
     (trainer/timed_steps.py: calibration, verification trials, benches) build theirs here too."""
-    built = build_model(model, layout, options.seed, options.weights).to(dev)
+    built = build_model(model, layout, options.seed, options.weights)  # on meta: the engine fills its shards
     if masked_padding:
         mask_padding(built)  # bucketed micro-batches mark padding -1
     ds_config = None

@@ -12,25 +12,29 @@ import torch
 from advisor.specs import Layout, ModelSpec
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.adapters import apply_lora
+from trainer.engines.base import device
+from trainer.materialize import build_on_meta, materialize, pending_init
 from trainer.recompute import apply_recomputation
 
 
 def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None = None) -> torch.nn.Module:
-    """The HF model from its config (random init, seeded) or from a local folder of weights."""
+    """The HF model from its config (or the config of a local folder of weights) with its
+    parameters on the meta device: the engine shards it, then fills only what each rank holds
+    (`trainer.materialize`: a seeded init equal to the unsplit model's, or the folder's safetensors)."""
     from transformers import AutoConfig, AutoModelForCausalLM  # heavy: loaded only when a model is built
 
     torch.manual_seed(seed)
-    if weights:
-        model = AutoModelForCausalLM.from_pretrained(weights, local_files_only=True, attn_implementation="sdpa")
-    else:
-        config = AutoConfig.for_model(**spec.hf_config)
-        config.use_cache = False
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    config = (AutoConfig.from_pretrained(weights, local_files_only=True) if weights
+              else AutoConfig.for_model(**spec.hf_config))
+    config.use_cache = False
+    model = build_on_meta(lambda: AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                                   dtype=torch.float32), seed, weights)
     if layout.dtype != "fp32" and layout.zero == 0:
         model = model.to(TORCH_DTYPES[layout.dtype])  # DeepSpeed casts itself from its config
     if layout.recompute != "none":
         apply_recomputation(model, layout)
     if layout.method in ("lora", "qlora"):
+        materialize(model, pending_init(model), device())  # peft wraps a real base: adapters are replicated
         model = apply_lora(model, layout)
     return model
 

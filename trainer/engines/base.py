@@ -66,7 +66,26 @@ class DTensorState:
         load_distributed(self.module, self.optimizer, directory)
 
     def state_bytes(self) -> dict[str, int]:
-        return state_bytes(self.module.parameters(), self.optimizer)
+        parameters = list(self.module.parameters())
+        gradients = [p.grad for p in parameters] + fsdp_unsharded_gradients(self.module)
+        return state_bytes(parameters, self.optimizer, gradients)
+
+
+def fsdp_unsharded_gradients(module: torch.nn.Module) -> list[torch.Tensor | None]:
+    """Gradients FSDP2 holds unsharded while micro-batches accumulate without a reduce-scatter
+    (``set_requires_gradient_sync(False)``, ZeRO-1): on its unsharded parameters, or beside them in
+    the reduce dtype. They are not the ``.grad`` of the sharded parameters, and FSDP2 has no public
+    accessor for them, hence its private per-module state."""
+    from torch.distributed.fsdp import FSDPModule  # loaded when first needed, as DTensor is
+
+    held: list[torch.Tensor | None] = []
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    unsharded = getattr(param, "_unsharded_param", None)
+                    held += [getattr(unsharded, "grad", None), param.unsharded_accumulated_grad]
+    return held
 
 
 def device() -> torch.device:

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from advisor.specs import Layout
-from trainer.engines.base import state_bytes
+from trainer.engines.base import device, state_bytes
 from trainer.engines.optimizer import set_learning_rate
+from trainer.materialize import materialize, materialize_zero3, pending_init
 
 ACCELERATOR_ENV = "DS_ACCELERATOR"
 
@@ -61,6 +62,10 @@ class DeepSpeedEngine:
         cpu = not torch.cuda.is_available()
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": weight_decay,
                                                           "torch_adam": cpu}}
+        if layout.zero == 3:  # partitioned by DeepSpeed's own zero.Init, then each rank fills its partition
+            materialize_zero3(model, pending_init(model), config)
+        else:
+            materialize(model, pending_init(model), device())
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         self.layout = layout
@@ -91,11 +96,13 @@ class DeepSpeedEngine:
         """Under ZeRO-3 a parameter counts its partition (``ds_tensor``) plus its module tensor,
         which is empty between gathers unless DeepSpeed keeps it whole (small "persistent"
         parameters); the optimizer counts DeepSpeed's fp32 master partitions and their Adam
-        moments."""
+        moments; the gradients its partitions, plus the whole ``.grad`` ZeRO-1 keeps while
+        micro-batches accumulate."""
         parameters = [t for p in self.engine.module.parameters() for t in (p, getattr(p, "ds_tensor", None))
                       if t is not None]
         zero_optimizer = self.optimizer
-        return state_bytes(parameters, zero_optimizer.optimizer, _gradient_partitions(zero_optimizer))
+        accumulating = [p.grad for p in self.engine.module.parameters()]  # ZeRO-1 until the boundary
+        return state_bytes(parameters, zero_optimizer.optimizer, _gradient_partitions(zero_optimizer) + accumulating)
 
 
 def _gradient_partitions(zero_optimizer: Any) -> list[torch.Tensor]:

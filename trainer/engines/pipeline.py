@@ -20,6 +20,7 @@ from advisor.specs import Layout, chunk_layers
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.engines.base import DTensorState, device
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
+from trainer.materialize import materialize, pending_init
 from trainer.parallelize import (ParallelMesh, check_parallel_layout, decoder_layers, parallelize,
                                  reduce_partial_gradients)
 
@@ -189,6 +190,8 @@ class PipelineEngine(DTensorState):
             parallelize(chunk, self.mesh, layout, layers=lambda c=chunk: c.model.layers,
                         fsdp_units=lambda c=chunk: list(c.model.layers.children()),
                         reshard_after_forward=layout.zero == 3)
+        for chunk in self.chunks:  # only this rank's chunks, and their local shards
+            materialize(chunk, pending_init(model), device())
         self.activation_dtype = TORCH_DTYPES[layout.dtype]
         self.module = model  # pruned to this rank's chunks: the parameters under their HF names
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -11,8 +11,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from advisor.specs import Layout
-from trainer.engines.base import forward_backward, state_bytes
+from trainer.engines.base import device, forward_backward, state_bytes
 from trainer.engines.optimizer import adamw, clip_replicated_grad_norm, optimizer_step
+from trainer.materialize import materialize, pending_init
 
 # DDP's bucket size (its default, written out because the cost model has to model it); gradients
 # live in the buckets instead of in copies of them.
@@ -27,6 +28,7 @@ class PlainEngine:
         self.layout = layout
         self.clip = clip
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        materialize(model, pending_init(model), device())  # whole: every replica holds every weight
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, weight_decay, fused=True)
         self.module = model

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from advisor.specs import Layout
-from trainer.engines.base import DTensorState, forward_backward
+from trainer.engines.base import DTensorState, device, forward_backward
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
+from trainer.materialize import materialize, pending_init
 from trainer.parallelize import (ParallelMesh, check_parallel_layout, decoder_layers, parallelize,
                                  reduce_partial_gradients, shard_units)
 
@@ -27,6 +28,7 @@ class ShardedEngine(DTensorState):
         self.mesh = ParallelMesh.build(layout)
         parallelize(model, self.mesh, layout, layers=lambda: decoder_layers(model),
                     fsdp_units=lambda: shard_units(model), reshard_after_forward=layout.zero == 3)
+        materialize(model, pending_init(model), device())  # only the local shards
         self.sharded = layout.dp > 1
         self.model = self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
