@@ -65,6 +65,8 @@ def master_weights(layout: Layout, engine: str) -> bool:
     computes in bf16 through its MixedPrecisionPolicy: the fp32 shards are the weights the
     optimizer updates, so there is no separate master either.
     """
+    if engine == "deepspeed" and layout.zero == 3 and layout.dtype == "fp32":
+        return False  # stage 3 reuses an fp32 partition as its master (stage3.py, _create_fp32_partitions)
     return engine in ("deepspeed", MEGATRON)
 
 
@@ -126,7 +128,9 @@ def model_state_bytes(
         grads = trainable * ADAPTER_BYTES
         optim = trainable * 8  # fp32 adapters need no separate master copy
     if fsdp_shards(layout, engine):
-        return ModelStates(weights / dp, grads / dp, optim / dp, 0.0)
+        # below ZeRO-2, FSDP2 skips the reduce-scatter while accumulating: whole gradients until the last micro-batch
+        whole_grads = layout.zero <= 1 and layout.gas > 1
+        return ModelStates(weights / dp, grads if whole_grads else grads / dp, optim / dp, 0.0)
     if layout.zero >= 1:
         optim /= dp
     if layout.zero >= 2:

@@ -168,17 +168,9 @@ def _rank_holdings(rank: int, world: int, port: int, out: str) -> None:
     finish_rank(True)
 
 
-def _per_engine_pricing() -> bool:
-    import inspect
-
-    return "engine" in inspect.signature(model_state_bytes).parameters
-
-
 def _priced(params: float, layout: Layout, engine: str):
-    """The cost model's model-state terms for `engine`, where planner/memory.py prices per engine."""
-    if _per_engine_pricing():
-        return model_state_bytes(params, params, layout, engine=engine)
-    return model_state_bytes(params, params, layout)
+    """The cost model's model-state terms, as `engine` keeps them."""
+    return model_state_bytes(params, params, layout, engine=engine)
 
 
 def _stage_params(rank: int, layout: Layout) -> int:
@@ -192,26 +184,6 @@ def _stage_params(rank: int, layout: Layout) -> int:
         return sum(p.numel() for p in model.parameters())
     first = ("model.embed_tokens.", "model.layers.0.")
     return sum(p.numel() for n, p in model.named_parameters() if n.startswith(first) == (rank == 0))
-
-
-# Where the cost model and the engines disagree (measured here; reported for the pricing change):
-KNOWN_MISMATCHES = {
-    # DeepSpeed's stage 3 keeps no separate fp32 master when the weights are fp32 (stage3.py,
-    # _create_fp32_partitions): K = 8, not 12; stages 1/2 do clone one.
-    "deepspeed-zero3": lambda: "DeepSpeed ZeRO-3 on fp32 weights keeps no fp32 master: 8 bytes/param of "
-                               "optimizer state, priced 12",
-    # FSDP2 under ZeRO-1 skips the reduce-scatter while accumulating: whole unsharded gradients
-    # (4 bytes/param), beside sharded weights and moments (no master).
-    "fsdp2-zero1": lambda: ("FSDP2 ZeRO-1 holds whole gradients while accumulating, priced /dp" if _per_engine_pricing()
-                            else "FSDP2 shards weights at ZeRO-1 and keeps no fp32 master; priced as DeepSpeed"),
-    "fsdp2-zero2": lambda: None if _per_engine_pricing() else "FSDP2 shards weights at ZeRO-2; priced as DeepSpeed",
-    "fsdp2-zero3": lambda: None if _per_engine_pricing() else "FSDP2 keeps no fp32 master; priced as DeepSpeed (K=12)",
-}
-
-
-def _case(case: str):
-    reason = KNOWN_MISMATCHES.get(case, lambda: None)()
-    return pytest.param(case, marks=pytest.mark.xfail(reason=reason, strict=True)) if reason else case
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +202,7 @@ def two_rank_holdings(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [_case(case) for case in TWO_RANK_CASES])
+@pytest.mark.parametrize("case", TWO_RANK_CASES)
 def test_each_rank_holds_the_model_states_the_cost_model_prices(two_rank_holdings, case) -> None:
     choice, fields = TWO_RANK_CASES[case]
     layout = Layout(**FP32, **fields)
