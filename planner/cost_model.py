@@ -428,10 +428,12 @@ def _activation_comm(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, 
     if layout.pp > 1:
         # Megatron's scatter/gather optimisation (Narayanan et al. 2021, section 4.1): each TP rank
         # sends 1/tp of the boundary activation across nodes, then the TP group all-gathers it.
-        boundaries = (0 if first else 1) + (0 if last else 1)
+        # every chunk of a device has an input and an output boundary, but for the model's very first
+        # chunk (on the first device) and very last (on the last): 2 vpp - 1 there, 2 vpp in between
+        boundaries = 2 * layout.vpp - (1 if first else 0) - (1 if last else 0)
         send = collectives.send_recv_s(hidden_bytes / tp, hardware, placement.pp_spans_nodes)
         gather = 0.0 if layout.sp else collectives.all_gather_s(hidden_bytes, tp, hardware, placement.tp_spans_nodes)
-        pp_comm = layout.vpp * boundaries * (send + gather)
+        pp_comm = boundaries * (send + gather)
     return tp_comm, pp_comm
 
 
