@@ -91,7 +91,8 @@ TINY = ModelSpec(name="tiny", hf_config={
 def test_pipeline_ranks_hold_their_stage_split_by_tp_and_sharded_by_fsdp() -> None:
     """pp=2, tp=2, dp=2, ZeRO-1 on the pipeline engine, counted by hand: the Megatron projections
     halved by tp (norms, embedding, LM head whole), each stage's tensors halved again by FSDP2
-    across dp, kept in fp32 with two fp32 Adam moments."""
+    across dp, kept in fp32 with two fp32 Adam moments; below ZeRO-2 FSDP2 skips the reduce-scatter
+    while accumulating (gas=2), so the fp32 gradients are whole until the step."""
     layout = Layout(dp=2, tp=2, pp=2, zero=1, mbs=1, gas=2, dtype="bf16", seq=64)
     ranks = _rank_states(meta_model(TINY, layout), layout, "pipeline", [2, 2])
     projections = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128
@@ -99,7 +100,7 @@ def test_pipeline_ranks_hold_their_stage_split_by_tp_and_sharded_by_fsdp() -> No
     first = (2 * layer + 256 * 64) // 2  # then FSDP2 halves every tensor (all even)
     last = (2 * layer + 64 + 256 * 64) // 2  # the final norm and LM head
     assert [(r.parameters, r.gradients, r.optimizer) for r in ranks] == [
-        (4 * first, 4 * first, 8 * first), (4 * last, 4 * last, 8 * last)]
+        (4 * first, 4 * 2 * first, 8 * first), (4 * last, 4 * 2 * last, 8 * last)]
 
 
 def test_plain_lora_keeps_a_16_bit_base_and_fp32_adapters() -> None:
@@ -135,14 +136,18 @@ def test_meta_model_of_405b_builds_in_seconds() -> None:
 
 
 def test_qlora_counts_the_decoder_linear_weights_in_nf4() -> None:
-    """The 4-bit base: decoder projections at NF4's 4.127 bits (QLoRA section 3); norms, the
-    embedding and the LM head stay 16-bit; adapters fp32 (with their gradients and moments)."""
-    from planner.memory import NF4_BYTES_PER_PARAM
+    """The 4-bit base: decoder projections at NF4's 4.127 bits (QLoRA section 3) plus each quantised
+    tensor's fixed constants; norms, the embedding and the LM head in fp32 (peft's
+    prepare_model_for_kbit_training up-casts them: tests/test_qlora.py measures it); adapters fp32
+    (with their gradients and moments)."""
+    from planner.memory import NF4_BYTES_PER_PARAM, NF4_TENSOR_BYTES
 
     layout = Layout(method="qlora", lora_rank=4, dtype="bf16", seq=64)
     (rank,) = _rank_states(meta_model(TINY, layout), layout, "plain", [4])
     projections = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)
     sixteen_bit = 4 * 2 * 64 + 2 * 256 * 64 + 64
     adapters = 4 * 4 * 1024
-    assert rank.parameters == round(projections * NF4_BYTES_PER_PARAM + 2 * sixteen_bit + 4 * adapters)
+    quantised_tensors = 4 * 7  # q, k, v, o, gate, up, down in each of the 4 layers
+    assert rank.parameters == round(projections * NF4_BYTES_PER_PARAM + quantised_tensors * NF4_TENSOR_BYTES
+                                    + 4 * sixteen_bit + 4 * adapters)
     assert (rank.gradients, rank.optimizer) == (4 * adapters, 8 * adapters)

@@ -6,12 +6,13 @@ The checks are the trainer's own: the capability declaration (`advisor.capabilit
 pipeline engines call it) and the pipeline cut (`layers_per_stage`). The model is built on the
 meta device, so a 405B model costs seconds and no memory.
 
-The bytes per rank are counted here from the meta model's parameter shapes and the engines' own
-rules: which dtype each engine keeps parameters, gradients and AdamW moments in, what tensor
-parallelism splits (the Megatron projections; embeddings, norms and the LM head stay whole), what
-a pipeline stage holds, and what ZeRO/FSDP shards across the data-parallel ranks. The cost
-model's model-state terms (`planner.cost_model.stage_memory`) are reported next to them, so the
-two can be compared: they are independent derivations of the same quantities.
+The elements per rank are counted here from the meta model's parameter shapes: what tensor
+parallelism splits (the Megatron projections; embeddings, norms and the LM head stay whole) and
+what a pipeline stage holds. How each engine keeps them (dtypes, fp32 masters, ZeRO or FSDP2
+sharding across dp, offload) is `planner.memory.model_state_bytes`, the one function the cost
+model prices with too. The cost model's own terms, from the model trace
+(`planner.cost_model.stage_memory`), are reported next to them: where the two differ, the trace's
+split of the model differs from its real modules.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ import torch
 from advisor.capabilities import check_runnable, config_shape, engine_for
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
-from advisor.specs import DTYPE_BYTES, Layout, ModelSpec, layers_per_stage
+from advisor.specs import Layout, ModelSpec, layers_per_stage
 from planner.cost_model import default_split, stage_memory
-from planner.memory import NF4_BYTES_PER_PARAM
+from planner.memory import model_state_bytes
 from profiler.model_trace import trace_model
-from trainer.model import apply_lora
+from trainer.adapters import apply_lora
 from trainer.parallelize import COLUMN_PARALLEL, ROW_PARALLEL, check_parallel_layout
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -137,59 +138,28 @@ def _tp_share(name: str, shape: torch.Size, tp: int) -> tuple[int, list[int]]:
 
 
 def _rank_states(model: torch.nn.Module, layout: Layout, engine: str, split: list[int]) -> list[RankStates]:
-    """Bytes on rank 0 of each pipeline stage (the most loaded rank of its data-parallel group)."""
-    counts = [[0.0] * 3 for _ in split]  # per stage: trainable, frozen 16-bit, frozen 4-bit elements
+    """Bytes on rank 0 of each pipeline stage (the most loaded rank of its data-parallel group): its
+    elements counted from the meta model's real shapes (tensor-parallel shares, the stage's layers),
+    then kept as its engine keeps them (`planner.memory.model_state_bytes`, the cost model's one
+    function for it: dtypes, masters, ZeRO or FSDP2 sharding across dp, offload)."""
+    counts = [[0.0, 0.0, 0.0, 0] for _ in split]  # per stage: trainable, frozen, frozen 4-bit, 4-bit tensors
     for name, param in model.named_parameters():
         stage = _stage_of(name, split)
-        numel, dims = _tp_share(name, param.shape, layout.tp)
-        if engine in ("fsdp2", "pipeline") and layout.dp > 1:  # FSDP2 shards dim 0 of the local tensor
-            numel = math.ceil(dims[0] / layout.dp) * math.prod(dims[1:])
+        numel, _ = _tp_share(name, param.shape, layout.tp)
         if param.requires_grad:
-            kind = 0
+            counts[stage][0] += numel
         elif layout.method == "qlora" and _LAYER.search(name) and param.ndim == 2:
-            kind = 2  # bitsandbytes quantises the decoder's linear weights, not norms or embeddings
+            counts[stage][2] += numel  # bitsandbytes quantises the decoder's linear weights, not norms or embeddings
+            counts[stage][3] += 1
         else:
-            kind = 1
-        counts[stage][kind] += numel
-    return [RankStates(stage, split[stage], *_engine_bytes(engine, layout, *c)) for stage, c in enumerate(counts)]
-
-
-def _engine_bytes(engine: str, layout: Layout, trainable: float, frozen: float, nf4: float) -> tuple[int, ...]:
-    """(parameters, gradients, optimizer, host) bytes as each engine keeps them.
-
-    - plain (and FSDP2/pipeline without ZeRO): the model is cast to the compute dtype before the
-      engine starts (trainer.model.build_model), and torch's AdamW keeps its two moments in the
-      parameters' dtype; no fp32 master copy.
-    - FSDP2/pipeline with ZeRO: the model stays fp32 and FSDP2 computes in the layout's dtype
-      through its mixed-precision policy: fp32 parameters, gradients (reduce dtype fp32) and moments,
-      all sharded by FSDP2 across dp (counted in `_rank_states`).
-    - DeepSpeed: 16-bit parameters and gradients, an fp32 master partition and two fp32 moments
-      (12 bytes, ZeRO paper section 3.1), sharded by ZeRO's stage; offload moves the optimizer
-      states (and from ZeRO-2 the fp32 gradient partition) to the host.
-    peft keeps LoRA adapters in fp32 whatever the base (autocast_adapter_dtype)."""
-    w = DTYPE_BYTES[layout.dtype]
-    lora = layout.method in ("lora", "qlora")
-    frozen_bytes = frozen * w + nf4 * NF4_BYTES_PER_PARAM
-    host = 0.0
-    if engine == "deepspeed":
-        dp = layout.dp
-        weights = (trainable + frozen) * w + nf4 * NF4_BYTES_PER_PARAM
-        grads = trainable * w / (dp if layout.zero >= 2 else 1)
-        optimizer = trainable * 12 / dp
-        if layout.zero >= 3:
-            weights /= dp
-        if layout.offload != "none":
-            host = optimizer + (4 * trainable / dp if layout.zero >= 2 else 0.0)
-            optimizer = 0.0
-            grads = 0.0 if layout.zero >= 2 else grads
-        if layout.offload == "optimizer+params":
-            host, weights = host + weights, 0.0
-        return round(weights), round(grads), round(optimizer), round(host)
-    keeps_fp32 = engine in ("fsdp2", "pipeline") and layout.zero > 0 and layout.dp > 1
-    tw = 4 if lora or keeps_fp32 else w
-    if keeps_fp32:
-        frozen_bytes = frozen * 4 + nf4 * NF4_BYTES_PER_PARAM
-    return round(frozen_bytes + trainable * tw), round(trainable * tw), round(2 * trainable * tw), 0
+            counts[stage][1] += numel
+    ranks = []
+    for stage, (trainable, frozen, nf4, nf4_tensors) in enumerate(counts):
+        states = model_state_bytes(trainable + frozen + nf4, trainable, layout, quantizable=nf4,
+                                   nf4_tensors=nf4_tensors, engine=engine)
+        ranks.append(RankStates(stage, split[stage], round(states.weights), round(states.gradients),
+                                round(states.optimizer), round(states.host)))
+    return ranks
 
 
 def _add_predictions(ranks: Iterable[RankStates], plan: Plan, layout: Layout) -> None:
