@@ -97,9 +97,11 @@ class Segment:
 
 
 def stage_segments(plan: Plan) -> list[Segment]:
-    """The plan's stages grouped into segments of equal layout, in order."""
-    if not plan.stages:
-        return [Segment(0, 0, plan.chosen.layout)]
+    """The plan's stages grouped into segments of equal layout, in order. When every stage has the
+    same layout, the plan's chosen layout runs them all: it is the one `advisor run`'s verification,
+    an OOM relaunch or a user's edit of the plan changes (the stages' copies are then stale)."""
+    if not plan.stages or len({stage.layout.model_dump_json() for stage in plan.stages}) == 1:
+        return [Segment(0, len(plan.stages), plan.chosen.layout)]
     segments: list[Segment] = []
     for index, stage in enumerate(plan.stages):
         if segments and segments[-1].layout == stage.layout:

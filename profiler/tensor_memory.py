@@ -25,6 +25,7 @@ _ALLOC_HOOK_SOURCE = r"""
 #include <c10/core/CPUAllocator.h>
 #include <atomic>
 #include <mutex>
+#include <pthread.h>
 #include <unordered_map>
 namespace {
 std::atomic<int64_t> g_live{0}, g_peak{0};
@@ -70,8 +71,13 @@ struct CountingAllocator final : c10::Allocator {
   }
 };
 }
+// A fork while another thread holds the lock would leave the child's copy locked forever: take it
+// around fork() in the parent (the standard pthread_atfork discipline), so forked ranks start free.
+void lock_for_fork() { g_mutex.lock(); }
+void unlock_after_fork() { g_mutex.unlock(); }
 void install() {
   if (g_installed.exchange(true)) return;
+  pthread_atfork(&lock_for_fork, &unlock_after_fork, &unlock_after_fork);
   static CountingAllocator* counting = new CountingAllocator(c10::GetCPUAllocator());
   c10::SetCPUAllocator(counting, /*priority=*/100);
 }
@@ -103,6 +109,8 @@ class TensorMemory:
         self.device = device
         if not self.cuda:
             load_counter().install()
+        self.reset_peak()
+        self.baseline = self.live()  # what this process already held (a long-lived process's earlier work)
 
     @property
     def source(self) -> str:
@@ -113,6 +121,10 @@ class TensorMemory:
 
     def peak(self) -> int:
         return int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else int(_hook.peak_bytes())
+
+    def peak_since_start(self) -> int:
+        """The peak of what was allocated since this counter was made, above what was live then."""
+        return max(0, self.peak() - self.baseline)
 
     def reset_peak(self) -> None:
         if self.cuda:

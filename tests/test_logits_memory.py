@@ -12,7 +12,7 @@ from planner.cost_model import stage_memory
 from presets import load_hardware
 from profiler.model_trace import trace_model
 from profiler.tensor_memory import TensorMemory
-from trainer.model import build_model
+from trainer.model import build_filled_model
 
 CONFIG = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -22,7 +22,7 @@ CONFIG = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 32, "interm
 def measured_activation_peak(layout: Layout, memory: TensorMemory) -> int:
     """Peak bytes of one forward and backward above what was live before it (the second step:
     the gradients of the first are dropped, as the optimizer's zero_grad does)."""
-    model = build_model(ModelSpec(name="logits", hf_config=CONFIG), layout, seed=0)
+    model = build_filled_model(ModelSpec(name="logits", hf_config=CONFIG), layout, seed=0)
     ids = torch.randint(0, CONFIG["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         model.zero_grad(set_to_none=True)

@@ -15,7 +15,7 @@ from advisor.plan_file import load_plan
 from advisor.specs import Layout, ModelSpec
 from test_trainer import CONFIG, make_plan_file, read_jsonl
 from trainer.loop import TrainOptions, train
-from trainer.model import build_model
+from trainer.model import build_filled_model
 from trainer.oom import next_layout
 from trainer.stream import Source
 
@@ -83,7 +83,7 @@ def test_evaluation_runs_in_micro_batches_and_equals_one_batch() -> None:
     """Five sequences at mbs 2: three forwards of at most 2 sequences, and the mean token loss of
     one forward over all five (the truth) within fp32 rounding."""
     layout = Layout(mbs=2, seq=16, dtype="fp32")
-    model = build_model(ModelSpec(name="tiny", hf_config=CONFIG), layout, 0)
+    model = build_filled_model(ModelSpec(name="tiny", hf_config=CONFIG), layout, 0)
     sequences = torch.randint(0, CONFIG["vocab_size"], (5, 16), generator=torch.Generator().manual_seed(1)).numpy()
     batch_sizes = []
     hook = model.register_forward_pre_hook(lambda _, args, kwargs: batch_sizes.append(len(kwargs["input_ids"])),

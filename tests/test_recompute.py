@@ -83,11 +83,11 @@ def predicted(mode: str):
 
 
 def test_selective_policy_changes_no_gradient() -> None:
-    from trainer.model import build_model
+    from trainer.model import build_filled_model
 
     grads = {}
     for mode in ("none", "selective"):
-        model = build_model(SPEC.model_copy(update={"hf_config": {**CONFIG, "num_hidden_layers": 2}}),
+        model = build_filled_model(SPEC.model_copy(update={"hf_config": {**CONFIG, "num_hidden_layers": 2}}),
                             Layout(dtype="fp32", seq=64, recompute=mode), seed=0)
         ids = _batch()[:2, :64]
         model(input_ids=ids, labels=ids).loss.backward()

@@ -52,12 +52,12 @@ def _rank_gradients(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_sequence_parallel_gradients_match_the_unsplit_model(tmp_path) -> None:
     from profiler.ranks import free_port, launch
-    from trainer.model import build_model
+    from trainer.model import build_filled_model
 
     out = tmp_path / "grads.pt"
     launch(_rank_gradients, 2, (2, free_port(), str(out)))
     split = torch.load(out)
-    model = build_model(ModelSpec(name="tiny", hf_config=CONFIG), Layout(dtype="fp32", mbs=2, seq=SEQ), seed=0)
+    model = build_filled_model(ModelSpec(name="tiny", hf_config=CONFIG), Layout(dtype="fp32", mbs=2, seq=SEQ), seed=0)
     ids = _batch()
     model(input_ids=ids, labels=ids).loss.backward()
     assert set(split) == {name for name, _ in model.named_parameters()}

@@ -2,6 +2,7 @@
 moment of a write, a damaged checkpoint or a torn log line is passed over, a resume refuses another
 run's checkpoint, and the spike guard finds its way back past a bad batch."""
 
+import dataclasses
 import json
 import os
 import random
@@ -215,19 +216,19 @@ def _mtime(path: Path) -> float:
 def poison(monkeypatch, stage: int, position: int, corrupt_weights: bool = False) -> None:
     """The batch at `position` of `stage` is bad: its loss is NaN, or (`corrupt_weights`) it passes
     the guard but leaves NaN weights, so the spike shows at the next step, after a checkpoint."""
-    original = loop._Run._accumulate
+    original = loop._Run.take_step
 
-    def accumulate(self, taken, at):
-        result = original(self, taken, at)
-        if (taken.index, at) == (stage, position):
+    def take_step(self, taken):
+        step = original(self, taken)
+        if step is not None and (taken.index, step.position) == (stage, position):
             if not corrupt_weights:
-                return [float("nan")], result[1]
+                return dataclasses.replace(step, loss=float("nan"))
             with torch.no_grad():
                 for parameter in self.engine.model.parameters():
                     parameter.fill_(float("nan"))
-        return result
+        return step
 
-    monkeypatch.setattr(loop._Run, "_accumulate", accumulate)
+    monkeypatch.setattr(loop._Run, "take_step", take_step)
 
 
 def test_a_poisoned_batch_right_after_a_stage_start_rolls_back_once_and_finishes(tmp_path, monkeypatch) -> None:
@@ -292,9 +293,9 @@ def test_the_rollback_budget_counts_every_rollback_of_the_run_across_resumes(tmp
     plan, run = load_plan(make_plan_file(tmp_path, steps=4)), tmp_path / "run"
     per_step = plan.chosen.layout.global_batch
     poison(monkeypatch, stage=0, position=1 * per_step)
-    original = loop._Run._accumulate
+    original = loop._Run.take_step
     poison(monkeypatch, stage=0, position=2 * per_step)  # the batch after the skipped one is bad too
-    assert loop._Run._accumulate is not original
+    assert loop._Run.take_step is not original
     one = TrainOptions(show_progress=False, max_rollbacks=1)
     with pytest.raises(RuntimeError, match="after 1 rollbacks"):
         train(plan, run, resume=False, options=one)

@@ -69,8 +69,9 @@ def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOpti
         segment = segment_of(plan, _next_stage(out) if resume else 0)
         summary = _run_segment(plan, plan_path, out, resume, options, segment.layout.devices, nnodes, node_rank,
                                master_addr, master_port)
-        if summary is None or summary.get("finished", True) or "segment_end" not in summary:
-            return summary
+        reached = _next_stage(out)
+        if summary is not None and "segment_end" not in summary or not segment.end <= reached < len(plan.stages):
+            return summary  # the run is done (or this node does not see the run dir: its rank 0's does)
         resume = True  # the next segment starts from the handoff checkpoint
 
 
@@ -106,7 +107,7 @@ def _run_segment(plan: Plan, plan_path: Path, out: Path, resume: bool, options: 
         result = subprocess.run(command, env=env, check=False)
         if result.returncode == 0:  # rank 0 wrote the summary (None on a node that does not share its run dir)
             summary = out / "summary.json"
-            if _next_stage(out) < len(plan.stages):
+            if 0 < _next_stage(out) < len(plan.stages):  # a segment ended: the caller launches the next
                 return {"finished": False, "segment_end": _next_stage(out)}
             return json.loads(summary.read_text()) if summary.is_file() else None
         fallback = pending_relaunch(out, started)

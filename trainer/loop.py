@@ -658,7 +658,7 @@ def _evaluate_stages(model, task, upto: int, tokenizer, layout: Layout, cache: P
 def _peak_bytes(memory: TensorMemory) -> tuple[int, str]:
     """The most loaded rank's peak of tensor memory (the quantity the cost model predicts): CUDA's
     allocator counter, or on the CPU the counting allocator of `profiler.tensor_memory`."""
-    peak = torch.tensor([memory.peak()], dtype=torch.float64)
+    peak = torch.tensor([memory.peak_since_start()], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return int(peak.item()), memory.source

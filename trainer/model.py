@@ -39,3 +39,13 @@ def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None 
     return model
 
 
+
+
+def build_filled_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None = None,
+                       on: torch.device | None = None) -> torch.nn.Module:
+    """`build_model`, filled whole on one device (`on`, default this rank's) without an engine: for
+    evaluation models and for tests that run a model directly. The values are the ones every engine's
+    shards are cut from."""
+    model = build_model(spec, layout, seed, weights)
+    materialize(model, pending_init(model), on or device())
+    return model
