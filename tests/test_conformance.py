@@ -155,6 +155,7 @@ PINNED = [
     ("tp2-sp", "mistral", 2, {"tp": 2, "sp": True, "gas": 4}, "auto"),
     ("dp2-tp2", "llama", 2, {"dp": 2, "tp": 2, "gas": 2, "zero": 1}, "auto"),
     ("dp2-pp2", "mistral", 3, {"dp": 2, "pp": 2, "gas": 2, "zero": 1, "stage_layers": [2, 1]}, "auto"),
+    ("dp2-pp2-zero3", "llama", 4, {"dp": 2, "pp": 2, "gas": 2, "zero": 3, "stage_layers": [3, 1]}, "auto"),
     ("pp2-tp2", "llama", 2, {"pp": 2, "tp": 2, "gas": 4}, "auto"),
     ("pp2-vpp2-uneven", "llama", 5, {"pp": 2, "vpp": 2, "gas": 4, "stage_layers": [3, 2]}, "auto"),
     ("selective", "qwen2", 2, {"gas": 4, "recompute": "selective"}, "auto"),

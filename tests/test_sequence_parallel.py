@@ -56,7 +56,7 @@ def test_sequence_parallel_gradients_match_the_unsplit_model(tmp_path) -> None:
 
     out = tmp_path / "grads.pt"
     launch(_rank_gradients, 2, (2, free_port(), str(out)))
-    split = torch.load(out)
+    split = torch.load(out, weights_only=True)
     model = build_filled_model(ModelSpec(name="tiny", hf_config=CONFIG), Layout(dtype="fp32", mbs=2, seq=SEQ), seed=0)
     ids = _batch()
     model(input_ids=ids, labels=ids).loss.backward()
