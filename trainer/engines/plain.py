@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from advisor.specs import Layout
+from trainer.checkpoint import load_distributed
 from trainer.engines.base import device, forward_backward, state_bytes
 from trainer.engines.optimizer import adamw, clip_replicated_grad_norm, optimizer_step
 from trainer.materialize import materialize, pending_init
@@ -52,6 +53,11 @@ class PlainEngine:
                        directory / "engine.pt")
 
     def load(self, directory: Path) -> None:
+        """Its own `engine.pt`, or a DTensor engine's DCP folder: a run of FSDP2, TP or pipeline ranks
+        resumed on one process (or on DDP replicas) after a re-plan; DCP reads the shards whole."""
+        if not (directory / "engine.pt").is_file() and (directory / "dcp").is_dir():
+            load_distributed(self.module, self.optimizer, directory)
+            return
         state = torch.load(directory / "engine.pt", map_location="cpu", weights_only=True)
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

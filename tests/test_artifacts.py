@@ -1,0 +1,106 @@
+"""What a run leaves to ship: RUN/model/ (and RUN/stages/<stage>/model/) loads with transformers or
+peft and computes what the trainer computed; local weights go in on every engine; a run stopped on
+2 ranks resumes on 1 from its resharded checkpoint.
+
+The base model is a tiny Llama built from a config and saved with `save_pretrained`, with a
+word-level tokenizer built here in the same folder (so the tokenizer comes from --weights).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from advisor.plan_file import load_plan
+from test_trainer import CONFIG, WORDS, make_plan_file, read_jsonl
+from trainer.loop import TrainOptions, train
+
+STEPS = 3  # optimizer steps per curriculum stage (two stages)
+FP32 = {"dp": 1, "tp": 1, "pp": 1, "mbs": 1, "gas": 4, "zero": 0, "dtype": "fp32"}
+EOS = "<|endoftext|>"
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer of the test data's words, digits, sums and signs (ids < 272, the
+    model's vocabulary), saved as transformers saves one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [EOS, "<unk>", *WORDS, *(str(n) for n in range(19)), "+", "=", ".", "+=", "="]
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, unk_token="<unk>").save_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> Path:
+    """The tiny Llama's weights and tokenizer, as a user's local HF folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("base")
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**CONFIG)).save_pretrained(str(folder))
+    save_tokenizer(folder)
+    return folder
+
+
+def _plan(root: Path, fields: dict) -> Path:
+    layout = {**FP32, **fields}
+    return make_plan_file(root, devices=layout["dp"] * layout["tp"] * layout["pp"], steps=STEPS,
+                          layout_fields=layout)
+
+
+def held_out(run: Path, stage: int = 1) -> tuple[torch.Tensor, float]:
+    """The last stage's eval sequences as the trainer read them, and its final eval loss (summary.json)."""
+    from trainer.corpus import FileTokenizer, load_source
+
+    plan = load_plan(run / "plan.yaml")
+    summary = json.loads((run / "summary.json").read_text())
+    spec = plan.task.stages[stage]
+    tokenizer = FileTokenizer(run / "model")  # the artifact's, read the way training reads tokenizers
+    sequences = load_source(spec.eval_sources[0], plan.task, tokenizer, plan.chosen.layout.seq, run / "scratch")
+    batch = torch.from_numpy(sequences[:TrainOptions().eval_sequences])
+    return batch, summary["stages"][stage]["eval"][spec.name]
+
+
+def mean_loss(model: torch.nn.Module, batch: torch.Tensor) -> float:
+    """Mean token loss over the batch, one sequence at a time (all have the same length)."""
+    model.eval()
+    with torch.no_grad():
+        return sum(float(model(input_ids=row[None], labels=row[None]).loss) for row in batch) / len(batch)
+
+
+def test_lora_run_leaves_an_adapter_that_peft_loads_with_the_trainers_eval_loss(tmp_path, base_dir) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    plan = load_plan(_plan(tmp_path, {"method": "lora", "lora_rank": 4}))
+    run = tmp_path / "run"
+    train(plan, run, resume=False, options=TrainOptions(show_progress=False, weights=str(base_dir), merge=True))
+
+    model_dir = run / "model"
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in model_dir.iterdir()}
+    for stage in plan.task.stages:  # every stage end left the same kind of artifact
+        assert (run / "stages" / stage.name / "model" / "adapter_model.safetensors").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["model_dir"] == "model"
+    assert [s["model_dir"] for s in summary["stages"]] == [f"stages/{s.name}/model" for s in plan.task.stages]
+
+    # the tokenizer training read is the --weights folder's, and it ships with the adapter
+    text = "the cat sat 1+1=2"
+    assert AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(base_dir)(text)["input_ids"]
+
+    batch, trainer_eval = held_out(run)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), model_dir)
+    assert mean_loss(adapted, batch) == pytest.approx(trainer_eval, abs=1e-4)
+    base_loss = mean_loss(AutoModelForCausalLM.from_pretrained(base_dir), batch)
+    assert abs(base_loss - trainer_eval) > 1e-2  # the adapter is what makes it equal
+
+    merged = AutoModelForCausalLM.from_pretrained(model_dir / "merged")  # --merge
+    assert mean_loss(merged, batch) == pytest.approx(trainer_eval, abs=1e-4)
+    assert not any("lora" in name for name in merged.state_dict())
