@@ -136,3 +136,150 @@ def test_qlora_from_local_weights_learns_and_its_adapter_loads_on_a_16_bit_and_a
     merged = AutoModelForCausalLM.from_pretrained(run / "model" / "merged")  # dequantised base + adapters
     assert merged.dtype == torch.bfloat16
     assert mean_loss(merged, batch) == pytest.approx(trainer_eval, abs=2e-3)
+
+
+# -- full fine-tuning on 2 ranks: the artifact against the engine's own checkpoint ---------------------
+
+
+def _rank_train(rank: int, world: int, port: int, plan_path: str, run_dir: str, weights: str) -> None:
+    from profiler.ranks import finish_rank, init_rank
+
+    init_rank(rank, world, port, distributed=world > 1, threads=1)
+    train(load_plan(plan_path), Path(run_dir), False, TrainOptions(show_progress=False, weights=weights))
+    finish_rank(world > 1)
+
+
+def _train_forked(plan: Path, run: Path, weights: Path) -> None:
+    from profiler.ranks import free_port, launch
+
+    world = load_plan(plan).chosen.layout.devices
+    launch(_rank_train, world, (world, free_port(), str(plan), str(run), str(weights)))
+
+
+def _with_engine(plan: Path, engine: str) -> Path:
+    loaded = load_plan(plan)
+    loaded.engine = engine
+    loaded.write(plan)
+    return plan
+
+
+def logits_of(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tiny Llama with these weights, on a fixed batch."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**CONFIG))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"} - set(weights)
+    return fixed_batch_logits(model)
+
+
+def fixed_batch_logits(model: torch.nn.Module) -> torch.Tensor:
+    batch = torch.randint(0, CONFIG["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=batch).logits
+
+
+def _check_full_artifact(run: Path, checkpoint_weights: dict[str, torch.Tensor]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = run / "model"
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= \
+        {p.name for p in model_dir.iterdir()}
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert loaded.dtype == torch.float32  # the training dtype
+    trained = logits_of(checkpoint_weights)
+    assert (fixed_batch_logits(loaded) - trained).abs().max() < 1e-5
+    start = fixed_batch_logits(AutoModelForCausalLM.from_pretrained(_base_of(run)))
+    assert (start - trained).abs().max() > 1e-3  # it trained, from the --weights
+
+
+def _base_of(run: Path) -> Path:
+    return Path(json.loads((run / "model" / "adapter_config.json").read_text())["base_model_name_or_path"]) \
+        if (run / "model" / "adapter_config.json").is_file() else BASE[0]
+
+
+BASE: list[Path] = []
+
+
+@pytest.mark.slow
+def test_zero3_on_two_ranks_leaves_an_hf_folder_with_the_checkpoints_weights(tmp_path, base_dir) -> None:
+    import deepspeed  # noqa: F401  (imported before forking: the ranks inherit it loaded)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    BASE[:] = [base_dir]
+    plan = _with_engine(_plan(tmp_path, {"dp": 2, "gas": 2, "zero": 3}), "deepspeed")
+    run = tmp_path / "run"
+    _train_forked(plan, run, base_dir)
+    last = sorted((run / "checkpoints").glob("step-*"))[-1]
+    # DeepSpeed's own consolidation of its ZeRO-3 partitions, independent of trainer/handoff.py
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(last), tag="engine")
+    _check_full_artifact(run, consolidated)
+
+
+@pytest.mark.slow
+def test_tp_on_two_ranks_leaves_an_hf_folder_and_resumes_on_one_process_from_its_resharded_checkpoint(
+        tmp_path, base_dir) -> None:
+    import torch.distributed.fsdp  # noqa: F401  (imported before forking)
+    import torch.distributed.tensor.parallel  # noqa: F401
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    BASE[:] = [base_dir]
+    plan = _with_engine(_plan(tmp_path, {"tp": 2}), "fsdp2")
+    run = tmp_path / "run"
+    _train_forked(plan, run, base_dir)
+    checkpoints = sorted((run / "checkpoints").glob("step-*"))
+    dcp_to_torch_save(checkpoints[-1] / "dcp", tmp_path / "last.pt")  # DCP's own consolidation
+    _check_full_artifact(run, torch.load(tmp_path / "last.pt", weights_only=True)["model"])
+
+    # stop it after the first stage: the newest checkpoint is the TP ranks' stage end
+    first_stage_end = run / "checkpoints" / f"step-{STEPS:08d}"
+    for later in checkpoints:
+        if later.name > first_stage_end.name:
+            __import__("shutil").rmtree(later)
+    dcp_to_torch_save(first_stage_end / "dcp", tmp_path / "stage1.pt")
+    saved = torch.load(tmp_path / "stage1.pt", weights_only=True)
+    two_rank_losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
+
+    # the plan re-made for 1 process (same global batch), resumed: the plain engine reads the DCP shards
+    one = _replanned(plan, tmp_path / "one.yaml", FP32)
+    resumed = _resumed_run(one, run, base_dir)
+    params = dict(resumed.engine.module.named_parameters())
+    assert params.keys() == saved["model"].keys()
+    assert all(torch.equal(params[k].detach(), saved["model"][k]) for k in params)  # exactly the 2-rank values
+    moments = resumed.engine.optimizer.state_dict()["state"]
+    assert len(moments) == len(params) and all(float(m["step"]) == STEPS for m in moments.values())
+    resumed = None
+
+    train(load_plan(one), run, resume=True, options=TrainOptions(show_progress=False, weights=str(base_dir)))
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 2 * STEPS + 1))  # it trained on to the end
+    losses = [m["loss"] for m in metrics]
+    assert losses[:STEPS] == two_rank_losses[:STEPS]
+    assert losses[STEPS:] == pytest.approx(two_rank_losses[STEPS:], abs=1e-5)  # as if never stopped
+    events = read_jsonl(run / "events.jsonl")
+    assert any(e["event"] == "resharded" and e["saved_layout"] != e["layout"] for e in events)
+    assert json.loads((run / "summary.json").read_text())["finished"]
+
+
+def _replanned(plan_path: Path, out: Path, layout_fields: dict) -> Path:
+    """The plan re-made for another number of devices: the same task, global batch and engine
+    choice (fsdp2; one process runs it plain), another layout."""
+    plan = load_plan(plan_path)
+    layout = plan.chosen.layout.model_copy(update=layout_fields)
+    assert layout.global_batch == plan.chosen.layout.global_batch
+    plan.chosen.layout = layout
+    for stage in plan.stages:
+        stage.layout = layout
+    plan.write(out)
+    return out
+
+
+def _resumed_run(plan: Path, run: Path, base_dir: Path):
+    """The loop's run object after it restored the newest checkpoint (nothing trained yet)."""
+    from trainer.loop import _Run
+
+    resumed = _Run(load_plan(plan), run, TrainOptions(show_progress=False, weights=str(base_dir)))
+    resumed.restore_or_start(True)
+    return resumed
