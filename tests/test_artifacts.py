@@ -9,6 +9,7 @@ word-level tokenizer built here in the same folder (so the tokenizer comes from 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -180,7 +181,7 @@ def fixed_batch_logits(model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=batch).logits
 
 
-def _check_full_artifact(run: Path, checkpoint_weights: dict[str, torch.Tensor]) -> None:
+def _check_full_artifact(run: Path, checkpoint_weights: dict[str, torch.Tensor], base_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model_dir = run / "model"
@@ -190,16 +191,8 @@ def _check_full_artifact(run: Path, checkpoint_weights: dict[str, torch.Tensor])
     assert loaded.dtype == torch.float32  # the training dtype
     trained = logits_of(checkpoint_weights)
     assert (fixed_batch_logits(loaded) - trained).abs().max() < 1e-5
-    start = fixed_batch_logits(AutoModelForCausalLM.from_pretrained(_base_of(run)))
+    start = fixed_batch_logits(AutoModelForCausalLM.from_pretrained(base_dir))
     assert (start - trained).abs().max() > 1e-3  # it trained, from the --weights
-
-
-def _base_of(run: Path) -> Path:
-    return Path(json.loads((run / "model" / "adapter_config.json").read_text())["base_model_name_or_path"]) \
-        if (run / "model" / "adapter_config.json").is_file() else BASE[0]
-
-
-BASE: list[Path] = []
 
 
 @pytest.mark.slow
@@ -207,14 +200,13 @@ def test_zero3_on_two_ranks_leaves_an_hf_folder_with_the_checkpoints_weights(tmp
     import deepspeed  # noqa: F401  (imported before forking: the ranks inherit it loaded)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    BASE[:] = [base_dir]
     plan = _with_engine(_plan(tmp_path, {"dp": 2, "gas": 2, "zero": 3}), "deepspeed")
     run = tmp_path / "run"
     _train_forked(plan, run, base_dir)
     last = sorted((run / "checkpoints").glob("step-*"))[-1]
     # DeepSpeed's own consolidation of its ZeRO-3 partitions, independent of trainer/handoff.py
     consolidated = get_fp32_state_dict_from_zero_checkpoint(str(last), tag="engine")
-    _check_full_artifact(run, consolidated)
+    _check_full_artifact(run, consolidated, base_dir)
 
 
 @pytest.mark.slow
@@ -225,19 +217,18 @@ def test_tp_on_two_ranks_leaves_an_hf_folder_and_resumes_on_one_process_from_its
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    BASE[:] = [base_dir]
     plan = _with_engine(_plan(tmp_path, {"tp": 2}), "fsdp2")
     run = tmp_path / "run"
     _train_forked(plan, run, base_dir)
     checkpoints = sorted((run / "checkpoints").glob("step-*"))
     dcp_to_torch_save(checkpoints[-1] / "dcp", tmp_path / "last.pt")  # DCP's own consolidation
-    _check_full_artifact(run, torch.load(tmp_path / "last.pt", weights_only=True)["model"])
+    _check_full_artifact(run, torch.load(tmp_path / "last.pt", weights_only=True)["model"], base_dir)
 
     # stop it after the first stage: the newest checkpoint is the TP ranks' stage end
     first_stage_end = run / "checkpoints" / f"step-{STEPS:08d}"
     for later in checkpoints:
         if later.name > first_stage_end.name:
-            __import__("shutil").rmtree(later)
+            shutil.rmtree(later)
     dcp_to_torch_save(first_stage_end / "dcp", tmp_path / "stage1.pt")
     saved = torch.load(tmp_path / "stage1.pt", weights_only=True)
     two_rank_losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from advisor.errors import UsageError
 from advisor.capabilities import EngineChoice
-from advisor.plan_file import Plan, StagePlan, segment_of
+from advisor.plan_file import Plan, StagePlan, load_plan, segment_of
 from advisor.specs import Layout, ModelSpec
 from advisor.task import StageSpec
 from planner.export import model_deepspeed_config
@@ -132,6 +132,15 @@ def _saved_layout(path: Path | None, default: Layout) -> Layout:
     saved = json.loads((path / "trainer.json").read_text()).get("layout")
     layout = type(default).model_validate(saved) if saved else default
     return layout if layout.devices == default.devices else default
+
+
+def _replanned(path: Path, plan: Plan) -> bool:
+    """Whether the run dir's plan.yaml is missing or lays its stages out otherwise than `plan` (a plan
+    re-made for another number of devices, resumed)."""
+    try:
+        return load_plan(path).stage_layouts() != plan.stage_layouts()
+    except (OSError, ValueError, UsageError):
+        return True
 
 
 def _tokenizer_model(model_name: str, weights: str | None) -> str:
@@ -369,8 +378,8 @@ class _Run:
             else:
                 if moved is not None:
                     self.events.write({"event": "moved_aside", "to": str(moved)})
-                if not resume or not (self.run_dir / "plan.yaml").is_file():
-                    self.plan.write(self.run_dir / "plan.yaml")
+                if not resume or _replanned(self.run_dir / "plan.yaml", self.plan):
+                    self.plan.write(self.run_dir / "plan.yaml")  # the plan that runs now (a re-plan too)
         refusal = checkpoint.broadcast(refusal)
         if refusal is not None:
             raise UsageError(refusal)
