@@ -146,7 +146,7 @@ def _rank_train(rank: int, world: int, port: int, plan_path: str, run_dir: str, 
     from profiler.ranks import finish_rank, init_rank
 
     init_rank(rank, world, port, distributed=world > 1, threads=1)
-    train(load_plan(plan_path), Path(run_dir), False, TrainOptions(show_progress=False, weights=weights))
+    train(load_plan(plan_path), Path(run_dir), False, TrainOptions(show_progress=False, weights=weights or None))
     finish_rank(world > 1)
 
 

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from advisor.specs import Layout
 from trainer.checkpoint import load_distributed
 from trainer.engines.base import device, forward_backward, state_bytes
+from trainer.engines.deepspeed_zero import load_universal, saved_ranks
 from trainer.engines.optimizer import adamw, clip_replicated_grad_norm, optimizer_step
 from trainer.materialize import materialize, pending_init
 
@@ -53,10 +54,14 @@ class PlainEngine:
                        directory / "engine.pt")
 
     def load(self, directory: Path) -> None:
-        """Its own `engine.pt`, or a DTensor engine's DCP folder: a run of FSDP2, TP or pipeline ranks
-        resumed on one process (or on DDP replicas) after a re-plan; DCP reads the shards whole."""
+        """Its own `engine.pt`, or another engine's checkpoint after a re-plan for another number of
+        devices: a DTensor engine's DCP folder (FSDP2, TP or pipeline ranks; DCP reads the shards
+        whole), or DeepSpeed's (through its universal checkpoint)."""
         if not (directory / "engine.pt").is_file() and (directory / "dcp").is_dir():
             load_distributed(self.module, self.optimizer, directory)
+            return
+        if not (directory / "engine.pt").is_file() and saved_ranks(directory):  # DeepSpeed ranks wrote it
+            load_universal(self.module, self.optimizer, directory)
             return
         state = torch.load(directory / "engine.pt", map_location="cpu", weights_only=True)
         self.module.load_state_dict(state["model"])
