@@ -196,7 +196,8 @@ def _check_full_artifact(run: Path, checkpoint_weights: dict[str, torch.Tensor],
 
 
 @pytest.mark.slow
-def test_zero3_on_two_ranks_leaves_an_hf_folder_with_the_checkpoints_weights(tmp_path, base_dir) -> None:
+def test_zero3_on_two_ranks_leaves_an_hf_folder_and_resumes_on_one_process_from_a_universal_checkpoint(
+        tmp_path, base_dir) -> None:
     import deepspeed  # noqa: F401  (imported before forking: the ranks inherit it loaded)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -207,6 +208,11 @@ def test_zero3_on_two_ranks_leaves_an_hf_folder_with_the_checkpoints_weights(tmp
     # DeepSpeed's own consolidation of its ZeRO-3 partitions, independent of trainer/handoff.py
     consolidated = get_fp32_state_dict_from_zero_checkpoint(str(last), tag="engine")
     _check_full_artifact(run, consolidated, base_dir)
+
+    # stopped after the first stage, resumed on one process: DeepSpeed's universal checkpoint
+    stage_end = _stop_after_first_stage(run)
+    saved = get_fp32_state_dict_from_zero_checkpoint(str(stage_end), tag="engine")
+    _check_resumed_on_one_process(plan, run, base_dir, saved, tmp_path)
 
 
 @pytest.mark.slow
@@ -220,25 +226,37 @@ def test_tp_on_two_ranks_leaves_an_hf_folder_and_resumes_on_one_process_from_its
     plan = _with_engine(_plan(tmp_path, {"tp": 2}), "fsdp2")
     run = tmp_path / "run"
     _train_forked(plan, run, base_dir)
-    checkpoints = sorted((run / "checkpoints").glob("step-*"))
-    dcp_to_torch_save(checkpoints[-1] / "dcp", tmp_path / "last.pt")  # DCP's own consolidation
+    last = sorted((run / "checkpoints").glob("step-*"))[-1]
+    dcp_to_torch_save(last / "dcp", tmp_path / "last.pt")  # DCP's own consolidation, independent of handoff.py
     _check_full_artifact(run, torch.load(tmp_path / "last.pt", weights_only=True)["model"], base_dir)
 
-    # stop it after the first stage: the newest checkpoint is the TP ranks' stage end
-    first_stage_end = run / "checkpoints" / f"step-{STEPS:08d}"
-    for later in checkpoints:
-        if later.name > first_stage_end.name:
-            shutil.rmtree(later)
-    dcp_to_torch_save(first_stage_end / "dcp", tmp_path / "stage1.pt")
-    saved = torch.load(tmp_path / "stage1.pt", weights_only=True)
-    two_rank_losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
+    # stopped after the first stage, resumed on one process: the plain engine reads the DCP shards
+    stage_end = _stop_after_first_stage(run)
+    dcp_to_torch_save(stage_end / "dcp", tmp_path / "stage1.pt")
+    saved = torch.load(tmp_path / "stage1.pt", weights_only=True)["model"]
+    _check_resumed_on_one_process(plan, run, base_dir, saved, tmp_path)
 
-    # the plan re-made for 1 process (same global batch), resumed: the plain engine reads the DCP shards
+
+def _stop_after_first_stage(run: Path) -> Path:
+    """The run as if stopped after its first stage: the checkpoints after its end removed."""
+    stage_end = run / "checkpoints" / f"step-{STEPS:08d}"
+    for later in (run / "checkpoints").glob("step-*"):
+        if later.name > stage_end.name:
+            shutil.rmtree(later)
+    return stage_end
+
+
+def _check_resumed_on_one_process(plan: Path, run: Path, base_dir: Path, saved: dict[str, torch.Tensor],
+                                  tmp_path: Path) -> None:
+    """The plan re-made for 1 process (the same global batch), resumed: right after the restore its
+    parameters are the 2-rank checkpoint's exactly and Adam has taken the first stage's steps; then
+    it trains on to the end with the losses the 2 ranks had."""
+    two_rank_losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
     one = _replanned(plan, tmp_path / "one.yaml", FP32)
     resumed = _resumed_run(one, run, base_dir)
     params = dict(resumed.engine.module.named_parameters())
-    assert params.keys() == saved["model"].keys()
-    assert all(torch.equal(params[k].detach(), saved["model"][k]) for k in params)  # exactly the 2-rank values
+    assert params.keys() == saved.keys()
+    assert all(torch.equal(params[k].detach(), saved[k].view(params[k].shape)) for k in params)
     moments = resumed.engine.optimizer.state_dict()["state"]
     assert len(moments) == len(params) and all(float(m["step"]) == STEPS for m in moments.values())
     resumed = None
@@ -249,9 +267,9 @@ def test_tp_on_two_ranks_leaves_an_hf_folder_and_resumes_on_one_process_from_its
     losses = [m["loss"] for m in metrics]
     assert losses[:STEPS] == two_rank_losses[:STEPS]
     assert losses[STEPS:] == pytest.approx(two_rank_losses[STEPS:], abs=1e-5)  # as if never stopped
-    events = read_jsonl(run / "events.jsonl")
-    assert any(e["event"] == "resharded" and e["saved_layout"] != e["layout"] for e in events)
+    assert any(e["event"] == "resharded" and e["saved_layout"] != e["layout"] for e in read_jsonl(run / "events.jsonl"))
     assert json.loads((run / "summary.json").read_text())["finished"]
+    assert load_plan(run / "plan.yaml").chosen.layout.devices == 1  # the run dir's plan is the one that ran
 
 
 def _replanned(plan_path: Path, out: Path, layout_fields: dict) -> Path:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from advisor.specs import ModelSpec
+from trainer.data.tokenizer import load_tokenizer
 
 HANDOFF_DIR = "model"
 ARTIFACT_DIR = "model"  # RUN/model/ and RUN/stages/<stage>/model/
@@ -240,8 +241,6 @@ def _write_tokenizer(tokenizer: Path | None, out: Path) -> None:
     if tokenizer is None:
         (out / "README.md").write_text(BYTES_README)
         return
-    from trainer.data.tokenizer import load_tokenizer  # transformers: only artifacts need it here
-
     load_tokenizer(tokenizer).save_pretrained(str(out))
 
 

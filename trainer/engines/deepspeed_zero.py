@@ -14,6 +14,7 @@ import torch.distributed as dist
 from advisor.specs import Layout
 from trainer.engines.base import device, state_bytes
 from trainer.engines.optimizer import set_learning_rate
+from trainer.checkpoint import saved_ranks, universal_checkpoint
 from trainer.materialize import materialize, materialize_zero3, pending_init
 
 ACCELERATOR_ENV = "DS_ACCELERATOR"
@@ -128,64 +129,3 @@ def _gradient_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
         if group is not None:
             held.extend(group if isinstance(group, list) else [group])
     return held
-
-
-ENGINE_TAG = "engine"  # the folder DeepSpeed's checkpoint has inside the trainer's
-UNIVERSAL = "universal"
-
-
-def saved_ranks(directory: Path) -> int | None:
-    """How many data-parallel ranks wrote the DeepSpeed checkpoint in `directory` (None: none there)."""
-    files = list((directory / ENGINE_TAG).glob("*_model_states.pt"))
-    return len(files) or None
-
-
-def universal_checkpoint(directory: Path) -> Path:
-    """Collective: `directory`'s DeepSpeed checkpoint converted once into DeepSpeed's universal
-    format (`directory/universal/`: every parameter whole, with its Adam moments, for any world
-    size), by DeepSpeed's own `ds_to_universal` in a subprocess of rank 0 (it starts worker pools,
-    which do not belong in a training rank). Written aside and renamed: the manifest does not list
-    it, so the checkpoint still verifies, and its rotation deletes it."""
-    import subprocess
-    import sys
-
-    out = directory / UNIVERSAL
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0 and not out.is_dir():
-        tmp = directory / f".tmp-{UNIVERSAL}"
-        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                   str(directory / ENGINE_TAG), "--output_folder", str(tmp), "--inject_missing_state",
-                   "--num_extract_workers", "1", "--num_merge_workers", "1"]
-        env = dict(os.environ)
-        if not torch.cuda.is_available():
-            env.setdefault(ACCELERATOR_ENV, "cpu")  # as `import_deepspeed` tells this process's import
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"DeepSpeed could not convert {directory.name} to a universal checkpoint: "
-                               f"{done.stderr.strip().splitlines()[-1:] or done.returncode}")
-        tmp.rename(out)
-    if dist.is_initialized():
-        dist.barrier()
-    return out
-
-
-def load_universal(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """A DeepSpeed run's checkpoint into a plain torch model and AdamW (a run of ZeRO ranks resumed
-    on one process): DeepSpeed's universal format holds each trainable parameter's fp32 value and
-    Adam moments under its name, flattened; Adam's step count is in its optimizer state. Read
-    by hand because DeepSpeed reads that format only into its own engine. Frozen parameters (a
-    LoRA base) come from the model's weights, as when the run started."""
-    zero = universal_checkpoint(directory) / "zero"
-    # pickled DeepSpeed objects (a loss scaler, an enum): run dirs are trusted through run.json
-    common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=False)
-    step = float(next(iter(common["optimizer_state_dict"]["state"].values()))["step"])
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            if not param.requires_grad:
-                continue
-            read = {key: torch.load(zero / name / f"{key}.pt", map_location="cpu", weights_only=True).view(param.shape)
-                    for key in ("fp32", "exp_avg", "exp_avg_sq")}
-            param.copy_(read["fp32"])
-            optimizer.state[param] = {"step": torch.tensor(step, dtype=torch.float32, device=param.device),
-                                      "exp_avg": read["exp_avg"].to(param.device, torch.float32),
-                                      "exp_avg_sq": read["exp_avg_sq"].to(param.device, torch.float32)}
