@@ -524,7 +524,10 @@ class _Run:
         self.state.stage += 1
         self.state.step_in_stage = 0
         self.state.lr_scale = 1.0  # a spike's cooling belongs to its stage
-        self.save("stage_end", handoff=self.state.stage == self.segment.end < len(self.task.stages), weights=weights)
+        handoff = self.state.stage == self.segment.end < len(self.task.stages)
+        if not handoff:
+            weights = None  # freed before the engine saves
+        self.save("stage_end", handoff=handoff, weights=weights)
 
     def write_model(self, stage: _Stage) -> dict[str, torch.Tensor] | None:
         """The stage's artifact, RUN/stages/<stage>/model/ (collective; trainer/handoff.py `write_model`):

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from advisor.errors import UsageError
 from advisor.specs import Layout
 from trainer.engines.base import device, state_bytes
 from trainer.engines.optimizer import set_learning_rate
@@ -92,7 +93,11 @@ class DeepSpeedEngine:
     def load(self, directory: Path) -> None:
         """Its own checkpoint; one written by another number of ranks (a plan re-made for another
         device count) through DeepSpeed's universal checkpoint, which any world size reads."""
-        if saved_ranks(directory) in (None, dist.get_world_size()):
+        if saved_ranks(directory) is None:  # DeepSpeed would silently load nothing
+            raise UsageError(f"checkpoint {directory.name} was written by another engine (plain or FSDP2/TP/"
+                             "pipeline); DeepSpeed resumes its own checkpoints only: re-plan with --engine fsdp2, "
+                             "or resume with the layout that wrote it")
+        if saved_ranks(directory) == dist.get_world_size():
             self.engine.load_checkpoint(str(directory), tag="engine", load_optimizer_states=True,
                                         load_lr_scheduler_states=False)
             return
