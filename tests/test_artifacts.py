@@ -139,6 +139,20 @@ def test_qlora_from_local_weights_learns_and_its_adapter_loads_on_a_16_bit_and_a
     assert mean_loss(merged, batch) == pytest.approx(trainer_eval, abs=2e-3)
 
 
+def test_one_process_without_a_tokenizer_leaves_an_hf_folder_that_says_it_reads_bytes(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    plan = load_plan(_plan(tmp_path, {}))  # no --weights, no tokenizer: a seeded init on UTF-8 bytes
+    run = tmp_path / "run"
+    train(plan, run, resume=False, options=TrainOptions(show_progress=False))
+    last = sorted((run / "checkpoints").glob("step-*"))[-1]
+    engine_state = torch.load(last / "engine.pt", weights_only=True)["model"]
+    loaded = AutoModelForCausalLM.from_pretrained(run / "model")
+    assert (fixed_batch_logits(loaded) - logits_of(engine_state)).abs().max() < 1e-5
+    assert "UTF-8 bytes" in (run / "model" / "README.md").read_text()
+    assert not (run / "model" / "tokenizer.json").exists()
+
+
 # -- full fine-tuning on 2 ranks: the artifact against the engine's own checkpoint ---------------------
 
 
