@@ -84,7 +84,8 @@ def test_lora_run_leaves_an_adapter_that_peft_loads_with_the_trainers_eval_loss(
     train(plan, run, resume=False, options=TrainOptions(show_progress=False, weights=str(base_dir), merge=True))
 
     model_dir = run / "model"
-    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in model_dir.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= \
+        {p.name for p in model_dir.iterdir()}
     for stage in plan.task.stages:  # every stage end left the same kind of artifact
         assert (run / "stages" / stage.name / "model" / "adapter_model.safetensors").is_file()
     summary = json.loads((run / "summary.json").read_text())
@@ -299,10 +300,50 @@ def _replanned(plan_path: Path, out: Path, layout_fields: dict) -> Path:
     return out
 
 
-def _resumed_run(plan: Path, run: Path, base_dir: Path):
+def _resumed_run(plan: Path, run: Path, base_dir: Path | None):
     """The loop's run object after it restored the newest checkpoint (nothing trained yet)."""
     from trainer.loop import _Run
 
-    resumed = _Run(load_plan(plan), run, TrainOptions(show_progress=False, weights=str(base_dir)))
+    weights = str(base_dir) if base_dir else None
+    resumed = _Run(load_plan(plan), run, TrainOptions(show_progress=False, weights=weights))
     resumed.restore_or_start(True)
     return resumed
+
+
+def _rank_resume(rank: int, world: int, port: int, plan: str, run: str, out: str) -> None:
+    """Resume `run` with `plan`: rank 0 saves the whole parameters right after the restore, then
+    every rank trains on."""
+    from torch.distributed.tensor import DTensor
+
+    from profiler.ranks import finish_rank, init_rank
+
+    init_rank(rank, world, port, distributed=True, threads=1)
+    resumed = _resumed_run(Path(plan), Path(run), None)
+    whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+             for n, p in resumed.engine.module.named_parameters()}
+    if rank == 0:
+        torch.save(whole, out)
+    resumed = whole = None
+    train(load_plan(plan), Path(run), True, TrainOptions(show_progress=False))
+    finish_rank(True)
+
+
+@pytest.mark.slow
+def test_a_one_process_run_resumes_on_two_fsdp2_ranks_from_its_own_checkpoint(tmp_path) -> None:
+    import torch.distributed.fsdp  # noqa: F401  (imported before forking)
+
+    from profiler.ranks import free_port, launch
+
+    plan = _with_engine(_plan(tmp_path, {}), "fsdp2")
+    run = tmp_path / "run"
+    train(load_plan(plan), run, resume=False, options=TrainOptions(show_progress=False))
+    one_process_losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
+    saved = torch.load(_stop_after_first_stage(run) / "engine.pt", weights_only=True)["model"]
+
+    two = _replanned(plan, tmp_path / "two.yaml", {"dp": 2, "gas": 2, "zero": 3})  # engine.pt into FSDP2 shards
+    launch(_rank_resume, 2, (2, free_port(), str(two), str(run), str(tmp_path / "whole.pt")))
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert whole.keys() == saved.keys() and all(torch.equal(whole[k], saved[k]) for k in whole)
+    losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
+    assert losses == pytest.approx(one_process_losses, abs=1e-5)  # Adam's moments came along too
+    assert len(losses) == 2 * STEPS

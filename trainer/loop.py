@@ -5,7 +5,9 @@ For each stage of the task: re-warm the learning rate, train its planned steps o
 checkpoint and skip the offending batch), checkpoint on the planned cadence and always at the
 stage end, evaluate every skill seen so far. Everything a run leaves follows the run-dir contract:
 plan.yaml, metrics.jsonl, events.jsonl, checkpoints/, summary.json, and run.json (which run this is:
-trainer/run_identity.py).
+trainer/run_identity.py); and the model to ship, at every stage end stages/<stage>/model/ and at the
+end model/ (trainer/handoff.py `write_model`). A resume after a re-plan for another number of devices
+reads the checkpoint resharded (the engines' `load`: DCP, DeepSpeed's universal checkpoint).
 """
 
 from __future__ import annotations
