@@ -15,7 +15,7 @@ from advisor.errors import UsageError
 from advisor.specs import Layout
 from trainer.engines.base import device, state_bytes
 from trainer.engines.optimizer import set_learning_rate
-from trainer.checkpoint import saved_ranks, universal_checkpoint
+from trainer.checkpoint import ENGINE_TAG, saved_ranks, universal_checkpoint
 from trainer.materialize import materialize, materialize_zero3, pending_init
 
 ACCELERATOR_ENV = "DS_ACCELERATOR"
@@ -88,7 +88,7 @@ class DeepSpeedEngine:
         return float(norm) if norm is not None else float("nan")
 
     def save(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag="engine")
+        self.engine.save_checkpoint(str(directory), tag=ENGINE_TAG)
 
     def load(self, directory: Path) -> None:
         """Its own checkpoint; one written by another number of ranks (a plan re-made for another
@@ -98,7 +98,7 @@ class DeepSpeedEngine:
                              "pipeline); DeepSpeed resumes its own checkpoints only: re-plan with --engine fsdp2, "
                              "or resume with the layout that wrote it")
         if saved_ranks(directory) == dist.get_world_size():
-            self.engine.load_checkpoint(str(directory), tag="engine", load_optimizer_states=True,
+            self.engine.load_checkpoint(str(directory), tag=ENGINE_TAG, load_optimizer_states=True,
                                         load_lr_scheduler_states=False)
             return
         universal = universal_checkpoint(directory)
