@@ -23,6 +23,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -278,3 +280,108 @@ def load_distributed(module: torch.nn.Module, optimizer: torch.optim.Optimizer, 
         set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_flat_options())
     else:  # a checkpoint taken before the first step: a fresh optimizer
         optimizer.state.clear()
+
+
+def load_full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, model: dict[str, torch.Tensor],
+                    moments: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Whole tensors by parameter name (another engine's checkpoint: the plain engine's
+    `engine.pt`, DeepSpeed's universal one) into a DTensor engine's shards, by DCP's state-dict
+    API: `model` the weights, `moments` Adam's state per trainable parameter (empty: a fresh
+    optimizer). A pipeline stage takes the names it holds."""
+    from torch.distributed.checkpoint.state_dict import (  # DCP: only DTensor engines need it
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    held = get_model_state_dict(module).keys()
+    set_model_state_dict(module, {k: v for k, v in model.items() if k in held}, options=full)
+    trained = [name for name, p in module.named_parameters() if p.requires_grad]
+    if not moments:
+        optimizer.state.clear()
+        return
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    state = {"state": {name: moments[name] for name in trained},
+             "param_groups": [{**hyper, "params": trained}]}
+    set_optimizer_state_dict(module, optimizer, state, options=full)
+
+
+def plain_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """The plain engine's `engine.pt` as whole tensors by name: its model, and its AdamW state by
+    parameter name. torch numbers the optimizer's parameters in the model's order, which its state
+    dict keeps (a tied weight stored once: torch.save keeps the sharing, so a repeated storage is
+    the same parameter)."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    seen: set[int] = set()
+    names = []
+    for name, tensor in saved["model"].items():
+        if tensor.untyped_storage().data_ptr() not in seen:
+            seen.add(tensor.untyped_storage().data_ptr())
+            names.append(name)
+    numbered = [i for group in saved["optimizer"]["param_groups"] for i in group["params"]]
+    if len(numbered) != len(names):
+        raise RuntimeError(f"{path}: {len(numbered)} optimized parameters but {len(names)} weights; "
+                           "a frozen base (LoRA) does not resume on this engine")
+    by_number = dict(zip(numbered, names))
+    return saved["model"], {by_number[i]: value for i, value in saved["optimizer"]["state"].items()}
+
+
+# -- DeepSpeed's checkpoints read by another number of ranks or another engine ------------------------
+
+ENGINE_TAG = "engine"  # the folder DeepSpeed's checkpoint has inside the trainer's
+UNIVERSAL = "universal"
+
+
+def saved_ranks(directory: Path) -> int | None:
+    """How many data-parallel ranks wrote the DeepSpeed checkpoint in `directory` (None: none there)."""
+    files = list((directory / ENGINE_TAG).glob("*_model_states.pt"))
+    return len(files) or None
+
+
+def universal_checkpoint(directory: Path) -> Path:
+    """Collective: `directory`'s DeepSpeed checkpoint converted once into DeepSpeed's universal
+    format (`directory/universal/`: every parameter whole, with its Adam moments, for any world
+    size), by DeepSpeed's own `ds_to_universal` in a subprocess of rank 0 (it starts worker pools,
+    which do not belong in a training rank). Written aside and renamed: the manifest does not list
+    it, so the checkpoint still verifies, and its rotation deletes it."""
+    out = directory / UNIVERSAL
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and not out.is_dir():
+        tmp = directory / f".tmp-{UNIVERSAL}"
+        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                   str(directory / ENGINE_TAG), "--output_folder", str(tmp), "--inject_missing_state",
+                   "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        env = dict(os.environ)
+        if not torch.cuda.is_available():
+            env.setdefault("DS_ACCELERATOR", "cpu")  # as trainer/engines/deepspeed_zero.py tells its import
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"DeepSpeed could not convert {directory.name} to a universal checkpoint: "
+                               f"{done.stderr.strip().splitlines()[-1:] or done.returncode}")
+        tmp.rename(out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def universal_state(directory: Path, module: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
+                                                                      dict[str, dict[str, torch.Tensor]]]:
+    """A DeepSpeed run's checkpoint as whole tensors by name, for another engine: each trainable
+    parameter of `module` with its Adam moments and step count. DeepSpeed's universal format holds
+    them flattened, one folder per parameter name, the step in its optimizer state; read by hand
+    because DeepSpeed reads that format only into its own engine. Frozen parameters (a LoRA base)
+    are not in it: they come from the model's weights, as when the run started."""
+    zero = universal_checkpoint(directory) / "zero"
+    # pickled DeepSpeed objects (a loss scaler, an enum): run dirs are trusted through run.json
+    common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    step = float(next(iter(common["optimizer_state_dict"]["state"].values()))["step"])
+    model, moments = {}, {}
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            read = {key: torch.load(zero / name / f"{key}.pt", map_location="cpu", weights_only=True).view(param.shape)
+                    for key in ("fp32", "exp_avg", "exp_avg_sq")}
+            model[name] = read["fp32"]
+            moments[name] = {"step": torch.tensor(step), "exp_avg": read["exp_avg"], "exp_avg_sq": read["exp_avg_sq"]}
+    return model, moments

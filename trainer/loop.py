@@ -5,7 +5,9 @@ For each stage of the task: re-warm the learning rate, train its planned steps o
 checkpoint and skip the offending batch), checkpoint on the planned cadence and always at the
 stage end, evaluate every skill seen so far. Everything a run leaves follows the run-dir contract:
 plan.yaml, metrics.jsonl, events.jsonl, checkpoints/, summary.json, and run.json (which run this is:
-trainer/run_identity.py).
+trainer/run_identity.py); and the model to ship, at every stage end stages/<stage>/model/ and at the
+end model/ (trainer/handoff.py `write_model`). A resume after a re-plan for another number of devices
+reads the checkpoint resharded (the engines' `load`: DCP, DeepSpeed's universal checkpoint).
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ import torch.distributed as dist
 
 from advisor.errors import UsageError
 from advisor.capabilities import EngineChoice
-from advisor.plan_file import Plan, StagePlan, segment_of
+from advisor.plan_file import Plan, StagePlan, load_plan, segment_of
 from advisor.specs import Layout, ModelSpec
 from advisor.task import StageSpec
 from planner.export import model_deepspeed_config
+from profiler.hardware_bench import TORCH_DTYPES
 from profiler.tensor_memory import TensorMemory
 from trainer import checkpoint
-from trainer.corpus import load_source, stage_sources, tokenizer_for
+from trainer.corpus import ByteTokenizer, load_source, stage_sources, tokenizer_for
 from trainer.engines import Engine, device, make_engine, select_backend
-from trainer.handoff import HANDOFF_DIR, write_full_weights
+from trainer.handoff import ARTIFACT_DIR, HANDOFF_DIR, TOKENIZER_FILES, copy_model, write_full_weights, write_model
 from trainer.oom import OOMInjector, free_memory, is_oom, next_layout, relaunch_layout, request_relaunch
 from trainer.model import build_model
 from trainer.options import TrainOptions
@@ -60,6 +63,7 @@ class LoopState:
     layout: dict[str, Any] | None = None  # the layout an OOM fallback switched to (None: the plan's)
     oom_fallbacks: int = 0
     padding: dict[str, list[int]] = field(default_factory=dict)  # stage -> [tokens, slots, slots unbucketed]
+    engine_layout: dict[str, Any] | None = None  # the layout whose engine wrote the checkpoint (None: before this key)
 
 
 def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -123,11 +127,30 @@ def _sum_across_ranks(values: list[float]) -> list[float]:
 
 
 def _saved_layout(path: Path | None, default: Layout) -> Layout:
-    """The layout a checkpoint was trained with after an OOM fallback, else `default`."""
+    """The layout a checkpoint was trained with after an OOM fallback, else `default` (also when the
+    plan was re-made for another number of devices: the fallback belonged to the old count)."""
     if path is None:
         return default
     saved = json.loads((path / "trainer.json").read_text()).get("layout")
-    return type(default).model_validate(saved) if saved else default
+    layout = type(default).model_validate(saved) if saved else default
+    return layout if layout.devices == default.devices else default
+
+
+def _replanned(path: Path, plan: Plan) -> bool:
+    """Whether the run dir's plan.yaml is missing or lays its stages out otherwise than `plan` (a plan
+    re-made for another number of devices, resumed)."""
+    try:
+        return load_plan(path).stage_layouts() != plan.stage_layouts()
+    except (OSError, ValueError, UsageError):
+        return True
+
+
+def _tokenizer_model(model_name: str, weights: str | None) -> str:
+    """Where the tokenizer comes from when the task names none: the --weights folder when it holds
+    one (the model's own), else the model preset's (`trainer.corpus.tokenizer_for`)."""
+    if weights and any((Path(weights) / name).is_file() for name in TOKENIZER_FILES):
+        return str(Path(weights).resolve())
+    return model_name
 
 
 def _checkpoint_step(path: Path) -> int:
@@ -278,7 +301,7 @@ class _Run:
         self.events = JsonLines(run_dir / "events.jsonl", self.main)
         self.scalars = ScalarLog(run_dir / "tensorboard", self.main)  # opens lazily, after any purge is set
         self.vocab = int(plan.model.hf_config.get("vocab_size", 0))
-        self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab)
+        self.tokenizer = tokenizer_for(self.task, _tokenizer_model(plan.model.name, options.weights), self.vocab)
         self.cache = run_dir / "data_cache"
         self.dev = device()
         self.memory = TensorMemory(self.dev)  # before the model is built: it counts what is allocated from now on
@@ -319,6 +342,7 @@ class _Run:
                 self.events.write({"event": "torn_lines", "file": "events.jsonl", "skipped": torn})
             self._restore(last)
             self.events.write({"event": "resume", "from": last.name, "step": self.state.global_step})
+            self._log_resharding(last)
         if self.prepared is not None:
             self.events.write({"event": "data", "source": "prepared", "dir": str(self.prepared)})
         if last is None:
@@ -331,6 +355,16 @@ class _Run:
         if self.layout != self.segment.layout:  # checkpoints remember the fallback for later resumes
             self.state.layout = self.layout.model_dump(mode="json")
             self.state.oom_fallbacks = max(self.state.oom_fallbacks, len(self.failed_layouts) - 1)
+        else:  # the plan's layout runs (a fallback of another device count, before a re-plan, is over)
+            self.state.layout = None
+
+    def _log_resharding(self, last: Path) -> None:
+        """A resume whose engine state was written under another layout (a plan re-made for another
+        number of devices): the engine read it resharded (trainer/engines: DCP, or the other format)."""
+        saved = self.state.engine_layout
+        if self.handoff is None and saved and Layout.model_validate(saved) != self.layout:
+            self.events.write({"event": "resharded", "from": last.name,
+                               "saved_layout": Layout.model_validate(saved).short(), "layout": self.layout.short()})
 
     def _claim(self, resume: bool) -> None:
         """Rank 0 makes the run dir this run's (run_identity.claim) and every rank takes its answer:
@@ -346,8 +380,8 @@ class _Run:
             else:
                 if moved is not None:
                     self.events.write({"event": "moved_aside", "to": str(moved)})
-                if not resume or not (self.run_dir / "plan.yaml").is_file():
-                    self.plan.write(self.run_dir / "plan.yaml")
+                if not resume or _replanned(self.run_dir / "plan.yaml", self.plan):
+                    self.plan.write(self.run_dir / "plan.yaml")  # the plan that runs now (a re-plan too)
         refusal = checkpoint.broadcast(refusal)
         if refusal is not None:
             raise UsageError(refusal)
@@ -381,14 +415,16 @@ class _Run:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def save(self, reason: str, handoff: bool = False) -> None:
-        """A checkpoint; with `handoff`, also the full weights the next segment starts from."""
+    def save(self, reason: str, handoff: bool = False, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """A checkpoint; with `handoff`, also the full weights the next segment starts from (`weights`
+        when the stage's artifact has gathered them already)."""
         self.state.spike = self.guard.state_dict()
+        self.state.engine_layout = self.layout.model_dump(mode="json")
 
         def save_engine(directory: Path) -> None:
             self.engine.save(directory)
             if handoff:
-                write_full_weights(self.engine, self.plan.model, directory / HANDOFF_DIR)
+                write_full_weights(self.engine, self.plan.model, directory / HANDOFF_DIR, weights)
 
         path = checkpoint.save(self.ckpt_root, self.state.global_step, vars(self.state).copy(), save_engine,
                                self.options.keep_checkpoints)
@@ -486,10 +522,26 @@ class _Run:
         if name in self.state.padding:
             self.events.write({"event": "data_padding", "stage": name, **_padding_report(self.state.padding[name])})
         self.events.write({"event": "stage_end", "stage": name, "step": self.state.global_step})
+        weights = self.write_model(stage)
         self.state.stage += 1
         self.state.step_in_stage = 0
         self.state.lr_scale = 1.0  # a spike's cooling belongs to its stage
-        self.save("stage_end", handoff=self.state.stage == self.segment.end < len(self.task.stages))
+        handoff = self.state.stage == self.segment.end < len(self.task.stages)
+        if not handoff:
+            weights = None  # freed before the engine saves
+        self.save("stage_end", handoff=handoff, weights=weights)
+
+    def write_model(self, stage: _Stage) -> dict[str, torch.Tensor] | None:
+        """The stage's artifact, RUN/stages/<stage>/model/ (collective; trainer/handoff.py `write_model`):
+        an HF model folder, or for LoRA/QLoRA an adapter folder. The full weights when it gathered them."""
+        directory = _stage_model_dir(self.run_dir, stage.spec.name)
+        tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else Path(self.tokenizer.name)
+        weights = write_model(self.engine, directory, TORCH_DTYPES[self.layout.dtype], tokenizer, self.options.weights,
+                              merge=self.options.merge)
+        self.events.write({"event": "model", "stage": stage.spec.name, "step": self.state.global_step,
+                           "path": str(directory.relative_to(self.run_dir)),
+                           "kind": "adapter" if self.layout.method in ("lora", "qlora") else "full"})
+        return weights
 
     # -- a step ------------------------------------------------------------------------------------
 
@@ -626,11 +678,22 @@ class _Run:
                   if e.get("event") == "eval"} if self.main else {}
         return {**logged, **self.evals}
 
+    def _final_model(self) -> str | None:
+        """RUN/model/: the last stage's artifact (rank 0 links it there); its path in the run dir."""
+        last = _stage_model_dir(self.run_dir, self.task.stages[-1].name)
+        if self.main and last.is_dir():
+            copy_model(last, self.run_dir / ARTIFACT_DIR)
+        return ARTIFACT_DIR if (self.run_dir / ARTIFACT_DIR).is_dir() else None
+
     def finish(self) -> dict[str, Any]:
         """summary.json: predicted against measured, per-stage results, what the run had to change."""
         summary = _summary(self.plan, self.state, self.step_times, self._all_evals(), self.run_dir, self.memory)
         summary["layout_used"] = self.layout.short()
         summary["oom_fallbacks"] = self.state.oom_fallbacks
+        summary["model_dir"] = self._final_model()
+        for entry in summary["stages"]:
+            stage_model = _stage_model_dir(self.run_dir, entry["name"])
+            entry["model_dir"] = str(stage_model.relative_to(self.run_dir)) if stage_model.is_dir() else None
         prepared = self.prepared
         summary["data"] = {"source": "prepared" if prepared is not None else "raw",
                            "dir": str(prepared) if prepared is not None else None,
@@ -640,6 +703,10 @@ class _Run:
             tmp.write_text(json.dumps(summary, indent=2))
             tmp.replace(self.run_dir / "summary.json")
         return summary
+
+
+def _stage_model_dir(run_dir: Path, stage: str) -> Path:
+    return run_dir / "stages" / stage / ARTIFACT_DIR
 
 
 def _evaluate_stages(model, task, upto: int, tokenizer, layout: Layout, cache: Path, options: TrainOptions,

@@ -26,6 +26,7 @@ class TrainOptions:
     eval_sequences: int = 16
     max_steps_per_stage: int | None = None  # cap for demos and tests
     weights: str | None = None  # a local HF model folder to fine-tune instead of a random init
+    merge: bool = False  # LoRA/QLoRA: the artifacts also hold the merged full weights (model/merged/)
     show_progress: bool = True
     data: str | None = None  # `advisor data prepare` folder; default: the task's data.out when fresh
     overwrite: bool = False  # a fresh start moves an old run in the run dir aside (else refuses it)

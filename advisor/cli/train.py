@@ -39,6 +39,8 @@ def train(
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (demos)"),
     seed: int = typer.Option(DEFAULTS.seed, "--seed"),
     weights: Optional[str] = typer.Option(None, "--weights", help="local HF model folder to start from"),
+    merge: bool = typer.Option(DEFAULTS.merge, "--merge/--no-merge", help="LoRA/QLoRA: also write the adapters "
+                               "merged into full weights, RUN/model/merged/ (and per stage)"),
     data: Optional[Path] = typer.Option(None, "--data", help="with a task: an `advisor data prepare` folder of "
                                         "length-bucketed shards (default: the task's data.out when it is fresh, else "
                                         "its raw files). Without a task: the data the run trains on as one stage, a "
@@ -123,7 +125,7 @@ def _run(a: SimpleNamespace) -> dict | None:
     options = TrainOptions(seed=a.seed, clip=a.clip, keep_checkpoints=a.keep_checkpoints,
                            max_rollbacks=a.max_rollbacks, spike_lr_factor=a.spike_lr_factor,
                            spike_warmup_steps=a.spike_warmup_steps, eval_sequences=a.eval_sequences,
-                           max_steps_per_stage=a.max_steps_per_stage, weights=a.weights,
+                           max_steps_per_stage=a.max_steps_per_stage, weights=a.weights, merge=a.merge,
                            show_progress=a.show_progress and a.launched,
                            data=str(prepared.resolve()) if prepared else None, overwrite=a.overwrite,
                            timeout_s=a.timeout_s)

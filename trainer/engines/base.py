@@ -14,7 +14,7 @@ from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
-from trainer.checkpoint import load_distributed, save_distributed
+from trainer.checkpoint import load_distributed, load_full_state, plain_state, save_distributed, universal_state
 
 
 @runtime_checkable
@@ -63,7 +63,14 @@ class DTensorState:
         save_distributed(self.module, self.optimizer, directory)
 
     def load(self, directory: Path) -> None:
-        load_distributed(self.module, self.optimizer, directory)
+        """Its DCP folder, resharded by DCP for this layout; after a re-plan for another device count,
+        the plain engine's `engine.pt` or DeepSpeed's checkpoint (whole tensors by name), sharded."""
+        if (directory / "dcp").is_dir():
+            load_distributed(self.module, self.optimizer, directory)
+        elif (directory / "engine.pt").is_file():
+            load_full_state(self.module, self.optimizer, *plain_state(directory / "engine.pt"))
+        else:  # DeepSpeed wrote it
+            load_full_state(self.module, self.optimizer, *universal_state(directory, self.module))
 
     def state_bytes(self) -> dict[str, int]:
         parameters = list(self.module.parameters())

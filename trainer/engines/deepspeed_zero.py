@@ -11,9 +11,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from advisor.errors import UsageError
 from advisor.specs import Layout
 from trainer.engines.base import device, state_bytes
 from trainer.engines.optimizer import set_learning_rate
+from trainer.checkpoint import ENGINE_TAG, saved_ranks, universal_checkpoint
 from trainer.materialize import materialize, materialize_zero3, pending_init
 
 ACCELERATOR_ENV = "DS_ACCELERATOR"
@@ -86,11 +88,26 @@ class DeepSpeedEngine:
         return float(norm) if norm is not None else float("nan")
 
     def save(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag="engine")
+        self.engine.save_checkpoint(str(directory), tag=ENGINE_TAG)
 
     def load(self, directory: Path) -> None:
-        self.engine.load_checkpoint(str(directory), tag="engine", load_optimizer_states=True,
-                                    load_lr_scheduler_states=False)
+        """Its own checkpoint; one written by another number of ranks (a plan re-made for another
+        device count) through DeepSpeed's universal checkpoint, which any world size reads."""
+        if saved_ranks(directory) is None:  # DeepSpeed would silently load nothing
+            raise UsageError(f"checkpoint {directory.name} was written by another engine (plain or FSDP2/TP/"
+                             "pipeline); DeepSpeed resumes its own checkpoints only: re-plan with --engine fsdp2, "
+                             "or resume with the layout that wrote it")
+        if saved_ranks(directory) == dist.get_world_size():
+            self.engine.load_checkpoint(str(directory), tag=ENGINE_TAG, load_optimizer_states=True,
+                                        load_lr_scheduler_states=False)
+            return
+        universal = universal_checkpoint(directory)
+        self.engine._config.load_universal_checkpoint = True  # DeepSpeed reads the flag at load time
+        try:
+            self.engine.load_checkpoint(str(universal.parent), tag=universal.name, load_optimizer_states=True,
+                                        load_lr_scheduler_states=False)
+        finally:
+            self.engine._config.load_universal_checkpoint = False  # its own checkpoints from now on
 
     def state_bytes(self) -> dict[str, int]:
         """Under ZeRO-3 a parameter counts its partition (``ds_tensor``) plus its module tensor,

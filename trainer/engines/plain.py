@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from advisor.specs import Layout
+from trainer.checkpoint import load_distributed, saved_ranks, universal_state
 from trainer.engines.base import device, forward_backward, state_bytes
 from trainer.engines.optimizer import adamw, clip_replicated_grad_norm, optimizer_step
 from trainer.materialize import materialize, pending_init
@@ -52,9 +53,28 @@ class PlainEngine:
                        directory / "engine.pt")
 
     def load(self, directory: Path) -> None:
+        """Its own `engine.pt`, or another engine's checkpoint after a re-plan for another number of
+        devices: a DTensor engine's DCP folder (FSDP2, TP or pipeline ranks; DCP reads the shards
+        whole), or DeepSpeed's (through its universal checkpoint)."""
+        if not (directory / "engine.pt").is_file() and (directory / "dcp").is_dir():
+            load_distributed(self.module, self.optimizer, directory)
+            return
+        if not (directory / "engine.pt").is_file() and saved_ranks(directory):  # DeepSpeed ranks wrote it
+            self._load_whole(*universal_state(directory, self.module))
+            return
         state = torch.load(directory / "engine.pt", map_location="cpu", weights_only=True)
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def _load_whole(self, model: dict[str, torch.Tensor], moments: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Another engine's whole tensors by name (trainer.checkpoint `universal_state`): the trainable
+        parameters and their AdamW state; frozen ones stay as the weights gave them."""
+        with torch.no_grad():
+            for name, param in self.module.named_parameters():
+                if name in model:
+                    param.copy_(model[name])
+                    self.optimizer.state[param] = {key: value.to(param.device, torch.float32)
+                                                   for key, value in moments[name].items()}
 
     def state_bytes(self) -> dict[str, int]:
         return state_bytes(self.module.parameters(), self.optimizer)
