@@ -155,3 +155,24 @@ def _ramp_from(previous: StageSpec, sources: list[Source], load) -> None:
             by_name[name] = Source(name, load(src), 0.0)
             sources.append(by_name[name])
         by_name[name].start_weight = src.weight / total
+
+
+def epoch_pass_tokens(task: TaskSpec, model_name: str, vocab_size: int, seq: int) -> dict[str, int]:
+    """For each stage budgeted in epochs whose data is readable now: the tokens of one pass over its
+    own sources, packed at `seq` as the trainer packs them, with its replay share on top
+    (own / (1 - replay)), the way the prepared manifest counts a stage. `advisor plan` sizes such
+    stages from these; a stage whose data is not there yet is left out (sized at run time)."""
+    counts: dict[str, int] = {}
+    wanted = [stage for stage in task.stages if stage.epochs is not None and stage.sources]
+    if not wanted:
+        return counts
+    tokenizer = tokenizer_for(task, model_name, vocab_size)
+    for stage in wanted:
+        try:
+            rows = sum(len(load_source(src, task, tokenizer, seq, None)) for src in stage.sources)
+        except (UsageError, OSError):
+            continue
+        share = 1.0 - sum(stage.replay.values())
+        if rows and share > 0:
+            counts[stage.name] = round(rows * seq / share)
+    return counts

@@ -156,6 +156,12 @@ def _advance(position: int, count: int, stage: int, skips: list[list[int]]) -> i
     return position
 
 
+def _epoch_steps(stream: Any, epochs: float, stage: str, per_step: int) -> int:
+    """Optimizer steps of an epochs budget: the positions after which the stage's own sources made
+    `epochs` passes (trainer/stream.py), in whole steps of `per_step` sequences."""
+    return max(1, math.ceil(stream.positions_for(epochs, stage) / per_step))
+
+
 def _start(position: int, stage: int, skips: list[list[int]]) -> int:
     for s, start, end in skips:
         if s == stage and start <= position < end:
@@ -450,8 +456,10 @@ class _Run:
     def start_stage(self) -> _Stage:
         index = self.state.stage
         spec, planned = self.task.stages[index], self.plan.stages[index]
-        steps = min(planned.steps, self.options.max_steps_per_stage or planned.steps)
         stream = self._make_stream(index)
+        epochs = self.options.epochs or spec.epochs
+        budget = planned.steps if epochs is None else _epoch_steps(stream, epochs, spec.name, self.per_step)
+        steps = min(budget, self.options.max_steps_per_stage or budget)
         bar = self.progress.add_task(spec.name, total=steps * self.per_step * self.layout.seq, loss=float("nan"),
                                      tps=0.0)
         stage = _Stage(index, spec, planned, steps, stream, bar)
@@ -460,7 +468,7 @@ class _Run:
             # a new data distribution moves the loss legitimately: the guard learns it afresh
             self.guard = self._fresh_guard()
             self.events.write({"event": "stage_start", "stage": spec.name, "step": self.state.global_step,
-                               "steps": steps, "lr": spec.lr * self.state.lr_scale,
+                               "steps": steps, "epochs": epochs, "lr": spec.lr * self.state.lr_scale,
                                "warmup_steps": spec.warmup_steps})
         return stage
 
@@ -481,11 +489,14 @@ class _Run:
         self.scalars.evals(self.state.global_step, self.evals[name])
 
     def end_stage(self, stage: _Stage) -> None:
-        """Log the stage's padding and end, move the curriculum on, and checkpoint."""
+        """Log the stage's padding, the passes it made over each source, and its end; move the
+        curriculum on, and checkpoint."""
         name = stage.spec.name
         if name in self.state.padding:
             self.events.write({"event": "data_padding", "stage": name, **_padding_report(self.state.padding[name])})
-        self.events.write({"event": "stage_end", "stage": name, "step": self.state.global_step})
+        skipped = [(start, end) for s, start, end in self.state.skips if s == stage.index]
+        epochs = stage.stream.epochs(self.state.positions[stage.index], skipped)
+        self.events.write({"event": "stage_end", "stage": name, "step": self.state.global_step, "epochs": epochs})
         self.state.stage += 1
         self.state.step_in_stage = 0
         self.state.lr_scale = 1.0  # a spike's cooling belongs to its stage
