@@ -95,6 +95,27 @@ def _read_texts(source: DataSource, base: Path) -> list[str]:
     return texts
 
 
+def read_prompt_answers(source: DataSource, base: Path, limit: int) -> list[tuple[str, str]]:
+    """Up to `limit` (prompt, reference answer) pairs of a source, in file order: its JSON-lines rows
+    that hold both a `prompt` and a `completion` string (other rows and formats have no answer to
+    score and give none)."""
+    pairs: list[tuple[str, str]] = []
+    if source.format not in ("jsonl", "json"):
+        return pairs
+    for path in _source_files(source, base):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if len(pairs) >= limit:
+                    return pairs
+                try:
+                    row = json.loads(line) if line.strip() else None
+                except ValueError:
+                    continue  # training reads the same file and names a bad row
+                if isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+                    pairs.append((row["prompt"], row["completion"]))
+    return pairs
+
+
 def _files_stamp(source: DataSource, base: Path) -> list[list]:
     """Each file of the source with its size and modification time: an edited file misses the cache."""
     stamps = []

@@ -31,8 +31,9 @@ from advisor.task import StageSpec
 from planner.export import model_deepspeed_config
 from profiler.tensor_memory import TensorMemory
 from trainer import checkpoint
-from trainer.corpus import load_source, stage_sources, tokenizer_for
+from trainer.corpus import load_source, read_prompt_answers, stage_sources, tokenizer_for
 from trainer.engines import Engine, device, make_engine, select_backend
+from trainer.exact_match import NOT_SCORED_PIPELINE, can_generate, exact_match
 from trainer.handoff import HANDOFF_DIR, write_full_weights
 from trainer.oom import OOMInjector, free_memory, is_oom, next_layout, relaunch_layout, request_relaunch
 from trainer.model import build_model
@@ -290,6 +291,8 @@ class _Run:
         self.memory = TensorMemory(self.dev)  # before the model is built: it counts what is allocated from now on
         self.step_times: list[float] = []
         self.evals: dict[str, dict[str, float]] = {}
+        self.exact: dict[str, dict[str, float | None]] = {}  # stage -> skill -> greedy exact match (None: no answers)
+        self.epochs: dict[str, dict[str, float]] = {}  # stage -> source -> passes made over it
         self.rollbacks = 0  # this run's, over all its resumes (the budget: never restored from a checkpoint)
         self.last_spike: int | None = None  # the step of the last spike, and how many checkpoints the
         self.steps_back = 0  # guard went back past the newest (a spike that repeats goes further back)
@@ -481,11 +484,20 @@ class _Run:
         self.progress.update(stage.bar, completed=self.state.step_in_stage * self.per_step * self.layout.seq)
 
     def evaluate(self, stage: _Stage) -> None:
-        """Eval loss of every skill seen so far, at the stage end: forgetting shows here."""
+        """Eval loss of every skill seen so far, at the stage end, and the greedy exact match of
+        their held-out answers: forgetting shows here."""
         name = stage.spec.name
         self.evals[name] = _evaluate_stages(self.engine.model, self.task, stage.index, self.tokenizer,
                                             self.layout, self.cache, self.options, self.dev)
-        self.events.write({"event": "eval", "stage": name, "step": self.state.global_step, "losses": self.evals[name]})
+        record: dict[str, Any] = {"event": "eval", "stage": name, "step": self.state.global_step,
+                                  "losses": self.evals[name]}
+        exact = _exact_match_stages(self.engine.model, self.task, stage.index, self.tokenizer, self.layout,
+                                    self.options, self.dev)
+        if exact is None:
+            record["exact_match_note"] = NOT_SCORED_PIPELINE
+        else:
+            self.exact[name] = record["exact_match"] = exact
+        self.events.write(record)
         self.scalars.evals(self.state.global_step, self.evals[name])
 
     def end_stage(self, stage: _Stage) -> None:
@@ -495,8 +507,9 @@ class _Run:
         if name in self.state.padding:
             self.events.write({"event": "data_padding", "stage": name, **_padding_report(self.state.padding[name])})
         skipped = [(start, end) for s, start, end in self.state.skips if s == stage.index]
-        epochs = stage.stream.epochs(self.state.positions[stage.index], skipped)
-        self.events.write({"event": "stage_end", "stage": name, "step": self.state.global_step, "epochs": epochs})
+        self.epochs[name] = stage.stream.epochs(self.state.positions[stage.index], skipped)
+        self.events.write({"event": "stage_end", "stage": name, "step": self.state.global_step,
+                           "epochs": self.epochs[name]})
         self.state.stage += 1
         self.state.step_in_stage = 0
         self.state.lr_scale = 1.0  # a spike's cooling belongs to its stage
@@ -631,15 +644,21 @@ class _Run:
 
     # -- the end -----------------------------------------------------------------------------------
 
-    def _all_evals(self) -> dict[str, dict[str, float]]:
-        """Stage-end evaluations of this process, and of earlier launches (segments, resumes) from the log."""
-        logged = {e["stage"]: e["losses"] for e in read_records(self.events.path)[0]
-                  if e.get("event") == "eval"} if self.main else {}
-        return {**logged, **self.evals}
+    def _logged(self, event: str, key: str, here: dict[str, Any]) -> dict[str, Any]:
+        """Per stage, `key` of the `event` records of this process (`here`) and of earlier launches
+        (segments, resumes) from the log."""
+        logged = {e["stage"]: e[key] for e in read_records(self.events.path)[0]
+                  if e.get("event") == event and key in e} if self.main else {}
+        return {**logged, **here}
 
     def finish(self) -> dict[str, Any]:
         """summary.json: predicted against measured, per-stage results, what the run had to change."""
-        summary = _summary(self.plan, self.state, self.step_times, self._all_evals(), self.run_dir, self.memory)
+        results = {"eval": self._logged("eval", "losses", self.evals),
+                   "exact_match": self._logged("eval", "exact_match", self.exact),
+                   "epochs": self._logged("stage_end", "epochs", self.epochs)}
+        summary = _summary(self.plan, self.state, self.step_times, results, self.run_dir, self.memory)
+        if self._logged("eval", "exact_match_note", {}):
+            summary["exact_match_note"] = NOT_SCORED_PIPELINE
         summary["layout_used"] = self.layout.short()
         summary["oom_fallbacks"] = self.state.oom_fallbacks
         prepared = self.prepared
@@ -666,6 +685,35 @@ def _evaluate_stages(model, task, upto: int, tokenizer, layout: Layout, cache: P
     return _evaluate(module, sources, options.eval_sequences, layout.mbs, dev)
 
 
+def _exact_match_stages(model, task, upto: int, tokenizer, layout: Layout, options: TrainOptions,
+                        dev: torch.device) -> dict[str, float | None] | None:
+    """Greedy exact match per stage (skill) for stages 0..upto: the first `options.exact_match_prompts`
+    held-out rows with a prompt and an answer, in micro-batches of the layout's; None for a skill
+    whose eval rows have no answers, and None overall under a pipeline engine (no whole model)."""
+    module = getattr(model, "module", model)
+    if not can_generate(module):
+        return None
+    scores: dict[str, float | None] = {}
+    for stage in task.stages[: upto + 1]:
+        if not stage.eval_sources or options.exact_match_prompts <= 0:
+            continue
+        pairs = [pair for src in stage.eval_sources
+                 for pair in read_prompt_answers(src, Path(task.base_dir), options.exact_match_prompts)]
+        pairs = token_pairs(tokenizer, pairs[:options.exact_match_prompts])
+        scores[stage.name] = exact_match(module, pairs, tokenizer.eos_token_id, layout.mbs, dev) if pairs else None
+    return scores
+
+
+def token_pairs(tokenizer, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) of text pairs, each side tokenized on its own.
+    The seam for chat and instruction formats: whatever renders rows into those ids feeds `exact_match`."""
+    if not pairs:
+        return []
+    prompts = tokenizer.encode_batch([prompt for prompt, _ in pairs])
+    answers = tokenizer.encode_batch([answer for _, answer in pairs])
+    return list(zip(prompts, answers))
+
+
 def _peak_bytes(memory: TensorMemory) -> tuple[int, str]:
     """The most loaded rank's peak of tensor memory (the quantity the cost model predicts): CUDA's
     allocator counter, or on the CPU the counting allocator of `profiler.tensor_memory`."""
@@ -675,8 +723,9 @@ def _peak_bytes(memory: TensorMemory) -> tuple[int, str]:
     return int(peak.item()), memory.source
 
 
-def _summary(plan: Plan, state: LoopState, step_times: list[float], evals: dict, run_dir: Path,
+def _summary(plan: Plan, state: LoopState, step_times: list[float], results: dict[str, dict], run_dir: Path,
              memory: TensorMemory) -> dict[str, Any]:
+    """`results`: per stage, its eval losses, exact match per skill and epochs per source."""
     peak, how = _peak_bytes(memory)
     steady = step_times[2:] or step_times
     predicted = plan.chosen.estimate
@@ -685,7 +734,7 @@ def _summary(plan: Plan, state: LoopState, step_times: list[float], evals: dict,
     for spec in plan.task.stages if plan.task else []:
         losses = [m["loss"] for m in metrics if m["stage"] == spec.name]
         stages.append({"name": spec.name, "steps": len(losses), "final_loss": losses[-1] if losses else None,
-                       "eval": evals.get(spec.name, {})})
+                       **{key: per_stage.get(spec.name, {}) for key, per_stage in results.items()}})
     return {
         "predicted": {"peak_bytes": predicted.memory.peak, "step_s": predicted.time.step_s,
                       "tokens_per_s": predicted.throughput.tokens_per_s},
