@@ -154,43 +154,59 @@ def test_a_run_reports_exact_match_per_skill_and_epochs_per_source(tmp_path) -> 
 # -- every rank decodes together: ZeRO-3 and FSDP2 with tensor parallelism ------------------------
 
 
-def _rank_decode(rank: int, world: int, port: int, weights: str, layout: dict, choice: str, out: str) -> None:
+def _random_weights(root: Path) -> Path:
+    """A random model of the same shape: its answers depend on attention over the whole prompt."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(3)
+    folder = root / "random"
+    LlamaForCausalLM(_alphabet_model().config).save_pretrained(folder)
+    return folder
+
+
+def _rank_decode(rank: int, world: int, port: int, folders: list[str], layout: dict, choice: str, out: str) -> None:
     from advisor.specs import Layout, ModelSpec
     from profiler.ranks import finish_rank, init_rank
     from trainer.engines import make_engine
     from trainer.model import build_model
 
     init_rank(rank, world, port, distributed=True, threads=1)
-    config = json.loads(Path(weights, "config.json").read_text())
     plan_layout = Layout(**layout)
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
                  "steps_per_print": 1_000_000}
-    engine = make_engine(build_model(ModelSpec(name="alphabet", hf_config=config), plan_layout, 0, weights),
-                         plan_layout, ds_config, clip=1.0, engine=choice)
-    module = getattr(engine.model, "module", engine.model)
     prompts = [_ids(p) for p in PROMPTS]
-    answers = greedy_answers(module, prompts, 30, BYTE_EOS, CPU)
-    score = exact_match(module, [(p, _ids(_truth(t))) for p, t in zip(prompts, PROMPTS)], BYTE_EOS, 2, CPU)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"answers": answers, "score": score}))
-    del engine, module
+    results = []
+    for weights in folders:
+        config = json.loads(Path(weights, "config.json").read_text())
+        engine = make_engine(build_model(ModelSpec(name="alphabet", hf_config=config), plan_layout, 0, weights),
+                             plan_layout, ds_config, clip=1.0, engine=choice)
+        module = getattr(engine.model, "module", engine.model)
+        answers = greedy_answers(module, prompts, 30, BYTE_EOS, CPU)
+        score = exact_match(module, [(p, _ids(_truth(t))) for p, t in zip(prompts, PROMPTS)], BYTE_EOS, 2, CPU)
+        results.append({"answers": answers, "score": score})
+        del engine, module
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finish_rank(True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("choice, layout", [
     ("deepspeed", {"dp": 2, "zero": 3, "gas": 1, "mbs": 1, "dtype": "fp32"}),
-    ("fsdp2", {"dp": 1, "tp": 2, "zero": 0, "gas": 1, "mbs": 1, "dtype": "fp32"}),
+    ("fsdp2", {"dp": 1, "tp": 2, "sp": True, "zero": 0, "gas": 1, "mbs": 1, "dtype": "fp32"}),
 ])
 def test_whole_model_engines_on_two_ranks_decode_what_one_process_does(tmp_path, choice, layout) -> None:
     import deepspeed  # noqa: F401  (imported before forking: the ranks inherit it loaded)
+    from transformers import LlamaForCausalLM
 
     from profiler.ranks import free_port, launch
 
-    weights = _alphabet_weights(tmp_path)
-    launch(_rank_decode, 2, (2, free_port(), str(weights), layout, choice, str(tmp_path)))
-    expected = [_ids(_truth(p)) for p in PROMPTS]  # what the model answers by construction
+    alphabet, random = _alphabet_weights(tmp_path), _random_weights(tmp_path)
+    prompts = [_ids(p) for p in PROMPTS]
+    one_process = greedy_answers(LlamaForCausalLM.from_pretrained(random).eval(), prompts, 30, BYTE_EOS, CPU)
+    launch(_rank_decode, 2, (2, free_port(), [str(alphabet), str(random)], layout, choice, str(tmp_path)))
     for rank in range(2):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["answers"] == expected
-        assert result["score"] == 1.0
+        by_construction, randomly = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert by_construction["answers"] == [_ids(_truth(p)) for p in PROMPTS]
+        assert by_construction["score"] == 1.0
+        assert randomly["answers"] == one_process and randomly["score"] == 0.0
