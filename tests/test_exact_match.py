@@ -149,6 +149,15 @@ def test_a_run_reports_exact_match_per_skill_and_epochs_per_source(tmp_path) -> 
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     evals = [e for e in events if e["event"] == "eval"]
     assert [e["exact_match"] for e in evals] == [first["exact_match"], second["exact_match"]]
+    # the run report shows them: a percentage per skill, n/a where there are no answers
+    from reports.run_report import run_report
+
+    analysis, document = run_report(tmp_path / "run")
+    assert analysis.exact_match == {"language": {"language": None},
+                                    "letters": {"language": None, "letters": 0.75}}
+    markdown = document.to_markdown()
+    assert "| after letters | n/a | 75.0% |" in markdown
+    assert analysis.epochs["letters"] == second["epochs"]
 
 
 # -- every rank decodes together: ZeRO-3 and FSDP2 with tensor parallelism ------------------------

@@ -142,7 +142,7 @@ def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path,
     (directory / "data_cache").symlink_to((run_dir / "data_cache").resolve())  # tokenise once for all trials
     plan_path = directory / "plan.yaml"
     trial.write(plan_path)
-    options = TrainOptions(max_steps_per_stage=steps, show_progress=False, eval_sequences=1)
+    options = TrainOptions(max_steps_per_stage=steps, show_progress=False, eval_sequences=1, exact_match_prompts=0)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     run_training(trial, plan_path, directory, False, options, False, None, 0, "127.0.0.1", free_port())

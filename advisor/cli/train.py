@@ -15,7 +15,7 @@ from advisor.cli.common import console, exit_on_error
 from advisor.cli.data import require_data_extra
 from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.cli.quiet import log_path, quiet_console
-from advisor.cli.render import format_seconds
+from advisor.cli.render import format_seconds, stage_results_lines
 from advisor.errors import UsageError
 from advisor.capabilities import config_shape, runnable_problem
 from advisor.plan_file import Plan, load_plan
@@ -89,6 +89,8 @@ def train(
         with quiet_console(out, verbose):
             summary = exit_on_error(lambda: _run(args))
     if summary and not launched:
+        for line in stage_results_lines(summary):
+            console.print(line, highlight=False, soft_wrap=True)
         measured, predicted = summary["measured"], summary["predicted"]
         console.print(f"trained {summary['steps']} steps ({summary['rollbacks']} rollbacks); step "
                       f"{format_seconds(measured['step_s'] or 0)} measured vs "
