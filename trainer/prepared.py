@@ -164,7 +164,7 @@ class BucketStream:
         self.sources = [s for s, _ in sources]
         weights = [w for _, w in sources]
         self.order = EpochOrder([len(s) for s in self.sources], weights, [0.0] * len(weights), seed, stage_index)
-        self.mbs = mbs
+        self.seed, self.stage_index, self.mbs = seed, stage_index, mbs
 
     def _pick(self, k: int) -> tuple[BucketedSource, int]:
         which, rows = self.order.rows(k, 1)

@@ -143,6 +143,7 @@ class StageStream:
             empty = [s.name for s in sources if len(s.sequences) == 0] or ["(no sources)"]
             raise ValueError(f"stage {stage_index} has no data in {', '.join(empty)}")
         self.sources = sources
+        self.seed, self.stage_index = seed, stage_index
         self.order = EpochOrder([len(s.sequences) for s in sources], [s.weight for s in sources],
                                 [s.start_weight for s in sources], seed, stage_index, ramp_sequences)
 
