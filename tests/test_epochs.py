@@ -88,3 +88,49 @@ def test_prepared_micro_batches_are_read_in_epochs_too() -> None:
     seen = [int(stream.global_batch(k * 4, 1, 4, 1, 0, 0)[0, 0]) for k in range(100)]
     assert sorted(seen[:50]) == list(range(50)) and sorted(seen[50:]) == list(range(50))
     assert stream.epochs(100 * 4) == {"only": 2.0}
+
+
+def test_a_stage_takes_exactly_one_budget_and_epochs_is_one() -> None:
+    from pydantic import ValidationError
+
+    from advisor.task import StageSpec
+
+    assert StageSpec(name="chat", epochs=2).epochs == 2
+    for budgets in ({"epochs": 2, "tokens": 100}, {"epochs": 1, "steps": 3}, {}):
+        with pytest.raises(ValidationError, match="exactly one of tokens, steps or epochs"):
+            StageSpec(name="chat", **budgets)
+
+
+def test_the_planner_sizes_an_epochs_stage_from_its_data_when_it_can_read_it(tmp_path) -> None:
+    import json
+
+    from advisor.cli.common import stage_tokens
+    from advisor.specs import ModelSpec
+    from planner.plan import PlanOptions, make_plan
+    from presets import load_hardware, load_task
+    from trainer.corpus import ByteTokenizer, load_source
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "own.jsonl").write_text("".join(json.dumps({"text": f"row {i} " * 5}) + "\n" for i in range(90)))
+    (tmp_path / "task.yaml").write_text("""
+name: epochs
+seq_len: 32
+global_batch: 4
+stages:
+  - {name: first, sources: [{path: data/own.jsonl}], steps: 3}
+  - {name: second, sources: [{path: data/own.jsonl}], epochs: 3, replay: {first: 0.25}}
+  - {name: third, sources: [{path: data/missing.jsonl}], epochs: 1}
+""")
+    task = load_task(str(tmp_path / "task.yaml"))
+    model = ModelSpec(name="tiny", hf_config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                              "num_hidden_layers": 2, "num_attention_heads": 2,
+                                              "num_key_value_heads": 2, "vocab_size": 272})
+    counts = stage_tokens(task, model, 32)
+    rows = len(load_source(task.stages[1].sources[0], task, ByteTokenizer(), 32, None))
+    assert counts == {"second": round(rows * 32 / 0.75)}  # one pass, replay on top; `third` is unreadable
+    plan = make_plan(PlanOptions(model=model, hardware=load_hardware("cpu"), gpus_per_node=1, task=task,
+                                 stage_tokens=counts, min_compute_fraction=0.0))
+    second, third = plan.stages[1], plan.stages[2]
+    assert second.tokens == -(-3 * counts["second"] // 1) and not any("run time" in f for f in second.flags)
+    assert third.steps == 1 and third.flags[0].startswith("sized at run time: 1 epochs")
+    assert plan.task.stages[1].epochs == 3  # the trainer still sizes it from the rows it reads

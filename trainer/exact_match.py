@@ -10,10 +10,14 @@ FSDP2 and tensor parallelism each forward is a collective that all ranks must en
 
 from __future__ import annotations
 
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+from advisor.task import TaskSpec
+from trainer.corpus import read_prompt_answers
 
 # A pipeline engine's model is its chunks run in turn (trainer/engines/pipeline.py PipelineForward):
 # it has no `generate`, and the summary says exact match was not scored there.
@@ -37,8 +41,10 @@ def greedy_answers(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max
         ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
         mask[row, width - len(prompt):] = 1
     synced = dist.is_initialized() and dist.get_world_size() > 1
+    # the trainer builds its models with use_cache off (training needs no KV cache); decoding does
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False, num_beams=1,
-                         max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos, synced_gpus=synced)
+                         max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos, synced_gpus=synced,
+                         use_cache=True)
     answers = []
     for row in out[:, width:].tolist():
         answers.append(row[:row.index(eos)] if eos in row else row)
@@ -61,3 +67,31 @@ def exact_match(model: torch.nn.Module, pairs: Sequence[Pair], eos: int, micro_b
             correct += sum(answer == reference for answer, reference in zip(answers, wanted))
     model.train(was_training)
     return correct / len(pairs) if pairs else 0.0
+
+
+def stage_exact_match(model: torch.nn.Module, task: TaskSpec, upto: int, tokenizer: Any, micro_batch: int,
+                      prompts: int, device: torch.device) -> dict[str, float | None] | None:
+    """Exact match per stage (skill) with eval data, for stages 0..upto: its first `prompts` held-out
+    rows with a prompt and an answer, in micro-batches of `micro_batch`; None for a skill whose eval
+    rows have no answers, and None overall for an engine without a whole model (the pipeline)."""
+    module = getattr(model, "module", model)  # DDP and DeepSpeed wrap the HF model
+    if not can_generate(module):
+        return None
+    scores: dict[str, float | None] = {}
+    for stage in task.stages[: upto + 1]:
+        if not stage.eval_sources or prompts <= 0:
+            continue
+        texts = [pair for src in stage.eval_sources for pair in read_prompt_answers(src, Path(task.base_dir), prompts)]
+        pairs = token_pairs(tokenizer, texts[:prompts])
+        scores[stage.name] = exact_match(module, pairs, tokenizer.eos_token_id, micro_batch, device) if pairs else None
+    return scores
+
+
+def token_pairs(tokenizer: Any, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) of text pairs, each side tokenized on its own. The seam for chat
+    and instruction formats: whatever renders rows into such ids feeds `exact_match`."""
+    if not pairs:
+        return []
+    prompts = tokenizer.encode_batch([prompt for prompt, _ in pairs])
+    answers = tokenizer.encode_batch([answer for _, answer in pairs])
+    return list(zip(prompts, answers))

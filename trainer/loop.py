@@ -31,9 +31,9 @@ from advisor.task import StageSpec
 from planner.export import model_deepspeed_config
 from profiler.tensor_memory import TensorMemory
 from trainer import checkpoint
-from trainer.corpus import load_source, read_prompt_answers, stage_sources, tokenizer_for
+from trainer.corpus import load_source, stage_sources, tokenizer_for
 from trainer.engines import Engine, device, make_engine, select_backend
-from trainer.exact_match import NOT_SCORED_PIPELINE, can_generate, exact_match
+from trainer.exact_match import NOT_SCORED_PIPELINE, stage_exact_match
 from trainer.handoff import HANDOFF_DIR, write_full_weights
 from trainer.oom import OOMInjector, free_memory, is_oom, next_layout, relaunch_layout, request_relaunch
 from trainer.model import build_model
@@ -491,8 +491,8 @@ class _Run:
                                             self.layout, self.cache, self.options, self.dev)
         record: dict[str, Any] = {"event": "eval", "stage": name, "step": self.state.global_step,
                                   "losses": self.evals[name]}
-        exact = _exact_match_stages(self.engine.model, self.task, stage.index, self.tokenizer, self.layout,
-                                    self.options, self.dev)
+        exact = stage_exact_match(self.engine.model, self.task, stage.index, self.tokenizer, self.layout.mbs,
+                                  self.options.exact_match_prompts, self.dev)
         if exact is None:
             record["exact_match_note"] = NOT_SCORED_PIPELINE
         else:
@@ -683,35 +683,6 @@ def _evaluate_stages(model, task, upto: int, tokenizer, layout: Layout, cache: P
                 sources.append(Source(stage.name, sequences, 1.0))
     module = getattr(model, "module", model)
     return _evaluate(module, sources, options.eval_sequences, layout.mbs, dev)
-
-
-def _exact_match_stages(model, task, upto: int, tokenizer, layout: Layout, options: TrainOptions,
-                        dev: torch.device) -> dict[str, float | None] | None:
-    """Greedy exact match per stage (skill) for stages 0..upto: the first `options.exact_match_prompts`
-    held-out rows with a prompt and an answer, in micro-batches of the layout's; None for a skill
-    whose eval rows have no answers, and None overall under a pipeline engine (no whole model)."""
-    module = getattr(model, "module", model)
-    if not can_generate(module):
-        return None
-    scores: dict[str, float | None] = {}
-    for stage in task.stages[: upto + 1]:
-        if not stage.eval_sources or options.exact_match_prompts <= 0:
-            continue
-        pairs = [pair for src in stage.eval_sources
-                 for pair in read_prompt_answers(src, Path(task.base_dir), options.exact_match_prompts)]
-        pairs = token_pairs(tokenizer, pairs[:options.exact_match_prompts])
-        scores[stage.name] = exact_match(module, pairs, tokenizer.eos_token_id, layout.mbs, dev) if pairs else None
-    return scores
-
-
-def token_pairs(tokenizer, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids) of text pairs, each side tokenized on its own.
-    The seam for chat and instruction formats: whatever renders rows into those ids feeds `exact_match`."""
-    if not pairs:
-        return []
-    prompts = tokenizer.encode_batch([prompt for prompt, _ in pairs])
-    answers = tokenizer.encode_batch([answer for _, answer in pairs])
-    return list(zip(prompts, answers))
 
 
 def _peak_bytes(memory: TensorMemory) -> tuple[int, str]:
