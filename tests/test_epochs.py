@@ -134,3 +134,31 @@ stages:
     assert second.tokens == -(-3 * counts["second"] // 1) and not any("run time" in f for f in second.flags)
     assert third.steps == 1 and third.flags[0].startswith("sized at run time: 1 epochs")
     assert plan.task.stages[1].epochs == 3  # the trainer still sizes it from the rows it reads
+
+
+def test_train_epochs_without_a_task_is_one_stage_of_that_many_passes(tmp_path) -> None:
+    import json
+
+    from advisor.errors import UsageError
+    from advisor.specs import ModelSpec
+    from planner.plan import PlanOptions, make_plan
+    from presets import load_hardware
+    from trainer.one_stage import one_stage_plan
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"text": f"row {i} " * 6}) + "\n" for i in range(60)))
+    model = ModelSpec(name="tiny", hf_config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                              "num_hidden_layers": 2, "num_attention_heads": 2,
+                                              "num_key_value_heads": 2, "vocab_size": 272})
+    plan = make_plan(PlanOptions(model=model, hardware=load_hardware("cpu"), gpus_per_node=1, seq=32, global_batch=4,
+                                 min_compute_fraction=0.0))
+    one_pass, _ = one_stage_plan(plan, str(data), tmp_path / "a", None, None)
+    twice, _ = one_stage_plan(plan, str(data), tmp_path / "b", None, None, epochs=2)
+    assert twice.task.stages[0].epochs == 2 and twice.task.stages[0].steps is None
+    from trainer.corpus import ByteTokenizer, load_source
+
+    rows = len(load_source(twice.task.stages[0].sources[0], twice.task, ByteTokenizer(), 32, None))
+    assert twice.stages[0].tokens == 2 * rows * 32  # planned from one pass; the trainer sizes it from the rows
+    assert one_pass.stages[0].steps == -(-rows // 4)
+    with pytest.raises(UsageError, match="one of --steps, --tokens or --epochs"):
+        one_stage_plan(plan, str(data), tmp_path / "c", 3, None, epochs=2)
