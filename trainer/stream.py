@@ -87,7 +87,7 @@ class EpochOrder:
     def permutation(self, source: int, epoch: int) -> np.ndarray:
         key = (source, epoch)
         if key not in self._perms:
-            if len(self._perms) > 8:  # a step reads at most two epochs of a source: keep a few
+            if len(self._perms) >= 2 * len(self.sizes):  # a read spans at most two epochs of a source
                 self._perms.pop(next(iter(self._perms)))
             rng = np.random.default_rng([self.seed, self.stage_index, source, epoch, 1])
             self._perms[key] = rng.permutation(int(self.sizes[source]))
