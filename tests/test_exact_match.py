@@ -219,3 +219,25 @@ def test_whole_model_engines_on_two_ranks_decode_what_one_process_does(tmp_path,
         assert by_construction["answers"] == [_ids(_truth(p)) for p in PROMPTS]
         assert by_construction["score"] == 1.0
         assert randomly["answers"] == one_process and randomly["score"] == 0.0
+
+
+def test_a_pipeline_engine_is_not_scored_and_the_report_says_so(tmp_path) -> None:
+    """The pipeline's model is its chunks run in turn (no `generate`): exact match is not scored there."""
+    from presets import load_task
+    from reports.run_report import _exact_match_section, RunAnalysis
+    from reports.document import Document
+    from trainer.corpus import ByteTokenizer
+    from trainer.engines.pipeline import PipelineForward
+    from trainer.exact_match import NOT_SCORED_PIPELINE, stage_exact_match
+
+    task = load_task(str(_letters_task(tmp_path)))
+    pipeline_model = PipelineForward([], engine=None)  # type: ignore[arg-type]
+    assert stage_exact_match(pipeline_model, task, 1, ByteTokenizer(), 2, 64, CPU) is None
+    # a whole model is scored: the letters skill, and language has no answers
+    assert stage_exact_match(_alphabet_model(), task, 1, ByteTokenizer(), 2, 64, CPU) == {"language": None,
+                                                                                         "letters": 0.75}
+    analysis = RunAnalysis(data=None, comparisons=[], stages=[], spikes=[], rollbacks=[], checkpoint_events=[],  # type: ignore[arg-type]
+                           evals={}, finished=True, steps=0, exact_match_note=NOT_SCORED_PIPELINE)
+    document = Document("run")
+    _exact_match_section(document, analysis)
+    assert f"Exact match {NOT_SCORED_PIPELINE}." in document.to_markdown()
