@@ -140,6 +140,8 @@ class StageSpec(BaseModel):
         default_factory=dict, description="earlier stage name -> share of this stage's tokens replayed from it")
     tokens: int | None = Field(None, gt=0, description="token budget of the stage")
     steps: int | None = Field(None, gt=0, description="optimizer steps (instead of tokens)")
+    epochs: float | None = Field(None, gt=0, description="passes over the stage's own data (instead of tokens or "
+                                 "steps): the trainer turns them into steps from the data's row count")
     lr: float = Field(3e-4, gt=0, le=1)
     warmup_steps: int = Field(20, ge=0, description="learning-rate re-warm-up at the stage start")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="decay floor, share of lr")
@@ -158,8 +160,8 @@ class StageSpec(BaseModel):
 
     @model_validator(mode="after")
     def _budget(self) -> "StageSpec":
-        if (self.tokens is None) == (self.steps is None):
-            raise ValueError(f"stage '{self.name}': give exactly one of tokens or steps")
+        if sum(budget is not None for budget in (self.tokens, self.steps, self.epochs)) != 1:
+            raise ValueError(f"stage '{self.name}': give exactly one of tokens, steps or epochs")
         if self.split_by == "time" and not self.time_windows:
             raise ValueError(f"stage '{self.name}': split_by time needs time_windows")
         for earlier, share in self.replay.items():
@@ -204,7 +206,12 @@ class TaskSpec(BaseModel):
         return self
 
     def stage_tokens(self, stage: StageSpec, tokens_per_step: int) -> int:
-        return stage.tokens if stage.tokens is not None else stage.steps * tokens_per_step  # type: ignore[operator]
+        """The stage's budget in tokens; 0 for an epochs budget, which only its data can size
+        (the planner is handed those counts when the data is readable, else the trainer sizes the
+        stage at run time)."""
+        if stage.tokens is not None:
+            return stage.tokens
+        return stage.steps * tokens_per_step if stage.steps is not None else 0
 
 
 def read_task_file(path: Path) -> TaskSpec:

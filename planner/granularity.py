@@ -18,9 +18,16 @@ from planner.time_to_train import RESTART_S, checkpoint_write_s, time_to_train, 
 def plan_stage(
     task: TaskSpec, stage: StageSpec, layout: Layout, est: Estimate, nodes: int, mtbf_hours: float,
     checkpoint_write_gbs: float, min_compute_fraction: float, restart_s: float = RESTART_S,
+    one_pass_tokens: int | None = None,
 ) -> StagePlan:
+    """`one_pass_tokens`: for a stage budgeted in epochs, the tokens of one pass over its data (its
+    own, with its replay share on top), counted from the data; without them the stage is sized at
+    run time and planned as one step, with a flag that says so."""
     tokens_per_step = layout.tokens_per_step
     tokens = task.stage_tokens(stage, tokens_per_step)
+    sized_at_run_time = stage.epochs is not None and not one_pass_tokens
+    if stage.epochs is not None and one_pass_tokens:
+        tokens = math.ceil(stage.epochs * one_pass_tokens)
     steps = max(1, math.ceil(tokens / tokens_per_step))
     step_s = est.time.step_s
     write_s = checkpoint_write_s(est, layout, nodes, checkpoint_write_gbs)
@@ -35,11 +42,14 @@ def plan_stage(
     eval_s = evals * stage.eval_tokens / est.throughput.tokens_per_s / 3
     overhead = (checkpoints * write_s + eval_s) / train_s
     flags = []
-    if overhead > 1 - min_compute_fraction:
+    if sized_at_run_time:
+        flags.append(f"sized at run time: {stage.epochs:g} epochs over data that could not be read when "
+                     "planning; the trainer counts its rows at the stage start (planned here as one step)")
+    if overhead > 1 - min_compute_fraction and not sized_at_run_time:
         flags.append(f"split too fine: checkpoints and evaluation add {100 * overhead:.0f}% to this stage "
                      f"(more than the {100 * (1 - min_compute_fraction):.0f}% the compute rule allows); "
                      "merge it with a neighbour or give it more tokens")
-    if steps < 10:
+    if steps < 10 and not sized_at_run_time:
         flags.append(f"only {steps} optimizer steps: the learning-rate warm-up alone may take them")
     return StagePlan(
         name=stage.name, method=layout.method, devices=layout.devices, layout=layout, tokens=tokens, steps=steps,

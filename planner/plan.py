@@ -41,7 +41,8 @@ class PlanOptions:
     nodes: int = 1
     gpus_per_node: int | None = None
     task: TaskSpec | None = None
-    # tokens per stage from `advisor data prepare`'s manifest, when one is there and fresh (the caller reads it)
+    # tokens per stage from `advisor data prepare`'s manifest, when one is there and fresh, and for stages
+    # budgeted in epochs one pass over their raw data when it is readable (the caller reads them)
     stage_tokens: dict[str, int] | None = None
     seq: int | None = None
     global_batch: int | None = None
@@ -216,7 +217,9 @@ def _total_tokens(opts: PlanOptions, tokens_per_step: int) -> float:
     if opts.tokens:
         return opts.tokens
     if opts.task:
-        return float(sum(opts.task.stage_tokens(s, tokens_per_step) for s in opts.task.stages))
+        one_pass = opts.stage_tokens or {}  # an epochs budget: its passes over the data counted for it
+        return float(sum(opts.task.stage_tokens(s, tokens_per_step) or (s.epochs or 0) * one_pass.get(s.name, 0)
+                         for s in opts.task.stages))
     raise UsageError("--objective cost needs the work to do: --task task.yaml or --tokens N")
 
 
@@ -229,11 +232,12 @@ def _time_to_train(opts: PlanOptions, sol: Solution, nodes: int) -> float:
 
 def _with_prepared_tokens(task: TaskSpec, counts: dict[str, int] | None, notes: list[str]) -> TaskSpec:
     """Stage budgets from `advisor data prepare`'s manifest: the prepared data (after dedup and
-    filters) is what the stages will actually read."""
+    filters) is what the stages will actually read. A stage budgeted in epochs keeps its budget
+    (the trainer sizes it from the data it reads); `plan_stage` sizes it from the same counts."""
     if not counts:
         return task
-    stages = [s.model_copy(update={"tokens": counts[s.name], "steps": None}) if s.name in counts else s
-              for s in task.stages]
+    stages = [s.model_copy(update={"tokens": counts[s.name], "steps": None})
+              if s.name in counts and s.epochs is None else s for s in task.stages]
     notes.append("stage token budgets from the prepared data's manifest: "
                  + ", ".join(f"{name} {tokens:,}" for name, tokens in counts.items()))
     return task.model_copy(update={"stages": stages})
@@ -381,5 +385,6 @@ def _plan_stages(opts: PlanOptions, plan: Plan, hw: HardwareSpec, seq: int, batc
             layout, est = best.layout, best.estimate
         stage_nodes = math.ceil(layout.devices / plan.gpus_per_node)
         stages.append(plan_stage(opts.task, stage, layout, est, stage_nodes, opts.mtbf_hours,
-                                 opts.checkpoint_write_gbs, opts.min_compute_fraction, opts.restart_s))
+                                 opts.checkpoint_write_gbs, opts.min_compute_fraction, opts.restart_s,
+                                 one_pass_tokens=(opts.stage_tokens or {}).get(stage.name)))
     return stages

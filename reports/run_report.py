@@ -168,6 +168,10 @@ class RunAnalysis:
     evals: dict[str, dict[str, float]]  # after stage -> skill -> eval loss
     finished: bool | None
     steps: int
+    # after stage -> skill -> greedy exact match (None: the skill's eval rows have no answers)
+    exact_match: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    exact_match_note: str | None = None  # why exact match was not scored (a pipeline engine)
+    epochs: dict[str, dict[str, float]] = field(default_factory=dict)  # stage -> source -> passes over it
 
 
 def _stage_names(data: RunData) -> list[str]:
@@ -244,6 +248,8 @@ def analyse(data: RunData) -> RunAnalysis:
             evals.setdefault(str(s["name"]), {str(k): float(v) for k, v in s["eval"].items()
                                                if isinstance(v, (int, float))})
 
+    exact_match, epochs = _stage_results(events, summary)
+
     planned = {s.name: s.steps for s in data.plan.stages} if data.plan else {}
     stages = []
     for name in _stage_names(data):
@@ -266,12 +272,61 @@ def analyse(data: RunData) -> RunAnalysis:
         finished = all(s.name in ends for s in data.plan.stages) if ends else None
     steps = int(summary["steps"]) if isinstance(summary.get("steps"), int) else (
         int(metrics[-1]["step"]) if metrics else 0)
+    note = summary.get("exact_match_note") or next(
+        (e["exact_match_note"] for e in events if _event_kind(e) == "eval" and e.get("exact_match_note")), None)
     return RunAnalysis(data=data, comparisons=comparisons, stages=stages, spikes=spikes, rollbacks=rollbacks,
-                       checkpoint_events=checkpoint_events, evals=evals, finished=finished, steps=steps)
+                       checkpoint_events=checkpoint_events, evals=evals, finished=finished, steps=steps,
+                       exact_match=exact_match, exact_match_note=note, epochs=epochs)
+
+
+def _stage_results(events: list[dict[str, Any]], summary: dict[str, Any]) -> tuple[dict, dict]:
+    """Per stage: exact match per skill (eval events, else summary.json) and epochs per source
+    (stage_end events, else summary.json)."""
+
+    def numbers(values: Any, keep_none: bool) -> dict[str, float | None]:
+        return {str(k): (float(v) if isinstance(v, (int, float)) else None) for k, v in values.items()
+                if isinstance(v, (int, float)) or (keep_none and v is None)}
+
+    exact: dict[str, dict[str, float | None]] = {}
+    epochs: dict[str, dict[str, float]] = {}
+    for e in events:
+        if e.get("stage") is None:
+            continue
+        if _event_kind(e) == "eval" and isinstance(e.get("exact_match"), dict):
+            exact[str(e["stage"])] = numbers(e["exact_match"], keep_none=True)
+        elif _event_kind(e) == "stage_end" and isinstance(e.get("epochs"), dict):
+            epochs[str(e["stage"])] = numbers(e["epochs"], keep_none=False)  # type: ignore[assignment]
+    for s in summary.get("stages") or []:
+        if isinstance(s, dict) and s.get("name"):
+            if isinstance(s.get("exact_match"), dict) and s["exact_match"]:
+                exact.setdefault(str(s["name"]), numbers(s["exact_match"], keep_none=True))
+            if isinstance(s.get("epochs"), dict) and s["epochs"]:
+                epochs.setdefault(str(s["name"]), numbers(s["epochs"], keep_none=False))  # type: ignore[arg-type]
+    return exact, epochs
 
 
 # ------------------------------------------------------------------------------------------------
 # the page
+
+
+def _exact_match_section(doc: Document, a: RunAnalysis) -> None:
+    """Greedy exact match per skill after each stage (n/a: the skill's held-out rows have no answers),
+    and the passes each stage made over its sources."""
+    if a.exact_match:
+        skills = list(dict.fromkeys(skill for scores in a.exact_match.values() for skill in scores))
+        rows = [[text(f"after {stage}")] + [pct(scores[skill], f"exact:{stage}:{skill}")
+                                            if scores.get(skill) is not None else text("n/a") for skill in skills]
+                for stage, scores in a.exact_match.items()]
+        doc.table(Table(["exact match"] + skills, rows, id="exact-match",
+                        caption="greedy answers to each skill's held-out prompts that equal the reference exactly; "
+                                "n/a: its held-out rows have no prompt and answer"))
+    elif a.exact_match_note:
+        doc.p(f"Exact match {a.exact_match_note}.", id="exact-match")
+    if a.epochs:
+        rows = [[text(stage), text(source, wrap=True), num(passes, f"epochs:{stage}:{source}")]
+                for stage, sources in a.epochs.items() for source, passes in sources.items()]
+        doc.table(Table(["stage", "source", "epochs"], rows, id="epochs",
+                        caption="passes each stage made over each of its sources (every row once per epoch)"))
 
 
 def _scaled(c: Comparison, value: float | None) -> float | None:
@@ -431,6 +486,7 @@ def run_document(a: RunAnalysis) -> Document:
                    "Eval loss of each skill after each stage; a bar that grows in later stages is forgetting.")
     else:
         doc.p("No evaluation results in events.jsonl or summary.json.", id="eval")
+    _exact_match_section(doc, a)
 
     # -- the plan that ran -----------------------------------------------------------------------
     doc.h2("The plan that ran", id="plan-heading")

@@ -28,6 +28,8 @@ def _other_value(field: dataclasses.Field, root: Path):
         return default / 4 + 0.125
     if field.type == "int | None":
         return 7
+    if field.type == "float | None":
+        return 1.5
     if field.type == "str | None":
         return str(root.resolve() / field.name)
     raise AssertionError(f"TrainOptions.{field.name}: teach this test a value of type {field.type}")

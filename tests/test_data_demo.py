@@ -56,6 +56,7 @@ def test_arithmetic_answers_and_steps_are_right(demo_dir: Path) -> None:
     assert {r["steps"] for r in rows} == {1, 2, 3, 4}
     for row in rows:
         question, answer = re.fullmatch(r"Q: (.+)=\? A: (.+)", row["text"]).groups()
+        assert (row["prompt"], row["completion"]) == (f"Q: {question}=? A:", f" {answer}")  # scored by exact match
         assert question.count("+") + question.count("-") + question.count("*") == row["steps"]
         final = int(answer) if row["steps"] == 1 else int(re.search(r"The answer is (-?\d+)\.$", answer).group(1))
         assert final == eval(question)  # noqa: S307 - digits and + - * ( ) only
@@ -68,6 +69,7 @@ def test_instruction_responses_are_right(demo_dir: Path) -> None:
     assert {r["kind"] for r in rows} == {"reverse", "uppercase", "count", "first_letters", "sort", "repeat"}
     for row in rows:
         instruction, response = re.fullmatch(r"Instruction: (.+)\nResponse: (.*)", row["text"]).groups()
+        assert (row["prompt"], row["completion"]) == (f"Instruction: {instruction}\nResponse:", f" {response}")
         quoted = re.findall(r"'([^']*)'", instruction)
         kind = row["kind"]
         if kind == "reverse":

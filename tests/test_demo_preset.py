@@ -8,6 +8,7 @@ names exist after running the command it gives; a task's own data is never "gene
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import subprocess
@@ -130,3 +131,13 @@ def test_plan_then_train_the_demo_preset_in_a_fresh_home(tmp_path: Path) -> None
     assert (home / ".cache" / "advisor" / "tasks" / "demo" / "data" / "language.jsonl").is_file()
     assert "generated the demo task's data" in done.stdout
     assert (tmp_path / "runs" / "latest" / "metrics.jsonl").is_file()
+    # exact match per skill after each stage: the arithmetic and instruction answers are scored,
+    # language has none (n/a); one step per stage is far from answering, so only the shape is pinned
+    summary = json.loads((tmp_path / "runs" / "latest" / "summary.json").read_text())
+    scored = [stage["exact_match"] for stage in summary["stages"]]
+    assert [list(s) for s in scored] == [["language"], ["language", "reasoning"],
+                                         ["language", "reasoning", "instructions"],
+                                         ["language", "reasoning", "instructions"]]
+    assert all(s["language"] is None for s in scored)
+    assert all(0.0 <= s[skill] <= 1.0 for s in scored for skill in s if skill != "language")
+    assert "after reasoning: exact match language n/a, reasoning " in done.stdout

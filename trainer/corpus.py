@@ -95,6 +95,27 @@ def _read_texts(source: DataSource, base: Path) -> list[str]:
     return texts
 
 
+def read_prompt_answers(source: DataSource, base: Path, limit: int) -> list[tuple[str, str]]:
+    """Up to `limit` (prompt, reference answer) pairs of a source, in file order: its JSON-lines rows
+    that hold both a `prompt` and a `completion` string (other rows and formats have no answer to
+    score and give none)."""
+    pairs: list[tuple[str, str]] = []
+    if source.format not in ("jsonl", "json"):
+        return pairs
+    for path in _source_files(source, base):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if len(pairs) >= limit:
+                    return pairs
+                try:
+                    row = json.loads(line) if line.strip() else None
+                except ValueError:
+                    continue  # training reads the same file and names a bad row
+                if isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+                    pairs.append((row["prompt"], row["completion"]))
+    return pairs
+
+
 def _files_stamp(source: DataSource, base: Path) -> list[list]:
     """Each file of the source with its size and modification time: an edited file misses the cache."""
     stamps = []
@@ -155,3 +176,24 @@ def _ramp_from(previous: StageSpec, sources: list[Source], load) -> None:
             by_name[name] = Source(name, load(src), 0.0)
             sources.append(by_name[name])
         by_name[name].start_weight = src.weight / total
+
+
+def epoch_pass_tokens(task: TaskSpec, model_name: str, vocab_size: int, seq: int) -> dict[str, int]:
+    """For each stage budgeted in epochs whose data is readable now: the tokens of one pass over its
+    own sources, packed at `seq` as the trainer packs them, with its replay share on top
+    (own / (1 - replay)), the way the prepared manifest counts a stage. `advisor plan` sizes such
+    stages from these; a stage whose data is not there yet is left out (sized at run time)."""
+    counts: dict[str, int] = {}
+    wanted = [stage for stage in task.stages if stage.epochs is not None and stage.sources]
+    if not wanted:
+        return counts
+    tokenizer = tokenizer_for(task, model_name, vocab_size)
+    for stage in wanted:
+        try:
+            rows = sum(len(load_source(src, task, tokenizer, seq, None)) for src in stage.sources)
+        except (UsageError, OSError):
+            continue
+        share = 1.0 - sum(stage.replay.values())
+        if rows and share > 0:
+            counts[stage.name] = round(rows * seq / share)
+    return counts

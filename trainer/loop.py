@@ -36,6 +36,7 @@ from profiler.tensor_memory import TensorMemory
 from trainer import checkpoint
 from trainer.corpus import ByteTokenizer, load_source, stage_sources, tokenizer_for
 from trainer.engines import Engine, device, make_engine, select_backend
+from trainer.exact_match import NOT_SCORED_PIPELINE, stage_exact_match
 from trainer.handoff import ARTIFACT_DIR, HANDOFF_DIR, TOKENIZER_FILES, copy_model, write_full_weights, write_model
 from trainer.oom import OOMInjector, free_memory, is_oom, next_layout, relaunch_layout, request_relaunch
 from trainer.model import build_model
@@ -179,6 +180,12 @@ def _advance(position: int, count: int, stage: int, skips: list[list[int]]) -> i
     return position
 
 
+def _epoch_steps(stream: Any, epochs: float, stage: str, per_step: int) -> int:
+    """Optimizer steps of an epochs budget: the positions after which the stage's own sources made
+    `epochs` passes (trainer/stream.py), in whole steps of `per_step` sequences."""
+    return max(1, math.ceil(stream.positions_for(epochs, stage) / per_step))
+
+
 def _start(position: int, stage: int, skips: list[list[int]]) -> int:
     for s, start, end in skips:
         if s == stage and start <= position < end:
@@ -307,6 +314,8 @@ class _Run:
         self.memory = TensorMemory(self.dev)  # before the model is built: it counts what is allocated from now on
         self.step_times: list[float] = []
         self.evals: dict[str, dict[str, float]] = {}
+        self.exact: dict[str, dict[str, float | None]] = {}  # stage -> skill -> greedy exact match (None: no answers)
+        self.epochs: dict[str, dict[str, float]] = {}  # stage -> source -> passes made over it
         self.rollbacks = 0  # this run's, over all its resumes (the budget: never restored from a checkpoint)
         self.last_spike: int | None = None  # the step of the last spike, and how many checkpoints the
         self.steps_back = 0  # guard went back past the newest (a spike that repeats goes further back)
@@ -486,8 +495,10 @@ class _Run:
     def start_stage(self) -> _Stage:
         index = self.state.stage
         spec, planned = self.task.stages[index], self.plan.stages[index]
-        steps = min(planned.steps, self.options.max_steps_per_stage or planned.steps)
         stream = self._make_stream(index)
+        epochs = self.options.epochs or spec.epochs
+        budget = planned.steps if epochs is None else _epoch_steps(stream, epochs, spec.name, self.per_step)
+        steps = min(budget, self.options.max_steps_per_stage or budget)
         bar = self.progress.add_task(spec.name, total=steps * self.per_step * self.layout.seq, loss=float("nan"),
                                      tps=0.0)
         stage = _Stage(index, spec, planned, steps, stream, bar)
@@ -496,7 +507,7 @@ class _Run:
             # a new data distribution moves the loss legitimately: the guard learns it afresh
             self.guard = self._fresh_guard()
             self.events.write({"event": "stage_start", "stage": spec.name, "step": self.state.global_step,
-                               "steps": steps, "lr": spec.lr * self.state.lr_scale,
+                               "steps": steps, "epochs": epochs, "lr": spec.lr * self.state.lr_scale,
                                "warmup_steps": spec.warmup_steps})
         return stage
 
@@ -509,19 +520,32 @@ class _Run:
         self.progress.update(stage.bar, completed=self.state.step_in_stage * self.per_step * self.layout.seq)
 
     def evaluate(self, stage: _Stage) -> None:
-        """Eval loss of every skill seen so far, at the stage end: forgetting shows here."""
+        """Eval loss of every skill seen so far, at the stage end, and the greedy exact match of
+        their held-out answers: forgetting shows here."""
         name = stage.spec.name
         self.evals[name] = _evaluate_stages(self.engine.model, self.task, stage.index, self.tokenizer,
                                             self.layout, self.cache, self.options, self.dev)
-        self.events.write({"event": "eval", "stage": name, "step": self.state.global_step, "losses": self.evals[name]})
+        record: dict[str, Any] = {"event": "eval", "stage": name, "step": self.state.global_step,
+                                  "losses": self.evals[name]}
+        exact = stage_exact_match(self.engine.model, self.task, stage.index, self.tokenizer, self.layout.mbs,
+                                  self.options.exact_match_prompts, self.dev)
+        if exact is None:
+            record["exact_match_note"] = NOT_SCORED_PIPELINE
+        else:
+            self.exact[name] = record["exact_match"] = exact
+        self.events.write(record)
         self.scalars.evals(self.state.global_step, self.evals[name])
 
     def end_stage(self, stage: _Stage) -> None:
-        """Log the stage's padding and end, move the curriculum on, and checkpoint."""
+        """Log the stage's padding, the passes it made over each source, and its end; move the
+        curriculum on, and checkpoint."""
         name = stage.spec.name
         if name in self.state.padding:
             self.events.write({"event": "data_padding", "stage": name, **_padding_report(self.state.padding[name])})
-        self.events.write({"event": "stage_end", "stage": name, "step": self.state.global_step})
+        skipped = [(start, end) for s, start, end in self.state.skips if s == stage.index]
+        self.epochs[name] = stage.stream.epochs(self.state.positions[stage.index], skipped)
+        self.events.write({"event": "stage_end", "stage": name, "step": self.state.global_step,
+                           "epochs": self.epochs[name]})
         weights = self.write_model(stage)
         self.state.stage += 1
         self.state.step_in_stage = 0
@@ -672,11 +696,12 @@ class _Run:
 
     # -- the end -----------------------------------------------------------------------------------
 
-    def _all_evals(self) -> dict[str, dict[str, float]]:
-        """Stage-end evaluations of this process, and of earlier launches (segments, resumes) from the log."""
-        logged = {e["stage"]: e["losses"] for e in read_records(self.events.path)[0]
-                  if e.get("event") == "eval"} if self.main else {}
-        return {**logged, **self.evals}
+    def _logged(self, event: str, key: str, here: dict[str, Any]) -> dict[str, Any]:
+        """Per stage, `key` of the `event` records of this process (`here`) and of earlier launches
+        (segments, resumes) from the log."""
+        logged = {e["stage"]: e[key] for e in read_records(self.events.path)[0]
+                  if e.get("event") == event and key in e} if self.main else {}
+        return {**logged, **here}
 
     def _final_model(self) -> str | None:
         """RUN/model/: the last stage's artifact (rank 0 links it there); its path in the run dir."""
@@ -687,7 +712,12 @@ class _Run:
 
     def finish(self) -> dict[str, Any]:
         """summary.json: predicted against measured, per-stage results, what the run had to change."""
-        summary = _summary(self.plan, self.state, self.step_times, self._all_evals(), self.run_dir, self.memory)
+        results = {"eval": self._logged("eval", "losses", self.evals),
+                   "exact_match": self._logged("eval", "exact_match", self.exact),
+                   "epochs": self._logged("stage_end", "epochs", self.epochs)}
+        summary = _summary(self.plan, self.state, self.step_times, results, self.run_dir, self.memory)
+        if self._logged("eval", "exact_match_note", {}):
+            summary["exact_match_note"] = NOT_SCORED_PIPELINE
         summary["layout_used"] = self.layout.short()
         summary["oom_fallbacks"] = self.state.oom_fallbacks
         summary["model_dir"] = self._final_model()
@@ -731,8 +761,9 @@ def _peak_bytes(memory: TensorMemory) -> tuple[int, str]:
     return int(peak.item()), memory.source
 
 
-def _summary(plan: Plan, state: LoopState, step_times: list[float], evals: dict, run_dir: Path,
+def _summary(plan: Plan, state: LoopState, step_times: list[float], results: dict[str, dict], run_dir: Path,
              memory: TensorMemory) -> dict[str, Any]:
+    """`results`: per stage, its eval losses, exact match per skill and epochs per source."""
     peak, how = _peak_bytes(memory)
     steady = step_times[2:] or step_times
     predicted = plan.chosen.estimate
@@ -741,7 +772,7 @@ def _summary(plan: Plan, state: LoopState, step_times: list[float], evals: dict,
     for spec in plan.task.stages if plan.task else []:
         losses = [m["loss"] for m in metrics if m["stage"] == spec.name]
         stages.append({"name": spec.name, "steps": len(losses), "final_loss": losses[-1] if losses else None,
-                       "eval": evals.get(spec.name, {})})
+                       **{key: per_stage.get(spec.name, {}) for key, per_stage in results.items()}})
     return {
         "predicted": {"peak_bytes": predicted.memory.peak, "step_s": predicted.time.step_s,
                       "tokens_per_s": predicted.throughput.tokens_per_s},

@@ -52,11 +52,11 @@ def data_format(path: str) -> str:
 
 
 def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
-                   tokens: int | None) -> tuple[Plan, Path | None]:
-    """`plan` with a one-stage task over `data`, sized by `steps`, `tokens` or one pass; and the
-    prepared-data folder the loop reads (None: raw files, read through the task's source)."""
-    if steps is not None and tokens is not None:
-        raise UsageError("give --steps or --tokens, not both")
+                   tokens: int | None, epochs: float | None = None) -> tuple[Plan, Path | None]:
+    """`plan` with a one-stage task over `data`, sized by `steps`, `tokens`, `epochs` or one pass; and
+    the prepared-data folder the loop reads (None: raw files, read through the task's source)."""
+    if sum(budget is not None for budget in (steps, tokens, epochs)) > 1:
+        raise UsageError("give one of --steps, --tokens or --epochs")
     layout = plan.chosen.layout
     prepared = Path(data) / MANIFEST_NAME
     if prepared.is_file():
@@ -66,14 +66,17 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
         source = DataSource(path=str(Path(data).resolve()), format=data_format(data))  # type: ignore[arg-type]
         task, view, one_pass = _task(plan, source, steps=1), None, None
     if steps is None and tokens is None:
-        tokens = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir)
+        one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir)
+        tokens = one_pass
     if steps is None:
         steps = max(1, math.ceil(tokens / layout.tokens_per_step))  # type: ignore[operator]
-    stage = task.stages[0].model_copy(update={"steps": steps})
+    # an epochs budget: planned from one pass, sized exactly by the trainer from the rows it reads
+    budget = {"steps": None, "epochs": epochs} if epochs is not None else {"steps": steps}
+    stage = task.stages[0].model_copy(update=budget)
     task = task.model_copy(update={"stages": [stage]})
     nodes = math.ceil(layout.devices / plan.gpus_per_node)
     planned = plan_stage(task, stage, layout, plan.chosen.estimate, nodes, PlanOptions.mtbf_hours,
-                         PlanOptions.checkpoint_write_gbs, plan.min_compute_fraction)
+                         PlanOptions.checkpoint_write_gbs, plan.min_compute_fraction, one_pass_tokens=one_pass)
     return plan.model_copy(update={"task": task, "stages": [planned]}), view
 
 

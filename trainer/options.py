@@ -25,6 +25,8 @@ class TrainOptions:
     spike_warmup_steps: int = 20
     eval_sequences: int = 16
     max_steps_per_stage: int | None = None  # cap for demos and tests
+    epochs: float | None = None  # every stage trains this many passes over its own data (overrides budgets)
+    exact_match_prompts: int = 64  # held-out prompts per skill scored by greedy exact match (0: none)
     weights: str | None = None  # a local HF model folder to fine-tune instead of a random init
     merge: bool = False  # LoRA/QLoRA: the artifacts also hold the merged full weights (model/merged/)
     show_progress: bool = True

@@ -9,8 +9,8 @@ padding, marked -1 in the batch: `mask_padding` turns it into label -100 (no los
 sees it. Right padding needs no attention mask under causal attention.
 
 Determinism: each source's micro-batches are laid out once from a seeded shuffle; the k-th
-micro-batch of a stage picks its source by weight and one of that source's micro-batches, both
-from (seed, stage, k) alone, as trainer/stream.py does for sequences. A resume that knows the
+micro-batch of a stage picks its source by weight and that source's next micro-batch in its
+per-epoch permutation, from (seed, stage, k) alone, as trainer/stream.py does for sequences. A resume that knows the
 stage's position continues with exactly the next micro-batch.
 """
 
@@ -28,9 +28,9 @@ from advisor.errors import UsageError
 from advisor.task import TaskSpec
 from trainer.data.manifest import default_out_dir, read_manifest, task_fingerprint
 from trainer.data.shards import stage_shards
+from trainer.stream import EpochOrder
 
 PAD = -1
-BLOCK = 4096  # micro-batches whose sources are drawn in one vectorised call
 
 
 def prepared_dir(task: TaskSpec, explicit: str | None, seq: int, vocab_size: int) -> Path | None:
@@ -154,24 +154,21 @@ class BucketedSource:
 
 class BucketStream:
     """A stage's micro-batches in a reproducible order; same interface as trainer.stream.StageStream,
-    with the position counted in sequence slots (mbs per micro-batch)."""
+    with the position counted in sequence slots (mbs per micro-batch). Each source's micro-batches
+    are read in epochs, a seeded permutation per epoch (trainer.stream.EpochOrder), so one pass
+    visits every micro-batch, hence every sample, once."""
 
     def __init__(self, sources: list[tuple[BucketedSource, float]], seed: int, stage_index: int, mbs: int):
         if not sources or any(len(s) == 0 for s, _ in sources):
             raise UsageError(f"stage {stage_index} has no prepared training samples")
         self.sources = [s for s, _ in sources]
-        weights = np.array([w for _, w in sources], dtype=np.float64)
-        self.probs = weights / weights.sum()
+        weights = [w for _, w in sources]
+        self.order = EpochOrder([len(s) for s in self.sources], weights, [0.0] * len(weights), seed, stage_index)
         self.seed, self.stage_index, self.mbs = seed, stage_index, mbs
-        self._cache: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def _pick(self, k: int) -> tuple[BucketedSource, int]:
-        block, offset = divmod(k, BLOCK)
-        if self._cache is None or self._cache[0] != block:
-            rng = np.random.default_rng([self.seed, self.stage_index, block])
-            self._cache = (block, rng.choice(len(self.sources), size=BLOCK, p=self.probs), rng.random(BLOCK))
-        source = self.sources[self._cache[1][offset]]
-        return source, int(self._cache[2][offset] * len(source))
+        which, rows = self.order.rows(k, 1)
+        return self.sources[int(which[0])], int(rows[0])
 
     def _index(self, position: int, dp: int, mbs: int, rank: int, micro: int) -> int:
         return position // mbs + micro * dp + rank
@@ -183,6 +180,16 @@ class BucketStream:
     def usage(self, position: int, dp: int, mbs: int, rank: int, micro: int) -> tuple[int, int, int]:
         source, m = self._pick(self._index(position, dp, mbs, rank, micro))
         return source.usage(m)
+
+    def epochs(self, position: int, skipped: list[tuple[int, int]] = ()) -> dict[str, float]:
+        """Passes over each source's micro-batches that positions 0 .. position-1 made."""
+        consumed = self.order.consumed(position // self.mbs,
+                                       [(a // self.mbs, b // self.mbs) for a, b in skipped])
+        return {s.name: float(c) / len(s) for s, c in zip(self.sources, consumed)}
+
+    def positions_for(self, epochs: float, stage: str) -> int:
+        """Sequence slots after which the stage's own micro-batches have made `epochs` passes."""
+        return self.order.positions_for(epochs, [s.name == stage for s in self.sources]) * self.mbs
 
 
 def bucket_stream(folder: Path, task: TaskSpec, index: int, seq: int, mbs: int, seed: int) -> BucketStream:

@@ -1,14 +1,18 @@
 """Deterministic, resumable batches for one curriculum stage.
 
 Each source is a packed array of token sequences (n, seq). A stage mixes its own sources by weight
-and replays earlier stages by share. Which source the i-th sequence of the stage comes from, and
-which of that source's sequences it is, depends only on (seed, stage, i): a resume that knows how
-many sequences the stage consumed continues with exactly the next batch, and a rollback can skip a
-window of data by moving the position.
+and replays earlier stages by share. Which source the i-th sequence of the stage comes from depends
+only on (seed, stage, i); each source is read in epochs, a seeded permutation of its rows per
+epoch (seed, stage, source, epoch), so that one pass over a source visits every row exactly once.
+The k-th draw of a source of n rows is row perm_{k // n}[k mod n], and k is the number of earlier
+positions that chose the source: a resume that knows how many sequences the stage consumed
+continues with exactly the next batch, and a rollback can skip a window of data by moving the
+position.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,55 +33,127 @@ def _normalised(weights: list[float]) -> np.ndarray:
     return np.array([w / total for w in weights]) if total > 0 else np.zeros(len(weights))
 
 
+class EpochOrder:
+    """The row order of a stage: per position, the source (drawn by weight) and its row (the
+    source's next draw, in its per-epoch permutation). With `ramp` R > 0, position i draws its source
+    from the mixture start + min((i + 1) / R, 1) * (target - start): the previous stage's data turns
+    into this stage's mix over its first R positions instead of switching at once.
+
+    Both the raw sequences (StageStream) and prepared micro-batches (trainer/prepared.py) read
+    their rows here, so every array indexed by a source's row (tokens, labels, positions) follows
+    the same choice."""
+
+    def __init__(self, sizes: list[int], weights: list[float], start_weights: list[float], seed: int,
+                 stage_index: int, ramp: int = 0):
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.probs = _normalised(weights)
+        self.start_probs = _normalised(start_weights)
+        self.ramp = ramp if self.start_probs.any() else 0
+        self.seed, self.stage_index = seed, stage_index
+        self._which: tuple[int, np.ndarray] | None = None
+        self._prefix = [np.zeros(len(sizes), dtype=np.int64)]  # draws per source before each block
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+
+    def mixture(self, positions: np.ndarray) -> np.ndarray:
+        """(len(positions), sources): each position's source probabilities."""
+        ramped = np.minimum((positions + 1) / self.ramp, 1.0) if self.ramp else np.ones(len(positions))
+        return self.start_probs + ramped[:, None] * (self.probs - self.start_probs)
+
+    def _block(self, block: int) -> np.ndarray:
+        """The source of each position of `block` (successive steps share a block: cached)."""
+        if self._which is None or self._which[0] != block:
+            rng = np.random.default_rng([self.seed, self.stage_index, block])
+            if self.ramp and block * BLOCK < self.ramp:
+                cumulative = self.mixture(np.arange(block * BLOCK, (block + 1) * BLOCK)).cumsum(axis=1)
+                which = np.minimum((rng.random(BLOCK)[:, None] >= cumulative).sum(axis=1), len(self.sizes) - 1)
+            else:
+                which = rng.choice(len(self.sizes), size=BLOCK, p=self.probs)
+            self._which = (block, which)
+        return self._which[1]
+
+    def _draws_before_block(self, block: int) -> np.ndarray:
+        """Draws per source in the blocks before `block`: counted once per block, then remembered,
+        so a resume far into a stage costs one pass over the earlier blocks' source choices."""
+        while len(self._prefix) <= block:
+            done = len(self._prefix) - 1
+            self._prefix.append(self._prefix[-1] + np.bincount(self._block(done), minlength=len(self.sizes)))
+        return self._prefix[block]
+
+    def draws_before(self, position: int) -> np.ndarray:
+        """How many rows each source has given to positions 0 .. position-1."""
+        block, offset = divmod(position, BLOCK)
+        return self._draws_before_block(block) + np.bincount(self._block(block)[:offset], minlength=len(self.sizes))
+
+    def permutation(self, source: int, epoch: int) -> np.ndarray:
+        key = (source, epoch)
+        if key not in self._perms:
+            if len(self._perms) >= 2 * len(self.sizes):  # a read spans at most two epochs of a source
+                self._perms.pop(next(iter(self._perms)))
+            rng = np.random.default_rng([self.seed, self.stage_index, source, epoch, 1])
+            self._perms[key] = rng.permutation(int(self.sizes[source]))
+        return self._perms[key]
+
+    def positions_for(self, epochs: float, own: list[bool]) -> int:
+        """Positions over which the sources marked `own` give `epochs` times their rows, on average."""
+        mine = np.asarray(own, dtype=bool)
+        share = float(self.probs[mine].sum())
+        if share <= 0:
+            raise ValueError(f"stage {self.stage_index}: an epochs budget needs data of the stage's own")
+        return max(1, math.ceil(epochs * int(self.sizes[mine].sum()) / share))
+
+    def rows(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, row) of positions start .. start+count-1 of the stage's infinite order."""
+        which_out = np.empty(count, dtype=np.int64)
+        rows_out = np.empty(count, dtype=np.int64)
+        position, filled = start, 0
+        while filled < count:
+            block, offset = divmod(position, BLOCK)
+            take = min(BLOCK - offset, count - filled)
+            which = self._block(block)[offset:offset + take]
+            before = self.draws_before(position)
+            which_out[filled:filled + take] = which
+            for source, n in enumerate(self.sizes):
+                at = np.flatnonzero(which == source)
+                draws = before[source] + np.arange(len(at))
+                epochs, within = np.divmod(draws, n)
+                for epoch in np.unique(epochs):
+                    mine = epochs == epoch
+                    rows_out[filled + at[mine]] = self.permutation(source, int(epoch))[within[mine]]
+            position += take
+            filled += take
+        return which_out, rows_out
+
+    def consumed(self, position: int, skipped: list[tuple[int, int]] = ()) -> np.ndarray:
+        """Rows each source gave to positions 0 .. position-1, less those in `skipped` [start, end)
+        windows (data a spike rollback jumped over: never trained on)."""
+        total = self.draws_before(position)
+        for begin, end in skipped:
+            begin, end = min(begin, position), min(end, position)
+            if end > begin:
+                total = total - (self.draws_before(end) - self.draws_before(begin))
+        return total
+
+
 class StageStream:
-    """With `ramp_sequences` R > 0, sequence i of the stage is drawn from the mixture
-    start + min((i + 1) / R, 1) * (target - start): the previous stage's data turns into this
-    stage's mix over its first R sequences instead of switching at once."""
+    """A stage's sequences in their reproducible order (EpochOrder), with `ramp_sequences` R the
+    positions over which the previous stage's data turns into this stage's mix."""
 
     def __init__(self, sources: list[Source], seed: int, stage_index: int, ramp_sequences: int = 0):
         if not sources or any(len(s.sequences) == 0 for s in sources):
             empty = [s.name for s in sources if len(s.sequences) == 0] or ["(no sources)"]
             raise ValueError(f"stage {stage_index} has no data in {', '.join(empty)}")
         self.sources = sources
-        self.probs = _normalised([s.weight for s in sources])
-        self.start_probs = _normalised([s.start_weight for s in sources])
-        self.ramp = ramp_sequences if self.start_probs.any() else 0
-        self.seed = seed
-        self.stage_index = stage_index
-        self._cached: tuple[int, np.ndarray, np.ndarray] | None = None
-
-    def mixture(self, positions: np.ndarray) -> np.ndarray:
-        """(len(positions), sources): each sequence's source probabilities."""
-        ramped = np.minimum((positions + 1) / self.ramp, 1.0) if self.ramp else np.ones(len(positions))
-        return self.start_probs + ramped[:, None] * (self.probs - self.start_probs)
-
-    def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
-        if self._cached is None or self._cached[0] != block:  # successive steps share a block
-            rng = np.random.default_rng([self.seed, self.stage_index, block])
-            if self.ramp and block * BLOCK < self.ramp:
-                cumulative = self.mixture(np.arange(block * BLOCK, (block + 1) * BLOCK)).cumsum(axis=1)
-                which = np.minimum((rng.random(BLOCK)[:, None] >= cumulative).sum(axis=1), len(self.sources) - 1)
-            else:
-                which = rng.choice(len(self.sources), size=BLOCK, p=self.probs)
-            draws = rng.random(BLOCK)
-            self._cached = (block, which, draws)
-        return self._cached[1], self._cached[2]
+        self.seed, self.stage_index = seed, stage_index
+        self.order = EpochOrder([len(s.sequences) for s in sources], [s.weight for s in sources],
+                                [s.start_weight for s in sources], seed, stage_index, ramp_sequences)
 
     def sequences(self, start: int, count: int) -> np.ndarray:
         """Sequences start .. start+count-1 of this stage's infinite, reproducible order."""
+        which, rows = self.order.rows(start, count)
         out = np.empty((count, self.sources[0].sequences.shape[1]), dtype=self.sources[0].sequences.dtype)
-        position, filled = start, 0
-        while filled < count:
-            block, offset = divmod(position, BLOCK)
-            which, draws = self._block(block)
-            take = min(BLOCK - offset, count - filled)
-            which, draws = which[offset:offset + take], draws[offset:offset + take]
-            for number, source in enumerate(self.sources):
-                rows = np.flatnonzero(which == number)
-                # sampled with replacement: any position is computable without the ones before
-                out[filled + rows] = source.sequences[(draws[rows] * len(source.sequences)).astype(np.int64)]
-            position += take
-            filled += take
+        for number, source in enumerate(self.sources):
+            mine = np.flatnonzero(which == number)
+            out[mine] = source.sequences[rows[mine]]
         return out
 
     def global_batch(self, position: int, dp: int, mbs: int, gas: int, rank: int, micro: int) -> np.ndarray:
@@ -86,6 +162,21 @@ class StageStream:
         with dp x gas accumulation sees the same sequences per step as dp ranks."""
         first = position + (micro * dp + rank) * mbs
         return self.sequences(first, mbs)
+
+    def epochs(self, position: int, skipped: list[tuple[int, int]] = ()) -> dict[str, float]:
+        """Passes over each source that positions 0 .. position-1 made (skipped windows left out)."""
+        consumed = self.order.consumed(position, skipped)
+        return {s.name: float(c) / len(s.sequences) for s, c in zip(self.sources, consumed)}
+
+    def positions_for(self, epochs: float, stage: str) -> int:
+        """Positions (sequences) after which the stage's own sources have made `epochs` passes on
+        average: their rows times `epochs`, over their share of the mixture (replay takes the rest)."""
+        return self.order.positions_for(epochs, [_owned(s.name, stage) for s in self.sources])
+
+
+def _owned(source_name: str, stage: str) -> bool:
+    """Whether a source (named `stage:path`, or `stage` for prepared data) is the stage's own data."""
+    return source_name == stage or source_name.startswith(stage + ":")
 
 
 def pack(token_lists: list[list[int]], seq: int, eos: int) -> np.ndarray:

@@ -116,8 +116,9 @@ def candidate_plan(plan: Plan, planned: PlannedLayout, first_stage_only: bool = 
     for spec, stage in zip(plan.task.stages if plan.task else [], plan.stages):
         if stage.layout == old:
             nodes = max(1, -(-planned.layout.devices // plan.gpus_per_node))
+            one_pass = round(stage.tokens / spec.epochs) if spec.epochs else None  # 0: sized at run time
             stage = plan_stage(plan.task, spec, planned.layout, planned.estimate, nodes, defaults.mtbf_hours,
-                               defaults.checkpoint_write_gbs, plan.min_compute_fraction)
+                               defaults.checkpoint_write_gbs, plan.min_compute_fraction, one_pass_tokens=one_pass)
         stages.append(stage)
     update: dict[str, Any] = {"chosen": planned, "alternatives": others, "stages": stages}
     if first_stage_only and plan.task is not None:
@@ -141,7 +142,7 @@ def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path,
     (directory / "data_cache").symlink_to((run_dir / "data_cache").resolve())  # tokenise once for all trials
     plan_path = directory / "plan.yaml"
     trial.write(plan_path)
-    options = TrainOptions(max_steps_per_stage=steps, show_progress=False, eval_sequences=1)
+    options = TrainOptions(max_steps_per_stage=steps, show_progress=False, eval_sequences=1, exact_match_prompts=0)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     run_training(trial, plan_path, directory, False, options, False, None, 0, "127.0.0.1", free_port())

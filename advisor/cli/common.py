@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from advisor.errors import UsageError
-from advisor.specs import LAYOUT_KEYS_HELP, MIN_COMPUTE_FRACTION  # noqa: F401  (the verbs' default)
+from advisor.specs import LAYOUT_KEYS_HELP, MIN_COMPUTE_FRACTION, ModelSpec  # noqa: F401  (the verbs' default)
 from advisor.task import TaskSpec
 from trainer.data.manifest import manifest_stage_tokens
 
@@ -41,9 +41,21 @@ def exit_on_error(action: Callable[[], Any]) -> Any:
         raise typer.Exit(1) from None
 
 
-def stage_tokens(task: TaskSpec | None) -> dict[str, int] | None:
-    """Each stage's tokens from the task's prepared data when it is fresh (None: the task file's)."""
-    return manifest_stage_tokens(task) if task is not None else None
+def stage_tokens(task: TaskSpec | None, model: ModelSpec | None = None,
+                 seq: int | None = None) -> dict[str, int] | None:
+    """Each stage's tokens from the task's prepared data when it is fresh (None: the task file's);
+    with the model, stages budgeted in epochs that the manifest does not count are counted from
+    their raw data when it is readable (one pass; the others are sized at run time)."""
+    if task is None:
+        return None
+    counts = manifest_stage_tokens(task)
+    if model is not None and any(s.epochs is not None and s.name not in (counts or {}) for s in task.stages):
+        # deferred: tokenizes the stage's data (only tasks with an epochs budget pay for it)
+        from trainer.corpus import epoch_pass_tokens
+
+        raw = epoch_pass_tokens(task, model.name, int(model.hf_config.get("vocab_size", 0)), seq or task.seq_len)
+        counts = {**raw, **(counts or {})} or None
+    return counts
 
 
 def print_or_render(value: Any, as_json: bool, render: Callable[[Any], None]) -> None:

@@ -58,9 +58,10 @@ def plan(
     """
     def compute():
         spec_task = load_task(task) if task else None
+        spec_model = load_model(model)
         opts = PlanOptions(
-            model=load_model(model), hardware=load_hardware(hardware), nodes=nodes, gpus_per_node=gpus_per_node,
-            task=spec_task, stage_tokens=stage_tokens(spec_task), seq=seq_len, global_batch=global_batch, method=method,
+            model=spec_model, hardware=load_hardware(hardware), nodes=nodes, gpus_per_node=gpus_per_node,
+            task=spec_task, stage_tokens=stage_tokens(spec_task, spec_model, seq_len), seq=seq_len, global_batch=global_batch, method=method,
             objective=objective, deadline_s=parse_duration(deadline) if deadline else None, tokens=tokens,
             price_per_gpu_hour=price, min_compute_fraction=min_compute_fraction, top_k=top, mtbf_hours=mtbf_hours,
             per_stage_devices=per_stage_devices, allow_cross_node_tp=allow_cross_node_tp, attention=attention,

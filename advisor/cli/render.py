@@ -215,3 +215,21 @@ def render_data_manifest(manifest: dict[str, Any]) -> None:
     planner = {s["name"]: s.get("tokens_with_replay") for s in manifest["stages"]}
     console.print("tokens per stage for the planner (replay included): "
                   + ", ".join(f"{k} {v:,}" if v is not None else f"{k} -" for k, v in planner.items()), style="dim")
+
+
+def stage_results_lines(summary: dict[str, Any]) -> list[str]:
+    """One line per finished stage: greedy exact match per skill (n/a: no answers to score) and the
+    epochs it made over its sources; why exact match was not scored, where it was not."""
+    lines = []
+    for stage in summary.get("stages") or []:
+        scores = stage.get("exact_match") or {}
+        epochs = stage.get("epochs") or {}
+        if not scores and not epochs:
+            continue
+        scored = ", ".join(f"{skill} {'n/a' if value is None else f'{100 * value:.1f}%'}"
+                           for skill, value in scores.items())
+        passes = ", ".join(f"{source} {value:.2f}" for source, value in epochs.items())
+        lines.append(f"after {stage['name']}: exact match {scored or '-'}" + (f"; epochs {passes}" if passes else ""))
+    if summary.get("exact_match_note"):
+        lines.append(f"exact match {summary['exact_match_note']}")
+    return lines

@@ -11,7 +11,7 @@ import typer
 from advisor.cli.common import console, exit_on_error
 from advisor.cli.progress import RunProgress
 from advisor.cli.quiet import log_path, quiet_console
-from advisor.cli.render import format_seconds, render_verification
+from advisor.cli.render import format_seconds, render_verification, stage_results_lines
 
 
 def run_all(
@@ -47,6 +47,8 @@ def run_all(
             print(json.dumps(result, default=str), file=terminal)
             return
     summary = result["summary"] or {}
+    for line in stage_results_lines(summary):
+        console.print(f"[bold]advisor run[/bold]: {line}", highlight=False, soft_wrap=True)
     measured, predicted = summary.get("measured", {}), summary.get("predicted", {})
     console.print(f"done in {result['seconds']:.0f} s: {summary.get('steps')} steps, measured step "
                   f"{format_seconds(measured.get('step_s') or 0)} "

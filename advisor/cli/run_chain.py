@@ -236,7 +236,7 @@ def _plan(model: ModelSpec, hardware: HardwareSpec, task: TaskSpec, opts: RunOpt
     gpus = hardware.devices_per_node
     say(f"planning {model.name} on {gpus} x {hardware.name}")
     plan = make_plan(PlanOptions(model=model, hardware=hardware, gpus_per_node=gpus, task=task,
-                                 stage_tokens=stage_tokens(task), method="auto",
+                                 stage_tokens=stage_tokens(task, model), method="auto",
                                  min_compute_fraction=MIN_COMPUTE_FRACTION, top_k=max(5, opts.verify),
                                  space=TRAINER_SPACE))
     return trainable_plan(plan, say)

@@ -15,7 +15,7 @@ from advisor.cli.common import console, exit_on_error
 from advisor.cli.data import require_data_extra
 from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.cli.quiet import log_path, quiet_console
-from advisor.cli.render import format_seconds
+from advisor.cli.render import format_seconds, stage_results_lines
 from advisor.errors import UsageError
 from advisor.capabilities import config_shape, runnable_problem
 from advisor.plan_file import Plan, load_plan
@@ -50,6 +50,9 @@ def train(
                                         "the plan's global batch (default: one pass over --data)"),
     tokens: Optional[int] = typer.Option(None, "--tokens", min=1, help="a plan without a task: tokens to train on, "
                                          "rounded up to whole steps (default: one pass over --data)"),
+    epochs: Optional[float] = typer.Option(None, "--epochs", help="train every stage for this many passes "
+                                           "over its own data (each example once per epoch, in a seeded order), "
+                                           "instead of the budgets its task or --steps/--tokens give"),
     nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="nodes (default: Slurm's, else 1)"),
     node_rank: int = typer.Option(0, "--node-rank", min=0),
     master_addr: str = typer.Option("127.0.0.1", "--master-addr"),
@@ -64,6 +67,9 @@ def train(
     spike_lr_factor: float = typer.Option(DEFAULTS.spike_lr_factor, "--spike-lr-factor", hidden=True),
     spike_warmup_steps: int = typer.Option(DEFAULTS.spike_warmup_steps, "--spike-warmup-steps", hidden=True),
     eval_sequences: int = typer.Option(DEFAULTS.eval_sequences, "--eval-sequences", hidden=True),
+    exact_match_prompts: int = typer.Option(DEFAULTS.exact_match_prompts, "--exact-match-prompts", min=0,
+                                            help="held-out prompts per skill that each stage end answers by greedy "
+                                            "decoding and scores by exact match (0: none)"),
     show_progress: bool = typer.Option(DEFAULTS.show_progress, "--show-progress/--no-show-progress", hidden=True),
     dry_run: bool = typer.Option(False, "--dry-run", help="check every stage's layout against this trainer on "
                                  "the meta device (no devices, no data), show what each rank holds next to the "
@@ -85,6 +91,8 @@ def train(
         with quiet_console(out, verbose):
             summary = exit_on_error(lambda: _run(args))
     if summary and not launched:
+        for line in stage_results_lines(summary):
+            console.print(line, highlight=False, soft_wrap=True)
         measured, predicted = summary["measured"], summary["predicted"]
         console.print(f"trained {summary['steps']} steps ({summary['rollbacks']} rollbacks); step "
                       f"{format_seconds(measured['step_s'] or 0)} measured vs "
@@ -112,13 +120,15 @@ def _run(a: SimpleNamespace) -> dict | None:
     from trainer.launch import run
 
     out = a.out
+    if a.epochs is not None and not a.epochs > 0:
+        raise UsageError(f"--epochs {a.epochs:g}: must be more than zero")
     plan = _load_plan(a.plan_file, a.engine, a.data, a.launched)
     resumed = a.resume or restarted()  # a torchrun restart or Slurm requeue continues the run
     plan_path, prepared = a.plan_file, a.data
     if not a.launched:
         _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
-            (plan, prepared), plan_path = _one_stage(plan, a.data, out, a.steps, a.tokens), out / "plan.yaml"
+            (plan, prepared), plan_path = _one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs), out / "plan.yaml"
         elif a.steps is not None or a.tokens is not None:
             raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
                              "its stages")
@@ -126,6 +136,7 @@ def _run(a: SimpleNamespace) -> dict | None:
                            max_rollbacks=a.max_rollbacks, spike_lr_factor=a.spike_lr_factor,
                            spike_warmup_steps=a.spike_warmup_steps, eval_sequences=a.eval_sequences,
                            max_steps_per_stage=a.max_steps_per_stage, weights=a.weights, merge=a.merge,
+                           epochs=a.epochs, exact_match_prompts=a.exact_match_prompts,
                            show_progress=a.show_progress and a.launched,
                            data=str(prepared.resolve()) if prepared else None, overwrite=a.overwrite,
                            timeout_s=a.timeout_s)
@@ -154,7 +165,7 @@ def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched:
 
 
 def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None,
-               tokens: int | None) -> tuple[Plan, Path | None]:
+               tokens: int | None, epochs: float | None) -> tuple[Plan, Path | None]:
     """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
     plan; and the prepared-data folder the loop reads (None: raw files)."""
     if data is None:
@@ -163,7 +174,7 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None,
     # deferred: reads and tokenizes the data (the counting pass of the default length)
     from trainer.one_stage import one_stage_plan
 
-    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens)
+    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs)
     plan.write(out / "plan.yaml")
     return plan, prepared
 

@@ -7,6 +7,8 @@ Three sub-tasks, as the source article orders them:
   (field `steps`, 1 to 4);
 - instruction following: reverse, uppercase, count a letter, first letters, sort words, repeat
   (field `kind`); the mixed stage gets fresh instructions of its own (mixed.jsonl).
+Arithmetic and instruction rows also carry `prompt` and `completion` (`text` is the two joined): the
+stage-end evaluation answers the eval files' prompts greedily and scores them by exact match.
 Each has a train file and an eval file (drawn from another random stream), written as jsonl under
 `<out>/data/`, the paths `presets/tasks/demo.yaml` names relative to its base_dir.
 
@@ -132,11 +134,9 @@ def arithmetic_problem(rng: random.Random, steps: int) -> dict:
         worked.append(f"{value}{op}{operand}={result}.")
         expression = f"({expression}){op}{operand}" if len(worked) > 1 else f"{expression}{op}{operand}"
         value = result
-    if steps == 1:
-        text = f"Q: {expression}=? A: {value}"
-    else:
-        text = f"Q: {expression}=? A: {' '.join(worked)} The answer is {value}."
-    return {"text": text, "steps": steps}
+    prompt = f"Q: {expression}=? A:"
+    completion = f" {value}" if steps == 1 else f" {' '.join(worked)} The answer is {value}."
+    return {"text": prompt + completion, "prompt": prompt, "completion": completion, "steps": steps}
 
 
 def arithmetic_document(rng: random.Random) -> dict:
@@ -178,7 +178,8 @@ def instruction_document(rng: random.Random) -> dict:
         times = rng.randint(2, 4)
         instruction = f"repeat the {noun} '{phrase}' {('two', 'three', 'four')[times - 2]} times."
         response = " ".join([phrase] * times)
-    return {"text": f"Instruction: {instruction}\nResponse: {response}", "kind": kind}
+    prompt, completion = f"Instruction: {instruction}\nResponse:", f" {response}"
+    return {"text": prompt + completion, "prompt": prompt, "completion": completion, "kind": kind}
 
 
 # --- files --------------------------------------------------------------------------------------------
@@ -205,7 +206,8 @@ EVAL_MARGIN = 1.1  # an eval file holds a little more than the stage's eval_toke
 # rebuilt byte for byte whatever the task budgets become
 TOKENIZER_TRAINING_DOCUMENTS = {"language.jsonl": 8_900, "arithmetic.jsonl": 9_200, "instructions.jsonl": 6_125}
 # Bump when a generator's output changes: corpora generated into the cache before are then rewritten.
-GENERATOR_VERSION = 1
+# 2: arithmetic and instruction rows carry `prompt` and `completion` (text = prompt + completion, as before)
+GENERATOR_VERSION = 2
 STAMP_NAME = ".generated.json"  # in the cache folder: what its files were generated from, written last
 DEMO_SEED = 0  # the preset's data: one seed, so that every run on every machine reads the same files
 

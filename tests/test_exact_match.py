@@ -1,0 +1,243 @@
+"""Exact match by greedy decoding, against models whose answers are known by construction: a model
+that continues every letter with the next one (and 'z' with end-of-text) answers "Q: u" with "vwxyz";
+the scores are 100% for those references and 0% for others. Batched, left-padded decoding equals
+HF's `generate` run on each prompt alone; whole-model engines on two ranks (ZeRO-3, FSDP2 with TP)
+decode what one process does; and a training run reports the scores per stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.corpus import BYTE_EOS
+from trainer.exact_match import exact_match, greedy_answers
+
+VOCAB = 272  # bytes, end-of-text (256) and spare ids: the trainer's byte tokenizer fits
+CPU = torch.device("cpu")
+
+
+def _next_token(t: int) -> int:
+    """What the constructed model predicts after token t: the next letter, end-of-text after 'z'."""
+    return BYTE_EOS if t == ord("z") else (t + 1) % VOCAB
+
+
+def _alphabet_model():
+    """Decoder layers that add nothing (zero output projections), one-hot embeddings, and an LM
+    head that maps token t to `_next_token(t)`: greedy decoding continues the alphabet to 'z'."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=VOCAB, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(VOCAB) * 10)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = torch.zeros(VOCAB, VOCAB)
+        for t in range(VOCAB):
+            head[_next_token(t), t] = 1.0
+        model.lm_head.weight.copy_(head)
+    return model.eval()
+
+
+def _ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+PROMPTS = ["Q: u", "continue from w", "x", "the letters after m", "Q: q"]
+
+
+def _truth(prompt: str) -> str:
+    """The alphabet after the prompt's last letter: what the constructed model answers."""
+    return "".join(chr(c) for c in range(ord(prompt[-1]) + 1, ord("z") + 1))
+
+
+def test_exact_match_is_100_percent_for_answers_right_by_construction_and_0_otherwise() -> None:
+    model = _alphabet_model()
+    right = [(_ids(p), _ids(_truth(p))) for p in PROMPTS]
+    assert exact_match(model, right, BYTE_EOS, micro_batch=2, device=CPU) == 1.0
+    # the reference answer closed by end-of-text scores the same
+    assert exact_match(model, [(p, a + [BYTE_EOS]) for p, a in right], BYTE_EOS, 3, CPU) == 1.0
+    too_long = [(p, a + _ids("!")) for p, a in right]  # the model stops before it: no match
+    too_short = [(p, a[:-1]) for p, a in right]  # the model goes on past it: no match
+    other = [(p, _ids("abc")) for p, _ in right]
+    for wrong in (too_long, too_short, other):
+        assert exact_match(model, wrong, BYTE_EOS, 2, CPU) == 0.0
+    assert exact_match(model, right[:2] + other[2:], BYTE_EOS, 4, CPU) == pytest.approx(2 / 5)
+
+
+def test_batched_left_padded_decoding_equals_generate_on_each_prompt_alone() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=40)).eval()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 40, (n,), generator=generator).tolist() for n in (2, 9, 5, 1, 7)]
+    batched = greedy_answers(model, prompts, max_new_tokens=6, eos=0, device=CPU)
+    alone = []
+    for prompt in prompts:  # the truth: HF generate on the prompt alone, no padding
+        out = model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=6, eos_token_id=0,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+        alone.append(out[:out.index(0)] if 0 in out else out)
+    assert batched == alone
+    assert len({tuple(a) for a in alone}) > 1  # the prompts do lead to different answers
+
+
+def _alphabet_weights(root: Path) -> Path:
+    folder = root / "alphabet"
+    _alphabet_model().save_pretrained(folder)
+    return folder
+
+
+def _letters_task(root: Path) -> Path:
+    """Two stages: language (text rows only: nothing to score) and letters, budgeted in epochs, whose
+    held-out rows hold prompts and answers, 3 of 4 right by construction."""
+    data = root / "data"
+    data.mkdir(parents=True)
+    rows = [{"text": "abcdefghijklmnopqrstuvwxyz " * 2} for _ in range(40)]
+    (data / "lang.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    letters = [{"prompt": f"Q: {c}", "completion": _truth(c)} for c in "abcdefghijklmnopqrstuvwxy"]
+    (data / "letters.jsonl").write_text("".join(json.dumps({**r, "text": r["prompt"] + r["completion"]}) + "\n"
+                                                for r in letters))
+    held_out = [{"prompt": f"Q: {c}", "completion": _truth(c)} for c in "uvw"] + [{"prompt": "Q: k", "completion": "no"}]
+    (data / "letters_eval.jsonl").write_text("".join(json.dumps({**r, "text": r["prompt"] + r["completion"]}) + "\n"
+                                                     for r in held_out))
+    (data / "lang_eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    (root / "task.yaml").write_text("""
+name: letters
+seq_len: 32
+global_batch: 4
+stages:
+  - {name: language, sources: [{path: data/lang.jsonl}], steps: 2, lr: 1.0e-7, warmup_steps: 0,
+     eval_sources: [{path: data/lang_eval.jsonl}]}
+  - {name: letters, sources: [{path: data/letters.jsonl}], epochs: 2, lr: 1.0e-7, warmup_steps: 0,
+     eval_sources: [{path: data/letters_eval.jsonl}]}
+""")
+    return root / "task.yaml"
+
+
+def test_a_run_reports_exact_match_per_skill_and_epochs_per_source(tmp_path) -> None:
+    from advisor.specs import ModelSpec
+    from planner.plan import PlanOptions, make_plan
+    from presets import load_hardware, load_task
+    from trainer.corpus import ByteTokenizer, load_source
+    from trainer.loop import TrainOptions, train
+
+    weights = _alphabet_weights(tmp_path)
+    task = load_task(str(_letters_task(tmp_path)))
+    config = json.loads((weights / "config.json").read_text())
+    plan = make_plan(PlanOptions(model=ModelSpec(name="alphabet", hf_config=config), hardware=load_hardware("cpu"),
+                                 gpus_per_node=1, task=task, min_compute_fraction=0.0, method="full",
+                                 fix={"dtype": "fp32", "mbs": 2, "gas": 2, "tp": 1, "pp": 1}))
+    assert plan.stages[1].flags[0].startswith("sized at run time")  # no counts handed to the planner
+    summary = train(plan, tmp_path / "run", resume=False,
+                    options=TrainOptions(show_progress=False, weights=str(weights), exact_match_prompts=64))
+    first, second = summary["stages"]
+    assert first["exact_match"] == {"language": None}  # text rows: no answers, n/a
+    assert second["exact_match"] == {"language": None, "letters": 0.75}
+    # epochs: 2 passes over the letters' packed rows, in whole steps of 4 sequences
+    rows = len(load_source(task.stages[1].sources[0], task, ByteTokenizer(), 32, None))
+    steps = -(-2 * rows // 4)
+    assert second["steps"] == steps
+    assert second["epochs"] == {"letters:data/letters.jsonl": pytest.approx(steps * 4 / rows)}
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["exact_match"] for e in evals] == [first["exact_match"], second["exact_match"]]
+    # the run report shows them: a percentage per skill, n/a where there are no answers
+    from reports.run_report import run_report
+
+    analysis, document = run_report(tmp_path / "run")
+    assert analysis.exact_match == {"language": {"language": None},
+                                    "letters": {"language": None, "letters": 0.75}}
+    markdown = document.to_markdown()
+    assert "| after letters | n/a | 75.0% |" in markdown
+    assert analysis.epochs["letters"] == second["epochs"]
+
+
+# -- every rank decodes together: ZeRO-3 and FSDP2 with tensor parallelism ------------------------
+
+
+def _random_weights(root: Path) -> Path:
+    """A random model of the same shape: its answers depend on attention over the whole prompt."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(3)
+    folder = root / "random"
+    LlamaForCausalLM(_alphabet_model().config).save_pretrained(folder)
+    return folder
+
+
+def _rank_decode(rank: int, world: int, port: int, folders: list[str], layout: dict, choice: str, out: str) -> None:
+    from advisor.specs import Layout, ModelSpec
+    from profiler.ranks import finish_rank, init_rank
+    from trainer.engines import make_engine
+    from trainer.model import build_model
+
+    init_rank(rank, world, port, distributed=True, threads=1)
+    plan_layout = Layout(**layout)
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
+                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                 "steps_per_print": 1_000_000}
+    prompts = [_ids(p) for p in PROMPTS]
+    results = []
+    for weights in folders:
+        config = json.loads(Path(weights, "config.json").read_text())
+        engine = make_engine(build_model(ModelSpec(name="alphabet", hf_config=config), plan_layout, 0, weights),
+                             plan_layout, ds_config, clip=1.0, engine=choice)
+        module = getattr(engine.model, "module", engine.model)
+        answers = greedy_answers(module, prompts, 30, BYTE_EOS, CPU)
+        score = exact_match(module, [(p, _ids(_truth(t))) for p, t in zip(prompts, PROMPTS)], BYTE_EOS, 2, CPU)
+        results.append({"answers": answers, "score": score})
+        del engine, module
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finish_rank(True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice, layout", [
+    ("deepspeed", {"dp": 2, "zero": 3, "gas": 1, "mbs": 1, "dtype": "fp32"}),
+    ("fsdp2", {"dp": 1, "tp": 2, "sp": True, "zero": 0, "gas": 1, "mbs": 1, "dtype": "fp32"}),
+])
+def test_whole_model_engines_on_two_ranks_decode_what_one_process_does(tmp_path, choice, layout) -> None:
+    import deepspeed  # noqa: F401  (imported before forking: the ranks inherit it loaded)
+    from transformers import LlamaForCausalLM
+
+    from profiler.ranks import free_port, launch
+
+    alphabet, random = _alphabet_weights(tmp_path), _random_weights(tmp_path)
+    prompts = [_ids(p) for p in PROMPTS]
+    one_process = greedy_answers(LlamaForCausalLM.from_pretrained(random).eval(), prompts, 30, BYTE_EOS, CPU)
+    launch(_rank_decode, 2, (2, free_port(), [str(alphabet), str(random)], layout, choice, str(tmp_path)))
+    for rank in range(2):
+        by_construction, randomly = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert by_construction["answers"] == [_ids(_truth(p)) for p in PROMPTS]
+        assert by_construction["score"] == 1.0
+        assert randomly["answers"] == one_process and randomly["score"] == 0.0
+
+
+def test_a_pipeline_engine_is_not_scored_and_the_report_says_so(tmp_path) -> None:
+    """The pipeline's model is its chunks run in turn (no `generate`): exact match is not scored there."""
+    from presets import load_task
+    from reports.run_report import _exact_match_section, RunAnalysis
+    from reports.document import Document
+    from trainer.corpus import ByteTokenizer
+    from trainer.engines.pipeline import PipelineForward
+    from trainer.exact_match import NOT_SCORED_PIPELINE, stage_exact_match
+
+    task = load_task(str(_letters_task(tmp_path)))
+    pipeline_model = PipelineForward([], engine=None)  # type: ignore[arg-type]
+    assert stage_exact_match(pipeline_model, task, 1, ByteTokenizer(), 2, 64, CPU) is None
+    # a whole model is scored: the letters skill, and language has no answers
+    assert stage_exact_match(_alphabet_model(), task, 1, ByteTokenizer(), 2, 64, CPU) == {"language": None,
+                                                                                         "letters": 0.75}
+    analysis = RunAnalysis(data=None, comparisons=[], stages=[], spikes=[], rollbacks=[], checkpoint_events=[],  # type: ignore[arg-type]
+                           evals={}, finished=True, steps=0, exact_match_note=NOT_SCORED_PIPELINE)
+    document = Document("run")
+    _exact_match_section(document, analysis)
+    assert f"Exact match {NOT_SCORED_PIPELINE}." in document.to_markdown()
