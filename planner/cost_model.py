@@ -32,6 +32,7 @@ from planner.memory import (
     ADAPTER_BYTES,
     HOST_MEMORY_USABLE,
     MEGATRON,
+    TIED_GRADIENT_COPIES,
     ZERO_REDUCE_BUCKET_ELEMS,
     ModelStates,
     fsdp_shards,
@@ -41,6 +42,7 @@ from planner.memory import (
     layer_activation_bytes,
     logits_transient_bytes,
     micro_batches_in_flight,
+    tied_embedding_gradient_bytes,
     model_state_bytes,
     stored_dtype_bytes,
 )
@@ -218,6 +220,9 @@ class StageMemory:
     # live at the start of backward beyond the shards: gathered weights (ZeRO-3, FSDP2), ZeRO-3's bucket
     zero3_live: float
     scratch: float
+    # the end of backward with a tied embedding: its gradient copies beside every other gradient
+    # (`tied_embedding_gradient_bytes`); 0 where none applies
+    tied_backward: float
     host: float  # offloaded bytes of this device in host RAM
     host_capacity: float  # this device's share of its node's usable RAM
 
@@ -236,7 +241,7 @@ class StageMemory:
 
     @property
     def peak(self) -> float:
-        return max(self.backward_start, self.optimizer_step)
+        return max(self.backward_start, self.optimizer_step, self.tied_backward)
 
     @property
     def host_fits(self) -> bool:
@@ -244,7 +249,10 @@ class StageMemory:
 
     def estimate(self, stage: int, capacity: int) -> MemoryEstimate:
         """The breakdown at the winning moment, so that the parts add up to the peak."""
-        if self.backward_start >= self.optimizer_step:
+        if self.tied_backward >= max(self.backward_start, self.optimizer_step):
+            gradients, activations = self.tied_backward - self.weights - self.optimizer, 0.0
+            other = 0.0
+        elif self.backward_start >= self.optimizer_step:
             gradients, activations, other = self.resident_gradients, self.activations, self.transient
         else:
             gradients, activations, other = self.gradients, 0.0, self.scratch
@@ -288,18 +296,26 @@ def stage_memory(
     buckets = zero_bucket_elems(trace, layout) * grad_bytes if deepspeed_buckets else 0.0
     root = params - layers * trace.layer.params / tp
     gathered = gathered_parameter_bytes(params, trace.layer.params / tp, root, layout, engine)
+    resident = _resident_gradients(layout, engine, states.gradients, params)
+    tied_copies = tied_embedding_gradient_bytes(trace, layout, engine)
+    tied_backward = 0.0
+    if tied_copies:
+        # every other gradient exists by then: in resident buffers, or in `.grad` beside the bucket
+        others = 0.0 if resident else trainable * grad_bytes - tied_copies / TIED_GRADIENT_COPIES
+        tied_backward = states.weights + states.optimizer + resident + buckets + others + tied_copies
     if deepspeed_buckets and layout.zero == 3:
         # ZeRO-3 reduces gradients during backward through its bucket, allocated as the first
         # gradients arrive: alive with the loss's buffers (measured on this CPU; ZeRO-2's is not)
         gathered += buckets
     return StageMemory(
         weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
-        resident_gradients=_resident_gradients(layout, engine, states.gradients, params),
+        resident_gradients=resident,
         activations=activations,
         logits=logits_transient_bytes(trace, layout, engine) if last else 0.0,
         regrown=kept - reduced if recomputed and layout.recompute != "none" else 0.0,
         zero3_live=gathered,
         scratch=buckets + _optimizer_temporaries(trace, layout, hardware, engine, trainable),
+        tied_backward=tied_backward,
         host=states.host,
         host_capacity=host_share(layout, hardware),
     )

@@ -45,3 +45,29 @@ def test_loss_buffers_priced_as_measured(dtype: str) -> None:
     logits_fp32 = layout.mbs * layout.seq * CONFIG["vocab_size"] * 4
     assert measured > 2.9 * logits_fp32  # three logits-sized fp32 buffers at once: the case priced
     assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_a_tied_embeddings_gradient_copies_at_the_end_of_backward_priced_as_measured() -> None:
+    """Short sequences and a wide vocabulary: the embedding's gradient, not the logits, sets the
+    backward peak. The LM head's share waits for the embedding's own, and the sum is a third copy."""
+    memory = TensorMemory(torch.device("cpu"))
+    config = {**CONFIG, "hidden_size": 64, "tie_word_embeddings": True}
+    layout = Layout(mbs=1, seq=16, dtype="fp32")
+    spec = ModelSpec(name="tied", hf_config=config)
+    model = build_filled_model(spec, layout, seed=0)
+    ids = torch.randint(0, config["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        base = memory.live()
+        memory.reset_peak()
+        model(input_ids=ids, labels=ids).loss.backward()
+    measured = memory.peak() - base
+    trace = trace_model(spec, layout.seq, "fp32", device_type="cpu")
+    stage = stage_memory(trace, layout, load_hardware("cpu"), 0, 1, 0, engine="plain")
+    embedding_grad = config["vocab_size"] * config["hidden_size"] * 4
+    trainable = sum(p.numel() for p in model.parameters()) * 4
+    # by hand: every other gradient, and the embedding's three copies (held, new, their sum)
+    assert stage.tied_backward - stage.weights - stage.optimizer == trainable - embedding_grad + 3 * embedding_grad
+    assert measured > 2.9 * embedding_grad + (trainable - embedding_grad)
+    assert stage.tied_backward - stage.weights - stage.optimizer == pytest.approx(measured, rel=0.05)
+    assert stage.peak == stage.tied_backward
