@@ -363,13 +363,28 @@ class _Rates:
     slowdown: float
 
 
+# Tokens per micro-batch at which `Efficiency.gemm` holds as fitted; `gemm_tokens_slope` scales the
+# GEMM time per doubling of them from here.
+GEMM_REFERENCE_TOKENS = 256
+
+
+def gemm_tokens_factor(layout: Layout, hardware: HardwareSpec) -> float:
+    """GEMM time at this layout's tokens per micro-batch (mbs x seq) over that at
+    `GEMM_REFERENCE_TOKENS`: 1 + slope log2(tokens / reference), floored at a quarter. The slope is
+    measured (planner/calibration.py fits it to calibration steps at several micro-batch sizes)."""
+    slope = hardware.efficiency.gemm_tokens_slope
+    if not slope:
+        return 1.0
+    return max(0.25, 1 + slope * math.log2(layout.mbs * layout.seq / GEMM_REFERENCE_TOKENS))
+
+
 def _rates(layout: Layout, hardware: HardwareSpec) -> _Rates:
     eff = hardware.efficiency
     # Compute slows down when the other devices of the node compute too (CPU cores share caches
     # and memory bandwidth; GPUs do not, contention 0).
     busy = min(layout.devices, hardware.devices_per_node)
     return _Rates(
-        flop=hardware.peak_flops(layout.dtype) * eff.gemm,
+        flop=hardware.peak_flops(layout.dtype) * eff.gemm / gemm_tokens_factor(layout, hardware),
         adapter=hardware.peak_flops(layout.dtype) * (eff.adapter_gemm or eff.gemm),
         byte=hardware.memory_bandwidth_gbs * 1e9 * eff.memory_bandwidth,
         slowdown=1 + eff.node_contention * (busy - 1) / max(hardware.devices_per_node - 1, 1),

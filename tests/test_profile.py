@@ -120,7 +120,7 @@ def test_calibration_terms_are_the_cost_model_along_each_factor() -> None:
     model = load_model("demo-tiny")
     hardware = load_hardware("cpu").model_copy(update={"devices_per_node": 2})
     moves = ({"gemm": 0.3}, {"memory_bandwidth": 0.2}, {"adapter_gemm": 0.05}, {"micro_batch_overhead_s": 0.01},
-             {"node_contention": 0.7})
+             {"node_contention": 0.7}, {"gemm_tokens_slope": 0.25})
     for layout in (Layout(mbs=4, seq=256, dtype="fp32"), Layout(dp=2, mbs=2, seq=512, dtype="fp32", method="lora",
                                                                  recompute="full", gas=3)):
         trace = trace_model(model, layout.seq, dtype="fp32", method=layout.method, device_type="cpu")
@@ -137,10 +137,10 @@ def _calibration_cases(devices: int):
             for lay in fit_layouts(256, devices)]
 
 
-def test_fit_recovers_the_five_factors_that_made_the_step_times() -> None:
+def test_fit_recovers_the_six_factors_that_made_the_step_times() -> None:
     hardware = load_hardware("cpu").model_copy(update={"devices_per_node": 2})
     truth = {"gemm": 0.62, "memory_bandwidth": 0.35, "adapter_gemm": 0.2, "micro_batch_overhead_s": 0.004,
-             "node_contention": 0.3}
+             "node_contention": 0.3, "gemm_tokens_slope": 0.15}
     cases = _calibration_cases(2)
     made = with_factors(hardware, **truth)
     measured = [estimate_from_trace(trace, lay, made).time.step_s for trace, lay in cases]
@@ -151,12 +151,13 @@ def test_fit_recovers_the_five_factors_that_made_the_step_times() -> None:
 
 
 def test_fit_leaves_alone_what_no_layout_measures() -> None:
-    """One device and no LoRA layout: contention and the adapter rate are not in the fit."""
+    """One device and no LoRA layout: contention and the adapter rate are not in the fit (the
+    micro-batch sizes are: mbs 1 and 4 measure the GEMMs' slope over tokens per micro-batch)."""
     hardware = load_hardware("cpu").model_copy(update={"devices_per_node": 1})
     cases = [c for c in _calibration_cases(1) if c[1].method == "full"]
     terms = [decompose(trace, lay, hardware) for trace, lay in cases]
     fit = fit_factors(terms, [t.base_s * 1.3 for t in terms])
-    assert set(fit) == {"gemm", "memory_bandwidth", "micro_batch_overhead_s"}
+    assert set(fit) == {"gemm", "memory_bandwidth", "micro_batch_overhead_s", "gemm_tokens_slope"}
 
 
 @pytest.mark.parametrize("op", list(RING_FACTORS))
