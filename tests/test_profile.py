@@ -131,6 +131,25 @@ def test_calibration_terms_are_the_cost_model_along_each_factor() -> None:
             assert terms.at(moved.efficiency) == pytest.approx(truth, rel=1e-9)
 
 
+def test_the_gemm_tokens_slope_scales_the_gemm_time_by_the_doublings_of_tokens_per_micro_batch() -> None:
+    """mbs 8 x seq 512 = 4096 tokens: 4 doublings above the 256 of the reference, so a slope of 0.1
+    adds 40% of the GEMM time; the GEMM time is what halving the GEMM efficiency adds."""
+    model = load_model("demo-tiny")
+    hardware = load_hardware("cpu")
+    layout = Layout(mbs=8, seq=512, dtype="fp32")
+    trace = trace_model(model, layout.seq, dtype="fp32", device_type="cpu")
+
+    def compute(**factors: float) -> float:
+        return estimate_from_trace(trace, layout, with_factors(hardware, **factors)).time.compute_s
+
+    gemm_s = compute(gemm=hardware.efficiency.gemm / 2) - compute()
+    assert compute(gemm_tokens_slope=0.1) - compute() == pytest.approx(0.4 * gemm_s, rel=1e-9)
+    at_reference = layout.model_copy(update={"mbs": 1, "seq": 256})
+    trace_256 = trace_model(model, 256, dtype="fp32", device_type="cpu")
+    assert estimate_from_trace(trace_256, at_reference, with_factors(hardware, gemm_tokens_slope=0.3)).time.step_s \
+        == pytest.approx(estimate_from_trace(trace_256, at_reference, hardware).time.step_s, rel=1e-12)
+
+
 def _calibration_cases(devices: int):
     model = calibration_model(load_model("demo-tiny"))
     return [(trace_model(model, lay.seq, dtype="fp32", method=lay.method, device_type="cpu"), lay)
