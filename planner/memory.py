@@ -270,7 +270,8 @@ def tied_embedding_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str
     whole_grads = engine in ("plain", "deepspeed") and layout.zero < 3
     if not tied or layout.pp > 1 or layout.method != "full" or not whole_grads:
         return 0.0
-    return TIED_GRADIENT_COPIES * trace.embedding.trainable_params * DTYPE_BYTES[layout.dtype] / vocab_shards(layout, engine)
+    gradient = trace.embedding.trainable_params * DTYPE_BYTES[layout.dtype] / vocab_shards(layout, engine)
+    return TIED_GRADIENT_COPIES * gradient
 
 
 def logits_fp32_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
