@@ -70,6 +70,10 @@ class Efficiency(BaseModel):
     micro_batch_overhead_s: float = Field(
         0.0, ge=0, description="fixed time per micro-batch per stage (kernel launches, Python) that FLOPs miss"
     )
+    gemm_tokens_slope: float = Field(
+        0.0, ge=-0.5, le=2, description="relative change of GEMM time per doubling of the tokens a micro-batch "
+        "feeds each GEMM, from 256 on (a CPU's working set leaves its caches: > 0; fitted by calibration "
+        "from steps at several micro-batch sizes); 0: none")
 
 
 class HardwareSpec(BaseModel):

@@ -16,6 +16,9 @@ Reported: measured tokens/s of the layout each run trained (and of the planner's
 choice) over the best measured; the time of the whole `run` against that of the exhaustive trial.
 
     python -m bench.plan_quality [--steps 4] [--runs 2] [--verify 3] [--no-write]
+
+Issue 14's grid (DDP and TP x micro-batch 1-8 x recompute on a 512-wide model that is no preset, the
+planner's untested first choice from a fresh quick profile) is bench/plan_quality_grid.py.
 """
 
 from __future__ import annotations

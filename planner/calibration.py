@@ -1,6 +1,6 @@
 """Fit the cost model's efficiency factors to a few real training steps of the target model.
 
-The cost model's step time of a layout is affine in five unknowns (for fixed everything else):
+The cost model's step time of a layout is affine in six unknowns (for fixed everything else):
 
     x_gemm = 1 / efficiency.gemm             dense GEMM FLOPs at the measured GEMM rate
     x_memory = 1 / efficiency.memory_bandwidth   memory-bound traffic (element-wise kernels, and on
@@ -8,6 +8,8 @@ The cost model's step time of a layout is affine in five unknowns (for fixed eve
     x_adapter = 1 / efficiency.adapter_gemm  LoRA adapters' skinny GEMMs
     overhead = efficiency.micro_batch_overhead_s   fixed time per micro-batch (Python, launches)
     contention = efficiency.node_contention  slow-down when every device of the node computes
+    slope = efficiency.gemm_tokens_slope     GEMM time per doubling of tokens per micro-batch (the
+                                             CPU's caches): read off steps at mbs 1, 4 and seq 512
 
 `decompose` reads the slope of each unknown off the cost model itself (planner/cost_model.py,
 evaluated at a reference point and with each unknown moved by one), so the fit never re-derives a
@@ -42,6 +44,7 @@ UNKNOWNS: dict[str, tuple[str, bool, tuple[float, float]]] = {
     "adapter_gemm": ("adapter_gemm", True, (0.5, 50.0)),
     "micro_batch_overhead_s": ("micro_batch_overhead_s", False, (0.0, 1.0)),
     "node_contention": ("node_contention", False, (0.0, 4.0)),
+    "gemm_tokens_slope": ("gemm_tokens_slope", False, (-0.5, 2.0)),
 }
 FACTORS = tuple(UNKNOWNS)
 

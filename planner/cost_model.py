@@ -32,6 +32,7 @@ from planner.memory import (
     ADAPTER_BYTES,
     HOST_MEMORY_USABLE,
     MEGATRON,
+    TIED_GRADIENT_COPIES,
     ZERO_REDUCE_BUCKET_ELEMS,
     ModelStates,
     fsdp_shards,
@@ -41,6 +42,7 @@ from planner.memory import (
     layer_activation_bytes,
     logits_transient_bytes,
     micro_batches_in_flight,
+    tied_embedding_gradient_bytes,
     model_state_bytes,
     stored_dtype_bytes,
 )
@@ -218,6 +220,9 @@ class StageMemory:
     # live at the start of backward beyond the shards: gathered weights (ZeRO-3, FSDP2), ZeRO-3's bucket
     zero3_live: float
     scratch: float
+    # the end of backward with a tied embedding: its gradient copies beside every other gradient
+    # (`tied_embedding_gradient_bytes`); 0 where none applies
+    tied_backward: float
     host: float  # offloaded bytes of this device in host RAM
     host_capacity: float  # this device's share of its node's usable RAM
 
@@ -236,7 +241,7 @@ class StageMemory:
 
     @property
     def peak(self) -> float:
-        return max(self.backward_start, self.optimizer_step)
+        return max(self.backward_start, self.optimizer_step, self.tied_backward)
 
     @property
     def host_fits(self) -> bool:
@@ -244,7 +249,10 @@ class StageMemory:
 
     def estimate(self, stage: int, capacity: int) -> MemoryEstimate:
         """The breakdown at the winning moment, so that the parts add up to the peak."""
-        if self.backward_start >= self.optimizer_step:
+        if self.tied_backward >= max(self.backward_start, self.optimizer_step):
+            gradients, activations = self.tied_backward - self.weights - self.optimizer, 0.0
+            other = 0.0
+        elif self.backward_start >= self.optimizer_step:
             gradients, activations, other = self.resident_gradients, self.activations, self.transient
         else:
             gradients, activations, other = self.gradients, 0.0, self.scratch
@@ -288,18 +296,26 @@ def stage_memory(
     buckets = zero_bucket_elems(trace, layout) * grad_bytes if deepspeed_buckets else 0.0
     root = params - layers * trace.layer.params / tp
     gathered = gathered_parameter_bytes(params, trace.layer.params / tp, root, layout, engine)
+    resident = _resident_gradients(layout, engine, states.gradients, params)
+    tied_copies = tied_embedding_gradient_bytes(trace, layout, engine)
+    tied_backward = 0.0
+    if tied_copies:
+        # every other gradient exists by then: in resident buffers, or in `.grad` beside the bucket
+        others = 0.0 if resident else trainable * grad_bytes - tied_copies / TIED_GRADIENT_COPIES
+        tied_backward = states.weights + states.optimizer + resident + buckets + others + tied_copies
     if deepspeed_buckets and layout.zero == 3:
         # ZeRO-3 reduces gradients during backward through its bucket, allocated as the first
         # gradients arrive: alive with the loss's buffers (measured on this CPU; ZeRO-2's is not)
         gathered += buckets
     return StageMemory(
         weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
-        resident_gradients=_resident_gradients(layout, engine, states.gradients, params),
+        resident_gradients=resident,
         activations=activations,
         logits=logits_transient_bytes(trace, layout, engine) if last else 0.0,
         regrown=kept - reduced if recomputed and layout.recompute != "none" else 0.0,
         zero3_live=gathered,
         scratch=buckets + _optimizer_temporaries(trace, layout, hardware, engine, trainable),
+        tied_backward=tied_backward,
         host=states.host,
         host_capacity=host_share(layout, hardware),
     )
@@ -347,13 +363,28 @@ class _Rates:
     slowdown: float
 
 
+# Tokens per micro-batch at which `Efficiency.gemm` holds as fitted; `gemm_tokens_slope` scales the
+# GEMM time per doubling of them from here.
+GEMM_REFERENCE_TOKENS = 256
+
+
+def gemm_tokens_factor(layout: Layout, hardware: HardwareSpec) -> float:
+    """GEMM time at this layout's tokens per micro-batch (mbs x seq) over that at
+    `GEMM_REFERENCE_TOKENS`: 1 + slope log2(tokens / reference), floored at a quarter. The slope is
+    measured (planner/calibration.py fits it to calibration steps at several micro-batch sizes)."""
+    slope = hardware.efficiency.gemm_tokens_slope
+    if not slope:
+        return 1.0
+    return max(0.25, 1 + slope * math.log2(layout.mbs * layout.seq / GEMM_REFERENCE_TOKENS))
+
+
 def _rates(layout: Layout, hardware: HardwareSpec) -> _Rates:
     eff = hardware.efficiency
     # Compute slows down when the other devices of the node compute too (CPU cores share caches
     # and memory bandwidth; GPUs do not, contention 0).
     busy = min(layout.devices, hardware.devices_per_node)
     return _Rates(
-        flop=hardware.peak_flops(layout.dtype) * eff.gemm,
+        flop=hardware.peak_flops(layout.dtype) * eff.gemm / gemm_tokens_factor(layout, hardware),
         adapter=hardware.peak_flops(layout.dtype) * (eff.adapter_gemm or eff.gemm),
         byte=hardware.memory_bandwidth_gbs * 1e9 * eff.memory_bandwidth,
         slowdown=1 + eff.node_contention * (busy - 1) / max(hardware.devices_per_node - 1, 1),

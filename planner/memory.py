@@ -254,6 +254,26 @@ def logits_transient_bytes(trace: ModelTrace, layout: Layout, engine: str | None
     return 2 * logits_fp32_bytes(trace, layout, engine)
 
 
+# A tied embedding's gradient arrives twice in one backward: the LM head's contribution waits in
+# autograd's input buffer until the embedding's own arrives, last, and their sum is a third tensor
+# of the same size, all three alive at once (measured with the CPU allocator counter: +2 embedding
+# gradients above the held one at the end of backward, plain and DeepSpeed ZeRO-1, vocab 64k).
+TIED_GRADIENT_COPIES = 3
+
+
+def tied_embedding_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
+    """Bytes of a tied embedding's gradient copies at the end of backward (`TIED_GRADIENT_COPIES`),
+    on an engine that keeps whole `.grad` tensors (plain, DDP, DeepSpeed ZeRO-1/2) with the head and
+    the embedding on one stage; 0 where the embedding is untied, frozen (LoRA) or sharded."""
+    engine = engine or engine_for(layout)
+    tied = trace.head.params < trace.vocab_size * trace.hidden_size
+    whole_grads = engine in ("plain", "deepspeed") and layout.zero < 3
+    if not tied or layout.pp > 1 or layout.method != "full" or not whole_grads:
+        return 0.0
+    gradient = trace.embedding.trainable_params * DTYPE_BYTES[layout.dtype] / vocab_shards(layout, engine)
+    return TIED_GRADIENT_COPIES * gradient
+
+
 def logits_fp32_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
     """One micro-batch's logits in fp32 on one device (`vocab_shards`): the unit of the loss's
     buffers."""

@@ -7,6 +7,7 @@ The profiler's collective benchmarks and the trainer's timed steps both start ra
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -27,6 +28,11 @@ def free_port() -> int:
 
 def init_rank(rank: int, world: int, port: int, distributed: bool, threads: int | None = None) -> None:
     """Environment, thread count and (if ``distributed``) the gloo process group of one rank."""
+    # A session of its own, as torchrun starts `advisor train`'s workers (start_new_session): with the
+    # kernel's autogroup scheduling, a busy machine shares CPU time per session, so ranks left in
+    # their parent's session ran 2-3x slower than the trainer's under load, and calibration priced that.
+    with contextlib.suppress(OSError):  # already a session or group leader (not a forked rank)
+        os.setsid()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -19,11 +19,11 @@ CONFIG = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 32, "interm
           "max_position_embeddings": 512, "tie_word_embeddings": False}
 
 
-def measured_activation_peak(layout: Layout, memory: TensorMemory) -> int:
+def measured_activation_peak(layout: Layout, memory: TensorMemory, config: dict = CONFIG) -> int:
     """Peak bytes of one forward and backward above what was live before it (the second step:
     the gradients of the first are dropped, as the optimizer's zero_grad does)."""
-    model = build_filled_model(ModelSpec(name="logits", hf_config=CONFIG), layout, seed=0)
-    ids = torch.randint(0, CONFIG["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
+    model = build_filled_model(ModelSpec(name="logits", hf_config=config), layout, seed=0)
+    ids = torch.randint(0, config["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         base = memory.live()
@@ -45,3 +45,24 @@ def test_loss_buffers_priced_as_measured(dtype: str) -> None:
     logits_fp32 = layout.mbs * layout.seq * CONFIG["vocab_size"] * 4
     assert measured > 2.9 * logits_fp32  # three logits-sized fp32 buffers at once: the case priced
     assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_a_tied_embeddings_gradient_copies_at_the_end_of_backward_priced_as_measured() -> None:
+    """Short sequences and a wide vocabulary: the embedding's gradient, not the logits, sets the
+    backward peak. The LM head's share waits for the embedding's own, and the sum is a third copy."""
+    memory = TensorMemory(torch.device("cpu"))
+    config = {**CONFIG, "hidden_size": 64, "tie_word_embeddings": True}
+    layout = Layout(mbs=1, seq=16, dtype="fp32")
+    spec = ModelSpec(name="tied", hf_config=config)
+    measured = measured_activation_peak(layout, memory, config)
+    stage = stage_memory(trace_model(spec, layout.seq, "fp32", device_type="cpu"), layout, load_hardware("cpu"), 0, 1, 0,
+                         engine="plain")
+    embedding_grad = config["vocab_size"] * config["hidden_size"] * 4
+    h, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["hidden_size"] // 2
+    layer = 2 * h * h + 2 * h * head_dim + 3 * h * inter + 2 * h  # q, o; k, v (1 kv head); MLP; 2 norms
+    trainable = 4 * (config["vocab_size"] * h + layer + h)  # the tied embedding once, 1 layer, final norm
+    # by hand: every other gradient, and the embedding's three copies (held, new, their sum)
+    assert stage.tied_backward - stage.weights - stage.optimizer == trainable - embedding_grad + 3 * embedding_grad
+    assert measured > 2.9 * embedding_grad + (trainable - embedding_grad)
+    assert stage.tied_backward - stage.weights - stage.optimizer == pytest.approx(measured, rel=0.05)
+    assert stage.peak == stage.tied_backward

@@ -120,7 +120,7 @@ def test_calibration_terms_are_the_cost_model_along_each_factor() -> None:
     model = load_model("demo-tiny")
     hardware = load_hardware("cpu").model_copy(update={"devices_per_node": 2})
     moves = ({"gemm": 0.3}, {"memory_bandwidth": 0.2}, {"adapter_gemm": 0.05}, {"micro_batch_overhead_s": 0.01},
-             {"node_contention": 0.7})
+             {"node_contention": 0.7}, {"gemm_tokens_slope": 0.25})
     for layout in (Layout(mbs=4, seq=256, dtype="fp32"), Layout(dp=2, mbs=2, seq=512, dtype="fp32", method="lora",
                                                                  recompute="full", gas=3)):
         trace = trace_model(model, layout.seq, dtype="fp32", method=layout.method, device_type="cpu")
@@ -131,16 +131,35 @@ def test_calibration_terms_are_the_cost_model_along_each_factor() -> None:
             assert terms.at(moved.efficiency) == pytest.approx(truth, rel=1e-9)
 
 
+def test_the_gemm_tokens_slope_scales_the_gemm_time_by_the_doublings_of_tokens_per_micro_batch() -> None:
+    """mbs 8 x seq 512 = 4096 tokens: 4 doublings above the 256 of the reference, so a slope of 0.1
+    adds 40% of the GEMM time; the GEMM time is what halving the GEMM efficiency adds."""
+    model = load_model("demo-tiny")
+    hardware = load_hardware("cpu")
+    layout = Layout(mbs=8, seq=512, dtype="fp32")
+    trace = trace_model(model, layout.seq, dtype="fp32", device_type="cpu")
+
+    def compute(**factors: float) -> float:
+        return estimate_from_trace(trace, layout, with_factors(hardware, **factors)).time.compute_s
+
+    gemm_s = compute(gemm=hardware.efficiency.gemm / 2) - compute()
+    assert compute(gemm_tokens_slope=0.1) - compute() == pytest.approx(0.4 * gemm_s, rel=1e-9)
+    at_reference = layout.model_copy(update={"mbs": 1, "seq": 256})
+    trace_256 = trace_model(model, 256, dtype="fp32", device_type="cpu")
+    assert estimate_from_trace(trace_256, at_reference, with_factors(hardware, gemm_tokens_slope=0.3)).time.step_s \
+        == pytest.approx(estimate_from_trace(trace_256, at_reference, hardware).time.step_s, rel=1e-12)
+
+
 def _calibration_cases(devices: int):
     model = calibration_model(load_model("demo-tiny"))
     return [(trace_model(model, lay.seq, dtype="fp32", method=lay.method, device_type="cpu"), lay)
             for lay in fit_layouts(256, devices)]
 
 
-def test_fit_recovers_the_five_factors_that_made_the_step_times() -> None:
+def test_fit_recovers_the_six_factors_that_made_the_step_times() -> None:
     hardware = load_hardware("cpu").model_copy(update={"devices_per_node": 2})
     truth = {"gemm": 0.62, "memory_bandwidth": 0.35, "adapter_gemm": 0.2, "micro_batch_overhead_s": 0.004,
-             "node_contention": 0.3}
+             "node_contention": 0.3, "gemm_tokens_slope": 0.15}
     cases = _calibration_cases(2)
     made = with_factors(hardware, **truth)
     measured = [estimate_from_trace(trace, lay, made).time.step_s for trace, lay in cases]
@@ -151,12 +170,13 @@ def test_fit_recovers_the_five_factors_that_made_the_step_times() -> None:
 
 
 def test_fit_leaves_alone_what_no_layout_measures() -> None:
-    """One device and no LoRA layout: contention and the adapter rate are not in the fit."""
+    """One device and no LoRA layout: contention and the adapter rate are not in the fit (the
+    micro-batch sizes are: mbs 1 and 4 measure the GEMMs' slope over tokens per micro-batch)."""
     hardware = load_hardware("cpu").model_copy(update={"devices_per_node": 1})
     cases = [c for c in _calibration_cases(1) if c[1].method == "full"]
     terms = [decompose(trace, lay, hardware) for trace, lay in cases]
     fit = fit_factors(terms, [t.base_s * 1.3 for t in terms])
-    assert set(fit) == {"gemm", "memory_bandwidth", "micro_batch_overhead_s"}
+    assert set(fit) == {"gemm", "memory_bandwidth", "micro_batch_overhead_s", "gemm_tokens_slope"}
 
 
 @pytest.mark.parametrize("op", list(RING_FACTORS))

@@ -86,3 +86,22 @@ def test_a_cpu_worker_runs_deepspeed_on_the_cpu_accelerator_without_leaving_the_
     record = json.loads(done.stdout.strip().splitlines()[-1])
     assert record == {"accelerator": "cpu", "env": None}
     assert "Setting accelerator to CPU" not in done.stderr + done.stdout  # told, not guessed after a probe
+
+
+def _report_session(rank: int, out_dir: str) -> None:
+    from profiler.ranks import init_rank
+
+    init_rank(rank, 2, 0, distributed=False, threads=1)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"sid": os.getsid(0), "pid": os.getpid()}))
+
+
+def test_forked_ranks_run_in_sessions_of_their_own_as_torchruns_workers_do(tmp_path) -> None:
+    """Kernel autogroup scheduling shares a busy CPU per session: ranks timed in their parent's
+    session got a fraction of what torchrun's workers (start_new_session) get, and the calibration
+    fitted to them priced training 1.2-3x too slow under load."""
+    from profiler.ranks import launch
+
+    launch(_report_session, 2, (str(tmp_path),))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["sid"] == r["pid"] for r in ranks)  # each leads its own session
+    assert os.getsid(0) not in {r["sid"] for r in ranks}

@@ -150,7 +150,8 @@ def render_profile(result, out: Path) -> None:
         table.add_row("fitted efficiency", f"gemm {eff.gemm:.2f}, memory {eff.memory_bandwidth:.2f}, "
                       f"LoRA adapters {eff.adapter_gemm or eff.gemm:.2f}", f"{cal.model}, {cal.layers} layers")
         table.add_row("fitted overheads", f"{format_seconds(eff.micro_batch_overhead_s)} per micro-batch, "
-                      f"+{100 * eff.node_contention:.0f}% with the node busy", "")
+                      f"+{100 * eff.node_contention:.0f}% with the node busy, GEMMs {100 * eff.gemm_tokens_slope:+.0f}% "
+                      "per doubling of tokens per micro-batch", "")
     console.print(table)
     for note in inv.notes:
         console.print(f"note: {note}", style="dim")

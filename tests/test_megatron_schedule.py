@@ -1,0 +1,57 @@
+"""The cost model's pipeline terms (bubble, activation and gradient messages per micro-batch and
+chunk) against a replay of the programs Megatron-LM runs (tests/megatron_schedule.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from advisor.specs import Layout, ModelSpec
+from megatron_schedule import makespan, messages_sent, replay
+from paper_tables import MEGATRON_SEQ_LEN, MEGATRON_TABLE1, MEGATRON_VOCAB
+from planner.cost_model import Placement, default_split, stage_time, step_seconds
+from planner.memory import MEGATRON
+from presets import load_hardware
+from profiler.model_trace import trace_model
+
+
+def test_a_tiny_interleaved_schedule_sends_what_a_hand_count_gives() -> None:
+    # p=2, v=2: device 0 sends chunk 0's and chunk 1's outputs forward and chunk 1's input gradient
+    # back (chunk 0 is the model's first: nothing to send back); device 1 sends chunk 0's output on
+    # to device 0's chunk 1 and both chunks' input gradients back (chunk 1 is the model's last)
+    assert messages_sent(2, 2, 4) == [3 * 4, 3 * 4]
+    # without interleaving: one activation forward, one gradient back, none past the ends
+    assert messages_sent(3, 1, 5) == [5, 10, 5]
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 3, 8), (4, 1, 6), (3, 2, 9)])
+def test_the_priced_message_count_per_micro_batch_is_the_schedules(p, v, m) -> None:
+    # what _activation_comm charges each device per micro-batch: 2v boundaries, less the model's ends
+    priced = [2 * v - (d == 0) - (d == p - 1) for d in range(p)]
+    assert [n / m for n in messages_sent(p, v, m)] == priced
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 1, 8), (4, 2, 8), (4, 3, 12), (8, 2, 16)])
+def test_without_communication_the_replayed_bubble_is_p_minus_1_over_v_slots(p, v, m) -> None:
+    forward, backward = 1.0, 3.0  # full recomputation: backward runs the forward again
+    assert makespan(p, v, m, forward / v, backward / v, 0.0) == pytest.approx((m + (p - 1) / v) * (forward + backward))
+
+
+@pytest.mark.parametrize("row", [r for r in MEGATRON_TABLE1 if r["pp"] > 1], ids=lambda r: f"{r['params_billion']}B")
+def test_the_priced_pipeline_of_table_1_equals_megatrons_replayed_schedule(row) -> None:
+    """Bubble, head/embedding imbalance and every blocking exchange, on the paper's own layouts."""
+    hardware = load_hardware("a100-80g")
+    config = {"model_type": "gpt2", "n_embd": row["hidden"], "n_layer": row["layers"], "n_head": row["heads"],
+              "n_positions": MEGATRON_SEQ_LEN, "vocab_size": MEGATRON_VOCAB, "activation_function": "gelu"}
+    gas = row["batch_size"] // (row["dp"] * row["micro_batch"])
+    layout = Layout(dp=row["dp"], tp=row["tp"], pp=row["pp"], vpp=row["model_chunks"], mbs=row["micro_batch"],
+                    gas=gas, recompute="full", dtype="fp16", seq=MEGATRON_SEQ_LEN)
+    trace = trace_model(ModelSpec(name="gpt", hf_config=config), layout.seq, dtype="fp16", attention="eager",
+                        device_type="cuda")
+    placement = Placement.of(layout, hardware.devices_per_node)
+    split, recomputed = default_split(trace, layout)
+    times = [stage_time(trace, layout, hardware, placement, i, n, r, MEGATRON)
+             for i, (n, r) in enumerate(zip(split, recomputed))]
+    replayed = replay(layout.pp, layout.vpp, gas, times)
+    priced = (step_seconds(layout, times) - max(t.dp_exposed for t in times)
+              - max(t.optimizer + t.offload for t in times))
+    assert priced == pytest.approx(replayed, rel=0.01)
