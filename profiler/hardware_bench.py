@@ -19,6 +19,7 @@ world to call them in the same order (see profiler/run_profile.py).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -90,14 +91,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, inner: int = 1) -> Callable[[], float]:
-    """A sample: `inner` calls of `fn`, seconds per call."""
+# Test hook: "RANK=FACTOR[,RANK=FACTOR]" makes those ranks' GEMM and memory samples FACTOR times
+# longer (they sleep inside the timed window), a straggler on demand.
+SLOW_RANKS_ENV = "ADVISOR_PROFILE_SLOW_RANKS"
+
+
+def slowdown_of_this_rank() -> float:
+    rank = os.environ.get("RANK", "0")
+    for item in os.environ.get(SLOW_RANKS_ENV, "").split(","):
+        key, _, factor = item.partition("=")
+        if key.strip() == rank and factor:
+            return max(1.0, float(factor))
+    return 1.0
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, inner: int = 1,
+           slowdown: float = 1.0) -> Callable[[], float]:
+    """A sample: `inner` calls of `fn`, seconds per call (`slowdown` > 1: the straggler test hook)."""
     def sample() -> float:
         synchronize(device)
         start = time.perf_counter()
         for _ in range(inner):
             fn()
         synchronize(device)
+        if slowdown > 1:
+            time.sleep((slowdown - 1) * (time.perf_counter() - start))
         return (time.perf_counter() - start) / inner
     return sample
 
@@ -177,7 +195,7 @@ def bench_gemm(shapes: list[GemmShape], dtype: str, device: torch.device, budget
         b = torch.randn(shape.k, shape.n, device=device).to(torch_dtype)
         call = lambda: torch.matmul(a, b)  # noqa: E731
         inner = _inner_count(call, device, target_s=0.01)
-        timing = Repeater(budget_s=budget_s / len(shapes)).run(_timed(call, device, inner))
+        timing = Repeater(budget_s=budget_s / len(shapes)).run(_timed(call, device, inner, slowdown_of_this_rank()))
         per_shape.append({"shape": [shape.m, shape.k, shape.n], "name": shape.name, "count": shape.count,
                           "tflops": shape.flops / timing.median_s / 1e12, **timing.__dict__})
         total_flops += shape.count * shape.flops
@@ -206,7 +224,7 @@ def bench_memory_bandwidth(device: torch.device, nbytes: int, budget_s: float) -
     dst = torch.empty_like(src)
     call = lambda: dst.copy_(src)  # noqa: E731
     call()
-    timing = Repeater(budget_s=budget_s).run(_timed(call, device))
+    timing = Repeater(budget_s=budget_s).run(_timed(call, device, slowdown=slowdown_of_this_rank()))
     return {"bytes": nbytes, "gbs": 2 * nbytes / timing.median_s / 1e9, **timing.__dict__}
 
 
