@@ -47,9 +47,11 @@ def cluster_options(nnodes: int | None, node_rank: int | None, master_addr: str 
         raise UsageError(f"--timeout-s must be more than 0 (got {timeout_s})")
     if not 1 <= master_port <= 65534:  # the process group takes the next port
         raise UsageError(f"--master-port must be within 1-65534 (got {master_port})")
-    from profiler.ranks import slurm_topology  # torch: only when profiling
+    topology = None
+    if nnodes is None:
+        from profiler.ranks import slurm_topology  # imports torch: not for a flag's mistake
 
-    topology = slurm_topology() if nnodes is None else None
+        topology = slurm_topology()
     if topology is not None:
         nnodes, slurm_rank, slurm_master = topology
         node_rank = slurm_rank if node_rank is None else node_rank

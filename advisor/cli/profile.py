@@ -46,18 +46,19 @@ def profile(
     covers the cluster: each node's inventory, collectives inside and across nodes, every node pair's
     send/recv, the all-to-all bisection, and the stragglers (devices or links slower than the median).
     """
-    # deferred: imports torch, transformers and deepspeed (about 2 s)
-    from advisor.cli.compose import ProfileOptions, profile_this_machine
-
     def measure():
+        cluster = cluster_options(nnodes, node_rank, master_addr, master_port, timeout_s)  # bad flags: at once
+        # deferred: imports torch, transformers and deepspeed (about 2 s)
+        from advisor.cli.compose import ProfileOptions, profile_this_machine
+
         resolve_device(device)  # refuse MPS and friends before drawing a progress bar
-        cluster = cluster_options(nnodes, node_rank, master_addr, master_port, timeout_s)
         opts = ProfileOptions(out=out, quick=quick, model=load_model(model) if model else None, nproc=nproc,
                               device=device, calibrate=calibrate, cluster=cluster,
                               straggler_threshold=straggler_threshold)
         columns = (TextColumn("{task.fields[detail]:<36}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn())
-        with Progress(*columns, console=err_console, transient=as_json) as bar:
+        # transient for a cluster: a failed meeting leaves its one line, not an empty bar
+        with Progress(*columns, console=err_console, transient=as_json or cluster is not None) as bar:
             return profile_this_machine(opts, ProfileBar(bar))
 
     result = exit_on_error(measure)
