@@ -295,8 +295,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     per_node = opts.gpus_per_node or hw.devices_per_node
     if opts.gpus_per_node:
         hw = hw.model_copy(update={"devices_per_node": opts.gpus_per_node})
-    devices = opts.nodes * per_node
-    measured_hw = hw
+    devices, measured_hw = opts.nodes * per_node, hw
     hw = _priced_cluster(opts, hw, notes)
     _apply_fix(opts)
     check_plan_numbers(opts)
@@ -306,7 +305,6 @@ def make_plan(opts: PlanOptions) -> Plan:
     methods = _methods(opts)
     _check_fix(opts, devices, hw, seq, batch, methods)
     capacity = hw.usable_bytes * (1 - opts.memory_margin)
-
     if opts.objective == "throughput":
         result, method = plan_layouts(_request(opts, devices, seq, batch, methods, hw))
         nodes = opts.nodes
@@ -351,9 +349,8 @@ def make_plan(opts: PlanOptions) -> Plan:
     if method != methods[0]:
         notes.append(f"method {method}: {', '.join(m for m in methods if m != method and METHOD_ORDER.index(m) < METHOD_ORDER.index(method))} does not fit")
 
-    notes += _assumed_network(hw, nodes)
     planned = _planned(result, capacity, opts.min_compute_fraction)
-    notes += _straggler_gains(opts, measured_hw, planned[0], seq, batch, methods)
+    notes += _assumed_network(hw, nodes) + _straggler_gains(opts, measured_hw, planned[0], seq, batch, methods)
     if opts.fix:
         notes.append(f"fixed by --fix: {describe(opts.fix)}")
     runnable_here = opts.space.runnable_only and not opts.any_engine

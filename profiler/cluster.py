@@ -49,7 +49,7 @@ def cluster_options(nnodes: int | None, node_rank: int | None, master_addr: str 
         raise UsageError(f"--master-port must be within 1-65534 (got {master_port})")
     topology = None
     if nnodes is None:
-        from profiler.ranks import slurm_topology  # imports torch: not for a flag's mistake
+        from profiler.ranks import slurm_topology  # deferred: imports torch, not needed for a flag's mistake
 
         topology = slurm_topology()
     if topology is not None:

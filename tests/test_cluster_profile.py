@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from advisor.cli import app
+from advisor.errors import UsageError
 from advisor.profile import load_profile
 from planner.plan import PlanOptions, make_plan
 from presets import load_model
@@ -188,3 +189,44 @@ def test_a_one_node_profile_in_a_two_node_plan_says_which_inter_node_figures_are
     said = [n for n in json.loads(result.stdout)["notes"] if "inter-node figures are assumed" in n]
     assert len(said) == 1
     assert "inter_node_bandwidth_gbs" in said[0] and "inter_node_latency_us" in said[0] and "preset cpu" in said[0]
+
+
+def test_node_pairs_unequal_nodes_and_exclusion_pricing() -> None:
+    """Without processes: the rounds cover every node pair once with disjoint pairs; unequal nodes are
+    reported; --exclude reprices each figure at the slowest device and link kept."""
+    from advisor.specs import HardwareSpec
+    from planner.stragglers import priced_without
+    from presets import load_hardware
+    from profiler.cluster_bench import crossing_bytes, pair_rounds
+    from profiler.cluster_profile import cluster_notes, cluster_of, priced_at_slowest
+
+    for nodes in range(2, 8):
+        rounds = pair_rounds(nodes)
+        pairs = [p for r in rounds for p in r]
+        assert sorted(pairs) == [(a, b) for a in range(nodes) for b in range(a + 1, nodes)]
+        assert all(len({n for p in r for n in p}) == 2 * len(r) for r in rounds)  # disjoint within a round
+    # 4 nodes of 2 ranks: ranks 0-3 on one side of the cut, 4-7 on the other; each sends 1/8 to every rank
+    assert crossing_bytes(800, 8, 2) == 2 * 4 * 4 * 100
+
+    def node(n: int, cores: int) -> dict:
+        return dict(node=n, hostname=f"h{n}", cpu_model="X", device_name="X", devices=1, cpu_cores=cores,
+                    host_memory_gib=64.0, device_memory_gib=32.0 - 16 * n)
+
+    ranks = [{"rank": r, "node": r, "local_rank": 0, "gemm": {"fp32": g}, "memory_gbs": m, "inventory": node(r, c),
+              "node_pairs": [{"nodes": [0, 1], "fit": {"bandwidth_gbs": 2.0, "latency_us": 5.0}}] if r == 0 else []}
+             for r, g, m, c in ((0, 1.0, 40.0, 8), (1, 0.4, 10.0, 4))]
+    cluster = cluster_of({"ranks": ranks, "bisection": {"bisection_gbs": 3.0}}, threshold=0.2)
+    assert not cluster.uniform and "unequal nodes" in cluster_notes(cluster)[0]
+    assert {(s.name, s.figure) for s in cluster.stragglers} == {("n1d0", "gemm/fp32"), ("n1d0", "memory_bandwidth")}
+    straggler = next(s for s in cluster.stragglers if s.figure == "gemm/fp32")
+    assert straggler.slower_by == pytest.approx(1 - 0.4 / 0.7)
+    measured: HardwareSpec = load_hardware("cpu").model_copy(update={"peak_tflops": {"fp32": 1.0}})
+    slowest = priced_at_slowest(measured, cluster)
+    assert slowest.peak_tflops["fp32"] == 0.4 and slowest.memory_bandwidth_gbs == 10.0
+    assert slowest.memory_gib == 16.0  # the smaller node's
+    kept = priced_without(slowest, cluster, ["n1"])
+    assert kept.peak_tflops["fp32"] == pytest.approx(1.0) and kept.memory_bandwidth_gbs == pytest.approx(40.0)
+    with pytest.raises(UsageError, match="not in the profile"):
+        priced_without(slowest, cluster, ["n7d0"])
+    with pytest.raises(UsageError, match="leaves no measured device"):
+        priced_without(slowest, cluster, ["n0", "n1"])
