@@ -325,12 +325,17 @@ def collective_groups(world: int, local_world: int) -> list[tuple[int, str, list
 
 def bench_collectives(
     rank: int, world: int, local_world: int, device: torch.device, sizes: list[int], budget_s: float,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, timeout_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """Time every collective for every group size and scope; all groups of a partition run at
     once (every DP group of a job communicates together). A sample is the slowest rank's time.
-    Every rank must call this with the same arguments."""
+    Every rank must call this with the same arguments. `timeout_s` bounds each group's set-up
+    (new_group otherwise waits torch's default 30 minutes for a peer that died)."""
+    import datetime
+
     import torch.distributed as dist
+
+    timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
 
     def slowest(seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64, device=device)
@@ -341,7 +346,7 @@ def bench_collectives(
     for size, scope, partition in collective_groups(world, local_world):
         mine = None
         for members in partition:  # new_group is collective: every rank creates every group
-            group = dist.new_group(members)
+            group = dist.new_group(members, **timeout)
             if rank in members:
                 mine, my_members = group, members
         assert mine is not None

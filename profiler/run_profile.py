@@ -121,7 +121,8 @@ def gemm_tokens(model: ModelSpec | None, quick: bool, device_type: str) -> int:
 
 
 def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, threads: int, quick: bool,
-                    dims: dict[str, int] | None, report: Callable[[str], None]) -> dict[str, Any]:
+                    dims: dict[str, int] | None, report: Callable[[str], None],
+                    timeout_s: float | None = None) -> dict[str, Any]:
     """Every micro-benchmark of one rank; collectives need every rank to call this together."""
     import torch
 
@@ -154,7 +155,7 @@ def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, t
         # short sample of a shared network swings with its load
         seconds = budget.collective_s * (2 if quick and world > local_world else 1)
         out["collectives"] = hb.bench_collectives(rank, world, local_world, device, budget.collective_sizes,
-                                                  seconds, progress=report)
+                                                  seconds, progress=report, timeout_s=timeout_s)
     return out
 
 
@@ -180,7 +181,7 @@ def rank_work(rank: int, setup: RankSetup, report: Callable[[str], None]) -> dic
     """One rank's part of the profile: its benchmarks, the links between nodes, then every rank's
     figures gathered on rank 0 (None elsewhere)."""
     raw = rank_benchmarks(rank, setup.world, setup.local_world, setup.device_type, setup.threads, setup.quick,
-                          setup.dims, report)
+                          setup.dims, report, setup.timeout_s)
     device = _rank_device(setup.device_type)
     if setup.nodes > 1:
         budget = Budget.of(setup.quick, setup.device_type)
@@ -245,17 +246,33 @@ def _run_forked(setup: RankSetup, progress: Progress) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory(prefix="advisor_profile_") as out_dir:
         context = mp.start_processes(_forked_rank, args=(setup, queue, out_dir), nprocs=setup.local_world,
                                      join=False, start_method=method)
+        last_heard = time.monotonic()
         try:
             while not context.join(timeout=0.1):
                 while not queue.empty():
                     progress.step(queue.get())
-        except mp.ProcessException as exc:
+                    last_heard = time.monotonic()
+                if setup.timeout_s and time.monotonic() - last_heard > setup.timeout_s:
+                    _stop(context)
+                    raise UsageError(f"node {setup.node}: no progress for {setup.timeout_s:g} s (--timeout-s); "
+                                     "another node, a rank or a link stopped")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             raise UsageError(f"profiling stopped on node {setup.node}, local rank {exc.error_index}: "
                              f"{_last_line(str(exc))}") from None
         while not queue.empty():
             progress.step(queue.get())
         path = Path(out_dir, "rank0.json")
         return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _stop(context: Any) -> None:
+    """Kill this node's ranks (a watchdog: gloo's own set-up can wait minutes past its timeout for a
+    peer that died)."""
+    for process in context.processes:
+        if process.is_alive():
+            process.kill()
+    for process in context.processes:
+        process.join(timeout=5)
 
 
 def _last_line(text: str) -> str:

@@ -72,6 +72,17 @@ def _direct_all_reduce(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two simulated nodes need a core each")
 def test_two_nodes_profile_the_links_and_name_the_injected_straggler(tmp_path: Path) -> None:
+    from profiler.ranks import launch
+
+    def direct_runs(count: int) -> list[dict[int, float]]:
+        """Separate launches, half before and half after the profile: the machine's load drifts."""
+        runs = []
+        for _ in range(count):
+            launch(_direct_all_reduce, 2, (free_port(), str(tmp_path / "direct.json")))
+            runs.append({int(k): v for k, v in json.loads((tmp_path / "direct.json").read_text()).items()})
+        return runs
+
+    runs = direct_runs(2)
     out, port = tmp_path / "cluster.json", free_port()
     started = time.perf_counter()
     node1 = _node(1, port, tmp_path / "unused.json", core=1, env={SLOW_RANKS_ENV: f"1={SLOWDOWN}"})
@@ -109,12 +120,7 @@ def test_two_nodes_profile_the_links_and_name_the_injected_straggler(tmp_path: P
     assert hardware.memory_bandwidth_gbs == slow.memory_gbs
 
     # the inter-node fit against the test's own all-reduce between two such processes
-    from profiler.ranks import launch
-
-    runs = []
-    for _ in range(3):  # separate launches: one launch's median still swings with the machine's load
-        launch(_direct_all_reduce, 2, (free_port(), str(tmp_path / "direct.json")))
-        runs.append({int(k): v for k, v in json.loads((tmp_path / "direct.json").read_text()).items()})
+    runs += direct_runs(2)
     small, large = (statistics.median(r[size] for r in runs) for size in (SMALL, LARGE))
     # 2 ranks: the bus carries 2(n-1)/n = 1 x the buffer. Like the fit's, the direct bandwidth is the
     # slope of time over bytes (the small buffer's time is the latency term): on this loaded machine a
