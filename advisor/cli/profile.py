@@ -46,8 +46,11 @@ def profile(
     covers the cluster: each node's inventory, collectives inside and across nodes, every node pair's
     send/recv, the all-to-all bisection, and the stragglers (devices or links slower than the median).
     """
+    this_node = {"rank": 0}
+
     def measure():
         cluster = cluster_options(nnodes, node_rank, master_addr, master_port, timeout_s)  # bad flags: at once
+        this_node["rank"] = cluster.node_rank if cluster else 0
         # deferred: imports torch, transformers and deepspeed (about 2 s)
         from advisor.cli.compose import ProfileOptions, profile_this_machine
 
@@ -63,8 +66,8 @@ def profile(
 
     result = exit_on_error(measure)
     if result is None:  # a torchrun job or node 0 wrote it
-        if node_rank:
-            err_console.print(f"node {node_rank} measured; node 0 writes the profile")
+        if this_node["rank"]:
+            err_console.print(f"node {this_node['rank']} measured; node 0 writes the profile")
         return
     if as_json:
         print(result.model_dump_json())
