@@ -146,6 +146,76 @@ class Feedback(BaseModel):
     method: str = "refit of the calibration's least squares over every kept observation, see planner/feedback.py"
 
 
+class NodeInventory(BaseModel):
+    """One node of a cluster profile, as its own first rank saw it."""
+
+    model_config = READ_CONFIG
+
+    node: int = Field(ge=0)
+    hostname: str
+    cpu_model: str
+    device_name: str
+    devices: int = Field(ge=1)
+    cpu_cores: int = Field(ge=1)
+    host_memory_gib: float = Field(gt=0)
+    device_memory_gib: float = Field(gt=0)
+
+
+class DeviceRate(BaseModel):
+    """What one device measured while every device ran the same benchmark at once."""
+
+    model_config = READ_CONFIG
+
+    name: str = Field(description="n<node>d<local rank>, e.g. n1d0: what `advisor plan --exclude` takes")
+    node: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    gemm_tflops: dict[str, float] = Field(description="step-weighted GEMM rate per dtype")
+    memory_gbs: float = Field(gt=0)
+
+
+class LinkRate(BaseModel):
+    """Send/recv between the first ranks of two nodes (every pair measured, disjoint pairs at once),
+    fitted to latency + bytes / bandwidth."""
+
+    model_config = READ_CONFIG
+
+    name: str = Field(description="n<a>-n<b>")
+    nodes: tuple[int, int]
+    bandwidth_gbs: float = Field(gt=0)
+    latency_us: float = Field(ge=0)
+
+
+class Straggler(BaseModel):
+    """A device or link slower than the median of its kind by more than the threshold."""
+
+    model_config = READ_CONFIG
+
+    name: str
+    kind: Literal["device", "link"]
+    figure: str = Field(description="gemm/<dtype>, memory_bandwidth or send_recv")
+    value: float
+    median: float
+    slower_by: float = Field(description="1 - value / median")
+
+
+class ClusterProfile(BaseModel):
+    """The cluster as a whole: per-node inventories, per-device and per-link rates, the bisection,
+    and the stragglers among them. `hardware` prices the slowest device and link listed here;
+    `advisor plan --exclude` reprices without the ones it names."""
+
+    model_config = READ_CONFIG
+
+    nodes: list[NodeInventory]
+    uniform: bool = Field(description="every node has the same CPU, devices, cores and memory")
+    devices: list[DeviceRate]
+    links: list[LinkRate] = Field(default_factory=list)
+    bisection_gbs: float | None = Field(
+        None, description="all-to-all of every rank: bytes crossing the cut between the two halves of the "
+        "nodes (both ways) per second")
+    straggler_threshold: float = Field(ge=0)
+    stragglers: list[Straggler] = Field(default_factory=list)
+
+
 class HardwareProfile(BaseModel):
     model_config = SPEC_CONFIG
 
@@ -158,6 +228,7 @@ class HardwareProfile(BaseModel):
     measurements: list[Measurement] = Field(default_factory=list)
     calibration: Calibration | None = None
     feedback: Feedback | None = None
+    cluster: ClusterProfile | None = None
     hardware: HardwareSpec
 
     def measurement(self, name: str) -> Measurement:

@@ -15,6 +15,7 @@ from typing import Any
 from advisor.capabilities import config_shape, runnable_problem
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, PlannedLayout, StagePlan
+from advisor.profile import ClusterProfile
 from advisor.specs import (MEMORY_MARGIN, MIN_COMPUTE_FRACTION, GiB, HardwareSpec, ModelSpec, check_number,
                            check_seq_fits)
 from advisor.task import TaskSpec
@@ -23,6 +24,7 @@ from planner.fix import REQUEST_KEYS, check_fix, describe
 from planner.granularity import plan_stage
 from planner.memory import HOST_MEMORY_USABLE
 from planner.search import PlanRequest, SearchResult, SearchSpace, Solution, plan_layouts, validate_request
+from planner.stragglers import pricing_note, priced_without, straggler_candidates
 from planner.time_to_train import RESTART_S, checkpoint_write_s, time_to_train
 
 METHOD_ORDER = ("full", "lora", "qlora")
@@ -66,6 +68,10 @@ class PlanOptions:
     fix: dict[str, Any] = field(default_factory=dict)
     # `--any-engine`: plan over everything the cost model prices, not only what `advisor train` runs
     any_engine: bool = False
+    # a cluster profile's per-device and per-link figures (the hardware prices its slowest), and the
+    # devices (n1d0) or nodes (n1) `--exclude` leaves out of that pricing (planner/stragglers.py)
+    cluster: ClusterProfile | None = None
+    exclude: list[str] = field(default_factory=list)
 
 
 def parse_duration(text: str, flag: str = "--deadline") -> float:
@@ -252,6 +258,38 @@ def _assumed_network(hw: HardwareSpec, nodes: int) -> list[str]:
             + "; ".join(f"{key} {getattr(hw, key):g} ({where})" for key, where in assumed.items())]
 
 
+def _priced_cluster(opts: PlanOptions, hw: HardwareSpec, notes: list[str]) -> HardwareSpec:
+    """The hardware at the slowest device and link the plan runs on (the profile's own pricing,
+    or, with --exclude, without the members it names)."""
+    if opts.cluster is None or len(opts.cluster.devices) < 2:
+        if opts.exclude:
+            raise UsageError("--exclude needs --hardware to be a profile of several devices (advisor profile)")
+        return hw
+    if opts.exclude or opts.cluster.stragglers or len(opts.cluster.nodes) > 1:
+        notes.append(pricing_note(opts.cluster, opts.exclude, opts.dtype or hw.default_dtype))
+    return priced_without(hw, opts.cluster, opts.exclude)
+
+
+def _straggler_gains(opts: PlanOptions, measured_hw: HardwareSpec, chosen: PlannedLayout, seq: int, batch: int,
+                     methods: tuple[str, ...]) -> list[str]:
+    """What leaving out each remaining straggler would gain: the same devices, planned again with
+    it replaced by one like the others."""
+    if opts.cluster is None:
+        return []
+    notes = []
+    base = chosen.estimate.throughput.tokens_per_s
+    for name, straggler in straggler_candidates(opts.cluster, opts.exclude).items():
+        hw = priced_without(measured_hw, opts.cluster, [*opts.exclude, name])
+        result, _ = plan_layouts(_request(opts, chosen.layout.devices, seq, batch, methods, hw))
+        if not result.solutions:
+            continue
+        faster = result.solutions[0].estimate.throughput.tokens_per_s
+        notes.append(f"straggler {straggler.name} ({straggler.figure} {100 * straggler.slower_by:.0f}% below the "
+                     f"median): --exclude {name} would give {faster:,.0f} instead of {base:,.0f} tokens/s "
+                     f"({100 * (faster / base - 1):+.0f}%), if a device like the others takes its place")
+    return notes
+
+
 def make_plan(opts: PlanOptions) -> Plan:
     started = time.perf_counter()
     notes: list[str] = []
@@ -261,7 +299,8 @@ def make_plan(opts: PlanOptions) -> Plan:
     per_node = opts.gpus_per_node or hw.devices_per_node
     if opts.gpus_per_node:
         hw = hw.model_copy(update={"devices_per_node": opts.gpus_per_node})
-    devices = opts.nodes * per_node
+    devices, measured_hw = opts.nodes * per_node, hw
+    hw = _priced_cluster(opts, hw, notes)
     _apply_fix(opts)
     check_plan_numbers(opts)
     seq = opts.seq or (opts.task.seq_len if opts.task else 2048)
@@ -270,7 +309,6 @@ def make_plan(opts: PlanOptions) -> Plan:
     methods = _methods(opts)
     _check_fix(opts, devices, hw, seq, batch, methods)
     capacity = hw.usable_bytes * (1 - opts.memory_margin)
-
     if opts.objective == "throughput":
         result, method = plan_layouts(_request(opts, devices, seq, batch, methods, hw))
         nodes = opts.nodes
@@ -315,8 +353,8 @@ def make_plan(opts: PlanOptions) -> Plan:
     if method != methods[0]:
         notes.append(f"method {method}: {', '.join(m for m in methods if m != method and METHOD_ORDER.index(m) < METHOD_ORDER.index(method))} does not fit")
 
-    notes += _assumed_network(hw, nodes)
     planned = _planned(result, capacity, opts.min_compute_fraction)
+    notes += _assumed_network(hw, nodes) + _straggler_gains(opts, measured_hw, planned[0], seq, batch, methods)
     if opts.fix:
         notes.append(f"fixed by --fix: {describe(opts.fix)}")
     runnable_here = opts.space.runnable_only and not opts.any_engine

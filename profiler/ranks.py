@@ -8,10 +8,12 @@ The profiler's collective benchmarks and the trainer's timed steps both start ra
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import logging
 import os
 import socket
+import subprocess
 import warnings
 from typing import Callable
 
@@ -26,30 +28,50 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def init_rank(rank: int, world: int, port: int, distributed: bool, threads: int | None = None) -> None:
-    """Environment, thread count and (if ``distributed``) the gloo process group of one rank."""
+def slurm_topology() -> tuple[int, int, str] | None:
+    """(nodes, node rank, master address) from Slurm's environment, when run under srun."""
+    if "SLURM_JOB_NUM_NODES" not in os.environ or "SLURM_NODEID" not in os.environ:
+        return None
+    nodes = int(os.environ["SLURM_JOB_NUM_NODES"])
+    master = os.environ.get("MASTER_ADDR")
+    if master is None:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ.get("SLURM_JOB_NODELIST", "")],
+                               capture_output=True, text=True, check=False).stdout.split()
+        master = hosts[0] if hosts else "127.0.0.1"
+    return nodes, int(os.environ["SLURM_NODEID"]), master
+
+
+def init_rank(rank: int, world: int, port: int, distributed: bool, threads: int | None = None, *,
+              master_addr: str = "127.0.0.1", local_rank: int | None = None, local_world: int | None = None,
+              backend: str = "gloo", timeout_s: float | None = None) -> None:
+    """Environment, thread count and (if ``distributed``) the process group of one rank (gloo by
+    default); ranks of several nodes pass where their master is and their place within the node."""
     # A session of its own, as torchrun starts `advisor train`'s workers (start_new_session): with the
     # kernel's autogroup scheduling, a busy machine shares CPU time per session, so ranks left in
     # their parent's session ran 2-3x slower than the trainer's under load, and calibration priced that.
     with contextlib.suppress(OSError):  # already a session or group leader (not a forked rank)
         os.setsid()
+    local_world = local_world or world
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=master_addr,
         MASTER_PORT=str(port),
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
+        LOCAL_RANK=str(rank if local_rank is None else local_rank),
         WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(local_world),
     )
     # Share the cores: 2 ranks on 2 cores with 2 threads each run about 8x slower.
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # transformers 5 deprecates gradient_checkpointing_enable (now activation_checkpointing_*).
     warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
     # DeepSpeed and our collective benchmarks call all_gather_into_tensor, which c10d deprecates.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+    if distributed and backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if distributed:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, **timeout)
 
 
 def finish_rank(distributed: bool) -> None:

@@ -30,14 +30,18 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from advisor.errors import UsageError
-from advisor.profile import HardwareProfile, Inventory, Measurement
+from advisor.profile import HardwareProfile, Inventory, Measurement, NodeInventory
 from advisor.specs import Efficiency, HardwareSpec, ModelSpec
 from presets import load_hardware, load_model
 from profiler import hardware_bench as hb
 from profiler.calibration_steps import CalibrationSteps, StepRunner, fit_layouts, measure_calibration_steps
+from profiler.cluster import ClusterOptions, meet
+from profiler.cluster_bench import bench_bisection, bench_node_pairs, pair_rounds
+from profiler.cluster_profile import cluster_notes, cluster_of, priced_at_slowest
 from profiler.inventory import cpu_cores, process_rss_gib, resolve_device, take_inventory, this_host
 from profiler.model_trace import architecture_dims
 from profiler.ranks import finish_rank, free_port, init_rank
+from profiler.stragglers import DEFAULT_THRESHOLD
 
 
 class Progress(Protocol):
@@ -63,6 +67,8 @@ class ProfileOptions:
     nproc: int | None = None
     device: str = "auto"
     calibrate: bool = True
+    cluster: ClusterOptions | None = None  # several nodes profiling together (profiler/cluster.py)
+    straggler_threshold: float = DEFAULT_THRESHOLD
 
 
 @dataclass
@@ -115,7 +121,8 @@ def gemm_tokens(model: ModelSpec | None, quick: bool, device_type: str) -> int:
 
 
 def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, threads: int, quick: bool,
-                    dims: dict[str, int] | None, report: Callable[[str], None]) -> dict[str, Any]:
+                    dims: dict[str, int] | None, report: Callable[[str], None],
+                    timeout_s: float | None = None) -> dict[str, Any]:
     """Every micro-benchmark of one rank; collectives need every rank to call this together."""
     import torch
 
@@ -144,37 +151,133 @@ def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, t
     out["adam"] = hb.bench_cpu_adam(adam_shapes, budget.adam_s)
     report("CPU optimizer step")
     if world > 1:
+        # across nodes the quick budget doubles: multi-node plans rest on the inter-node fit, and a
+        # short sample of a shared network swings with its load
+        seconds = budget.collective_s * (2 if quick and world > local_world else 1)
         out["collectives"] = hb.bench_collectives(rank, world, local_world, device, budget.collective_sizes,
-                                                  budget.collective_s, progress=report)
+                                                  seconds, progress=report, timeout_s=timeout_s)
     return out
 
 
-def _forked_rank(rank: int, world: int, port: int, device_type: str, threads: int, quick: bool,
-                 dims: dict[str, int] | None, queue: Any, out_dir: str) -> None:
-    init_rank(rank, world, port, distributed=world > 1, threads=threads)
-    report = (lambda what: queue.put(what)) if rank == 0 else (lambda what: None)
-    result = rank_benchmarks(rank, world, world, device_type, threads, quick, dims, report)
-    if rank == 0:
+@dataclass(frozen=True)
+class RankSetup:
+    """Where the ranks of this node sit in the job and how they meet."""
+
+    world: int
+    local_world: int
+    node: int
+    nodes: int
+    first_rank: int  # this node's first global rank
+    port: int
+    master_addr: str
+    timeout_s: float | None
+    device_type: str
+    threads: int
+    quick: bool
+    dims: dict[str, int] | None
+
+
+def rank_work(rank: int, setup: RankSetup, report: Callable[[str], None]) -> dict[str, Any] | None:
+    """One rank's part of the profile: its benchmarks, the links between nodes, then every rank's
+    figures gathered on rank 0 (None elsewhere)."""
+    raw = rank_benchmarks(rank, setup.world, setup.local_world, setup.device_type, setup.threads, setup.quick,
+                          setup.dims, report, setup.timeout_s)
+    device = _rank_device(setup.device_type)
+    if setup.nodes > 1:
+        budget = Budget.of(setup.quick, setup.device_type)
+        sizes = [budget.collective_sizes[0], budget.collective_sizes[-1]]
+        raw["node_pairs"] = bench_node_pairs(rank, setup.local_world, setup.nodes, sizes, 5 if setup.quick else 10,
+                                             device, progress=report)
+        raw["bisection"] = bench_bisection(setup.world, setup.local_world, budget.collective_sizes[-1],
+                                           budget.collective_s, device)
+        report("bisection (all-to-all)")
+    local_rank = rank - setup.first_rank
+    mine = {"rank": rank, "node": setup.node, "local_rank": local_rank,
+            "gemm": {dtype: g["tflops"] for dtype, g in raw["gemm"].items()}, "memory_gbs": raw["memory"]["gbs"],
+            "node_pairs": raw.pop("node_pairs", []),
+            "inventory": _node_inventory(setup, raw) if local_rank == 0 else None}
+    ranks = [mine]
+    if setup.world > 1:
+        import torch.distributed as dist
+
+        ranks = [None] * setup.world
+        dist.all_gather_object(ranks, mine)
+    if rank != 0:
+        return None
+    raw["ranks"] = ranks
+    return raw
+
+
+def _rank_device(device_type: str) -> Any:
+    import torch
+
+    return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if device_type == "cuda" else "cpu")
+
+
+def _node_inventory(setup: RankSetup, raw: dict[str, Any]) -> dict[str, Any]:
+    inventory = take_inventory(setup.device_type, setup.local_world, setup.nodes, setup.threads,
+                               reserved_gib=raw.get("reserved_gib", raw["rss_gib"]))
+    host = this_host()
+    return NodeInventory(node=setup.node, hostname=host.hostname, cpu_model=host.cpu_model,
+                         device_name=inventory.device_name, devices=inventory.devices_per_node,
+                         cpu_cores=inventory.cpu_cores, host_memory_gib=inventory.host_memory_gib,
+                         device_memory_gib=inventory.device_memory_gib).model_dump()
+
+
+def _forked_rank(local_rank: int, setup: RankSetup, queue: Any, out_dir: str) -> None:
+    rank = setup.first_rank + local_rank
+    init_rank(rank, setup.world, setup.port, distributed=setup.world > 1, threads=setup.threads,
+              master_addr=setup.master_addr, local_rank=local_rank, local_world=setup.local_world,
+              backend="nccl" if setup.device_type == "cuda" else "gloo", timeout_s=setup.timeout_s)
+    report = (lambda what: queue.put(what)) if local_rank == 0 else (lambda what: None)
+    result = rank_work(rank, setup, report)
+    if result is not None:
         Path(out_dir, "rank0.json").write_text(json.dumps(result))
-    finish_rank(distributed=world > 1)
+    finish_rank(distributed=setup.world > 1)
 
 
-def _run_forked(nproc: int, device_type: str, threads: int, quick: bool, dims: dict[str, int] | None,
-                progress: Progress) -> dict[str, Any]:
+def _run_forked(setup: RankSetup, progress: Progress) -> dict[str, Any] | None:
+    """This node's ranks, forked (spawned on CUDA, which a fork cannot use); rank 0's gathered
+    figures, or None on the other nodes. A failing rank stops the others and raises one line."""
     import torch.multiprocessing as mp
 
-    queue = mp.get_context("fork").SimpleQueue()
+    method = "spawn" if setup.device_type == "cuda" else "fork"
+    queue = mp.get_context(method).SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="advisor_profile_") as out_dir:
-        context = mp.start_processes(
-            _forked_rank, args=(nproc, free_port(), device_type, threads, quick, dims, queue, out_dir),
-            nprocs=nproc, join=False, start_method="fork",
-        )
-        while not context.join(timeout=0.1):
-            while not queue.empty():
-                progress.step(queue.get())
+        context = mp.start_processes(_forked_rank, args=(setup, queue, out_dir), nprocs=setup.local_world,
+                                     join=False, start_method=method)
+        last_heard = time.monotonic()
+        try:
+            while not context.join(timeout=0.1):
+                while not queue.empty():
+                    progress.step(queue.get())
+                    last_heard = time.monotonic()
+                if setup.timeout_s and time.monotonic() - last_heard > setup.timeout_s:
+                    _stop(context)
+                    raise UsageError(f"node {setup.node}: no progress for {setup.timeout_s:g} s (--timeout-s); "
+                                     "another node, a rank or a link stopped")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            raise UsageError(f"profiling stopped on node {setup.node}, local rank {exc.error_index}: "
+                             f"{_last_line(str(exc))}") from None
         while not queue.empty():
             progress.step(queue.get())
-        return json.loads(Path(out_dir, "rank0.json").read_text())
+        path = Path(out_dir, "rank0.json")
+        return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _stop(context: Any) -> None:
+    """Kill this node's ranks (a watchdog: gloo's own set-up can wait minutes past its timeout for a
+    peer that died)."""
+    for process in context.processes:
+        if process.is_alive():
+            process.kill()
+    for process in context.processes:
+        process.join(timeout=5)
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "a rank failed"
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,9 +400,10 @@ def _under_torchrun() -> bool:
 
 def run_profile(opts: ProfileOptions, progress: Progress | None = None, step_runner: StepRunner | None = None,
                 prepare_forks: Callable[[], None] | None = None) -> MeasuredProfile | None:
-    """Profile this machine (or this torchrun job); the caller writes it. Returns the measured
-    profile on rank 0, None on the other torchrun ranks and in the process that relaunched itself
-    under torchrun (rank 0 of that job wrote `opts.out`).
+    """Profile this machine, this torchrun job or, with `opts.cluster`, this node's part of a
+    multi-node profile; the caller writes it. Returns the measured profile on rank 0, None on the
+    other torchrun ranks and nodes, and in the process that relaunched itself under torchrun (rank 0
+    of that job wrote `opts.out`).
 
     `step_runner` runs the calibration steps (none without it); `prepare_forks` runs before the
     benchmark ranks fork, so that they inherit what it imports (as the calibration ranks will)."""
@@ -307,28 +411,65 @@ def run_profile(opts: ProfileOptions, progress: Progress | None = None, step_run
     started = time.perf_counter()
     device_type = resolve_device(opts.device)
     dims = architecture_dims(opts.model.hf_config) if opts.model is not None else None
+    if not 0 <= opts.straggler_threshold < 1:
+        raise UsageError(f"--straggler-threshold must be within 0-1 (got {opts.straggler_threshold})")
     if _under_torchrun():
         return _run_torchrun_rank(opts, device_type, dims, progress, started)
     nproc = opts.nproc or default_nproc(device_type)
     if nproc < 1:
         raise UsageError(f"--nproc must be at least 1 (got {nproc})")
+    if opts.cluster is not None:
+        return _run_cluster_node(opts, opts.cluster, device_type, nproc, dims, progress, started)
     if device_type == "cuda" and nproc > 1:
         _relaunch_under_torchrun(opts, nproc)
         return None
     threads = max(1, cpu_cores() // nproc)
     calibrating = opts.calibrate and opts.model is not None and device_type == "cpu" and step_runner is not None
-    total = progress_total(len(gemm_dtypes(device_type)), 4 if nproc > 1 else 0,
+    total = progress_total(len(gemm_dtypes(device_type)), _collective_units(nproc, nproc),
                            len(fit_layouts(256, nproc)) if calibrating else 0)
     progress.total(total)
     progress.step(f"inventory: {nproc} x {device_type}")
+    setup = RankSetup(world=nproc, local_world=nproc, node=0, nodes=1, first_rank=0, port=free_port(),
+                      master_addr="127.0.0.1", timeout_s=None, device_type=device_type, threads=threads,
+                      quick=opts.quick, dims=dims)
     if device_type == "cuda":  # one GPU: no fork, benchmark in this process
-        raw = rank_benchmarks(0, 1, 1, device_type, threads, opts.quick, dims, progress.step)
+        raw = rank_work(0, setup, progress.step)
     else:
         if prepare_forks:
             prepare_forks()
-        raw = _run_forked(nproc, device_type, threads, opts.quick, dims, progress)
+        raw = _run_forked(setup, progress)
+    assert raw is not None
     return _finish(opts, raw, device_type, nproc, 1, threads, step_runner if calibrating else None, progress,
                    started)
+
+
+def _collective_units(world: int, local_world: int) -> int:
+    return len(hb.COLLECTIVES) * len(hb.collective_groups(world, local_world))
+
+
+def _run_cluster_node(opts: ProfileOptions, cluster: ClusterOptions, device_type: str, nproc: int,
+                      dims: dict[str, int] | None, progress: Progress, started: float) -> MeasuredProfile | None:
+    """This node's ranks of a multi-node profile; the profile (on node 0) or None. No calibration
+    steps: they run on one node (`advisor profile --model M` there)."""
+    meeting = meet(cluster, nproc)
+    threads = max(1, cpu_cores() // nproc)
+    world = meeting.world
+    progress.total(progress_total(len(gemm_dtypes(device_type)), _collective_units(world, nproc), 0)
+                   + len(pair_rounds(cluster.nnodes)) + 1)
+    progress.step(f"node {cluster.node_rank} of {cluster.nnodes}: {nproc} x {device_type}")
+    setup = RankSetup(world=world, local_world=nproc, node=cluster.node_rank, nodes=cluster.nnodes,
+                      first_rank=meeting.first_rank(cluster.node_rank), port=cluster.group_port,
+                      master_addr=cluster.master_addr, timeout_s=cluster.timeout_s, device_type=device_type,
+                      threads=threads, quick=opts.quick, dims=dims)
+    raw = _run_forked(setup, progress)
+    if raw is None:  # another node: node 0 writes the profile
+        progress.step("done")
+        return None
+    measured = _finish(opts, raw, device_type, nproc, cluster.nnodes, threads, None, progress, started)
+    if opts.model is not None and opts.calibrate:
+        measured.profile.inventory.notes.append(
+            "calibration steps run on one node: rerun `advisor profile --model M` there to fit the efficiencies")
+    return measured
 
 
 def _finish(opts: ProfileOptions, raw: dict[str, Any], device_type: str, nproc: int, nodes: int, threads: int,
@@ -336,7 +477,10 @@ def _finish(opts: ProfileOptions, raw: dict[str, Any], device_type: str, nproc: 
     reserve = raw.get("reserved_gib", raw["rss_gib"])
     inventory = take_inventory(device_type, nproc, nodes, threads, reserved_gib=reserve)
     label = "cpu" if device_type == "cpu" else inventory.device_name.replace(" ", "-").lower()
-    hardware = hardware_from(raw, inventory, name=f"profile:{label}")
+    cluster = cluster_of(raw, opts.straggler_threshold)
+    inventory.nodes = len(cluster.nodes)
+    inventory.notes += cluster_notes(cluster)
+    hardware = priced_at_slowest(hardware_from(raw, inventory, name=f"profile:{label}"), cluster)
     steps = None
     if step_runner is not None:
         assert opts.model is not None
@@ -350,7 +494,7 @@ def _finish(opts: ProfileOptions, raw: dict[str, Any], device_type: str, nproc: 
     names = [inventory.device_name] * nproc
     profile = HardwareProfile(
         created=dt.datetime.now(dt.timezone.utc), quick=opts.quick, fingerprint=this_host(names),
-        inventory=inventory, measurements=measurements_of(raw), hardware=hardware,
+        inventory=inventory, measurements=measurements_of(raw), hardware=hardware, cluster=cluster,
         duration_s=time.perf_counter() - started,
     )
     progress.step("done")
@@ -359,6 +503,8 @@ def _finish(opts: ProfileOptions, raw: dict[str, Any], device_type: str, nproc: 
 
 def _run_torchrun_rank(opts: ProfileOptions, device_type: str, dims: dict[str, int] | None, progress: Progress,
                        started: float) -> MeasuredProfile | None:
+    import datetime
+
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -368,13 +514,18 @@ def _run_torchrun_rank(opts: ProfileOptions, device_type: str, dims: dict[str, i
         import torch
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    report = progress.step if rank == 0 else (lambda what: None)
-    raw = rank_benchmarks(rank, world, local_world, device_type, threads, opts.quick, dims, report)
+    timeout_s = opts.cluster.timeout_s if opts.cluster else 600.0
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    node = rank // local_world
+    setup = RankSetup(world=world, local_world=local_world, node=node, nodes=world // local_world,
+                      first_rank=node * local_world, port=int(os.environ.get("MASTER_PORT", 0)),
+                      master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), timeout_s=timeout_s,
+                      device_type=device_type, threads=threads, quick=opts.quick, dims=dims)
+    raw = rank_work(rank, setup, progress.step if rank == 0 else (lambda what: None))
     measured = None
-    if rank == 0:  # no step runner under torchrun: `main` has none to hand in
-        measured = _finish(opts, raw, device_type, local_world, world // local_world, threads, None, progress,
-                           started)
+    if raw is not None:  # rank 0; no step runner under torchrun: `main` has none to hand in
+        measured = _finish(opts, raw, device_type, local_world, setup.nodes, threads, None, progress, started)
     dist.barrier()
     dist.destroy_process_group()
     return measured

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, segment_of
-from profiler.ranks import free_port
+from profiler.ranks import free_port, slurm_topology
 from trainer import checkpoint
 from trainer.loop import JsonLines, train
 from trainer.oom import pending_relaunch
@@ -43,19 +43,6 @@ def launch_command(plan: Plan, plan_path: Path, out: Path, resume: bool, options
     if resume:
         command.append("--resume")
     return command
-
-
-def slurm_topology() -> tuple[int, int, str] | None:
-    """(nodes, node rank, master address) from Slurm's environment, when run under srun."""
-    if "SLURM_JOB_NUM_NODES" not in os.environ or "SLURM_NODEID" not in os.environ:
-        return None
-    nodes = int(os.environ["SLURM_JOB_NUM_NODES"])
-    master = os.environ.get("MASTER_ADDR")
-    if master is None:
-        hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ.get("SLURM_JOB_NODELIST", "")],
-                               capture_output=True, text=True, check=False).stdout.split()
-        master = hosts[0] if hosts else "127.0.0.1"
-    return nodes, int(os.environ["SLURM_NODEID"]), master
 
 
 def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOptions, launched: bool,

@@ -8,12 +8,14 @@ from typing import Any, Optional
 
 import typer
 
+from advisor.profile import load_profile, looks_like_profile
 from advisor.cli.common import MIN_COMPUTE_FRACTION, console, exit_on_error, stage_tokens
 from advisor.cli.render import render_plan
 from presets import load_task
 from planner.export import export
 from planner.fix import parse_fix
 from planner.plan import PlanOptions, make_plan, parse_duration
+from planner.stragglers import parse_exclude
 from presets import load_hardware, load_model
 
 
@@ -43,6 +45,10 @@ def plan(
         None, "--fix", help="layout keys to hold fixed, e.g. \"tp=8,zero=1\" (dp tp pp vpp sp zero offload mbs "
         "gas method dtype seq); the planner chooses the rest. Exits 2 with the reason when the trainer cannot "
         "run it"),
+    exclude: Optional[str] = typer.Option(
+        None, "--exclude", help="with a profile of several devices: devices (n1d0) or nodes (n1) to leave out of the "
+        "pricing, comma-separated; the plan then prices the slowest device and link left (each straggler's gain "
+        "is in the notes)"),
     any_engine: bool = typer.Option(
         False, "--any-engine", help="plan over every layout the cost model prices (Megatron/NeMo-style sp, "
         "interleaving...), not only what `advisor train` runs; the plan is marked not runnable here"),
@@ -66,6 +72,7 @@ def plan(
             price_per_gpu_hour=price, min_compute_fraction=min_compute_fraction, top_k=top, mtbf_hours=mtbf_hours,
             per_stage_devices=per_stage_devices, allow_cross_node_tp=allow_cross_node_tp, attention=attention,
             fix=parse_fix(fix) if fix is not None else {}, any_engine=any_engine,
+            cluster=profile_cluster(hardware), exclude=parse_exclude(exclude),
         )
         result = make_plan(opts)
         return result, write_plan_files(result, out, export_dir)
@@ -81,6 +88,19 @@ def plan(
                       "run[/yellow]")
     for line in written:
         console.print(line, highlight=False, markup=False)
+
+
+def profile_cluster(hardware: str):
+    """The per-device and per-link figures of a profile given as --hardware (None for a preset or a
+    HardwareSpec file)."""
+    path = Path(hardware)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # load_hardware has already said what is wrong with it
+    return load_profile(path).cluster if looks_like_profile(data) else None
 
 
 def write_plan_files(result, out: Path | None, export_dir: Path | None) -> list[str]:

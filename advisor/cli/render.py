@@ -138,6 +138,8 @@ def render_profile(result, out: Path) -> None:
             op, ranks, scope, _ = m.name.split("/")
             table.add_row(f"{op.replace('_', '-')} x{ranks} {scope}",
                           f"{m.value:,.2f} GB/s bus, {getattr(m, 'latency_us', 0):,.0f} µs", "fit")
+    if result.cluster and len(result.cluster.devices) > 1:
+        _cluster_rows(table, result.cluster)
     if result.calibration:
         cal = result.calibration
         for step in cal.steps:
@@ -159,6 +161,22 @@ def render_profile(result, out: Path) -> None:
         console.print(f"note: {key} {getattr(hw, key):g} is {where} (one node: profile several to measure it)",
                       style="dim")
     console.print(f"wrote {out}: use it as --hardware {out}")
+
+
+def _cluster_rows(table: Table, cluster) -> None:
+    """Every device measured at once: the slowest of each figure (what the hardware prices), the links
+    between node pairs, the bisection."""
+    for figure in ("fp32", "bf16"):
+        rates = {d.name: d.gemm_tflops[figure] for d in cluster.devices if d.gemm_tflops.get(figure, 0) > 0}
+        if rates:
+            slowest = min(rates, key=rates.get)
+            table.add_row(f"slowest GEMM {figure}", f"{slowest}: {rates[slowest] * 1e3:,.1f} GFLOP/s", "priced")
+    slowest = min(cluster.devices, key=lambda d: d.memory_gbs)
+    table.add_row("slowest memory", f"{slowest.name}: {slowest.memory_gbs:,.1f} GB/s", "priced")
+    for link in cluster.links:
+        table.add_row(f"send/recv {link.name}", f"{link.bandwidth_gbs:,.2f} GB/s, {link.latency_us:,.0f} µs", "fit")
+    if cluster.bisection_gbs:
+        table.add_row("bisection (all-to-all)", f"{cluster.bisection_gbs:,.2f} GB/s", "")
 
 
 def render_capacity(report, written: list[Path]) -> None:
