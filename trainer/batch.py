@@ -45,8 +45,9 @@ class MicroBatch:
                           self.position_ids.to(device) if self.position_ids is not None else None)
 
     def model_inputs(self) -> dict[str, Any]:
-        """Keyword arguments of an HF causal LM's forward (no attention mask: see the module doc)."""
-        inputs = {"input_ids": self.input_ids, "labels": self.labels}
+        """Keyword arguments of an HF causal LM's forward (no attention mask: see the module doc).
+        No cache: transformers reads packed position ids only without one (and training needs none)."""
+        inputs = {"input_ids": self.input_ids, "labels": self.labels, "use_cache": False}
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
         return inputs

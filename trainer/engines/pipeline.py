@@ -103,7 +103,7 @@ class PipelineForward(torch.nn.Module):
         self._engine = [engine]  # not a submodule
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> SimpleNamespace:
+                position_ids: torch.Tensor | None = None, use_cache: bool | None = None) -> SimpleNamespace:
         engine = self._engine[0]
         group, index, pp = engine.pp_group, engine.stage_index, engine.layout.pp
         out = input_ids

@@ -1,0 +1,249 @@
+"""Row formats (text, prompt_completion, chat, alpaca, sharegpt): detected from their fields, rendered
+with the tokenizer's chat template, trained on the answers only; packed rows keep documents apart."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from advisor.cli import app
+from advisor.errors import UsageError
+from advisor.task import DataSource, TaskSpec
+from trainer.batch import IGNORE
+from trainer.corpus import load_rows, tokenizer_for
+from trainer.data.formats import detect_format, prompt_and_answer, render_example
+
+WORDS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>", "hi", "there", "how", "are", "you",
+         "fine", "ok", "thanks", "add", "two", "and", "three", "five", "reverse", "abc", "cba", "be", "brief",
+         "what", "is", "it", "yes", "no", "the", "sky", "blue", "red", "green"]
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+CONFIG = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 128}
+
+ROWS = {
+    "text": [{"text": "the sky is blue"}, {"text": "hi there how are you"}, {"text": "red green"}],
+    "prompt_completion": [{"prompt": "add two and three", "completion": "five"},
+                          {"prompt": "reverse abc", "completion": "cba"},
+                          {"prompt": "what is the sky", "completion": "the sky is blue"}],
+    "chat": [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
+                           {"role": "assistant", "content": "hi"}, {"role": "user", "content": "how are you"},
+                           {"role": "assistant", "content": "fine thanks"}]},
+             {"messages": [{"role": "user", "content": "is the sky blue"}, {"role": "assistant", "content": "yes"}]}],
+    "alpaca": [{"instruction": "reverse", "input": "abc", "output": "cba"},
+               {"instruction": "add two and three", "input": "", "output": "five"},
+               {"instruction": "what is the sky", "output": "blue", "system": "be brief"}],
+    "sharegpt": [{"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "hi"},
+                                    {"from": "human", "value": "is it red"}, {"from": "gpt", "value": "no it is blue"}]},
+                 {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "ok"},
+                                    {"from": "gpt", "value": "ok"}]}],
+}
+
+
+def _tokenizer(folder: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    inner = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<eos>", pad_token="<pad>",
+                                        additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>", "<|end|>"])
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    _tokenizer(folder)
+    return folder
+
+
+def _words(text: str) -> int:
+    """Tokens of `text` under the test vocabulary: one per word (WordLevel on whitespace)."""
+    return len(text.split())
+
+
+def _answer_tokens(format: str, row: dict) -> int:
+    """The trained tokens of a row, counted from the row and the template alone: every answer's
+    words plus the token that closes it (<|end|> of the template's assistant turn, <eos> of plain text)."""
+    if format == "text":
+        return _words(row["text"]) + 1
+    if format == "prompt_completion":
+        return _words(row["completion"]) + 1
+    if format == "alpaca":
+        return _words(row["output"]) + 1
+    turns = row.get("messages") or row["conversations"]
+    return sum(_words(t.get("content", t.get("value"))) + 1 for t in turns
+               if t.get("role", t.get("from")) in ("assistant", "gpt"))
+
+
+def _task(tmp_path: Path, rows: list[dict], tokenizer_dir: Path, **source) -> TaskSpec:
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return TaskSpec.model_validate({"name": "t", "base_dir": str(tmp_path), "data": {"tokenizer": str(tokenizer_dir)},
+                                    "stages": [{"name": "s", "tokens": 10,
+                                                "sources": [{"path": "rows.jsonl", **source}]}]})
+
+
+@pytest.mark.parametrize("format", list(ROWS))
+def test_every_format_trains_exactly_its_answer_tokens(tmp_path, tokenizer_dir, format) -> None:
+    rows = ROWS[format]
+    task = _task(tmp_path, rows, tokenizer_dir)  # format detected from the fields
+    tokenizer = tokenizer_for(task, "tiny", 64)
+    for row in rows:
+        ids, labels = render_example(row, format, tokenizer)
+        assert len(ids) == len(labels)
+        assert sum(label != IGNORE for label in labels) == _answer_tokens(format, row)
+        assert all(label in (IGNORE, token) for token, label in zip(ids, labels))
+    # packed rows of the source: the same answers trained (as the model reads labels: shifted, so
+    # each row's first label never counts), nothing else. A text document's first token is not
+    # trained: nothing of its own document comes before it. The text stream is one full row here.
+    seq = sum(_answer_tokens("text", r) for r in rows) if format == "text" else 48
+    packed = load_rows(task.stages[0].sources[0], task, tokenizer, seq, None)
+    trained = int((packed.labels[:, 1:] != IGNORE).sum())
+    if format == "text":
+        assert len(packed) == 1 and trained == sum(_answer_tokens(format, r) - 1 for r in rows)
+    else:
+        assert trained == sum(_answer_tokens(format, r) for r in rows)
+        assert len(packed) < len(rows)  # examples share rows
+
+
+def test_chat_answers_are_the_templates_assistant_turns_and_the_prompt_ends_with_the_generation_prompt(
+        tokenizer_dir) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+    row = ROWS["chat"][0]
+    ids, labels = render_example(row, "chat", hf)  # a transformers tokenizer works as it is
+    trained = [token for token, label in zip(ids, labels) if label != IGNORE]
+    assert hf.decode(trained) == "hi <|end|> fine thanks <|end|>"
+    prompt, answer = prompt_and_answer(row, "chat", hf)
+    assert prompt == hf.apply_chat_template(row["messages"][:-1], add_generation_prompt=True, return_dict=False)
+    assert hf.decode(answer) == "fine thanks <|end|>" and ids[:len(prompt) + len(answer)] == prompt + answer
+    plain = prompt_and_answer(ROWS["prompt_completion"][0], "prompt_completion", hf)
+    assert plain == (hf.encode("add two and three", add_special_tokens=False), [hf.convert_tokens_to_ids("five"),
+                                                                             hf.eos_token_id])
+
+
+@pytest.mark.parametrize("format", list(ROWS))
+def test_each_format_is_detected_from_its_fields(format) -> None:
+    assert detect_format(ROWS[format], "rows.jsonl") == format
+
+
+def test_overridden_field_names_render(tokenizer_dir, tmp_path) -> None:
+    rows = [{"question": "reverse abc", "answer": "cba"}]
+    task = _task(tmp_path, rows, tokenizer_dir, format="prompt_completion",
+                 fields={"prompt": "question", "completion": "answer"})
+    packed = load_rows(task.stages[0].sources[0], task, tokenizer_for(task, "tiny", 64), 8, None)
+    assert int((packed.labels != IGNORE).sum()) == 2
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([{"text": "a", "prompt": "b", "completion": "c"}], "rows.jsonl, row 1: the fields fit several formats"),
+    ([{"prompt": "b", "completion": "c"}, {"messages": []}], "rows.jsonl, row 2: chat (messages), but row 1 is "
+                                                           "prompt_completion"),
+    ([{"question": "b"}], "rows.jsonl, row 1: no format's fields"),
+])
+def test_ambiguous_mixed_or_unknown_rows_are_refused_naming_the_row(rows, message) -> None:
+    with pytest.raises(UsageError, match=re.escape(message)):
+        detect_format(rows, "rows.jsonl")
+
+
+def test_a_bad_row_names_the_file_the_row_and_the_missing_field(tmp_path, tokenizer_dir) -> None:
+    rows = [ROWS["chat"][1], {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}]
+    task = _task(tmp_path, rows, tokenizer_dir)
+    with pytest.raises(UsageError) as error:
+        load_rows(task.stages[0].sources[0], task, tokenizer_for(task, "tiny", 64), 16, None)
+    assert str(error.value) == (f"{tmp_path / 'rows.jsonl'}, line 2 (row 2): 'messages' turn 2: no field 'content' "
+                                "(or it is not a string) (chat format)")
+
+
+def test_legacy_file_types_in_format_move_to_file_type() -> None:
+    assert DataSource(path="a.parquet", format="parquet").file_type == "parquet"
+    legacy = DataSource(path="a.jsonl", format="jsonl", text_field="body")
+    assert (legacy.format, legacy.file_type, legacy.field_names()["text"]) == ("text", "jsonl", "body")
+    assert DataSource(path="a.jsonl", format="chat").format == "chat"
+
+
+def test_train_with_data_detects_the_format_and_refuses_mixed_rows_in_one_line(tmp_path) -> None:
+    runner = CliRunner()
+    plan = tmp_path / "plan.yaml"
+    made = runner.invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                               "--seq-len", "64", "--global-batch", "2", "--out", str(plan)])
+    assert made.exit_code == 0, made.output
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"text": "c"}) + "\n")
+    result = runner.invoke(app, ["train", str(plan), "--out", str(tmp_path / "run"), "--data", str(mixed)])
+    assert result.exit_code == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert f"{mixed}, row 2: text (text), but row 1 is prompt_completion" in result.stderr
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"prompt": f"what is {i}", "completion": "the sky is blue " * 3}) + "\n"
+                            for i in range(40)))
+    from advisor.plan_file import load_plan
+    from trainer.one_stage import one_stage_plan
+
+    one_stage, _ = one_stage_plan(load_plan(plan), str(good), tmp_path / "run2", steps=1, tokens=None)
+    assert one_stage.task.stages[0].sources[0].format == "prompt_completion"  # fixed in the run's plan
+
+
+# -- packing keeps documents apart ----------------------------------------------------------------
+
+
+def _model(attn: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**CONFIG), attn_implementation=attn)
+
+
+def _examples(tokenizer) -> list[tuple[list[int], list[int]]]:
+    return [render_example(row, format, tokenizer) for format in ("chat", "alpaca", "sharegpt", "prompt_completion")
+            for row in ROWS[format]]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_documents_see_only_themselves(tmp_path, tokenizer_dir, attn) -> None:
+    """Each document's loss in a packed row equals its loss alone; without the position ids the
+    packed documents would see their neighbours, and the losses differ."""
+    import torch
+
+    from trainer.batch import MicroBatch
+    from trainer.engines.plain import PlainEngine
+    from advisor.specs import Layout
+    from trainer.stream import pack_examples
+
+    examples = _examples(_tokenizer(tmp_path / "tok"))
+    seq = 48
+    packed = pack_examples(examples, seq)
+    assert len(packed) < len(examples)
+    engine = PlainEngine(_model(attn), Layout(seq=seq, dtype="fp32"), clip=0.0)
+    starts = np.argwhere(packed.positions == 0)  # (row, column) of each segment, padding included
+    alone, together, leaky = [], [], []
+    with torch.no_grad():
+        for (row, col), end in zip(starts, [*starts[1:, 1], None]):
+            end = seq if end is None or end <= col else end
+            ids, labels = packed.ids[row, col:end], packed.labels[row, col:end]
+            if not (labels != IGNORE).any():
+                continue  # padding
+            single = MicroBatch.from_arrays(ids[None].copy(), labels[None].copy(), None)
+            alone.append(float(engine.model(**single.model_inputs()).loss))
+            only = np.full_like(packed.labels[row:row + 1], IGNORE)
+            only[0, col:end] = labels
+            batch = MicroBatch.from_arrays(packed.ids[row:row + 1].copy(), only, packed.positions[row:row + 1].copy())
+            together.append(float(engine.model(**batch.model_inputs()).loss))
+            batch.position_ids = None
+            leaky.append(float(engine.model(**batch.model_inputs()).loss))
+    assert len(alone) == len(examples)
+    assert together == pytest.approx(alone, abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(leaky, alone)) > 1e-3  # the check can fail
