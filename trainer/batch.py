@@ -55,8 +55,13 @@ class MicroBatch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def shape(self) -> torch.Size:
+        """(rows, seq)."""
+        return self.input_ids.shape
 
-def as_micro_batch(batch: MicroBatch | torch.Tensor) -> MicroBatch:
+
+def as_micro_batch(batch: MicroBatch | torch.Tensor | np.ndarray) -> MicroBatch:
     """A micro-batch as such, or bare token ids (every token trained, ids < 0 padding)."""
     return batch if isinstance(batch, MicroBatch) else MicroBatch.from_ids(batch)
 

@@ -31,7 +31,7 @@ from advisor.task import StageSpec
 from planner.export import model_deepspeed_config
 from profiler.tensor_memory import TensorMemory
 from trainer import checkpoint
-from trainer.batch import IGNORE, MicroBatch
+from trainer.batch import IGNORE, MicroBatch, as_micro_batch
 from trainer.corpus import load_rows, stage_sources, tokenizer_for
 from trainer.engines import Engine, device, make_engine, select_backend
 from trainer.handoff import HANDOFF_DIR, write_full_weights
@@ -545,7 +545,8 @@ class _Run:
         layout = self.layout
         data_rank = getattr(self.engine, "data_rank", self.rank)  # TP/PP ranks of one replica read the same data
         for micro in range(layout.gas):
-            batch = stage.stream.global_batch(position, layout.dp, layout.mbs, layout.gas, data_rank, micro)
+            batch = as_micro_batch(stage.stream.global_batch(position, layout.dp, layout.mbs, layout.gas, data_rank,
+                                                             micro))
             if self.prepared is not None:
                 micro_usage = stage.stream.usage(position, layout.dp, layout.mbs, data_rank, micro)
                 usage[:] = [a + b for a, b in zip(usage, micro_usage)]

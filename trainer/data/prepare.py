@@ -43,7 +43,7 @@ from trainer.data.manifest import (MANIFEST_NAME, MANIFEST_VERSION, default_out_
                                    tokens_with_replay)
 from trainer.data.quality import CHECKS, STAT_COLUMNS, document_stats, failed_check, merge_filters
 from trainer.data.shards import SCHEMA, OutputDir, ShardWriter, shard_path
-from trainer.data.sources import expand_source_path, read_batches, row_location
+from trainer.data.sources import expand_source_path, file_type_of, read_batches, row_location
 from trainer.data.tokenizer import TextTokenizer, resolve_tokenizer_path
 
 SPLITS = ("train", "eval")
