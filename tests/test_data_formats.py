@@ -247,3 +247,78 @@ def test_packed_documents_see_only_themselves(tmp_path, tokenizer_dir, attn) -> 
     assert len(alone) == len(examples)
     assert together == pytest.approx(alone, abs=1e-5)
     assert max(abs(a - b) for a, b in zip(leaky, alone)) > 1e-3  # the check can fail
+
+
+# -- and so do the sharded and pipeline engines (2 ranks) ----------------------------------------
+
+SEQ = 48
+LAYOUTS = {  # each step reads the same four packed rows: 2 per replica, or all 4 through one pipeline
+    "fsdp2_zero3": {"dp": 2, "zero": 3, "mbs": 1, "gas": 2},
+    "tensor_parallel": {"tp": 2, "mbs": 2, "gas": 2},
+    "pipeline": {"pp": 2, "mbs": 1, "gas": 4},
+}
+
+
+def _packed_rows(folder: Path):
+    from trainer.stream import pack_examples
+
+    examples = _examples(_tokenizer(folder)) * 2
+    packed = pack_examples(examples, SEQ)
+    assert len(packed) >= 4 and (packed.positions[:4, 1:] == 0).any()  # rows hold several documents
+    return packed
+
+
+def _losses(layout, packed, rank_of_data) -> list[float]:
+    """Two optimizer steps of `layout` on the four packed rows; each step's mean micro-batch loss."""
+    from advisor.specs import ModelSpec
+    from trainer.batch import MicroBatch
+    from trainer.engines import make_engine
+    from trainer.model import build_model
+
+    model = build_model(ModelSpec(name="tiny", hf_config=CONFIG), layout, seed=0)
+    engine = make_engine(model, layout, None, clip=0.0, engine="fsdp2" if layout.pp == 1 else "auto")
+    data_rank = rank_of_data(engine)
+    losses = []
+    for _ in range(2):
+        step = []
+        for micro in range(layout.gas):
+            first = (micro * layout.dp + data_rank) * layout.mbs
+            rows = slice(first, first + layout.mbs)
+            step.append(engine.micro_step(MicroBatch.from_arrays(packed.ids[rows].copy(), packed.labels[rows].copy(),
+                                                                 packed.positions[rows].copy())))
+        engine.optimizer_step(1e-2)
+        losses.append(float(np.mean([x for x in step if x is not None])))
+    return losses
+
+
+def _rank_packed(rank: int, world: int, port: int, out_dir: str) -> None:
+    from advisor.specs import Layout
+    from profiler.ranks import finish_rank, init_rank
+
+    init_rank(rank, world, port, distributed=True, threads=1)
+    packed = _packed_rows(Path(out_dir) / f"tok{rank}")
+    results = {name: _losses(Layout(seq=SEQ, dtype="fp32", **fields), packed, lambda e: e.data_rank)
+               for name, fields in LAYOUTS.items()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    finish_rank(True)
+
+
+@pytest.mark.slow
+def test_sharded_and_pipeline_engines_keep_packed_documents_apart(tmp_path) -> None:
+    """FSDP2, tensor parallel and the pipeline train packed rows as the plain engine does, which
+    keeps their documents apart (test above)."""
+    import torch.distributed.fsdp  # noqa: F401  (imported before forking)
+    import torch.distributed.pipelining  # noqa: F401
+
+    from advisor.specs import Layout
+    from profiler.ranks import free_port, launch
+
+    packed = _packed_rows(tmp_path / "tok")
+    # one process, the same micro-batches (a micro-batch's loss is the mean over its trained tokens)
+    reference = {mbs: _losses(Layout(seq=SEQ, dtype="fp32", mbs=mbs, gas=4 // mbs), packed, lambda e: 0)
+                 for mbs in (1, 2)}
+    launch(_rank_packed, 2, (2, free_port(), str(tmp_path)))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for name, fields in LAYOUTS.items():
+        measured = [sum(r[name][s] for r in ranks) / 2 for s in range(2)] if name.startswith("fsdp2") else ranks[1][name]
+        assert measured == pytest.approx(reference[fields["mbs"]], abs=1e-5), name
