@@ -322,3 +322,37 @@ def test_sharded_and_pipeline_engines_keep_packed_documents_apart(tmp_path) -> N
     for name, fields in LAYOUTS.items():
         measured = [sum(r[name][s] for r in ranks) / 2 for s in range(2)] if name.startswith("fsdp2") else ranks[1][name]
         assert measured == pytest.approx(reference[fields["mbs"]], abs=1e-5), name
+
+
+def test_a_chat_task_trains_and_evaluates_on_its_answers(tmp_path, tokenizer_dir) -> None:
+    from advisor.plan_file import load_plan
+    from advisor.specs import ModelSpec
+    from planner.plan import PlanOptions, make_plan
+    from presets import load_hardware
+    from trainer.loop import train
+    from trainer.options import TrainOptions
+
+    rows = [row for _ in range(20) for row in ROWS["chat"]]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = TaskSpec.model_validate({
+        "name": "chat", "base_dir": str(tmp_path), "seq_len": 32, "global_batch": 2,
+        "data": {"tokenizer": str(tokenizer_dir)},
+        "stages": [{"name": "answers", "steps": 3, "warmup_steps": 0, "sources": [{"path": "chat.jsonl"}],
+                    "eval_sources": [{"path": "chat.jsonl"}], "eval_tokens": 64}]})
+    plan = make_plan(PlanOptions(model=ModelSpec(name="tiny", hf_config=CONFIG), hardware=load_hardware("cpu"),
+                                 gpus_per_node=1, task=task, min_compute_fraction=0.0))
+    plan.write(tmp_path / "plan.yaml")
+    summary = train(load_plan(tmp_path / "plan.yaml"), tmp_path / "run", resume=False,
+                    options=TrainOptions(show_progress=False, eval_sequences=4))
+    assert summary["finished"] and summary["steps"] == 3 and summary["nan"] is False
+    assert np.isfinite(summary["stages"][0]["eval"]["answers"])
+
+
+def test_prepare_refuses_rows_that_are_not_text_in_one_line(tmp_path) -> None:
+    from trainer.data.prepare import prepare
+
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS["chat"]))
+    task = TaskSpec.model_validate({"name": "t", "base_dir": str(tmp_path),
+                                    "stages": [{"name": "s", "tokens": 10, "sources": [{"path": "chat.jsonl"}]}]})
+    with pytest.raises(UsageError, match="`advisor data prepare` shards text rows only, these are chat"):
+        prepare(task, tmp_path / "out")
