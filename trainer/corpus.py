@@ -19,7 +19,7 @@ import numpy as np
 from advisor.errors import UsageError
 from advisor.task import DataSource, StageSpec, TaskSpec
 from trainer.data.demo_corpus import generate_command
-from trainer.data.formats import BadRow, render_example, source_format
+from trainer.data.formats import BadRow, HFRowTokenizer, render_example, source_format
 from trainer.data.sources import expand_source_path, file_type_of, read_rows, row_location
 from trainer.data.tokenizer import TextTokenizer, load_tokenizer, resolve_tokenizer_path
 from trainer.stream import Packed, Source, pack_examples, pack_stream
@@ -60,7 +60,7 @@ class FileTokenizer:
         self.vocab_size = self._inner.vocab_size
         self.name = str(path)
         self.path = Path(path)
-        self._hf = None
+        self._hf: HFRowTokenizer | None = None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._inner.encode(texts)
@@ -69,20 +69,17 @@ class FileTokenizer:
         return self._inner.encode([text])[0]
 
     @property
-    def hf(self):
+    def _templates(self) -> HFRowTokenizer:
+        """The transformers tokenizer of the same files, for its chat template (loaded on first use)."""
         if self._hf is None:
-            self._hf = load_tokenizer(self.path)
+            self._hf = HFRowTokenizer(load_tokenizer(self.path), str(self.path), self.eos_token_id)
         return self._hf
 
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return self._templates.has_chat_template()
 
     def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        if not self.has_chat_template():
-            raise UsageError(f"tokenizer {self.path} has no chat template: chat data needs one "
-                             "(`chat_template` in its tokenizer_config.json or a chat_template.jinja)")
-        return [int(i) for i in self.hf.apply_chat_template(messages, tokenize=True, return_dict=False,
-                                                             add_generation_prompt=add_generation_prompt)]
+        return self._templates.chat(messages, add_generation_prompt)
 
 
 def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int, weights: str | None = None):

@@ -72,11 +72,12 @@ class RowTokenizer(Protocol):
 class HFRowTokenizer:
     """A transformers tokenizer seen as a `RowTokenizer`."""
 
-    def __init__(self, tokenizer: Any, name: str | None = None):
-        if tokenizer.eos_token_id is None:
+    def __init__(self, tokenizer: Any, name: str | None = None, eos_token_id: int | None = None):
+        eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        if eos_token_id is None:
             raise UsageError(f"tokenizer {name or tokenizer.name_or_path} has no end-of-text token")
         self.hf = tokenizer
-        self.eos_token_id = int(tokenizer.eos_token_id)
+        self.eos_token_id = int(eos_token_id)
         self.name = name or str(tokenizer.name_or_path)
 
     def encode(self, text: str) -> list[int]:
