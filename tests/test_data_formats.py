@@ -356,3 +356,24 @@ def test_prepare_refuses_rows_that_are_not_text_in_one_line(tmp_path) -> None:
                                     "stages": [{"name": "s", "tokens": 10, "sources": [{"path": "chat.jsonl"}]}]})
     with pytest.raises(UsageError, match="`advisor data prepare` shards text rows only, these are chat"):
         prepare(task, tmp_path / "out")
+
+
+def test_a_stream_picks_the_same_row_of_ids_labels_and_positions() -> None:
+    from trainer.stream import Packed, Source, StageStream
+
+    ids = np.arange(40, dtype=np.int64).reshape(10, 4)
+    sources = [Source.of("a", Packed(ids, ids + 1000, ids + 2000), 0.5),
+               Source.of("b", Packed(ids + 100, ids + 1100, ids + 2100), 0.5)]
+    rows = StageStream(sources, seed=0, stage_index=0).rows(0, 64)
+    assert np.array_equal(rows.labels, rows.ids + 1000) and np.array_equal(rows.positions, rows.ids + 2000)
+    assert len(np.unique(rows.ids[:, 0] // 100)) == 2  # both sources drawn
+
+
+def test_an_example_longer_than_a_row_keeps_its_beginning_or_is_dropped_without_an_answer() -> None:
+    from trainer.stream import pack_examples
+
+    long_answer = (list(range(1, 14)), [IGNORE] * 3 + list(range(4, 14)))  # prompt 3, answer 10
+    long_prompt = (list(range(1, 14)), [IGNORE] * 10 + list(range(11, 14)))  # prompt 10, answer 3
+    packed = pack_examples([long_answer, long_prompt], seq=8)
+    assert len(packed) == 1 and packed.ids[0].tolist() == list(range(1, 9))
+    assert packed.labels[0].tolist() == [IGNORE] * 3 + list(range(4, 9))
