@@ -169,7 +169,6 @@ def _plan_entries(task: TaskSpec, base_dir: Path) -> tuple[list[Entry], list[Uni
         grader_key = json.dumps(difficulty.model_dump(mode="json", exclude={"edges", "names"}), sort_keys=True)
         entry_units = []
         file_type = file_type_of(base_dir, source)
-        _check_text_rows(source, base_dir)
         for path in expand_source_path(base_dir, source.path, file_type):
             key = (str(path.resolve()), file_type, source.text_field)
             unit = units.get(key)
@@ -607,6 +606,8 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
     ctx = Context(task=task, base_dir=base_dir, tokenizer=tokenizer, eos_id=tokenizer.eos_id,
                   hasher=hasher, graders=graders, log=say)
     with OutputDir(out, MANIFEST_NAME) as output:
+        for entry in entries:  # before any reading: rows of another format are trained from the raw source
+            _check_text_rows(entry.source, base_dir)
         spool_root = output.tmp / "_spool"
         for unit in units:
             t0 = time.perf_counter()

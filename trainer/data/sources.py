@@ -88,7 +88,17 @@ def read_rows(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
     """Every row of one file as a dict, in order: JSON lines, a columnar file through `datasets`, or
     a text file's blank-line-separated paragraphs as {"text": ...}. Unreadable rows stop with a
     UsageError that names the file and the line."""
-    if fmt in ("jsonl", "json"):
+    if fmt not in ("jsonl", "json", "text"):
+        datasets = _quiet_datasets()
+        try:
+            yield from datasets.load_dataset(_BUILDER[fmt], data_files=str(path), split="train", streaming=True)
+        except Exception as exc:  # pyarrow and datasets raise their own types
+            raise UsageError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+        return
+    try:
+        if fmt == "text":
+            yield from ({"text": p} for p in Path(path).read_text(encoding="utf-8").split("\n\n") if p.strip())
+            return
         with open(path, encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
@@ -96,19 +106,12 @@ def read_rows(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
                 try:
                     row = json.loads(line)
                 except ValueError:
-                    raise UsageError(f"{path}, line {line_no}: not valid JSON") from None
+                    raise UsageError(_diagnose(path, fmt) or f"{path}, line {line_no}: not valid JSON") from None
                 if not isinstance(row, dict):
                     raise UsageError(f"{path}, line {line_no}: expected a JSON object, got {type(row).__name__}")
                 yield row
-    elif fmt == "text":
-        yield from ({"text": p} for p in Path(path).read_text(encoding="utf-8").split("\n\n") if p.strip())
-    else:
-        datasets = _quiet_datasets()
-        try:
-            stream = datasets.load_dataset(_BUILDER[fmt], data_files=str(path), split="train", streaming=True)
-            yield from stream
-        except Exception as exc:  # pyarrow and datasets raise their own types
-            raise UsageError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(_diagnose(path, fmt) or f"{path}: not UTF-8 ({exc})") from None
 
 
 def _quiet_datasets() -> Any:
