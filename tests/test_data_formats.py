@@ -352,7 +352,7 @@ def test_prepare_refuses_rows_that_are_not_text_in_one_line(tmp_path) -> None:
     from trainer.data.prepare import prepare
 
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS["chat"]))
-    task = TaskSpec.model_validate({"name": "t", "base_dir": str(tmp_path),
+    task = TaskSpec.model_validate({"name": "t", "base_dir": str(tmp_path), "model": "demo-tiny",
                                     "stages": [{"name": "s", "tokens": 10, "sources": [{"path": "chat.jsonl"}]}]})
     with pytest.raises(UsageError, match="`advisor data prepare` shards text rows only, these are chat"):
         prepare(task, tmp_path / "out")
