@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, Field, model_validator
@@ -106,7 +106,11 @@ class DataPrepSpec(BaseModel):
     buckets: BucketSpec = Field(default_factory=BucketSpec)
 
 
-TimeBound = Union[float, dt.datetime, dt.date, str]  # a number, or an ISO date (YAML may parse it to a date)
+TimeBound = Union[float, dt.datetime, dt.date, str]
+RowFormat = Literal["text", "prompt_completion", "chat", "alpaca", "sharegpt"]
+ROW_FORMATS: tuple[str, ...] = ("text", "prompt_completion", "chat", "alpaca", "sharegpt")
+FileType = Literal["jsonl", "json", "parquet", "text", "arrow"]
+LEGACY_FILE_TYPES = ("jsonl", "json", "parquet", "arrow")  # what `format` named before row formats  # a number, or an ISO date (YAML may parse it to a date)
 
 
 class DataSource(BaseModel):
@@ -115,7 +119,12 @@ class DataSource(BaseModel):
     model_config = SPEC_CONFIG
 
     path: str = Field(description="file, glob or folder, relative to the task file")
-    format: Literal["jsonl", "json", "parquet", "text", "arrow"] = "jsonl"
+    format: Optional[RowFormat] = Field(
+        None, description="row format: text, prompt_completion, chat (OpenAI-style `messages`), alpaca or sharegpt "
+                          "(default: detected from the first rows' fields)")
+    file_type: Optional[FileType] = Field(None, description="default: from the files' extensions")
+    fields: dict[str, str] = Field(
+        default_factory=dict, description="the format's field names as the rows spell them, e.g. {prompt: question}")
     text_field: str = "text"
     weight: float = Field(1.0, gt=0, description="mixture weight within the stage")
     domain: str | None = None
@@ -127,6 +136,22 @@ class DataSource(BaseModel):
     bands: Optional[list[str]] = Field(None, description="keep only rows in these difficulty bands")
     time_window: Optional[tuple[TimeBound, TimeBound]] = Field(
         None, description="keep only rows with start <= time < end")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_file_type(cls, data: Any) -> Any:
+        """Task files written before row formats put the file type in `format` (jsonl, json, parquet,
+        arrow; `text` is both a file type and a row format, and reads the same either way): it moves
+        to `file_type`. A `text_field` of its own names the text format's field."""
+        if isinstance(data, dict) and data.get("format") in LEGACY_FILE_TYPES:
+            data = {**data, "file_type": data.get("file_type") or data["format"], "format": None}
+        if isinstance(data, dict) and not data.get("format") and data.get("text_field", "text") != "text":
+            data = {**data, "format": "text"}
+        return data
+
+    def field_names(self) -> dict[str, str]:
+        """The overridden field names, with `text_field` as the text format's `text`."""
+        return {"text": self.text_field, **self.fields}
 
 
 class StageSpec(BaseModel):

@@ -1,4 +1,11 @@
-"""Turn a stage's data sources into packed token sequences (and cache them in the run dir)."""
+"""Turn a stage's data sources into rows of token ids, labels and positions (cached in the run dir).
+
+Each row of a source is rendered in its row format (trainer/data/formats.py: text, prompt_completion,
+chat, alpaca, sharegpt; detected from the first rows' fields when the task does not say) into token
+ids with a label per token, then packed into rows of the plan's sequence length with position ids
+that restart per document (trainer/stream.py `pack_stream` for text, `pack_examples` for the
+supervised formats).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +19,10 @@ import numpy as np
 from advisor.errors import UsageError
 from advisor.task import DataSource, StageSpec, TaskSpec
 from trainer.data.demo_corpus import generate_command
-from trainer.data.sources import expand_source_path, read_batches
-from trainer.data.tokenizer import TextTokenizer, resolve_tokenizer_path
-from trainer.stream import Source, pack
+from trainer.data.formats import BadRow, HFRowTokenizer, prompt_and_answer, render_example, source_format
+from trainer.data.sources import expand_source_path, file_type_of, read_rows, row_location
+from trainer.data.tokenizer import TextTokenizer, load_tokenizer, resolve_tokenizer_path
+from trainer.stream import Packed, Source, pack_examples, pack_stream
 
 BYTE_EOS = 256  # byte-level fallback: ids 0-255 are bytes, 256 closes a document
 
@@ -29,9 +37,20 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
 
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def has_chat_template(self) -> bool:
+        return False
+
+    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        raise UsageError("chat data needs a tokenizer with a chat template: set `data: {tokenizer: FOLDER}` in the "
+                         "task or train from --weights FOLDER holding one (there is none for this model)")
+
 
 class FileTokenizer:
-    """A local tokenizer (the task's `data.tokenizer`, or the one shipped for the model preset)."""
+    """A local tokenizer (the task's `data.tokenizer`, the --weights folder's, or the one shipped for
+    the model preset). Chat templates are read through transformers, loaded on first use."""
 
     def __init__(self, path: Path):
         self._inner = TextTokenizer(path)
@@ -40,14 +59,35 @@ class FileTokenizer:
         self.eos_token_id = int(self._inner.eos_id)
         self.vocab_size = self._inner.vocab_size
         self.name = str(path)
+        self.path = Path(path)
+        self._hf: HFRowTokenizer | None = None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._inner.encode(texts)
 
+    def encode(self, text: str) -> list[int]:
+        return self._inner.encode([text])[0]
 
-def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int):
-    """The task's tokenizer, else the model preset's shipped one, else bytes."""
+    @property
+    def _templates(self) -> HFRowTokenizer:
+        """The transformers tokenizer of the same files, for its chat template (loaded on first use)."""
+        if self._hf is None:
+            self._hf = HFRowTokenizer(load_tokenizer(self.path), str(self.path), self.eos_token_id)
+        return self._hf
+
+    def has_chat_template(self) -> bool:
+        return self._templates.has_chat_template()
+
+    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        return self._templates.chat(messages, add_generation_prompt)
+
+
+def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int, weights: str | None = None):
+    """The task's tokenizer, else the one in the --weights folder, else the model preset's shipped
+    one, else bytes."""
     configured = getattr(getattr(task, "data", None), "tokenizer", None)
+    if not configured and weights and _has_tokenizer(Path(weights)):
+        configured = str(Path(weights).resolve())
     try:
         path = resolve_tokenizer_path(configured, model_name, Path(task.base_dir))
     except UsageError:
@@ -62,87 +102,107 @@ def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int):
     return tokenizer
 
 
-def _source_files(source: DataSource, base: Path) -> list[Path]:
-    """The source's files: a file, a glob or a folder (trainer.data.sources reads paths the same way
-    for `advisor data prepare`)."""
+def _has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+
+
+def _source_files(source: DataSource, base: Path) -> list[tuple[Path, str]]:
+    """The source's files and their file type: a file, a glob or a folder (trainer.data.sources reads
+    paths the same way for `advisor data prepare`)."""
     try:
-        return expand_source_path(base, source.path, source.format)
+        file_type = file_type_of(base, source)
+        return [(path, file_type) for path in expand_source_path(base, source.path, file_type)]
     except UsageError as exc:
         command = generate_command(base)
         raise UsageError(f"{exc} (generated data: `{command}` writes it)" if command else str(exc)) from None
 
 
-def _read_texts(source: DataSource, base: Path) -> list[str]:
-    texts = []
-    for path in _source_files(source, base):
-        if source.format in ("jsonl", "json"):
-            with open(path, encoding="utf-8") as f:
-                for line_no, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except ValueError:
-                        raise UsageError(f"{path}:{line_no}: not valid JSON") from None
-                    text = row.get(source.text_field) if isinstance(row, dict) else None
-                    if not isinstance(text, str):  # missing, null, a number: a bad row, never the string "None"
-                        raise UsageError(f"{path}:{line_no}: field '{source.text_field}' is missing or not a string")
-                    texts.append(text)
-        elif source.format == "text":
-            texts.extend(p for p in Path(path).read_text(encoding="utf-8").split("\n\n") if p.strip())
-        else:  # columnar files: through `datasets`, as `advisor data prepare` reads them
-            texts.extend(text for batch in read_batches(path, source.format, source.text_field) for text in batch.texts)
-    return texts
+def _documents(source: DataSource, base: Path, format: str, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """Every row of the source rendered: (token ids, labels)."""
+    names = source.field_names()
+    documents = []
+    for path, file_type in _source_files(source, base):
+        rows = read_rows(path, file_type)
+        if format == "text":  # batch-encoded: continued pre-training reads much text
+            texts, field = [], "text" if file_type == "text" else names["text"]
+            for number, row in enumerate(rows):
+                text = row.get(field)
+                if not isinstance(text, str):  # missing, null, a number: a bad row, never the string "None"
+                    raise UsageError(f"{row_location(path, file_type, number)}: field '{field}' is missing "
+                                     "or not a string")
+                texts.append(text)
+            documents += [(ids + [tokenizer.eos_token_id],) * 2 for ids in tokenizer.encode_batch(texts)]
+            continue
+        for number, row in enumerate(rows):
+            try:
+                documents.append(render_example(row, format, tokenizer, names))
+            except BadRow as exc:
+                raise UsageError(f"{row_location(path, file_type, number)}: {exc} ({format} format)") from None
+    return documents
 
 
-def read_prompt_answers(source: DataSource, base: Path, limit: int) -> list[tuple[str, str]]:
-    """Up to `limit` (prompt, reference answer) pairs of a source, in file order: its JSON-lines rows
-    that hold both a `prompt` and a `completion` string (other rows and formats have no answer to
-    score and give none)."""
-    pairs: list[tuple[str, str]] = []
-    if source.format not in ("jsonl", "json"):
-        return pairs
-    for path in _source_files(source, base):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if len(pairs) >= limit:
-                    return pairs
-                try:
-                    row = json.loads(line) if line.strip() else None
-                except ValueError:
-                    continue  # training reads the same file and names a bad row
-                if isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-                    pairs.append((row["prompt"], row["completion"]))
+def read_answer_pairs(source: DataSource, base: Path, tokenizer, limit: int) -> list[tuple[list[int], list[int]]]:
+    """Up to `limit` (prompt ids, reference answer ids) of a source's rows, in file order, rendered
+    as training renders them (`formats.prompt_and_answer`: the answer is the last trained run, its
+    end token included). Text rows have no answer to score and give none."""
+    format = source_format(source, base)
+    if format == "text" or limit <= 0:
+        return []
+    pairs = []
+    for path, file_type in _source_files(source, base):
+        for number, row in enumerate(read_rows(path, file_type)):
+            if len(pairs) >= limit:
+                return pairs
+            try:
+                pairs.append(prompt_and_answer(row, format, tokenizer, source.field_names()))
+            except BadRow as exc:
+                raise UsageError(f"{row_location(path, file_type, number)}: {exc} ({format} format)") from None
     return pairs
 
 
 def _files_stamp(source: DataSource, base: Path) -> list[list]:
     """Each file of the source with its size and modification time: an edited file misses the cache."""
     stamps = []
-    for path in _source_files(source, base):
+    for path, _ in _source_files(source, base):
         st = os.stat(path)
         stamps.append([str(path), st.st_size, st.st_mtime_ns])
     return stamps
 
 
-def load_source(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Path | None) -> np.ndarray:
+def load_rows(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Path | None,
+              pack: bool = True) -> Packed:
+    """The source's rows of `seq` tokens with labels and positions. Text is packed as a stream
+    (`pack_stream`); the supervised formats keep examples whole (`pack_examples`), several to a row
+    unless `pack` is off (one example per row, for back-ends that cannot keep packed documents apart)."""
     base = Path(task.base_dir)
-    key = hashlib.sha256(json.dumps([source.model_dump(mode="json"), str(base), seq, tokenizer.name,
+    key = hashlib.sha256(json.dumps([source.model_dump(mode="json"), str(base), seq, tokenizer.name, pack,
                                      _files_stamp(source, base)]).encode())
-    cached = cache / f"{key.hexdigest()[:20]}.npy" if cache else None
+    cached = cache / f"{key.hexdigest()[:20]}.npz" if cache else None
     if cached and cached.is_file():
-        return np.load(cached)
-    texts = _read_texts(source, base)
-    packed = pack(tokenizer.encode_batch(texts), seq, tokenizer.eos_token_id)
+        with np.load(cached) as saved:
+            return Packed(saved["ids"], saved["labels"], saved["positions"])
+    format = source_format(source, base)
+    documents = _documents(source, base, format, tokenizer)
+    if format == "text" and pack:
+        packed = pack_stream(documents, seq)
+    else:
+        packed = pack_examples(documents, seq, pack=pack)
     if cached:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_name(f".{cached.stem}.{os.getpid()}.npy")  # ranks may race to write it
-        np.save(tmp, packed)
+        tmp = cached.with_name(f".{cached.stem}.{os.getpid()}.npz")  # ranks may race to write it
+        np.savez(tmp, ids=packed.ids, labels=packed.labels, positions=packed.positions)
         tmp.replace(cached)
     return packed
 
 
-def stage_sources(task: TaskSpec, index: int, tokenizer, seq: int, cache: Path | None) -> list[Source]:
+def load_source(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Path | None,
+                pack: bool = True) -> np.ndarray:
+    """The token ids of `load_rows`."""
+    return load_rows(source, task, tokenizer, seq, cache, pack).ids
+
+
+def stage_sources(task: TaskSpec, index: int, tokenizer, seq: int, cache: Path | None,
+                  pack: bool = True) -> list[Source]:
     """The stage's own sources by weight, plus replayed earlier stages by their share of tokens."""
     stage: StageSpec = task.stages[index]
     own_share = 1.0 - sum(stage.replay.values())
@@ -151,16 +211,16 @@ def stage_sources(task: TaskSpec, index: int, tokenizer, seq: int, cache: Path |
     sources = []
     weight_total = sum(s.weight for s in stage.sources) or 1.0
     for src in stage.sources:
-        sources.append(Source(f"{stage.name}:{src.path}", load_source(src, task, tokenizer, seq, cache),
-                              own_share * src.weight / weight_total))
+        sources.append(Source.of(f"{stage.name}:{src.path}", load_rows(src, task, tokenizer, seq, cache, pack),
+                                 own_share * src.weight / weight_total))
     for name, share in stage.replay.items():
         earlier = next(s for s in task.stages if s.name == name)
         total = sum(s.weight for s in earlier.sources) or 1.0
         for src in earlier.sources:
-            sources.append(Source(f"{name}:{src.path}", load_source(src, task, tokenizer, seq, cache),
-                                  share * src.weight / total))
+            sources.append(Source.of(f"{name}:{src.path}", load_rows(src, task, tokenizer, seq, cache, pack),
+                                     share * src.weight / total))
     if stage.ramp_steps and index > 0:
-        _ramp_from(task.stages[index - 1], sources, lambda src: load_source(src, task, tokenizer, seq, cache))
+        _ramp_from(task.stages[index - 1], sources, lambda src: load_rows(src, task, tokenizer, seq, cache, pack))
     return sources
 
 
@@ -173,7 +233,7 @@ def _ramp_from(previous: StageSpec, sources: list[Source], load) -> None:
     for src in previous.sources:
         name = f"{previous.name}:{src.path}"
         if name not in by_name:
-            by_name[name] = Source(name, load(src), 0.0)
+            by_name[name] = Source.of(name, load(src), 0.0)
             sources.append(by_name[name])
         by_name[name].start_weight = src.weight / total
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from advisor.task import TaskSpec
-from trainer.corpus import read_prompt_answers
+from trainer.corpus import read_answer_pairs
 
 # A pipeline engine's model is its chunks run in turn (trainer/engines/pipeline.py PipelineForward):
 # it has no `generate`, and the summary says exact match was not scored there.
@@ -81,17 +81,15 @@ def stage_exact_match(model: torch.nn.Module, task: TaskSpec, upto: int, tokeniz
     for stage in task.stages[: upto + 1]:
         if not stage.eval_sources or prompts <= 0:
             continue
-        texts = [pair for src in stage.eval_sources for pair in read_prompt_answers(src, Path(task.base_dir), prompts)]
-        pairs = token_pairs(tokenizer, texts[:prompts])
-        scores[stage.name] = exact_match(module, pairs, tokenizer.eos_token_id, micro_batch, device) if pairs else None
+        pairs = [pair for src in stage.eval_sources
+                 for pair in read_answer_pairs(src, Path(task.base_dir), tokenizer, prompts)][:prompts]
+        scores[stage.name] = exact_match(module, pairs, _stop_token(pairs, tokenizer), micro_batch, device) \
+            if pairs else None
     return scores
 
 
-def token_pairs(tokenizer: Any, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids) of text pairs, each side tokenized on its own. The seam for chat
-    and instruction formats: whatever renders rows into such ids feeds `exact_match`."""
-    if not pairs:
-        return []
-    prompts = tokenizer.encode_batch([prompt for prompt, _ in pairs])
-    answers = tokenizer.encode_batch([answer for _, answer in pairs])
-    return list(zip(prompts, answers))
+def _stop_token(pairs: Sequence[Pair], tokenizer: Any) -> int:
+    """The token that closes an answer: the end-of-turn token of a chat template (every rendered
+    answer ends with it), else end-of-text."""
+    ends = {answer[-1] for _, answer in pairs if len(answer)}
+    return ends.pop() if len(ends) == 1 else int(tokenizer.eos_token_id)

@@ -34,14 +34,15 @@ from planner.export import model_deepspeed_config
 from profiler.hardware_bench import TORCH_DTYPES
 from profiler.tensor_memory import TensorMemory
 from trainer import checkpoint
-from trainer.corpus import ByteTokenizer, load_source, stage_sources, tokenizer_for
+from trainer.batch import IGNORE, MicroBatch, as_micro_batch
+from trainer.corpus import ByteTokenizer, load_rows, stage_sources, tokenizer_for
 from trainer.engines import Engine, device, make_engine, select_backend
 from trainer.exact_match import NOT_SCORED_PIPELINE, stage_exact_match
-from trainer.handoff import ARTIFACT_DIR, HANDOFF_DIR, TOKENIZER_FILES, copy_model, write_full_weights, write_model
+from trainer.handoff import ARTIFACT_DIR, HANDOFF_DIR, copy_model, write_full_weights, write_model
 from trainer.oom import OOMInjector, free_memory, is_oom, next_layout, relaunch_layout, request_relaunch
 from trainer.model import build_model
 from trainer.options import TrainOptions
-from trainer.prepared import bucket_stream, mask_padding, prepared_dir
+from trainer.prepared import bucket_stream, prepared_dir
 from trainer.run_identity import claim, fingerprint, restarted
 from trainer.scalars import ScalarLog
 from trainer.schedule import stage_lr, wsd_lr
@@ -146,14 +147,6 @@ def _replanned(path: Path, plan: Plan) -> bool:
         return True
 
 
-def _tokenizer_model(model_name: str, weights: str | None) -> str:
-    """Where the tokenizer comes from when the task names none: the --weights folder when it holds
-    one (the model's own), else the model preset's (`trainer.corpus.tokenizer_for`)."""
-    if weights and any((Path(weights) / name).is_file() for name in TOKENIZER_FILES):
-        return str(Path(weights).resolve())
-    return model_name
-
-
 def _checkpoint_step(path: Path) -> int:
     return int(path.name[len(checkpoint.PREFIX):])
 
@@ -194,20 +187,18 @@ def _start(position: int, stage: int, skips: list[list[int]]) -> int:
 
 
 def build_engine(model: ModelSpec, layout: Layout, device_type: str, engine: EngineChoice, options: TrainOptions,
-                 dev: torch.device, masked_padding: bool = False) -> Engine:
+                 dev: torch.device) -> Engine:
     """The engine `advisor train` runs `layout` with: the trainer's model, on `dev`, under the engine the
     capability declaration names, DeepSpeed configured as the plan's export. The timed steps
     (trainer/timed_steps.py: calibration, verification trials, benches) build theirs here too."""
     built = build_model(model, layout, options.seed, options.weights)  # on meta: the engine fills its shards
-    if masked_padding:
-        mask_padding(built)  # bucketed micro-batches mark padding -1
     ds_config = None
     if select_backend(layout, engine) == "deepspeed":
         ds_config = model_deepspeed_config(model, device_type, layout)
     return make_engine(built, layout, ds_config, options.clip, engine)
 
 
-def optimizer_step(engine: Engine, micro_batches: Iterable[torch.Tensor], lr: float) -> tuple[list[float | None], float]:
+def optimizer_step(engine: Engine, micro_batches: Iterable[MicroBatch], lr: float) -> tuple[list[float | None], float]:
     """One optimizer step of `engine`: forward and backward of each micro-batch, then the update at
     `lr`; the micro-batches' losses and the gradient norm. `advisor train` and the timed steps both
     step through here."""
@@ -220,20 +211,23 @@ def _evaluate(model: torch.nn.Module, sources: list[Source], count: int, mbs: in
     """Mean token loss per eval source (first `count` sequences, in order), no gradients.
 
     In micro-batches of the layout's `mbs`: without gradients a micro-batch holds less than a
-    training micro-step does, so the stage-end evaluation is never what runs out of memory. Every
-    sequence has the same length, so the mean of the micro-batches' mean token losses weighted by
-    their sequence counts is the mean over all tokens."""
+    training micro-step does, so the stage-end evaluation is never what runs out of memory. The
+    model returns each micro-batch's mean over its trained tokens; weighted by their counts, the
+    micro-batches' means give the mean over all trained tokens."""
     results = {}
     model.eval()
     with torch.no_grad():
         for source in sources:
-            sequences = source.sequences[:count]
-            total = 0.0
-            for start in range(0, len(sequences), mbs):
-                batch = torch.from_numpy(sequences[start:start + mbs]).to(dev)
-                total += float(model(input_ids=batch, labels=batch).loss) * len(batch)
+            total, tokens = 0.0, 0
+            for start in range(0, min(count, len(source.sequences)), mbs):
+                rows = source.rows(np.arange(start, min(start + mbs, count, len(source.sequences))))
+                batch = MicroBatch.from_arrays(rows.ids, rows.labels, rows.positions).to(dev)
+                trained = int((batch.labels[:, 1:] != IGNORE).sum())  # the model shifts the labels
+                if trained:
+                    total += float(model(**batch.model_inputs()).loss) * trained
+                    tokens += trained
                 del batch
-            results[source.name] = total / len(sequences)
+            results[source.name] = total / tokens if tokens else float("nan")
     model.train()
     return results
 
@@ -308,7 +302,7 @@ class _Run:
         self.events = JsonLines(run_dir / "events.jsonl", self.main)
         self.scalars = ScalarLog(run_dir / "tensorboard", self.main)  # opens lazily, after any purge is set
         self.vocab = int(plan.model.hf_config.get("vocab_size", 0))
-        self.tokenizer = tokenizer_for(self.task, _tokenizer_model(plan.model.name, options.weights), self.vocab)
+        self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab, options.weights)
         self.cache = run_dir / "data_cache"
         self.dev = device()
         self.memory = TensorMemory(self.dev)  # before the model is built: it counts what is allocated from now on
@@ -354,6 +348,10 @@ class _Run:
             self._log_resharding(last)
         if self.prepared is not None:
             self.events.write({"event": "data", "source": "prepared", "dir": str(self.prepared)})
+        if not self.packing:
+            self.events.write({"event": "data_packing", "packed": False,
+                               "reason": f"the {type(self.engine).__name__} cannot keep packed documents apart: "
+                                         "one example per row, right-padded"})
         if last is None:
             self.save("start")  # the rollback target before the first step
         self.per_step = self.layout.global_batch
@@ -407,7 +405,14 @@ class _Run:
         """The segment's engine; after a boundary, from the full weights the previous segment handed on."""
         options = replace(self.options, weights=str(self.handoff)) if self.handoff is not None else self.options
         return build_engine(self.plan.model, self.layout, self.plan.hardware.device_type, self.plan.engine,
-                            options, self.dev, masked_padding=self.prepared is not None)
+                            options, self.dev)
+
+    @property
+    def packing(self) -> bool:
+        """Whether a row may hold several documents: only where the engine keeps them apart (every
+        engine does, through the position ids; one that cannot says `keeps_documents_apart = False`
+        and gets one example per row)."""
+        return getattr(self.engine, "keeps_documents_apart", True)
 
     def _fresh_guard(self) -> SpikeGuard:
         return SpikeGuard(warmup_steps=self.options.spike_warmup_steps)
@@ -419,7 +424,7 @@ class _Run:
                 raise UsageError(f"stage '{self.task.stages[index].name}': ramp_steps is not run on prepared "
                                  "(bucketed) data yet; set ramp_steps: 0 or train on the raw sources")
             return bucket_stream(self.prepared, self.task, index, self.layout.seq, self.layout.mbs, self.options.seed)
-        return StageStream(stage_sources(self.task, index, self.tokenizer, self.layout.seq, self.cache),
+        return StageStream(stage_sources(self.task, index, self.tokenizer, self.layout.seq, self.cache, self.packing),
                            self.options.seed, index, ramp_sequences=ramp * self.layout.global_batch)
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -524,7 +529,7 @@ class _Run:
         their held-out answers: forgetting shows here."""
         name = stage.spec.name
         self.evals[name] = _evaluate_stages(self.engine.model, self.task, stage.index, self.tokenizer,
-                                            self.layout, self.cache, self.options, self.dev)
+                                            self.layout, self.cache, self.options, self.dev, self.packing)
         record: dict[str, Any] = {"event": "eval", "stage": name, "step": self.state.global_step,
                                   "losses": self.evals[name]}
         exact = stage_exact_match(self.engine.model, self.task, stage.index, self.tokenizer, self.layout.mbs,
@@ -602,18 +607,19 @@ class _Run:
         self.fall_back(stage, error)  # out of the except block: the failed step's tensors are freed
         return None
 
-    def _micro_batches(self, stage: _Stage, position: int, usage: list[int]) -> Iterator[torch.Tensor]:
+    def _micro_batches(self, stage: _Stage, position: int, usage: list[int]) -> Iterator[MicroBatch]:
         """This rank's micro-batches of the step at data `position`, counting into `usage` what they
         hold (prepared data)."""
         layout = self.layout
         data_rank = getattr(self.engine, "data_rank", self.rank)  # TP/PP ranks of one replica read the same data
         for micro in range(layout.gas):
-            batch = stage.stream.global_batch(position, layout.dp, layout.mbs, layout.gas, data_rank, micro)
+            batch = as_micro_batch(stage.stream.global_batch(position, layout.dp, layout.mbs, layout.gas, data_rank,
+                                                             micro))
             if self.prepared is not None:
                 micro_usage = stage.stream.usage(position, layout.dp, layout.mbs, data_rank, micro)
                 usage[:] = [a + b for a, b in zip(usage, micro_usage)]
-            self.inject.check(self.state.global_step + 1, micro, batch)
-            yield torch.from_numpy(batch).to(self.dev)
+            self.inject.check(self.state.global_step + 1, micro, batch.input_ids.numpy())
+            yield batch.to(self.dev)
 
     def record(self, stage: _Stage, step: _Step) -> None:
         """Count a good step: advance the data, log its metrics."""
@@ -740,14 +746,14 @@ def _stage_model_dir(run_dir: Path, stage: str) -> Path:
 
 
 def _evaluate_stages(model, task, upto: int, tokenizer, layout: Layout, cache: Path, options: TrainOptions,
-                     dev: torch.device) -> dict[str, float]:
+                     dev: torch.device, pack: bool = True) -> dict[str, float]:
     """Eval loss per stage (skill) with eval data, for stages 0..upto, in micro-batches of the layout's."""
     sources = []
     for stage in task.stages[: upto + 1]:
         for src in stage.eval_sources:
-            sequences = load_source(src, task, tokenizer, layout.seq, cache)
-            if len(sequences):
-                sources.append(Source(stage.name, sequences, 1.0))
+            rows = load_rows(src, task, tokenizer, layout.seq, cache, pack)
+            if len(rows):
+                sources.append(Source.of(stage.name, rows, 1.0))
     module = getattr(model, "module", model)
     return _evaluate(module, sources, options.eval_sequences, layout.mbs, dev)
 

@@ -5,7 +5,8 @@ reads PATH, sized here) and writes it into the run directory as the run's plan.y
 a later `--resume` then run it like any other plan, through the loop's one data path.
 
 PATH is a file, glob or folder of jsonl, parquet or text (read through the task's source, as any
-task's raw data), or an `advisor data prepare` folder (its train shards, all stages together, read
+task's raw data; its row format, trainer/data/formats.py, detected from the first rows' fields and
+written into the run's plan), or an `advisor data prepare` folder (its train shards, all stages together, read
 as length-bucketed micro-batches). The stage's length: `--steps`, else `--tokens` (rounded up to
 whole optimizer steps of the plan's global batch), else one pass over the data: the tokens of the
 full sequences PATH packs into at the plan's sequence length, or of the prepared train shards.
@@ -23,7 +24,7 @@ from advisor.plan_file import Plan
 from advisor.task import DataPrepSpec, DataSource, StageSpec, TaskSpec
 from planner.granularity import plan_stage
 from planner.plan import PlanOptions
-from trainer.corpus import load_source, tokenizer_for
+from trainer.corpus import load_source, source_format, tokenizer_for
 from trainer.data.manifest import MANIFEST_NAME, read_manifest, task_fingerprint
 from trainer.data.sources import EXTENSIONS
 
@@ -52,7 +53,8 @@ def data_format(path: str) -> str:
 
 
 def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
-                   tokens: int | None, epochs: float | None = None) -> tuple[Plan, Path | None]:
+                   tokens: int | None, epochs: float | None = None,
+                   weights: str | None = None) -> tuple[Plan, Path | None]:
     """`plan` with a one-stage task over `data`, sized by `steps`, `tokens`, `epochs` or one pass; and
     the prepared-data folder the loop reads (None: raw files, read through the task's source)."""
     if sum(budget is not None for budget in (steps, tokens, epochs)) > 1:
@@ -63,10 +65,13 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
         task = _task(plan, None, steps=1, tokenizer=read_manifest(Path(data))["tokenizer"]["path"])
         view, one_pass = _prepared_view(Path(data), task, run_dir)
     else:
-        source = DataSource(path=str(Path(data).resolve()), format=data_format(data))  # type: ignore[arg-type]
-        task, view, one_pass = _task(plan, source, steps=1), None, None
+        source = DataSource(path=str(Path(data).resolve()), file_type=data_format(data))  # type: ignore[arg-type]
+        task = _task(plan, source, steps=1)
+        detected = source_format(source, Path(task.base_dir))  # fixed in the run's plan: workers read it
+        task = _task(plan, source.model_copy(update={"format": detected}), steps=1)
+        view, one_pass = None, None
     if steps is None and tokens is None:
-        one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir)
+        one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir, weights)
         tokens = one_pass
     if steps is None:
         steps = max(1, math.ceil(tokens / layout.tokens_per_step))  # type: ignore[operator]
@@ -80,11 +85,11 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
     return plan.model_copy(update={"task": task, "stages": [planned]}), view
 
 
-def _raw_tokens(plan: Plan, task: TaskSpec, run_dir: Path) -> int:
+def _raw_tokens(plan: Plan, task: TaskSpec, run_dir: Path, weights: str | None) -> int:
     """Tokens of one pass over the raw source: the full sequences it packs into (the loop reads the
     same packed sequences from the run dir's cache)."""
     layout = plan.chosen.layout
-    tokenizer = tokenizer_for(task, plan.model.name, int(plan.model.hf_config.get("vocab_size", 0)))
+    tokenizer = tokenizer_for(task, plan.model.name, int(plan.model.hf_config.get("vocab_size", 0)), weights)
     sequences = len(load_source(task.stages[0].sources[0], task, tokenizer, layout.seq, run_dir / CACHE))
     if sequences == 0:
         raise UsageError(f"--data {task.stages[0].sources[0].path}: not one full sequence of {layout.seq} tokens")

@@ -5,8 +5,9 @@ data keeps each sample whole (documents longer than seq_len were cut into pieces
 batches it with samples of similar length: a micro-batch comes from one length bucket of edge e
 and holds at most mbs*seq token slots, i.e. max(1, mbs*seq // e) rows; short samples are packed
 first-fit into a row while they fit, and the rows are trimmed to the longest one. The rest is
-padding, marked -1 in the batch: `mask_padding` turns it into label -100 (no loss) before the model
-sees it. Right padding needs no attention mask under causal attention.
+padding, marked -1 in the shards' rows: it becomes token 0 with label -100 (no loss), and the samples
+sharing a row are kept apart by position ids that restart at each (trainer/batch.py). Right padding
+needs no attention mask under causal attention.
 
 Determinism: each source's micro-batches are laid out once from a seeded shuffle; the k-th
 micro-batch of a stage picks its source by weight and that source's next micro-batch in its
@@ -27,6 +28,7 @@ import torch
 from advisor.errors import UsageError
 from advisor.task import TaskSpec
 from trainer.data.manifest import default_out_dir, read_manifest, task_fingerprint
+from trainer.batch import MicroBatch
 from trainer.data.shards import stage_shards
 from trainer.stream import EpochOrder
 
@@ -139,13 +141,24 @@ class BucketedSource:
     def __len__(self) -> int:
         return len(self.shard_of)
 
-    def micro_batch(self, m: int) -> np.ndarray:
+    def micro_batch(self, m: int) -> MicroBatch:
+        """The micro-batch's samples, kept apart in their rows: positions restart at every sample
+        (and at the padding), a sample's first token has no label, padding (-1) none either."""
         shard = self.shards[self.shard_of[m]]
-        out = np.full((self.rows_of[m], self.width_of[m]), PAD, dtype=np.int64)
+        shape = (self.rows_of[m], self.width_of[m])
+        ids = np.full(shape, PAD, dtype=np.int64)
+        starts = np.zeros(shape, dtype=bool)
         for j in range(self.start_of[m], self.start_of[m] + self.count_of[m]):
             sample = shard[self.order[j]]
-            out[self.row[j], self.col[j]:self.col[j] + len(sample)] = sample
-        return out
+            ids[self.row[j], self.col[j]:self.col[j] + len(sample)] = sample
+            starts[self.row[j], self.col[j]] = True
+        starts |= (ids < 0) & (np.arange(shape[1]) == np.argmax(ids < 0, axis=1)[:, None])  # padding: a segment
+        index = np.broadcast_to(np.arange(shape[1]), shape)
+        positions = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+        batch = MicroBatch.from_ids(ids)
+        batch.labels[torch.from_numpy(starts)] = -100
+        batch.position_ids = torch.from_numpy(positions)
+        return batch
 
     def usage(self, m: int) -> tuple[int, int, int]:
         """(real tokens, token slots, token slots had each sample been padded to seq_len)."""
@@ -173,7 +186,7 @@ class BucketStream:
     def _index(self, position: int, dp: int, mbs: int, rank: int, micro: int) -> int:
         return position // mbs + micro * dp + rank
 
-    def global_batch(self, position: int, dp: int, mbs: int, gas: int, rank: int, micro: int) -> np.ndarray:
+    def global_batch(self, position: int, dp: int, mbs: int, gas: int, rank: int, micro: int) -> MicroBatch:
         source, m = self._pick(self._index(position, dp, mbs, rank, micro))
         return source.micro_batch(m)
 

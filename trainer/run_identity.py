@@ -26,7 +26,7 @@ from typing import Any
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
 from advisor.specs import Layout
-from trainer.data.sources import expand_source_path
+from trainer.data.sources import expand_source_path, file_type_of
 
 RUN_FILE = "run.json"
 WRITER = "advisor-trainer/1"  # marks a run.json this code wrote
@@ -51,7 +51,8 @@ def _data_files(plan: Plan, prepared: str | None) -> list[list[Any]]:
     if task is not None:
         for stage in task.stages:
             for source in [*stage.sources, *stage.eval_sources]:
-                for path in expand_source_path(Path(task.base_dir), source.path, source.format):
+                for path in expand_source_path(Path(task.base_dir), source.path,
+                                                   file_type_of(Path(task.base_dir), source)):
                     if path.is_file():
                         st = path.stat()
                         files.append([str(path.resolve()), st.st_size, st.st_mtime_ns])

@@ -12,12 +12,32 @@ position.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from trainer.batch import IGNORE, MicroBatch
+
 BLOCK = 4096  # sequences whose sources are drawn in one vectorised call
+
+
+@dataclass
+class Packed:
+    """Rows of `seq` tokens: ids, labels (-100: not trained) and positions (restarting at 0 for every
+    document in a row), all (n, seq) int64; row i of each array belongs together."""
+
+    ids: np.ndarray
+    labels: np.ndarray
+    positions: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def empty(cls, count: int, seq: int) -> "Packed":
+        return cls(*(np.empty((count, seq), dtype=np.int64) for _ in range(3)))
 
 
 @dataclass
@@ -26,6 +46,20 @@ class Source:
     sequences: np.ndarray  # (n, seq) int64 token ids
     weight: float
     start_weight: float = 0.0  # a ramped stage's mixture at its first sequence (the previous stage's data)
+    labels: np.ndarray | None = None  # (n, seq); None: every token trained
+    positions: np.ndarray | None = None  # (n, seq); None: 0..seq-1 in every row
+
+    @classmethod
+    def of(cls, name: str, packed: Packed, weight: float) -> "Source":
+        return cls(name, packed.ids, weight, labels=packed.labels, positions=packed.positions)
+
+    def rows(self, index: np.ndarray) -> Packed:
+        """Rows `index` of ids, labels and positions (the same rows of each)."""
+        ids = self.sequences[index]
+        labels = self.labels[index] if self.labels is not None else ids.copy()
+        positions = self.positions[index] if self.positions is not None else \
+            np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()
+        return Packed(ids, labels, positions)
 
 
 def _normalised(weights: list[float]) -> np.ndarray:
@@ -148,20 +182,27 @@ class StageStream:
                                 [s.start_weight for s in sources], seed, stage_index, ramp_sequences)
 
     def sequences(self, start: int, count: int) -> np.ndarray:
-        """Sequences start .. start+count-1 of this stage's infinite, reproducible order."""
+        """Token ids of sequences start .. start+count-1 of this stage's infinite, reproducible order."""
+        return self.rows(start, count).ids
+
+    def rows(self, start: int, count: int) -> Packed:
+        """Sequences start .. start+count-1 (ids, labels, positions) of this stage's infinite,
+        reproducible order: the same rows of every array (EpochOrder picks them)."""
         which, rows = self.order.rows(start, count)
-        out = np.empty((count, self.sources[0].sequences.shape[1]), dtype=self.sources[0].sequences.dtype)
+        out = Packed.empty(count, self.sources[0].sequences.shape[1])
         for number, source in enumerate(self.sources):
             mine = np.flatnonzero(which == number)
-            out[mine] = source.sequences[rows[mine]]
+            picked = source.rows(rows[mine])
+            out.ids[mine], out.labels[mine], out.positions[mine] = picked.ids, picked.labels, picked.positions
         return out
 
-    def global_batch(self, position: int, dp: int, mbs: int, gas: int, rank: int, micro: int) -> np.ndarray:
+    def global_batch(self, position: int, dp: int, mbs: int, gas: int, rank: int, micro: int) -> MicroBatch:
         """The micro-batch `micro` of data-parallel rank `rank` for the optimizer step whose data
         starts at `position`; the step consumes dp*mbs*gas sequences. Laid out so that one rank
         with dp x gas accumulation sees the same sequences per step as dp ranks."""
         first = position + (micro * dp + rank) * mbs
-        return self.sequences(first, mbs)
+        rows = self.rows(first, mbs)
+        return MicroBatch.from_arrays(rows.ids, rows.labels, rows.positions)
 
     def epochs(self, position: int, skipped: list[tuple[int, int]] = ()) -> dict[str, float]:
         """Passes over each source that positions 0 .. position-1 made (skipped windows left out)."""
@@ -179,12 +220,59 @@ def _owned(source_name: str, stage: str) -> bool:
     return source_name == stage or source_name.startswith(stage + ":")
 
 
-def pack(token_lists: list[list[int]], seq: int, eos: int) -> np.ndarray:
-    """Concatenate documents (each closed by `eos`) and cut into full sequences of `seq` tokens;
-    packing wastes no compute on padding. The tail that does not fill a sequence is dropped."""
-    flat: list[int] = []
-    for tokens in token_lists:
-        flat.extend(tokens)
-        flat.append(eos)
-    usable = len(flat) // seq * seq
-    return np.asarray(flat[:usable], dtype=np.int64).reshape(-1, seq)
+def pack_stream(documents: list[tuple[list[int], list[int]]], seq: int) -> Packed:
+    """Continued pre-training (text rows): the documents concatenated and cut into full rows of
+    `seq` tokens, no padding; the tail that does not fill a row is dropped. A document longer than
+    the room left in its row is cut there and goes on at the start of the next row (each piece sees
+    only itself). Positions restart at every document's first token and at every row's start, so
+    that no document attends to another; a document's first token has no label (nothing of its own
+    document predicts it)."""
+    if not documents:
+        return Packed.empty(0, seq)
+    ids = np.fromiter((t for doc, _ in documents for t in doc), dtype=np.int64)
+    labels = np.fromiter((t for _, lab in documents for t in lab), dtype=np.int64, count=len(ids))
+    starts = np.zeros(len(ids), dtype=bool)
+    starts[np.cumsum([0] + [len(doc) for doc, _ in documents[:-1]])] = True
+    usable = len(ids) // seq * seq
+    ids, labels, starts = ids[:usable], labels[:usable], starts[:usable]
+    labels[starts] = IGNORE
+    starts[::seq] = True  # rows start documents too (pieces of a cut one)
+    index = np.arange(usable)
+    positions = index - np.maximum.accumulate(np.where(starts, index, 0))
+    return Packed(ids.reshape(-1, seq), labels.reshape(-1, seq), positions.reshape(-1, seq))
+
+
+def pack_examples(examples: list[tuple[list[int], list[int]]], seq: int, pack: bool = True,
+                  pad_id: int = 0) -> Packed:
+    """Supervised examples (prompt and answer) kept whole in rows of `seq` tokens, right-padded
+    (padding: `pad_id`, label -100). With `pack`, several examples share a row, best fit in their
+    order (each into the fullest row it still fits); without, one example per row. Positions
+    restart at every example, padding included (its own segment), so that no example attends to
+    another; an example's first token has no label. An example longer than `seq` keeps its first
+    `seq` tokens (the end of a long answer is lost); one left without any trained token is dropped."""
+    examples = [(ids[:seq], labels[:seq]) for ids, labels in examples]
+    examples = [(ids, [IGNORE] + labels[1:]) for ids, labels in examples if any(x != IGNORE for x in labels[1:])]
+    rows: list[list[int]] = []  # example indices per row
+    room: list[tuple[int, int]] = []  # (free tokens, row), sorted: the open rows
+    for number, (ids, _) in enumerate(examples):
+        slot = bisect.bisect_left(room, (len(ids), -1)) if pack else len(room)
+        if slot < len(room):
+            free, row = room.pop(slot)
+        else:
+            free, row = seq, len(rows)
+            rows.append([])
+        rows[row].append(number)
+        if pack and free - len(ids) > 0:
+            bisect.insort(room, (free - len(ids), row))
+    out = Packed(np.full((len(rows), seq), pad_id, dtype=np.int64), np.full((len(rows), seq), IGNORE, dtype=np.int64),
+                 np.zeros((len(rows), seq), dtype=np.int64))
+    for r, members in enumerate(rows):
+        col = 0
+        for number in members:
+            ids, labels = examples[number]
+            out.ids[r, col:col + len(ids)] = ids
+            out.labels[r, col:col + len(ids)] = labels
+            out.positions[r, col:col + len(ids)] = np.arange(len(ids))
+            col += len(ids)
+        out.positions[r, col:] = np.arange(seq - col)
+    return out

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from advisor.capabilities import EngineChoice, check_runnable, config_shape
 from advisor.specs import Layout, ModelSpec
 from profiler.ranks import finish_rank, free_port, init_rank, launch
+from trainer.batch import MicroBatch
 from trainer.engines import device, select_backend
 from trainer.engines.deepspeed_zero import import_deepspeed
 from trainer.loop import build_engine, optimizer_step
@@ -68,11 +69,11 @@ class TimedSteps:
         return statistics.median(self.steps_s[self.warmup:])
 
 
-def random_batch(layout: Layout, vocab: int, data_rank: int, step: int, micro: int) -> torch.Tensor:
-    """Random token ids of one micro-batch, different per data-parallel rank, step and micro-batch,
-    reproducible."""
+def random_batch(layout: Layout, vocab: int, data_rank: int, step: int, micro: int) -> MicroBatch:
+    """Random token ids of one micro-batch, every token trained, different per data-parallel rank,
+    step and micro-batch, reproducible."""
     generator = torch.Generator().manual_seed(SEED + 1000 * data_rank + 10 * step + micro)
-    return torch.randint(0, vocab, (layout.mbs, layout.seq), generator=generator)
+    return MicroBatch.from_ids(torch.randint(0, vocab, (layout.mbs, layout.seq), generator=generator))
 
 
 def run_steps(model: ModelSpec, layout: Layout, steps: int, rank: int, meter: Meter | None = None,
@@ -114,7 +115,7 @@ def _forward_done(meter: Meter, current: list[int]) -> None:
     meter.begin(current[0], "backward")
 
 
-def _metered(batches: Iterator[torch.Tensor], meter: Meter | None, step: int) -> Iterator[torch.Tensor]:
+def _metered(batches: Iterator[MicroBatch], meter: Meter | None, step: int) -> Iterator[MicroBatch]:
     """The micro-batches, each opening the meter's forward region as the engine takes it and
     closing the backward region when it asks for the next; the last one opens the optimizer region."""
     for batch in batches:

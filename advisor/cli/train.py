@@ -128,7 +128,8 @@ def _run(a: SimpleNamespace) -> dict | None:
     if not a.launched:
         _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
-            (plan, prepared), plan_path = _one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs), out / "plan.yaml"
+            (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights),
+                                           out / "plan.yaml")
         elif a.steps is not None or a.tokens is not None:
             raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
                              "its stages")
@@ -165,7 +166,7 @@ def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched:
 
 
 def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None,
-               tokens: int | None, epochs: float | None) -> tuple[Plan, Path | None]:
+               tokens: int | None, epochs: float | None, weights: str | None = None) -> tuple[Plan, Path | None]:
     """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
     plan; and the prepared-data folder the loop reads (None: raw files)."""
     if data is None:
@@ -174,7 +175,10 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None,
     # deferred: reads and tokenizes the data (the counting pass of the default length)
     from trainer.one_stage import one_stage_plan
 
-    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs)
+    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights)
+    sources = plan.task.stages[0].sources if plan.task else []
+    if sources:
+        console.print(f"--data {data}: {sources[0].format} rows (detected from their fields)", highlight=False)
     plan.write(out / "plan.yaml")
     return plan, prepared
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from advisor.errors import UsageError
 from advisor.task import TaskSpec
-from trainer.data.sources import expand_source_path
+from trainer.data.sources import expand_source_path, file_type_of
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -42,7 +42,7 @@ def task_fingerprint(task: TaskSpec) -> str:
             mode="json", include={"name", "sources", "eval_sources", "filters", "difficulty", "split_by",
                                   "time_windows", "replay"}))
         for source in [*stage.sources, *stage.eval_sources]:
-            for path in expand_source_path(base, source.path, source.format):
+            for path in expand_source_path(base, source.path, file_type_of(base, source)):
                 st = path.stat()
                 files.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
     blob = json.dumps({"model": task.model, "seq_len": task.seq_len, "data": data, "stages": stages,

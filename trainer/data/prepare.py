@@ -36,13 +36,14 @@ from advisor.task import DataSource, DifficultySpec, QualityFilters, StageSpec, 
 from presets import load_model
 from trainer.data import buckets as bucketing
 from trainer.data.demo_corpus import generate_command
+from trainer.data.formats import source_format
 from trainer.data.dedup import DocumentHasher, MinHashParams, exact_duplicates, exact_hash, near_duplicates, words
 from trainer.data.difficulty import Grader, band_index, band_names, check_spec, merge_difficulty
 from trainer.data.manifest import (MANIFEST_NAME, MANIFEST_VERSION, default_out_dir, task_fingerprint,
                                    tokens_with_replay)
 from trainer.data.quality import CHECKS, STAT_COLUMNS, document_stats, failed_check, merge_filters
 from trainer.data.shards import SCHEMA, OutputDir, ShardWriter, shard_path
-from trainer.data.sources import expand_source_path, read_batches, row_location
+from trainer.data.sources import expand_source_path, file_type_of, read_batches, row_location
 from trainer.data.tokenizer import TextTokenizer, resolve_tokenizer_path
 
 SPLITS = ("train", "eval")
@@ -145,6 +146,16 @@ class Context:
     log: Log
 
 
+def _check_text_rows(source: DataSource, base_dir: Path) -> None:
+    """Prepared shards hold text to train every token of; other row formats (a label mask per
+    token) are trained from the raw source."""
+    row_format = source_format(source, base_dir)
+    if row_format != "text":
+        raise UsageError(f"data source '{source.path}': `advisor data prepare` shards text rows only, these are "
+                         f"{row_format}; train on them without preparing (the trainer renders them and masks the "
+                         "prompts)")
+
+
 def _plan_entries(task: TaskSpec, base_dir: Path) -> tuple[list[Entry], list[Unit]]:
     units: dict[tuple[str, str, str], Unit] = {}
     entries: list[Entry] = []
@@ -157,11 +168,12 @@ def _plan_entries(task: TaskSpec, base_dir: Path) -> tuple[list[Entry], list[Uni
         _check_selection(stage, source, difficulty)
         grader_key = json.dumps(difficulty.model_dump(mode="json", exclude={"edges", "names"}), sort_keys=True)
         entry_units = []
-        for path in expand_source_path(base_dir, source.path, source.format):
-            key = (str(path.resolve()), source.format, source.text_field)
+        file_type = file_type_of(base_dir, source)
+        for path in expand_source_path(base_dir, source.path, file_type):
+            key = (str(path.resolve()), file_type, source.text_field)
             unit = units.get(key)
             if unit is None:
-                unit = units[key] = Unit(index=len(units), path=path, fmt=source.format, text_field=source.text_field)
+                unit = units[key] = Unit(index=len(units), path=path, fmt=file_type, text_field=source.text_field)
             if source.domain_field:
                 unit.domain_fields.add(source.domain_field)
             if source.time_field:
@@ -594,6 +606,8 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
     ctx = Context(task=task, base_dir=base_dir, tokenizer=tokenizer, eos_id=tokenizer.eos_id,
                   hasher=hasher, graders=graders, log=say)
     with OutputDir(out, MANIFEST_NAME) as output:
+        for entry in entries:  # before any reading: rows of another format are trained from the raw source
+            _check_text_rows(entry.source, base_dir)
         spool_root = output.tmp / "_spool"
         for unit in units:
             t0 = time.perf_counter()

@@ -54,6 +54,66 @@ def expand_source_path(base_dir: Path, pattern: str, fmt: str) -> list[Path]:
     return [path]
 
 
+def file_type_of(base_dir: Path, source: Any) -> str:
+    """A source's file type: its `file_type`, else from the extensions of the files its path names
+    (a folder or glob of one kind of file). A single file of another extension reads as text
+    under the text row format and as JSON lines otherwise (what `format` defaulted to before)."""
+    if source.file_type:
+        return source.file_type
+    raw = Path(source.path)
+    path = raw if raw.is_absolute() else base_dir / raw
+    if any(ch in source.path for ch in "*?["):
+        files = [Path(p) for p in glob.glob(str(path), recursive=True)]
+    elif path.is_dir():
+        files = [p for p in path.rglob("*") if p.is_file()]
+    else:
+        files = [path]
+    kinds = {_kind(f.name) for f in files} - {None}
+    if len(kinds) > 1:
+        raise UsageError(f"data source '{source.path}' mixes {' and '.join(sorted(kinds))} files: "  # type: ignore[arg-type]
+                         "set its file_type or point it at one kind")
+    if kinds:
+        return kinds.pop()  # type: ignore[return-value]
+    return "text" if path.is_file() and source.format == "text" else "jsonl"
+
+
+def _kind(name: str) -> str | None:
+    for kind in ("jsonl", "parquet", "arrow", "text"):  # .json reads as JSON lines, as before
+        if name.endswith(EXTENSIONS[kind]):
+            return kind
+    return None
+
+
+def read_rows(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
+    """Every row of one file as a dict, in order: JSON lines, a columnar file through `datasets`, or
+    a text file's blank-line-separated paragraphs as {"text": ...}. Unreadable rows stop with a
+    UsageError that names the file and the line."""
+    if fmt not in ("jsonl", "json", "text"):
+        datasets = _quiet_datasets()
+        try:
+            yield from datasets.load_dataset(_BUILDER[fmt], data_files=str(path), split="train", streaming=True)
+        except Exception as exc:  # pyarrow and datasets raise their own types
+            raise UsageError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+        return
+    try:
+        if fmt == "text":
+            yield from ({"text": p} for p in Path(path).read_text(encoding="utf-8").split("\n\n") if p.strip())
+            return
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    raise UsageError(_diagnose(path, fmt) or f"{path}, line {line_no}: not valid JSON") from None
+                if not isinstance(row, dict):
+                    raise UsageError(f"{path}, line {line_no}: expected a JSON object, got {type(row).__name__}")
+                yield row
+    except UnicodeDecodeError as exc:
+        raise UsageError(_diagnose(path, fmt) or f"{path}: not UTF-8 ({exc})") from None
+
+
 def _quiet_datasets() -> Any:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing is fetched: local files only
     import datasets

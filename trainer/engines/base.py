@@ -14,6 +14,7 @@ from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
+from trainer.batch import MicroBatch, as_micro_batch
 from trainer.checkpoint import load_distributed, load_full_state, plain_state, save_distributed, universal_state
 
 
@@ -21,7 +22,7 @@ from trainer.checkpoint import load_distributed, load_full_state, plain_state, s
 class Engine(Protocol):
     """One model and its optimizer under one layout.
 
-    ``model`` is what evaluation calls as ``model(input_ids=..., labels=...).loss``; ``data_rank``
+    ``model`` is what evaluation calls as ``model(input_ids=..., labels=..., position_ids=...).loss``; ``data_rank``
     says which data-parallel shard of the batch this rank reads (tensor and pipeline ranks of
     one replica read the same sequences).
     """
@@ -29,9 +30,11 @@ class Engine(Protocol):
     model: torch.nn.Module
     data_rank: int
 
-    def micro_step(self, input_ids: torch.Tensor) -> float | None:
-        """Forward and backward of one micro-batch; its mean token loss, or None when the engine
-        defers the work (a pipeline runs all of a step's micro-batches on the gas-th call)."""
+    def micro_step(self, batch: MicroBatch) -> float | None:
+        """Forward and backward of one micro-batch (ids, labels and the position ids of packed rows;
+        bare token ids are read as every token trained); its mean loss over the trained tokens, or
+        None when the engine defers the work (a pipeline runs all of a step's micro-batches on the
+        gas-th call)."""
         ...
 
     def optimizer_step(self, lr: float) -> float:
@@ -106,9 +109,10 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, gas: int) -> float:
-    """One micro-batch's forward and backward (the loss scaled for accumulation); its mean token loss."""
-    loss = model(input_ids=input_ids, labels=input_ids).loss
+def forward_backward(model: torch.nn.Module, batch: MicroBatch | torch.Tensor, gas: int) -> float:
+    """One micro-batch's forward and backward (the loss scaled for accumulation); its mean loss over
+    the trained tokens. Bare token ids train every token."""
+    loss = model(**as_micro_batch(batch).model_inputs()).loss
     (loss / gas).backward()
     return float(loss.detach())
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from advisor.errors import UsageError
 from advisor.specs import Layout
+from trainer.batch import MicroBatch, as_micro_batch
 from trainer.engines.base import device, state_bytes
 from trainer.engines.optimizer import set_learning_rate
 from trainer.checkpoint import ENGINE_TAG, saved_ranks, universal_checkpoint
@@ -74,8 +75,8 @@ class DeepSpeedEngine:
         self.model = self.engine
         self.data_rank = dist.get_rank()
 
-    def micro_step(self, input_ids: torch.Tensor) -> float:
-        loss = self.engine(input_ids=input_ids, labels=input_ids).loss
+    def micro_step(self, batch: MicroBatch | torch.Tensor) -> float:
+        loss = self.engine(**as_micro_batch(batch).model_inputs()).loss
         self.engine.backward(loss)
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step()  # DeepSpeed counts micro-steps; it updates only at the boundary

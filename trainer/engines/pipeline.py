@@ -18,19 +18,12 @@ import torch.distributed as dist
 
 from advisor.specs import Layout, chunk_layers
 from profiler.hardware_bench import TORCH_DTYPES
+from trainer.batch import MicroBatch, as_micro_batch, concat
 from trainer.engines.base import DTensorState, device
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
 from trainer.materialize import materialize, pending_init
 from trainer.parallelize import (ParallelMesh, check_parallel_layout, decoder_layers, parallelize,
                                  reduce_partial_gradients)
-
-
-def _split_padding(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and labels of a micro-batch whose padding is marked by ids < 0 (bucketed
-    prepared data): padding becomes token 0 with label -100, as `trainer.prepared.mask_padding`
-    does for whole models (a pipeline stage never runs the model's own forward)."""
-    pad = batch < 0
-    return batch.masked_fill(pad, 0), batch.masked_fill(pad, -100)
 
 
 class PipelineChunk(torch.nn.Module):
@@ -40,7 +33,10 @@ class PipelineChunk(torch.nn.Module):
     whatever the split.
 
     Attention runs without a mask, which HF's sdpa path turns into a causal kernel
-    (shared/NOTES-cpu-stack.md, trap 5: eager would not be causal).
+    (shared/NOTES-cpu-stack.md, trap 5: eager would not be causal), unless the rows are packed: the
+    schedule hands every stage the micro-batch's position ids (a keyword argument of `step` reaches
+    all stages), from which HF's own mask builder makes the per-document causal mask the whole
+    model would (`trainer/batch.py`).
     """
 
     def __init__(self, model: torch.nn.Module, layer_ids: range, first: bool, last: bool):
@@ -54,14 +50,22 @@ class PipelineChunk(torch.nn.Module):
         self.model.norm = base.norm if last else None
         self.model.rotary_emb = base.rotary_emb  # buffers only, shared by the device's chunks
         self.lm_head = model.lm_head if last else None
+        self._config = [base.config]  # not a submodule
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask  # loaded for PP only
+
         base = self.model
         hidden = base.embed_tokens(x) if base.embed_tokens is not None else x
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        rotary = base.rotary_emb(hidden, positions)
+        mask = None  # one document per row: sdpa's causal kernel
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        else:
+            mask = create_causal_mask(config=self._config[0], inputs_embeds=hidden, attention_mask=None, cache=None,
+                                      position_ids=position_ids)
+        rotary = base.rotary_emb(hidden, position_ids)
         for layer in base.layers.values():
-            hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
         if self.lm_head is None:
             return hidden
         return self.lm_head(base.norm(hidden))
@@ -98,12 +102,10 @@ class PipelineForward(torch.nn.Module):
         self.chunks = torch.nn.ModuleList(chunks)
         self._engine = [engine]  # not a submodule
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, use_cache: bool | None = None) -> SimpleNamespace:
         engine = self._engine[0]
         group, index, pp = engine.pp_group, engine.stage_index, engine.layout.pp
-        input_ids, padded_labels = _split_padding(input_ids)
-        if labels is not None:
-            labels = padded_labels
         out = input_ids
         for k, chunk in enumerate(self.chunks):
             stage_id = index + k * pp
@@ -111,7 +113,7 @@ class PipelineForward(torch.nn.Module):
                 out = torch.empty((*input_ids.shape, engine.hidden_size), dtype=engine.activation_dtype,
                                   device=input_ids.device)
                 dist.recv(out, src=dist.get_global_rank(group, (index - 1) % pp), group=group)
-            out = chunk(out)
+            out = chunk(out, position_ids)
             if stage_id < engine.stages - 1:
                 dist.send(out.contiguous(), dst=dist.get_global_rank(group, (index + 1) % pp), group=group)
         loss = torch.zeros((), dtype=torch.float32, device=input_ids.device)
@@ -207,7 +209,7 @@ class PipelineEngine(DTensorState):
             self.schedule = schedule(stages[0], n_microbatches=layout.gas, loss_fn=self.loss_fn)
         self.model = PipelineForward(self.chunks, self)
         self.data_rank = self.mesh.coordinate("dp")
-        self._buffer: list[torch.Tensor] = []
+        self._buffer: list[MicroBatch] = []
 
     def reshard(self) -> None:
         """Free gathered weights (FSDP2) after a forward outside the schedule (evaluation)."""
@@ -217,19 +219,19 @@ class PipelineEngine(DTensorState):
             if isinstance(chunk, FSDPModule):
                 chunk.reshard()
 
-    def micro_step(self, input_ids: torch.Tensor) -> float | None:
+    def micro_step(self, batch: MicroBatch | torch.Tensor) -> float | None:
         """Buffer micro-batches; on the gas-th, run the schedule (forward and backward of all of
         them) and return their mean loss, the same on every rank of the pipeline."""
-        self._buffer.append(input_ids)
+        self._buffer.append(as_micro_batch(batch))
         if len(self._buffer) < self.layout.gas:
             return None
-        batch = torch.cat(self._buffer)
+        whole = concat(self._buffer)
         self._buffer.clear()
-        tokens, labels = _split_padding(batch)
         losses: list[torch.Tensor] = []
-        args = (tokens,) if self.stage_index == 0 else ()
-        target = labels if self.is_last else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        args = (whole.input_ids,) if self.stage_index == 0 else ()
+        target = whole.labels if self.is_last else None
+        kwargs = {"position_ids": whole.position_ids} if whole.position_ids is not None else {}
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         mean = torch.stack(losses).mean().detach().float() if self.is_last else torch.zeros((), device=device())
         dist.broadcast(mean, src=self.last_stage_rank, group=self.pp_group)
         return float(mean)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from advisor.specs import Layout
+from trainer.batch import MicroBatch
 from trainer.checkpoint import load_distributed, saved_ranks, universal_state
 from trainer.engines.base import device, forward_backward, state_bytes
 from trainer.engines.optimizer import adamw, clip_replicated_grad_norm, optimizer_step
@@ -37,12 +38,12 @@ class PlainEngine:
         self.data_rank = dist.get_rank() if dist.is_initialized() else 0
         self._micro = 0
 
-    def micro_step(self, input_ids: torch.Tensor) -> float:
+    def micro_step(self, batch: MicroBatch | torch.Tensor) -> float:
         self._micro += 1
         boundary = self._micro % self.layout.gas == 0
         sync = contextlib.nullcontext() if boundary or self.world == 1 else self.model.no_sync()
         with sync:
-            return forward_backward(self.model, input_ids, self.layout.gas)
+            return forward_backward(self.model, batch, self.layout.gas)
 
     def optimizer_step(self, lr: float) -> float:
         return optimizer_step(self.optimizer, lr, lambda: clip_replicated_grad_norm(self.params, self.clip))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from advisor.specs import Layout
+from trainer.batch import MicroBatch
 from trainer.engines.base import DTensorState, device, forward_backward
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
 from trainer.materialize import materialize, pending_init
@@ -36,12 +37,12 @@ class ShardedEngine(DTensorState):
         self.data_rank = self.mesh.coordinate("dp")
         self._micro = 0
 
-    def micro_step(self, input_ids: torch.Tensor) -> float:
+    def micro_step(self, batch: MicroBatch | torch.Tensor) -> float:
         self._micro += 1
         if self.sharded:
             boundary = self._micro % self.layout.gas == 0
             self.model.set_requires_gradient_sync(boundary or self.layout.zero >= 2)
-        return forward_backward(self.model, input_ids, self.layout.gas)
+        return forward_backward(self.model, batch, self.layout.gas)
 
     def optimizer_step(self, lr: float) -> float:
         if self.layout.sp:
