@@ -55,24 +55,35 @@ def _plan(root: Path, fields: dict) -> Path:
                           layout_fields=layout)
 
 
-def held_out(run: Path, stage: int = 1) -> tuple[torch.Tensor, float]:
-    """The last stage's eval sequences as the trainer read them, and its final eval loss (summary.json)."""
-    from trainer.corpus import FileTokenizer, load_source
+def held_out(run: Path, stage: int = 1):
+    """The stage's eval rows as the trainer reads them (ids, labels, positions: the first
+    `eval_sequences`), and its final eval loss (summary.json)."""
+    from trainer.corpus import FileTokenizer, load_rows
 
     plan = load_plan(run / "plan.yaml")
     summary = json.loads((run / "summary.json").read_text())
     spec = plan.task.stages[stage]
     tokenizer = FileTokenizer(run / "model")  # the artifact's, read the way training reads tokenizers
-    sequences = load_source(spec.eval_sources[0], plan.task, tokenizer, plan.chosen.layout.seq, run / "scratch")
-    batch = torch.from_numpy(sequences[:TrainOptions().eval_sequences])
-    return batch, summary["stages"][stage]["eval"][spec.name]
+    rows = load_rows(spec.eval_sources[0], plan.task, tokenizer, plan.chosen.layout.seq, None)
+    count = TrainOptions().eval_sequences
+    rows.ids, rows.labels, rows.positions = rows.ids[:count], rows.labels[:count], rows.positions[:count]
+    return rows, summary["stages"][stage]["eval"][spec.name]
 
 
-def mean_loss(model: torch.nn.Module, batch: torch.Tensor) -> float:
-    """Mean token loss over the batch, one sequence at a time (all have the same length)."""
+def mean_loss(model: torch.nn.Module, rows) -> float:
+    """The mean cross-entropy over the trained tokens (label != -100) of packed rows, each row with
+    its own position ids, computed here from the logits (independently of the trainer's loss)."""
     model.eval()
+    total, count = 0.0, 0
     with torch.no_grad():
-        return sum(float(model(input_ids=row[None], labels=row[None]).loss) for row in batch) / len(batch)
+        for ids, labels, positions in zip(rows.ids, rows.labels, rows.positions):
+            logits = model(input_ids=torch.from_numpy(ids)[None], position_ids=torch.from_numpy(positions)[None],
+                           use_cache=False).logits[0, :-1].float()
+            target = torch.from_numpy(labels)[1:]
+            trained = target != -100
+            total += float(torch.nn.functional.cross_entropy(logits[trained], target[trained], reduction="sum"))
+            count += int(trained.sum())
+    return total / count
 
 
 def test_lora_run_leaves_an_adapter_that_peft_loads_with_the_trainers_eval_loss(tmp_path, base_dir) -> None:
@@ -106,6 +117,80 @@ def test_lora_run_leaves_an_adapter_that_peft_loads_with_the_trainers_eval_loss(
     merged = AutoModelForCausalLM.from_pretrained(model_dir / "merged")  # --merge
     assert mean_loss(merged, batch) == pytest.approx(trainer_eval, abs=1e-4)
     assert not any("lora" in name for name in merged.state_dict())
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def _chat_task(root: Path, rng) -> Path:
+    """One chat stage: a user asks for a sum, the assistant answers it (digits are words of the
+    tokenizer); held-out conversations of the same kind."""
+    data = root / "data"
+    data.mkdir(parents=True)
+
+    def conversation() -> dict:
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        return {"messages": [{"role": "user", "content": f"{a} + {b} ="},
+                             {"role": "assistant", "content": f"{a + b} ."}]}
+
+    for name, count in (("chat.jsonl", 200), ("chat_eval.jsonl", 24)):
+        (data / name).write_text("".join(json.dumps(conversation()) + "\n" for _ in range(count)))
+    (root / "task.yaml").write_text(f"""
+name: chat
+seq_len: 32
+global_batch: 4
+stages:
+  - {{name: sums, sources: [{{path: data/chat.jsonl, format: chat}}], steps: 8, lr: 1.0e-2, warmup_steps: 1,
+      eval_sources: [{{path: data/chat_eval.jsonl, format: chat}}]}}
+""")
+    return root / "task.yaml"
+
+
+def test_lora_on_chat_data_loads_back_with_peft_at_the_trainers_eval_loss(tmp_path) -> None:
+    """Issue 17: LoRA on chat data (the tokenizer's chat template, loss on the assistant's tokens)
+    leaves RUN/model/, which `PeftModel.from_pretrained(base, RUN/model)` loads; its loss on the
+    held-out conversations equals the trainer's own final evaluation within 1e-4."""
+    import random
+
+    from peft import PeftModel
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from advisor.specs import ModelSpec
+    from planner.plan import PlanOptions, make_plan
+    from presets import load_hardware, load_task
+    from trainer.corpus import FileTokenizer, load_rows
+
+    base = tmp_path / "base"
+    words = ["<pad>", EOS, "<|user|>", "<|assistant|>", "<|end|>", "+", "=", ".", *(str(n) for n in range(19))]
+    inner = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token=EOS, pad_token="<pad>",
+                                        additional_special_tokens=["<|user|>", "<|assistant|>", "<|end|>"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(base)
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**CONFIG)).save_pretrained(base)
+
+    task = load_task(str(_chat_task(tmp_path, random.Random(5))))
+    plan = make_plan(PlanOptions(model=ModelSpec(name="tiny", hf_config=CONFIG), hardware=load_hardware("cpu"),
+                                 gpus_per_node=1, task=task, min_compute_fraction=0.0, method="lora",
+                                 fix={"dtype": "fp32", "mbs": 2, "gas": 2, "tp": 1, "pp": 1}))
+    run = tmp_path / "run"
+    summary = train(plan, run, resume=False, options=TrainOptions(show_progress=False, weights=str(base)))
+    assert (run / "model" / "adapter_config.json").is_file()
+
+    rows = load_rows(task.stages[0].eval_sources[0], task, FileTokenizer(run / "model"), 32, None)
+    rows.ids, rows.labels, rows.positions = (a[:TrainOptions().eval_sequences] for a in (rows.ids, rows.labels,
+                                                                                          rows.positions))
+    # the loss is on the assistant's answers only: "<sum> . <|end|>", 3 tokens per conversation
+    conversations = int((rows.ids == words.index("<|user|>")).sum())
+    assert conversations > 0 and int((rows.labels != -100).sum()) == 3 * conversations
+    trainer_eval = summary["stages"][0]["eval"]["sums"]
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run / "model")
+    assert mean_loss(adapted, rows) == pytest.approx(trainer_eval, abs=1e-4)
+    assert abs(mean_loss(AutoModelForCausalLM.from_pretrained(base), rows) - trainer_eval) > 1e-2
 
 
 def test_qlora_from_local_weights_learns_and_its_adapter_loads_on_a_16_bit_and_a_4_bit_base(tmp_path,

@@ -116,8 +116,8 @@ global_batch: 4
 stages:
   - {name: language, sources: [{path: data/lang.jsonl}], steps: 2, lr: 1.0e-7, warmup_steps: 0,
      eval_sources: [{path: data/lang_eval.jsonl}]}
-  - {name: letters, sources: [{path: data/letters.jsonl}], epochs: 2, lr: 1.0e-7, warmup_steps: 0,
-     eval_sources: [{path: data/letters_eval.jsonl}]}
+  - {name: letters, sources: [{path: data/letters.jsonl, format: text}], epochs: 2, lr: 1.0e-7, warmup_steps: 0,
+     eval_sources: [{path: data/letters_eval.jsonl, format: prompt_completion}]}
 """)
     return root / "task.yaml"
 

@@ -159,8 +159,11 @@ def _check_text_rows(source: DataSource, base_dir: Path) -> None:
 def _plan_entries(task: TaskSpec, base_dir: Path) -> tuple[list[Entry], list[Unit]]:
     units: dict[tuple[str, str, str], Unit] = {}
     entries: list[Entry] = []
-    # eval sources first: they come first in the duplicate order (decontamination of train)
-    ordered = [(stage, "eval", s) for stage in task.stages for s in stage.eval_sources] + \
+    # eval sources first: they come first in the duplicate order (decontamination of train). Held-out
+    # rows of other formats (prompts and answers) are not sharded: the trainer evaluates and scores
+    # them from their raw files.
+    ordered = [(stage, "eval", s) for stage in task.stages for s in stage.eval_sources
+               if source_format(s, base_dir) == "text"] + \
               [(stage, "train", s) for stage in task.stages for s in stage.sources]
     for stage, split, source in ordered:
         difficulty = merge_difficulty(task.data.difficulty, stage.difficulty)
