@@ -278,3 +278,24 @@ def eval_chart(after_stage: list[str], skills: list[str], losses: dict[tuple[str
         fig.legend(loc="outside lower center", frameon=False, ncols=min(4, len(skills)), title="skill")
         ax.grid(axis="x", visible=False)
         return _png(fig)
+
+
+def variant_chart(variants: list[str], skills: list[str], values: dict[tuple[str, str], tuple[float, float]]) -> bytes:
+    """Final eval loss per skill for each curriculum variant: mean over seeds, the spread as an error bar."""
+    with matplotlib.rc_context(STYLE):
+        fig = _figure(WIDTH, 3.6)
+        ax = fig.add_subplot()
+        colors = _colors(variants)
+        width = 0.8 / max(1, len(variants))
+        for j, variant in enumerate(variants):
+            xs = [i + (j - (len(variants) - 1) / 2) * width for i in range(len(skills))]
+            means = [values.get((variant, s), (math.nan, 0.0))[0] for s in skills]
+            spreads = [values.get((variant, s), (math.nan, 0.0))[1] for s in skills]
+            ax.bar(xs, means, width=width * 0.95, color=colors[variant], label=variant, yerr=spreads, capsize=2)
+        ax.set_xticks(range(len(skills)), skills)
+        ax.set_xlabel("skill")
+        ax.set_ylabel("final eval loss")
+        ax.set_title("curriculum variants at equal tokens (lower is better)", loc="left")
+        fig.legend(loc="outside lower center", frameon=False, ncols=min(3, len(variants)))
+        ax.grid(axis="x", visible=False)
+        return _png(fig)
