@@ -18,7 +18,8 @@ and is scored on the same skills: the stages with eval data. The variants:
 * ``wsd-staged``: the task as written under one WSD schedule (`lr_schedule: wsd`) instead of a
   re-warm-up and cosine per stage.
 
-The closing mixed stage is the last stage when it replays earlier ones (the source article's shape).
+The closing mixed stage is the last stage when it replays earlier ones and has no eval data of its
+own (the source article's shape); a task without one has staged+replay+mixed = the task as written.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def scaled(task: TaskSpec, scale: float) -> TaskSpec:
 
 
 def mixed_stage(task: TaskSpec) -> StageSpec | None:
-    """The closing mixed stage: the last one, when it replays earlier stages."""
+    """The closing mixed stage: the last one, when it replays earlier stages and brings no skill of
+    its own to evaluate (no eval_sources)."""
     last = task.stages[-1]
-    return last if len(task.stages) > 1 and last.replay else None
+    return last if len(task.stages) > 1 and last.replay and not last.eval_sources else None
 
 
 def skills(task: TaskSpec) -> list[str]:
