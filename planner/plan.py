@@ -105,9 +105,12 @@ def stage_global_batch(batch: int, seq: int, stage_seq: int) -> int:
     return max(1, round(batch * seq / stage_seq))
 
 
-def _task_shape(opts: PlanOptions, seq: int, batch: int) -> tuple[int, int]:
-    """The chosen layout's sequence and batch: the task's, or, when every stage sets the same other
-    sequence length (and --seq-len does not), that one at the same tokens per step."""
+def _shape(opts: PlanOptions, devices: int) -> tuple[int, int]:
+    """The chosen layout's sequence and global batch: the command line's, else the task's (when every
+    stage sets the same other sequence length, that one at the same tokens per step), else defaults."""
+    seq = opts.seq or (opts.task.seq_len if opts.task else 2048)
+    batch = opts.global_batch or (opts.task.global_batch if opts.task and opts.task.global_batch else None) \
+        or default_global_batch(devices, seq)
     if opts.task is None or opts.seq:
         return seq, batch
     seqs = {opts.task.stage_seq(stage) for stage in opts.task.stages}
@@ -277,9 +280,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     notes: list[str] = []
     if opts.task is not None:
         opts.task = _with_prepared_tokens(opts.task, opts.stage_tokens, notes)
-        finding = task_finding(opts.task.name)
-        if finding:
-            notes.append(finding)
+        notes += [finding] if (finding := task_finding(opts.task.name)) else []
     hw = opts.hardware
     per_node = opts.gpus_per_node or hw.devices_per_node
     if opts.gpus_per_node:
@@ -287,10 +288,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     devices = opts.nodes * per_node
     _apply_fix(opts)
     check_plan_numbers(opts)
-    seq = opts.seq or (opts.task.seq_len if opts.task else 2048)
-    batch = opts.global_batch or (opts.task.global_batch if opts.task and opts.task.global_batch else None) \
-        or default_global_batch(devices, seq)
-    seq, batch = _task_shape(opts, seq, batch)
+    seq, batch = _shape(opts, devices)
     methods = _methods(opts)
     _check_fix(opts, devices, hw, seq, batch, methods)
     capacity = hw.usable_bytes * (1 - opts.memory_margin)

@@ -25,6 +25,8 @@ from advisor.errors import UsageError
 from advisor.plan_file import Plan, load_plan
 from advisor.specs import HardwareSpec, ModelSpec
 from advisor.task import TaskSpec
+from planner.plan import PlanOptions, make_plan
+from planner.search import SearchSpace
 from reports.curriculum_variants import VARIANTS, mixed_stage, scaled, skills, variant_tasks
 
 SUMMARY_METRIC = "mean eval loss over the skills"
@@ -79,9 +81,6 @@ class RunResult:
 
 def plan_variant(task: TaskSpec, model: ModelSpec, hardware: HardwareSpec) -> Plan:
     """The variant's plan on one device (the proxy is small): the planner's fastest layout."""
-    from planner.plan import PlanOptions, make_plan
-    from planner.search import SearchSpace
-
     space = SearchSpace(tp_degrees=(1,), pp_degrees=(1,), max_micro_batch=MAX_MICRO_BATCH)
     return make_plan(PlanOptions(model=model, hardware=hardware, gpus_per_node=1, task=task, space=space))
 
@@ -89,6 +88,7 @@ def plan_variant(task: TaskSpec, model: ModelSpec, hardware: HardwareSpec) -> Pl
 def train_run(plan: Plan, run_dir: Path, seed: int, eval_sequences: int, cache: Path | None) -> float:
     """Train `plan` into `run_dir` through the trainer's entry; the wall time. The runs of a
     comparison share one tokenized-data cache (the trainer keys it by source, sequence and tokenizer)."""
+    # deferred: the trainer imports torch (seconds), which the CLI's other verbs never need
     from trainer.launch import DEFAULT_PORT, run
     from trainer.options import TrainOptions
 
@@ -464,7 +464,7 @@ def winners_text(result: dict[str, Any]) -> str:
 
 def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
     """compare.json, compare.md (tables and the verdict) and compare.png in `out`."""
-    from reports.charts import variant_chart
+    from reports.charts import variant_chart  # deferred: matplotlib, only when the results are written
 
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "compare.json", out / "compare.md", out / "compare.png"]
