@@ -77,7 +77,7 @@ def finding_sentence(result: dict, tokens: int, date: str) -> str | None:
             f"loss {pot:.3f} one-pot against {staged[best]:.3f} for the best staged variant ({best})")
 
 
-def body_text(result: dict, command: list[str], wall_s: float, loads: list[str], tokens: int, args_jobs: int) -> str:
+def body_text(result: dict, command: list[str], wall_s: float | None, loads: list[str], tokens: int, jobs: int) -> str:
     from reports.curriculum import forgetting_markdown, table_markdown, winners_text
 
     rec = result["recommendation"]
@@ -106,10 +106,21 @@ def body_text(result: dict, command: list[str], wall_s: float, loads: list[str],
     if forgot:
         lines += ["", "Forgetting and recovery per skill (staged variants; recovered: the share of the rise the "
                   "last stage took back):", "", forgot]
+    complete = result.get("complete", True)
+    runs = [r for v in result["variants"].values() for r in v["runs"]]
+    total = len(result["variants"]) * result["seeds"]
+    if not complete:
+        lines[0:0] = [f"**Partial: {len(runs)} of {total} runs** (the command was still running when this was "
+                      "written; a variant without a spread has one seed).", ""]
     lines += ["", f"Finding: {result['finding']}." if result.get("finding") else
-              "Finding: at least one staged variant matched one-pot on every skill (within the seeds' spread).",
-              "", f"Wall time {wall_s / 60:.1f} min for all {len(result['variants']) * result['seeds']} runs, "
-              f"{args_jobs} at a time on this CPU (one core each); 1-minute load average {', '.join(loads)} (start, end; 2 cores, shared)."]
+              "Finding: none yet (not every variant has its seeds)." if not complete else
+              "Finding: at least one staged variant matched one-pot on every skill (within the seeds' spread)."]
+    per_run = sum(r["wall_s"] for r in runs) / max(1, len(runs))
+    timing = (f"Wall time {wall_s / 60:.1f} min for all {total} runs" if wall_s is not None and complete else
+              f"{len(runs)} runs done")
+    lines += ["", f"{timing}, {jobs} at a time on this CPU (one core each), {per_run / 60:.1f} min per run; "
+              f"1-minute load average {', '.join(loads)} (2 cores, shared by other work: an idle machine runs a "
+              "step several times faster)."]
     return "\n".join(lines)
 
 
@@ -118,17 +129,8 @@ def write_finding(sentence: str | None, command: str) -> None:
     FINDING.write_text(json.dumps({"task": "demo", "finding": sentence, "command": command}, indent=2) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", type=float, default=10.0, help="multiplies every stage's budget and data")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=64, help="the proxy's hidden size (demo-tiny: 256)")
-    parser.add_argument("--layers", type=int, default=2, help="the proxy's layers (demo-tiny: 4)")
-    parser.add_argument("--eval-sequences", type=int, default=64)
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (2: one per core of this CPU)")
-    parser.add_argument("--out", type=Path, default=None, help="report dir (default: a temporary folder)")
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md or the finding")
-    args = parser.parse_args()
+def run_compare(args: argparse.Namespace) -> tuple[dict, list[str], float | None, list[str]]:
+    """Generate the demo data at --scale, run the command; its JSON, the command, wall time, loads."""
     from trainer.data.demo_corpus import generate_demo_corpus
 
     work = Path(tempfile.mkdtemp(prefix="curriculum_"))
@@ -143,18 +145,47 @@ def main() -> None:
     loads.append(load_average())
     if done.returncode:
         sys.exit(f"advisor curriculum compare failed (exit {done.returncode}); see {out}/logs/output.log")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"report: {out}")
+    return json.loads(done.stdout.strip().splitlines()[-1]), command, wall_s, loads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", type=float, default=10.0, help="multiplies every stage's budget and data")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=64, help="the proxy's hidden size (demo-tiny: 256)")
+    parser.add_argument("--layers", type=int, default=2, help="the proxy's layers (demo-tiny: 4)")
+    parser.add_argument("--eval-sequences", type=int, default=64)
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (2: one per core of this CPU)")
+    parser.add_argument("--out", type=Path, default=None, help="report dir (default: a temporary folder)")
+    parser.add_argument("--from-report", type=Path, default=None,
+                        help="write the section from this report dir's compare.json (a finished or a partial "
+                        "comparison) instead of running one")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md or the finding")
+    args = parser.parse_args()
+    if args.from_report:
+        from reports.curriculum import one_pot_finding, recommendations
+
+        result = json.loads((args.from_report / "compare.json").read_text())
+        # the verdicts again from the stored statistics, by this build's rule
+        metrics = [m for m in ("eval", "exact_match") if m in next(iter(result["variants"].values()))]
+        result["recommendation"] = recommendations(result["variants"], result["skills"], metrics)
+        result["finding"] = one_pot_finding(result["variants"], result["skills"])
+        command = compare_command(Path("<demo copy>/task.yaml"), Path("<report dir>"), args)
+        wall_s, loads = None, [load_average()]
+    else:
+        result, command, wall_s, loads = run_compare(args)
     tokens = next(iter(result["variants"].values()))["tokens"]
     body = body_text(result, command, wall_s, loads, tokens, args.jobs)
     print(body)
-    print(f"report: {out}")
     bench_command = ("python -m bench.curriculum"
                      + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                               if k not in ("no_write", "out") and v != parser.get_default(k)))
+                               if k not in ("no_write", "out", "from_report") and v != parser.get_default(k)))
     if not args.no_write:
         write_section("curriculum", "Curriculum: does splitting the objective pay? Five variants at equal tokens "
                       f"({result['seeds']} seeds, demo curriculum)", bench_command, body)
-        write_finding(finding_sentence(result, tokens, dt.date.today().isoformat()), bench_command)
+        if result.get("complete", True):  # a partial comparison states no finding
+            write_finding(finding_sentence(result, tokens, dt.date.today().isoformat()), bench_command)
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def stat(values: list[float]) -> Stat:
 @dataclass
 class Recommendation:
     """`winner` beats every other variant by more than the larger of the two spreads; else None and
-    `tied` lists the variants the best one does not clearly beat."""
+    `tied` lists the variants the best one does not clearly beat (empty with one seed: no spread)."""
 
     winner: str | None
     best: str | None
@@ -178,7 +178,7 @@ def recommend(stats: dict[str, Stat], lower_is_better: bool = True, metric: str 
     ordered = sorted(scored, key=lambda n: scored[n].mean if lower_is_better else -scored[n].mean)
     best = ordered[0]
     if any(s.n < 2 for s in scored.values()):
-        return Recommendation(None, best, ordered[1:], f"{best} has the best {metric}, but one seed gives no spread "
+        return Recommendation(None, best, [], f"{best} has the best {metric}, but one seed gives no spread "
                               "to judge the difference against: run --seeds 2 or more")
     if len(ordered) == 1:
         return Recommendation(best, best, [], f"{best} is the only variant scored")
@@ -344,7 +344,7 @@ def summarise(req: CompareRequest, plans: dict[str, Plan], runs: list[RunResult]
               "seeds": req.seeds, "scale": req.scale, "eval_sequences": req.eval_sequences, "skills": scored,
               "mixed_stage": mixed.name if mixed else None,
               "spread": "sample standard deviation over seeds", "variants": variants}
-    result["recommendation"] = _recommendations(variants, scored, metrics)
+    result["recommendation"] = recommendations(variants, scored, metrics)
     result["finding"] = one_pot_finding(variants, scored)
     return result
 
@@ -364,7 +364,7 @@ def _stats(variants: dict[str, Any], metric: str, skill: str | None) -> dict[str
     return out
 
 
-def _recommendations(variants: dict[str, Any], scored: list[str], metrics: list[str]) -> dict[str, Any]:
+def recommendations(variants: dict[str, Any], scored: list[str], metrics: list[str]) -> dict[str, Any]:
     """The overall recommendation (summary metric: mean eval loss over skills) and each skill's winner."""
     overall = recommend(_stats(variants, "eval", None))
     out: dict[str, Any] = {"metric": SUMMARY_METRIC, "rule": "recommend the best mean only when it beats every "

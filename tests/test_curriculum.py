@@ -99,7 +99,8 @@ def test_overlapping_spreads_mean_the_choice_does_not_matter() -> None:
     assert rec.winner is None and rec.best == "one-pot" and rec.tied == ["staged"]
     assert "does not matter" in rec.text
     # one seed: no spread to judge by, so no recommendation however large the gap
-    assert recommend({"a": Stat(1.0, math.nan, 1), "b": Stat(5.0, math.nan, 1)}).winner is None
+    lone = recommend({"a": Stat(1.0, math.nan, 1), "b": Stat(5.0, math.nan, 1)})
+    assert lone.winner is None and lone.best == "a" and lone.tied == [] and "one seed" in lone.text
 
 
 def test_forgetting_is_the_rise_after_its_stage_and_recovery_the_share_the_mixed_stage_took_back() -> None:
