@@ -15,8 +15,8 @@ from typing import Any
 from advisor.capabilities import config_shape, runnable_problem
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, PlannedLayout, StagePlan
-from advisor.specs import (MEMORY_MARGIN, MIN_COMPUTE_FRACTION, GiB, HardwareSpec, ModelSpec, check_number,
-                           check_seq_fits)
+from advisor.specs import (MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, GiB, HardwareSpec, Layout, ModelSpec,
+                           check_number, check_seq_fits)
 from advisor.task import TaskSpec
 from planner.explain import why
 from planner.fix import REQUEST_KEYS, check_fix, describe
@@ -405,7 +405,7 @@ def _plan_stages(opts: PlanOptions, plan: Plan, hw: HardwareSpec, seq: int, batc
 
 
 def _stage_layout(opts: PlanOptions, plan: Plan, hw: HardwareSpec, name: str, method: str, seq: int,
-                  batch: int) -> tuple[Any, Any]:
+                  batch: int) -> tuple[Layout, Estimate]:
     """The fastest device count whose every device still computes >= the rule's share (the source
     article: small sub-tasks get fewer GPUs); failing that, the count that comes closest to the rule.
     Without --per-stage-devices, the plan's device count."""
