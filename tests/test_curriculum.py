@@ -149,3 +149,14 @@ def test_a_measured_finding_about_the_task_reaches_the_plan(tmp_path, monkeypatc
     plan = make_plan(PlanOptions(model=model, hardware=cpu, gpus_per_node=1, task=demo,
                                  min_compute_fraction=0.0))
     assert "measured: one-pot wins" in plan.notes
+
+
+def test_an_unknown_variant_is_one_line_and_exit_2(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+
+    result = CliRunner().invoke(app, ["curriculum", "compare", "--task", "demo", "--variants", "one-pot,twice",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown variant(s) twice" in result.output
+    assert "Traceback" not in result.output
