@@ -382,12 +382,13 @@ def recommendations(variants: dict[str, Any], scored: list[str], metrics: list[s
 
 def one_pot_finding(variants: dict[str, Any], scored: list[str]) -> str | None:
     """A measured sentence when no staged variant matches one-pot on every skill (eval loss: a
-    staged mean at most one-pot's plus the larger spread counts as matching)."""
+    staged mean at most one-pot's plus the larger spread counts as matching); None when one does, or
+    when a variant has fewer than two seeds."""
     if "one-pot" not in variants or len(variants) < 2:
         return None
     pot = variants["one-pot"]["eval"]["skills"]
-    if any(not e["eval"]["skills"][k]["n"] for e in variants.values() for k in scored):
-        return None  # not every variant is scored yet
+    if any(e["eval"]["skills"][k]["n"] < 2 for e in variants.values() for k in scored):
+        return None  # a variant without two seeds has no spread to judge by (or is not scored yet)
     matching = []
     for name, entry in variants.items():
         if name == "one-pot":

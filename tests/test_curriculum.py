@@ -160,3 +160,20 @@ def test_an_unknown_variant_is_one_line_and_exit_2(tmp_path) -> None:
                                       "--out", str(tmp_path)])
     assert result.exit_code == 2 and "unknown variant(s) twice" in result.output
     assert "Traceback" not in result.output
+
+
+def test_the_finding_is_stated_only_when_no_staged_variant_matches_one_pot_on_every_skill() -> None:
+    from reports.curriculum import one_pot_finding
+
+    def entry(language: float, reasoning: float, n: int = 3) -> dict:
+        return {"eval": {"skills": {"language": {"mean": language, "spread": 0.01, "n": n},
+                                    "reasoning": {"mean": reasoning, "spread": 0.01, "n": n}}}}
+
+    skills = ["language", "reasoning"]
+    pot = entry(1.0, 1.0)
+    # each staged variant loses one skill beyond the spread: no variant matches on every skill
+    assert one_pot_finding({"one-pot": pot, "staged": entry(1.5, 0.9), "wsd-staged": entry(0.9, 1.5)}, skills)
+    # within the spread on one, better on the other: it matches
+    assert one_pot_finding({"one-pot": pot, "staged": entry(1.01, 0.5), "wsd-staged": entry(2, 2)}, skills) is None
+    # one seed: no spread, no finding
+    assert one_pot_finding({"one-pot": pot, "staged": entry(1.5, 1.5, n=1)}, skills) is None
