@@ -173,6 +173,9 @@ class StageSpec(BaseModel):
     ramp_steps: int = Field(0, ge=0, description="steps over which the data mixture moves linearly from the "
                             "previous stage's data to this stage's mix (0: a hard switch)")
     method: Method | None = Field(None, description="override the plan's full/lora/qlora for this stage")
+    seq_len: int | None = Field(None, ge=8, description="tokens per sequence in this stage (default: the task's), "
+                                "e.g. short to long; the stage keeps the task's tokens per step (global_batch x "
+                                "seq_len), so its global batch in sequences scales inversely")
     eval_sources: list[DataSource] = Field(default_factory=list)
     eval_tokens: int = Field(0, ge=0, description="tokens evaluated at each evaluation")
     # data preparation (optional): overrides of the task-wide `data` settings, and how shards split
@@ -229,6 +232,10 @@ class TaskSpec(BaseModel):
             if unknown:
                 raise ValueError(f"stage '{stage.name}' replays {sorted(unknown)}, which do not come before it")
         return self
+
+    def stage_seq(self, stage: StageSpec, default: int | None = None) -> int:
+        """The stage's sequence length: its own, else `default` (the plan's), else the task's."""
+        return stage.seq_len or default or self.seq_len
 
     def stage_tokens(self, stage: StageSpec, tokens_per_step: int) -> int:
         """The stage's budget in tokens; 0 for an epochs budget, which only its data can size

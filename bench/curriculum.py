@@ -1,27 +1,32 @@
-"""Staged training with a final mixed stage against one-pot training on the mixture, at equal tokens.
+"""Does splitting the objective pay on the demo curriculum? `advisor curriculum compare`, honestly sized.
 
-On the bundled curriculum (trainer/data/demo_corpus.py: language, arithmetic reasoning,
-instructions, then a mixed stage replaying 30% language and 30% reasoning), demo-tiny trains twice
-from the same initialisation, in one process on this CPU, with the same layout:
+The bundled curriculum (trainer/data/demo_corpus.py: language, arithmetic reasoning, instructions,
+then a mixed stage replaying 30% language and 30% reasoning), generated at --scale times its usual
+size (fresh documents, not repeats of the default files), trained at --scale times every stage's
+budget under the five variants of reports/curriculum_variants.py (one-pot, staged hard switch,
+staged + ramped replay, the task as written with its mixed stage, and WSD-staged), --seeds seeds
+each, on a scaled-down proxy of demo-tiny (--hidden, --layers: the same tokenizer, sequence and
+batch), one process on this CPU, through the command users run:
 
-* **staged**: the demo task as it ships (per-stage learning rate re-warmed, reasoning easy ->
-  hard), every stage's token budget and warm-up times --scale;
-* **one-pot**: one stage of the same total tokens on the same mixture: each data file weighted by
-  the tokens the staged run drew from it (the mixed stage's share included), shuffled together;
-  the first stage's learning rate and (scaled) warm-up, cosine decay over the whole run.
+    advisor curriculum compare --task <demo copy> --seeds 3 --scale 10 --hidden 64 --layers 2 ...
 
-Scores: eval loss (mean token cross-entropy, lower is better) on each skill's held-out eval file,
-EVAL_SEQUENCES sequences each, after every stage of the staged run (read from its stage-end
-checkpoints) and at the end of the one-pot run. Forgetting: how much a skill's loss rose during
-the instruction stage; recovery: how much of that the mixed stage took back.
+Scores: each skill's eval loss on its held-out file (the trainer's stage-end evaluation,
+--eval-sequences sequences), exact match where the trainer's evaluation gives it; mean ± sample
+standard deviation over seeds. Forgetting: how much a skill's loss rose after its own stage;
+recovery: how much of that the last stage took back. The finding (no staged variant matches one-pot
+on every skill, or that one does) goes to presets/findings/demo.json, which `advisor plan --task
+demo` prints.
 
-    python -m bench.curriculum [--scale 1.0] [--seed 0] [--no-write]
+    python -m bench.curriculum [--scale 10] [--seeds 3] [--hidden 64] [--layers 2] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks_md import write_section  # noqa: E402
 
-EVAL_SEQUENCES = 64
-SKILLS = {"language": "data/language_eval.jsonl", "reasoning": "data/arithmetic_eval.jsonl",
-          "instructions": "data/instructions_eval.jsonl"}
+ROOT = Path(__file__).resolve().parent.parent
+FINDING = ROOT / "presets" / "findings" / "demo.json"
+DEMO_TOKENS = 360_000  # the demo task's budgets summed: the previous bench's tokens (--scale 1)
 
 
 def load_average() -> str:
@@ -43,163 +48,144 @@ def load_average() -> str:
         return "?"
 
 
-def scaled_task(task_path: Path, scale: float):
-    from presets import load_task
-
-    task = load_task(str(task_path))
-    # budgets and learning-rate warm-ups shrink together, or a short stage would be all warm-up
-    stages = [s.model_copy(update={"tokens": int(s.tokens * scale),
-                                   "warmup_steps": max(1, round(s.warmup_steps * scale))}) for s in task.stages]
-    return task.model_copy(update={"stages": stages})
+def compare_command(task: Path, out: Path, args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", "advisor.cli", "curriculum", "compare", "--task", str(task), "--seeds",
+            str(args.seeds), "--scale", str(args.scale), "--hidden", str(args.hidden), "--layers", str(args.layers),
+            "--eval-sequences", str(args.eval_sequences), "--jobs", str(args.jobs), "--out", str(out), "--json"]
 
 
-def one_pot_task(task, steps: int):
-    """One stage of `steps` optimizer steps (the staged run's total: equal tokens), each source
-    weighted by the tokens the staged run drew from it."""
-    from advisor.task import DataSource
-
-    total = sum(s.tokens for s in task.stages)
-    weights: dict[str, tuple[DataSource, float]] = {}
-    by_name = {s.name: s for s in task.stages}
-    for stage in task.stages:
-        own = 1.0 - sum(stage.replay.values())
-        total_weight = sum(src.weight for src in stage.sources) or 1.0
-        draws = [(src, stage, own * src.weight / total_weight) for src in stage.sources]
-        for name, share in stage.replay.items():
-            earlier = by_name[name]
-            earlier_weight = sum(src.weight for src in earlier.sources) or 1.0
-            draws += [(src, earlier, share * src.weight / earlier_weight) for src in earlier.sources]
-        for src, _owner, share in draws:
-            _, tokens = weights.get(src.path, (src, 0.0))
-            weights[src.path] = (src, tokens + share * stage.tokens)
-    sources = [src.model_copy(update={"weight": tokens / total}) for src, tokens in weights.values()]
-    first = task.stages[0]
-    stage = first.model_copy(update={"name": "one-pot", "sources": sources, "replay": {}, "tokens": None,
-                                     "steps": steps, "eval_sources": [], "eval_tokens": 0})
-    return task.model_copy(update={"stages": [stage]}), {p: t / total for p, (_, t) in weights.items()}
+def flattening(result: dict) -> str:
+    """One-pot's training loss (mean over seeds) in each tenth of its steps: how much the last
+    stretch still gained."""
+    tenths = result["variants"].get("one-pot", {}).get("train_loss_tenths", [])
+    if len(tenths) < 10:
+        return "no record"
+    values = [t["mean"] for t in tenths]
+    return (", ".join(f"{v:.3f}" for v in values) + f" (last tenth against the one before: "
+            f"{100 * (values[-1] - values[-2]) / values[-2]:+.1f}%; the last tenth holds the WSD decay)")
 
 
-def make_plan_for(task):
-    from planner.plan import PlanOptions, make_plan
-    from planner.search import SearchSpace
-    from presets import load_hardware, load_model
+def finding_sentence(result: dict, tokens: int, date: str) -> str | None:
+    if not result.get("finding"):
+        return None
+    variants = result["variants"]
+    pot = variants["one-pot"]["eval"]["mean"]["mean"]
+    staged = {n: v["eval"]["mean"]["mean"] for n, v in variants.items() if n != "one-pot"}
+    best = min(staged, key=staged.get)
+    return (f"measured on the demo curriculum ({date}, bench/curriculum.py: {result['seeds']} seeds, {tokens:,} tokens, "
+            f"a {result['model']} proxy): no staged curriculum matched one-pot training on every skill; mean eval "
+            f"loss {pot:.3f} one-pot against {staged[best]:.3f} for the best staged variant ({best})")
 
-    # one process, micro-batches of at most 4 (faster here than one micro-batch of 16)
-    return make_plan(PlanOptions(model=load_model("demo-tiny"), hardware=load_hardware("cpu"), gpus_per_node=1,
-                                 task=task, space=SearchSpace(tp_degrees=(1,), pp_degrees=(1,), max_micro_batch=4)))
+
+def body_text(result: dict, command: list[str], wall_s: float | None, loads: list[str], tokens: int, jobs: int) -> str:
+    from reports.curriculum import forgetting_markdown, table_markdown, winners_text
+
+    rec = result["recommendation"]
+    shown = " ".join(Path(c).name if c == sys.executable else c for c in command)
+    lines = [
+        f"Advisor command: `{shown}` (the task: the demo's task.yaml next to its data, generated at {result['scale']}x).",
+        "",
+        f"Proxy {result['model']} ({result['hf_config']['hidden_size']} hidden, "
+        f"{result['hf_config']['num_hidden_layers']} layers, the demo's tokenizer, sequence {256} and batch 16), "
+        f"{tokens:,} tokens per run ({tokens / DEMO_TOKENS:.0f}x the previous bench's), {result['seeds']} seeds per "
+        f"variant, eval on {result['eval_sequences']} held-out sequences per skill. Final eval loss, mean ± sample "
+        "standard deviation over seeds (lower is better):",
+        "",
+        table_markdown(result),
+        "",
+        f"Recommendation ({rec['rule']}): {rec['text']}.",
+        "",
+        f"Which variant wins each skill: {winners_text(result)}.",
+        "",
+        f"Has one-pot flattened? Its training loss by tenths of the run: {flattening(result)}.",
+    ]
+    if "exact_match" not in next(iter(result["variants"].values())):
+        lines += ["", "Exact match: this build's evaluation scores loss only (exact match comes with issue 17's "
+                  "evaluation; rerun the command after it to fill the columns)."]
+    forgot = forgetting_markdown(result)
+    if forgot:
+        lines += ["", "Forgetting and recovery per skill (staged variants; recovered: the share of the rise the "
+                  "last stage took back):", "", forgot]
+    complete = result.get("complete", True)
+    runs = [r for v in result["variants"].values() for r in v["runs"]]
+    total = len(result["variants"]) * result["seeds"]
+    if not complete:
+        lines[0:0] = [f"**Partial: {len(runs)} of {total} runs** (the command was still running when this was "
+                      "written; a variant without a spread has one seed).", ""]
+    lines += ["", f"Finding: {result['finding']}." if result.get("finding") else
+              "Finding: none yet (not every variant has its seeds)." if not complete else
+              "Finding: at least one staged variant matched one-pot on every skill (within the seeds' spread)."]
+    per_run = sum(r["wall_s"] for r in runs) / max(1, len(runs))
+    timing = (f"Wall time {wall_s / 60:.1f} min for all {total} runs" if wall_s is not None and complete else
+              f"{len(runs)} runs done")
+    lines += ["", f"{timing}, {jobs} at a time on this CPU (one core each), {per_run / 60:.1f} min per run; "
+              f"1-minute load average {', '.join(loads)} (2 cores, shared by other work: an idle machine runs a "
+              "step several times faster)."]
+    return "\n".join(lines)
 
 
-def train(plan, run_dir: Path, seed: int = 0) -> float:
-    from trainer.loop import TrainOptions, train as run_loop
+def write_finding(sentence: str | None, command: str) -> None:
+    FINDING.parent.mkdir(parents=True, exist_ok=True)
+    FINDING.write_text(json.dumps({"task": "demo", "finding": sentence, "command": command}, indent=2) + "\n")
 
+
+def run_compare(args: argparse.Namespace) -> tuple[dict, list[str], float | None, list[str]]:
+    """Generate the demo data at --scale, run the command; its JSON, the command, wall time, loads."""
+    from trainer.data.demo_corpus import generate_demo_corpus
+
+    work = Path(tempfile.mkdtemp(prefix="curriculum_"))
+    task = generate_demo_corpus(work, scale=args.scale)["task.yaml"]
+    out = args.out or work / "report"
+    command = compare_command(task, out, args)
+    loads = [load_average()]
     started = time.perf_counter()
-    run_loop(plan, run_dir, False, TrainOptions(seed=seed, keep_checkpoints=1000, show_progress=False))
-    return time.perf_counter() - started
-
-
-def evaluate(run_dir: Path, plan, task, steps: list[int]) -> list[dict[str, float]]:
-    """Eval loss per skill at each of `steps` (stage-end checkpoints)."""
-    import torch
-
-    from advisor.task import DataSource
-    from trainer.corpus import load_source, tokenizer_for
-    from trainer.materialize import materialize, pending_init
-    from trainer.model import build_model
-    from trainer.loop import _evaluate
-    from trainer.stream import Source
-
-    tokenizer = tokenizer_for(task, plan.model.name, int(plan.model.hf_config["vocab_size"]))
-    seq = plan.chosen.layout.seq
-    sources = [Source(skill, load_source(DataSource(path=path), task, tokenizer, seq, run_dir / "data_cache"), 1.0)
-               for skill, path in SKILLS.items()]
-    model = build_model(plan.model, plan.chosen.layout.model_copy(update={"recompute": "none"}), 0)
-    materialize(model, pending_init(model), torch.device("cpu"))  # built on the meta device: give it storage
-    out = []
-    for step in steps:
-        state = torch.load(run_dir / "checkpoints" / f"step-{step:08d}" / "engine.pt", map_location="cpu",
-                           weights_only=True)
-        model.load_state_dict(state["model"])
-        out.append(_evaluate(model, sources, EVAL_SEQUENCES, plan.chosen.layout.mbs, torch.device("cpu")))
-    return out
-
-
-def stage_end_steps(run_dir: Path) -> list[tuple[str, int]]:
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    return [(e["stage"], e["step"]) for e in events if e["event"] == "stage_end"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, check=False)
+    wall_s = time.perf_counter() - started
+    loads.append(load_average())
+    if done.returncode:
+        sys.exit(f"advisor curriculum compare failed (exit {done.returncode}); see {out}/logs/output.log")
+    print(f"report: {out}")
+    return json.loads(done.stdout.strip().splitlines()[-1]), command, wall_s, loads
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every stage's token budget")
-    parser.add_argument("--seed", type=int, default=0, help="initialisation and data order of both runs")
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--scale", type=float, default=10.0, help="multiplies every stage's budget and data")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=64, help="the proxy's hidden size (demo-tiny: 256)")
+    parser.add_argument("--layers", type=int, default=2, help="the proxy's layers (demo-tiny: 4)")
+    parser.add_argument("--eval-sequences", type=int, default=64)
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (2: one per core of this CPU)")
+    parser.add_argument("--out", type=Path, default=None, help="report dir (default: a temporary folder)")
+    parser.add_argument("--from-report", type=Path, default=None,
+                        help="write the section from this report dir's compare.json (a finished or a partial "
+                        "comparison) instead of running one")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md or the finding")
     args = parser.parse_args()
-    from trainer.data.demo_corpus import generate_demo_corpus
+    if args.from_report:
+        from reports.curriculum import one_pot_finding, recommendations
 
-    work = Path(tempfile.mkdtemp(prefix="curriculum_"))
-    task_path = generate_demo_corpus(work)["task.yaml"]
-    staged_task = scaled_task(task_path, args.scale)
-    loads = [load_average()]
-    staged_plan = make_plan_for(staged_task)
-    layout = staged_plan.chosen.layout
-    pot_task, mixture = one_pot_task(staged_task, sum(s.steps for s in staged_plan.stages))
-    pot_plan = make_plan_for(pot_task)
-    if pot_plan.chosen.layout != layout:  # same model, batch and sequence: the planner agrees; if not, pin it
-        from trainer.verify import candidate_plan
-
-        pot_plan = candidate_plan(pot_plan, staged_plan.chosen)
-    print(f"layout {layout.short()}; staged steps {[s.steps for s in staged_plan.stages]}, "
-          f"one-pot steps {[s.steps for s in pot_plan.stages]}", flush=True)
-
-    staged_s = train(staged_plan, work / "staged", args.seed)
-    loads.append(load_average())
-    ends = stage_end_steps(work / "staged")
-    staged = evaluate(work / "staged", staged_plan, staged_task, [step for _, step in ends])
-    print(f"staged: {staged_s:.0f} s; {staged}", flush=True)
-    pot_s = train(pot_plan, work / "one-pot", args.seed)
-    loads.append(load_average())
-    pot_end = stage_end_steps(work / "one-pot")
-    pot = evaluate(work / "one-pot", pot_plan, pot_task, [pot_end[-1][1]])[0]
-    print(f"one-pot: {pot_s:.0f} s; {pot}", flush=True)
-
-    tokens = sum(s.steps for s in staged_plan.stages) * layout.tokens_per_step
-    pot_tokens = sum(s.steps for s in pot_plan.stages) * pot_plan.chosen.layout.tokens_per_step
-    skills = list(SKILLS)
-    rows = ["| run | after | step | " + " | ".join(f"{s} eval loss" for s in skills) + " | mean |",
-            "|---|---|---|" + "---|" * (len(skills) + 1)]
-    for (stage, step), losses in zip(ends, staged):
-        rows.append(f"| staged | {stage} | {step} | " + " | ".join(f"{losses[s]:.3f}" for s in skills)
-                    + f" | {sum(losses.values()) / len(losses):.3f} |")
-    rows.append(f"| one-pot | all ({pot_end[-1][1]} steps) | {pot_end[-1][1]} | "
-                + " | ".join(f"{pot[s]:.3f}" for s in skills) + f" | {sum(pot.values()) / len(pot):.3f} |")
-    by_stage = dict(zip((stage for stage, _ in ends), staged))
-    lines = []
-    if {"reasoning", "instructions", "mixed"} <= set(by_stage):
-        for skill in ("language", "reasoning"):
-            before, after, end = (by_stage[s][skill] for s in ("reasoning", "instructions", "mixed"))
-            forgot = after - before
-            recovered = (after - end) / forgot if forgot > 0 else float("nan")
-            lines.append(f"{skill}: {before:.3f} after the reasoning stage, {after:.3f} after instructions "
-                         f"({forgot:+.3f} forgetting), {end:.3f} after mixed "
-                         + (f"({100 * recovered:.0f}% of it recovered)" if forgot > 0 else "(no forgetting to recover)"))
-    final = staged[-1]
-    diffs = ", ".join(f"{s} {final[s] - pot[s]:+.3f}" for s in skills)
-    summary = (
-        "\n\nForgetting and recovery (staged run): " + "; ".join(lines) + ".\n\n"
-        f"Staged minus one-pot at the end (negative: staged better): {diffs}. "
-        f"Equal tokens: {tokens:,} staged, {pot_tokens:,} one-pot ({args.scale} x the demo's budgets), layout "
-        f"{layout.short()}, 1 process on this CPU, seed {args.seed} for both. One-pot mixture by tokens drawn: "
-        + ", ".join(f"{Path(p).stem} {100 * w:.0f}%" for p, w in mixture.items())
-        + f". Eval: {EVAL_SEQUENCES} held-out sequences of {layout.seq} tokens per skill. Wall time: staged "
-        f"{staged_s:.0f} s, one-pot {pot_s:.0f} s; 1-minute load average {', '.join(loads)} (2 cores, shared)."
-    )
-    body = "\n".join(rows) + summary
+        result = json.loads((args.from_report / "compare.json").read_text())
+        # the verdicts again from the stored statistics, by this build's rule
+        metrics = [m for m in ("eval", "exact_match") if m in next(iter(result["variants"].values()))]
+        result["recommendation"] = recommendations(result["variants"], result["skills"], metrics)
+        result["finding"] = one_pot_finding(result["variants"], result["skills"])
+        command = compare_command(Path("<demo copy>/task.yaml"), Path("<report dir>"), args)
+        wall_s, loads = None, [load_average()]
+    else:
+        result, command, wall_s, loads = run_compare(args)
+    tokens = next(iter(result["variants"].values()))["tokens"]
+    body = body_text(result, command, wall_s, loads, tokens, args.jobs)
     print(body)
+    bench_command = ("python -m bench.curriculum"
+                     + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                               if k not in ("no_write", "out", "from_report") and v != parser.get_default(k)))
     if not args.no_write:
-        write_section("curriculum", "Curriculum: staged with a final mixed stage against one-pot on the "
-                      "mixture (demo-tiny, equal tokens)",
-                      f"python -m bench.curriculum --scale {args.scale}" + (f" --seed {args.seed}" if args.seed else ""),
-                      body)
+        write_section("curriculum", "Curriculum: does splitting the objective pay? Five variants at equal tokens "
+                      f"({result['seeds']} seeds, demo curriculum)", bench_command, body)
+        if result.get("complete", True):  # a partial comparison states no finding
+            write_finding(finding_sentence(result, tokens, dt.date.today().isoformat()), bench_command)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ from advisor.capabilities import config_shape, runnable_problem
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, PlannedLayout, StagePlan
 from advisor.profile import ClusterProfile
-from advisor.specs import (MEMORY_MARGIN, MIN_COMPUTE_FRACTION, GiB, HardwareSpec, ModelSpec, check_number,
-                           check_seq_fits)
+from advisor.specs import (MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, GiB, HardwareSpec, Layout, ModelSpec,
+                           check_number, check_seq_fits)
 from advisor.task import TaskSpec
 from planner.explain import why
 from planner.fix import REQUEST_KEYS, check_fix, describe
@@ -26,6 +26,7 @@ from planner.memory import HOST_MEMORY_USABLE
 from planner.search import PlanRequest, SearchResult, SearchSpace, Solution, plan_layouts, validate_request
 from planner.stragglers import pricing_note, priced_without, straggler_candidates
 from planner.time_to_train import RESTART_S, checkpoint_write_s, time_to_train
+from presets import task_finding
 
 METHOD_ORDER = ("full", "lora", "qlora")
 
@@ -98,6 +99,32 @@ def check_plan_numbers(opts: PlanOptions) -> None:
         check_seq_fits(opts.model, opts.seq)
     elif opts.task is not None and "seq_len" in opts.task.model_fields_set:
         check_seq_fits(opts.model, opts.task.seq_len, f"task {opts.task.name} seq_len")
+    for stage in opts.task.stages if opts.task is not None else []:
+        if stage.seq_len:
+            check_seq_fits(opts.model, stage.seq_len, f"task {opts.task.name} stage '{stage.name}' seq_len")
+
+
+def stage_global_batch(batch: int, seq: int, stage_seq: int) -> int:
+    """A stage with its own sequence length keeps the plan's tokens per step (batch x seq): its
+    global batch in sequences scales inversely, so a token budget takes the same steps and the
+    learning-rate schedule (in steps) keeps its shape; rounded to whole sequences, at least one.
+    (Holding sequences instead would change the tokens per step by the length ratio.)"""
+    return max(1, round(batch * seq / stage_seq))
+
+
+def _shape(opts: PlanOptions, devices: int) -> tuple[int, int]:
+    """The chosen layout's sequence and global batch: the command line's, else the task's (when every
+    stage sets the same other sequence length, that one at the same tokens per step), else defaults."""
+    seq = opts.seq or (opts.task.seq_len if opts.task else 2048)
+    batch = opts.global_batch or (opts.task.global_batch if opts.task and opts.task.global_batch else None) \
+        or default_global_batch(devices, seq)
+    if opts.task is None or opts.seq:
+        return seq, batch
+    seqs = {opts.task.stage_seq(stage) for stage in opts.task.stages}
+    if len(seqs) == 1 and seq not in seqs:
+        only = seqs.pop()
+        return only, stage_global_batch(batch, seq, only)
+    return seq, batch
 
 
 def default_global_batch(devices: int, seq: int) -> int:
@@ -295,6 +322,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     notes: list[str] = []
     if opts.task is not None:
         opts.task = _with_prepared_tokens(opts.task, opts.stage_tokens, notes)
+        notes += [finding] if (finding := task_finding(opts.task.name)) else []
     hw = opts.hardware
     per_node = opts.gpus_per_node or hw.devices_per_node
     if opts.gpus_per_node:
@@ -303,9 +331,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     hw = _priced_cluster(opts, hw, notes)
     _apply_fix(opts)
     check_plan_numbers(opts)
-    seq = opts.seq or (opts.task.seq_len if opts.task else 2048)
-    batch = opts.global_batch or (opts.task.global_batch if opts.task and opts.task.global_batch else None) \
-        or default_global_batch(devices, seq)
+    seq, batch = _shape(opts, devices)
     methods = _methods(opts)
     _check_fix(opts, devices, hw, seq, batch, methods)
     capacity = hw.usable_bytes * (1 - opts.memory_margin)
@@ -397,32 +423,44 @@ def _not_runnable_reason(planned: list[PlannedLayout], opts: PlanOptions, hw: Ha
 
 
 def _plan_stages(opts: PlanOptions, plan: Plan, hw: HardwareSpec, seq: int, batch: int, nodes: int) -> list[StagePlan]:
-    """Steps and checkpoint cadence per stage; a stage with its own method gets its own layout,
-    and, with --per-stage-devices, the device count that needs the fewest GPU-hours."""
+    """Steps and checkpoint cadence per stage; a stage with its own method or sequence length gets
+    its own layout (at the plan's tokens per step: `stage_global_batch`), and, with
+    --per-stage-devices, the device count that needs the fewest GPU-hours."""
     assert opts.task is not None
     chosen = plan.chosen
     stages = []
     for stage in opts.task.stages:
         layout, est = chosen.layout, chosen.estimate
         method = stage.method or layout.method
-        if method != layout.method or opts.per_stage_devices:
-            # The fastest device count whose every device still computes >= the rule's share
-            # (the source article: small sub-tasks get fewer GPUs); failing that, the count that
-            # comes closest to the rule.
-            counts = _device_options(opts, plan.gpus_per_node) if opts.per_stage_devices else [layout.devices]
-            options = []
-            for count in counts:
-                res, _ = plan_layouts(_request(opts, count, seq, max(batch, count), (method,), hw))
-                if res.solutions:
-                    options.append(res.solutions[0])
-            if not options:
-                raise InfeasiblePlan(f"stage '{stage.name}' with method {method} fits no device count")
-            meeting = [o for o in options if o.meets_compute_rule]
-            best = (max(meeting, key=lambda o: o.estimate.throughput.tokens_per_s) if meeting
-                    else max(options, key=lambda o: o.estimate.compute_fraction))
-            layout, est = best.layout, best.estimate
+        stage_seq = stage.seq_len or seq
+        if method != layout.method or stage_seq != seq or opts.per_stage_devices:
+            stage_batch = stage_global_batch(batch, seq, stage_seq)
+            if stage_batch * stage_seq != batch * seq:
+                plan.notes.append(f"stage '{stage.name}': {stage_batch} sequences of {stage_seq} tokens per step, "
+                                  f"{stage_batch * stage_seq:,} tokens against the plan's {batch * seq:,} (whole "
+                                  "sequences)")
+            layout, est = _stage_layout(opts, plan, hw, stage.name, method, stage_seq, stage_batch)
         stage_nodes = math.ceil(layout.devices / plan.gpus_per_node)
         stages.append(plan_stage(opts.task, stage, layout, est, stage_nodes, opts.mtbf_hours,
                                  opts.checkpoint_write_gbs, opts.min_compute_fraction, opts.restart_s,
                                  one_pass_tokens=(opts.stage_tokens or {}).get(stage.name)))
     return stages
+
+
+def _stage_layout(opts: PlanOptions, plan: Plan, hw: HardwareSpec, name: str, method: str, seq: int,
+                  batch: int) -> tuple[Layout, Estimate]:
+    """The fastest device count whose every device still computes >= the rule's share (the source
+    article: small sub-tasks get fewer GPUs); failing that, the count that comes closest to the rule.
+    Without --per-stage-devices, the plan's device count."""
+    counts = _device_options(opts, plan.gpus_per_node) if opts.per_stage_devices else [plan.chosen.layout.devices]
+    options = []
+    for count in counts:
+        res, _ = plan_layouts(_request(opts, count, seq, max(batch, count), (method,), hw))
+        if res.solutions:
+            options.append(res.solutions[0])
+    if not options:
+        raise InfeasiblePlan(f"stage '{name}' with method {method} and sequence length {seq} fits no device count")
+    meeting = [o for o in options if o.meets_compute_rule]
+    best = (max(meeting, key=lambda o: o.estimate.throughput.tokens_per_s) if meeting
+            else max(options, key=lambda o: o.estimate.compute_fraction))
+    return best.layout, best.estimate

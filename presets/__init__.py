@@ -119,6 +119,17 @@ def load_model(ref: str) -> ModelSpec:
     return validate(ModelSpec, {"name": ref, "hf_config": data["hf_config"]}, f"model preset '{ref}'")
 
 
+def task_finding(name: str) -> str | None:
+    """A measured finding about a task preset's curriculum, one sentence, where a bench wrote one
+    (bench/curriculum.py: presets/findings/<name>.json, `finding` null when there is nothing to say)."""
+    path = PRESETS_DIR / "findings" / f"{name}.json"
+    try:
+        finding = json.loads(path.read_text()).get("finding")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return finding if isinstance(finding, str) and finding else None
+
+
 def load_task(ref: str) -> TaskSpec:
     """A task preset name (e.g. `demo`) or a path to a task YAML. A preset with generated data reads
     it from its cache folder (`generated_data_dir`), whether or not it is written yet."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import matplotlib
 
@@ -257,24 +257,43 @@ def predicted_measured_chart(rows: list[tuple[str, float | None, float | None]])
         return _png(fig)
 
 
+def _grouped_bars(ax: Any, groups: list[str], series: list[str],
+                  value_of: Callable[[str, str], tuple[float, float] | None]) -> None:
+    """One bar per series in each group, side by side; value_of(group, series) gives the height and an
+    error bar (0: none), or None for no bar."""
+    colors = _colors(series)
+    width = 0.8 / max(1, len(series))
+    for j, name in enumerate(series):
+        bars = [(i + (j - (len(series) - 1) / 2) * width, found) for i, group in enumerate(groups)
+                if (found := value_of(group, name)) is not None]
+        ax.bar([x for x, _ in bars], [v for _, (v, _e) in bars], width=width * 0.95, color=colors[name], label=name,
+               yerr=[e for _, (_v, e) in bars] if any(e for _, (_v, e) in bars) else None, capsize=2)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.grid(axis="x", visible=False)
+
+
 def eval_chart(after_stage: list[str], skills: list[str], losses: dict[tuple[str, str], float]) -> bytes:
     """Eval loss per skill after each stage: forgetting shows as a bar that grows later."""
     with matplotlib.rc_context(STYLE):
         fig = _figure(WIDTH, 3.4)
         ax = fig.add_subplot()
-        colors = _colors(skills)
-        width = 0.8 / max(1, len(skills))
-        for j, skill in enumerate(skills):
-            xs, ys = [], []
-            for i, stage in enumerate(after_stage):
-                if (stage, skill) in losses:
-                    xs.append(i + (j - (len(skills) - 1) / 2) * width)
-                    ys.append(losses[(stage, skill)])
-            ax.bar(xs, ys, width=width * 0.95, color=colors[skill], label=skill)
-        ax.set_xticks(range(len(after_stage)), after_stage)
+        _grouped_bars(ax, after_stage, skills,
+                      lambda stage, skill: (losses[(stage, skill)], 0.0) if (stage, skill) in losses else None)
         ax.set_xlabel("evaluated after stage")
         ax.set_ylabel("eval loss")
         ax.set_title("per-skill evaluation (lower is better)", loc="left")
         fig.legend(loc="outside lower center", frameon=False, ncols=min(4, len(skills)), title="skill")
-        ax.grid(axis="x", visible=False)
+        return _png(fig)
+
+
+def variant_chart(variants: list[str], skills: list[str], values: dict[tuple[str, str], tuple[float, float]]) -> bytes:
+    """Final eval loss per skill for each curriculum variant: mean over seeds, the spread as an error bar."""
+    with matplotlib.rc_context(STYLE):
+        fig = _figure(WIDTH, 3.6)
+        ax = fig.add_subplot()
+        _grouped_bars(ax, skills, variants, lambda skill, variant: values.get((variant, skill)))
+        ax.set_xlabel("skill")
+        ax.set_ylabel("final eval loss")
+        ax.set_title("curriculum variants at equal tokens (lower is better)", loc="left")
+        fig.legend(loc="outside lower center", frameon=False, ncols=min(3, len(variants)))
         return _png(fig)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from advisor.cli import data, estimate, plan, presets, profile, report, run, train
+from advisor.cli import curriculum, data, estimate, plan, presets, profile, report, run, train
 
 app = typer.Typer(
     add_completion=False,
@@ -25,3 +25,4 @@ app.command("run")(run.run_all)
 app.command()(profile.profile)
 app.add_typer(report.report_app, name="report")
 app.add_typer(data.data_app, name="data")
+app.add_typer(curriculum.curriculum_app, name="curriculum")

@@ -1,0 +1,179 @@
+"""Curriculum comparison and per-stage sequence lengths.
+
+* A stage with its own `seq_len` gets its own layout at the plan's tokens per step, and trains at it.
+* The variants of `advisor curriculum compare` train at equal tokens; one-pot's pooled mixture
+  weights each file by the tokens the task as written draws from it.
+* The recommendation holds in both directions: a clear winner is recommended, overlapping spreads
+  say the choice does not matter.
+* `advisor curriculum compare` on a 2-stage toy task (a few steps, 2 seeds) writes the table and the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import trainer.loop
+from advisor.plan_file import stage_segments
+from advisor.specs import ModelSpec
+from planner.plan import PlanOptions, make_plan
+from presets import load_hardware, load_task
+from reports.curriculum import Stat, forgetting, RunResult, recommend
+from reports.curriculum_variants import pooled_mixture, task_steps, variant_tasks
+from test_trainer import CONFIG, write_task
+from trainer.launch import run
+from trainer.options import TrainOptions
+
+
+def _two_seq_plan(root: Path):
+    task = load_task(str(write_task(root, steps=4)))
+    task.stages[1] = task.stages[1].model_copy(update={"seq_len": 64})
+    return make_plan(PlanOptions(model=ModelSpec(name="tiny", hf_config=CONFIG), hardware=load_hardware("cpu"),
+                                 gpus_per_node=1, task=task, min_compute_fraction=0.0))
+
+
+def test_a_stage_with_its_own_seq_len_gets_its_own_layout_and_trains_at_it(tmp_path, monkeypatch) -> None:
+    plan = _two_seq_plan(tmp_path)
+    first, second = (s.layout for s in plan.stages)
+    assert (first.seq, second.seq) == (32, 64)
+    # the task's 4 sequences of 32 tokens per step: the 64-token stage takes 2 (equal tokens per step)
+    assert (first.global_batch, second.global_batch) == (4, 2)
+    assert [(s.first, s.end) for s in stage_segments(plan)] == [(0, 1), (1, 2)]
+    assert [s.steps for s in plan.stages] == [4, 4]
+
+    seen: list[tuple[int, ...]] = []
+    real_step = trainer.loop.optimizer_step
+
+    def recording_step(engine, micro_batches, lr):
+        batches = list(micro_batches)
+        seen.append(tuple(b.shape[1] for b in batches) + (sum(b.shape[0] for b in batches),))
+        return real_step(engine, batches, lr)
+
+    monkeypatch.setattr(trainer.loop, "optimizer_step", recording_step)
+    plan.write(tmp_path / "plan.yaml")
+    summary = run(plan, tmp_path / "plan.yaml", tmp_path / "run", False, TrainOptions(show_progress=False), False,
+                  None, 0, "127.0.0.1", 29513)
+    assert summary["finished"]
+    per_stage = [seen[:4], seen[4:]]
+    assert len(seen) == 8
+    for steps, layout in zip(per_stage, (first, second)):
+        for shapes in steps:  # every micro-batch at the stage's length, the step's sequences = its batch
+            assert set(shapes[:-1]) == {layout.seq} and shapes[-1] == layout.global_batch
+
+
+def test_variants_train_at_equal_tokens_and_one_pot_pools_by_tokens_drawn() -> None:
+    task = load_task("demo")
+    variants = variant_tasks(task)
+    steps = {name: task_steps(spec) for name, spec in variants.items()}
+    assert set(steps.values()) == {task_steps(task)}, steps
+    # drawn by the task as written: language 160k + 30% of mixed's 60k; arithmetic 80k + 30% of 60k;
+    # instructions 60k; mixed's own 40% of 60k
+    expected = {"language": 178_000, "arithmetic": 98_000, "instructions": 60_000, "mixed": 24_000}
+    pooled = {Path(src.path).stem: src.weight for src in pooled_mixture(task)}
+    assert pooled == pytest.approx({k: v / 360_000 for k, v in expected.items()})
+    assert [s.name for s in variants["staged"].stages] == ["language", "reasoning", "instructions"]
+    assert all(not s.replay and not s.ramp_steps for s in variants["staged"].stages)
+    assert variants["one-pot"].lr_schedule == "wsd" and variants["wsd-staged"].lr_schedule == "wsd"
+    assert variants["staged+replay+mixed"].stages == task.stages
+
+
+def test_a_clear_winner_is_recommended() -> None:
+    stats = {"one-pot": Stat(3.00, 0.02, 3), "staged": Stat(3.20, 0.03, 3), "wsd-staged": Stat(3.10, 0.05, 3)}
+    rec = recommend(stats)
+    assert rec.winner == "one-pot" and rec.tied == []
+    assert "use one-pot" in rec.text
+    # higher is better (exact match): the same rule, mirrored
+    assert recommend({"a": Stat(0.9, 0.01, 2), "b": Stat(0.5, 0.01, 2)}, lower_is_better=False).winner == "a"
+
+
+def test_overlapping_spreads_mean_the_choice_does_not_matter() -> None:
+    # best by 0.04, but the runner-up's spread is 0.05: not beyond it
+    stats = {"one-pot": Stat(3.00, 0.02, 3), "staged": Stat(3.04, 0.05, 3), "wsd-staged": Stat(3.50, 0.01, 3)}
+    rec = recommend(stats)
+    assert rec.winner is None and rec.best == "one-pot" and rec.tied == ["staged"]
+    assert "does not matter" in rec.text
+    # one seed: no spread to judge by, so no recommendation however large the gap
+    lone = recommend({"a": Stat(1.0, math.nan, 1), "b": Stat(5.0, math.nan, 1)})
+    assert lone.winner is None and lone.best == "a" and lone.tied == [] and "one seed" in lone.text
+
+
+def test_forgetting_is_the_rise_after_its_stage_and_recovery_the_share_the_mixed_stage_took_back() -> None:
+    stages = [{"name": "language", "eval": {"language": 3.0}},
+              {"name": "reasoning", "eval": {"language": 3.4}},
+              {"name": "instructions", "eval": {"language": 3.5}},
+              {"name": "mixed", "eval": {"language": 3.2}}]
+    result = forgetting(RunResult("staged+replay+mixed", 0, stages, 0, 0.0), "language", "mixed")
+    assert result["forgetting"] == pytest.approx(0.5) and result["recovered"] == pytest.approx(0.3 / 0.5)
+
+
+def test_curriculum_compare_on_a_toy_task_writes_the_table_and_the_json(tmp_path) -> None:
+    task = write_task(tmp_path, steps=4)
+    model = tmp_path / "tiny" / "config.json"
+    model.parent.mkdir()
+    model.write_text(json.dumps(CONFIG))
+    out = tmp_path / "compare"
+    command = [sys.executable, "-m", "advisor.cli", "curriculum", "compare", "--task", str(task), "--model", str(model),
+               "--seeds", "2", "--variants", "one-pot,staged", "--scale", "0.5", "--out", str(out), "--json"]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = json.loads(done.stdout.strip().splitlines()[-1])
+    written = json.loads((out / "compare.json").read_text())
+    assert written["complete"] and printed["variants"].keys() == written["variants"].keys() == {"one-pot", "staged"}
+    assert written["skills"] == ["language", "math"]
+    for entry in written["variants"].values():
+        assert entry["tokens"] == 4 * 32 * 4  # half the toy's 2 x 4 steps, at 4 x 32 tokens each
+        losses = [[r["stages"][-1]["eval"][skill] for r in entry["runs"]] for skill in written["skills"]]
+        for skill, values in zip(written["skills"], losses):  # the JSON's mean and spread are the runs'
+            assert entry["eval"]["skills"][skill]["mean"] == pytest.approx(sum(values) / 2)
+            assert entry["eval"]["skills"][skill]["spread"] == pytest.approx(abs(values[0] - values[1]) / math.sqrt(2))
+    table = (out / "compare.md").read_text()
+    assert "| one-pot |" in table and "| staged |" in table and "Recommendation" in table
+    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_measured_finding_about_the_task_reaches_the_plan(tmp_path, monkeypatch) -> None:
+    import presets
+
+    demo, cpu, model = load_task("demo"), load_hardware("cpu"), presets.load_model("demo-tiny")
+    (tmp_path / "findings").mkdir()
+    (tmp_path / "findings" / "demo.json").write_text(json.dumps({"task": "demo", "finding": "measured: one-pot wins"}))
+    monkeypatch.setattr(presets, "PRESETS_DIR", tmp_path)
+    assert presets.task_finding("demo") == "measured: one-pot wins" and presets.task_finding("other") is None
+    plan = make_plan(PlanOptions(model=model, hardware=cpu, gpus_per_node=1, task=demo,
+                                 min_compute_fraction=0.0))
+    assert "measured: one-pot wins" in plan.notes
+
+
+def test_an_unknown_variant_is_one_line_and_exit_2(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+
+    result = CliRunner().invoke(app, ["curriculum", "compare", "--task", "demo", "--variants", "one-pot,twice",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown variant(s) twice" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_finding_is_stated_only_when_no_staged_variant_matches_one_pot_on_every_skill() -> None:
+    from reports.curriculum import one_pot_finding
+
+    def entry(language: float, reasoning: float, n: int = 3) -> dict:
+        return {"eval": {"skills": {"language": {"mean": language, "spread": 0.01, "n": n},
+                                    "reasoning": {"mean": reasoning, "spread": 0.01, "n": n}}}}
+
+    skills = ["language", "reasoning"]
+    pot = entry(1.0, 1.0)
+    # each staged variant loses one skill beyond the spread: no variant matches on every skill
+    assert one_pot_finding({"one-pot": pot, "staged": entry(1.5, 0.9), "wsd-staged": entry(0.9, 1.5)}, skills)
+    # within the spread on one, better on the other: it matches
+    assert one_pot_finding({"one-pot": pot, "staged": entry(1.01, 0.5), "wsd-staged": entry(2, 2)}, skills) is None
+    # one seed: no spread, no finding
+    assert one_pot_finding({"one-pot": pot, "staged": entry(1.5, 1.5, n=1)}, skills) is None
