@@ -104,7 +104,7 @@ def _rows() -> list[Row]:
         Row("deep-4k", L(mbs=8, seq=512, **f32)),
         Row("deep-4k", L(mbs=4, seq=1024, recompute="full", **f32)),
         Row("deep-4k", L(pp=2, mbs=2, gas=4, seq=256, **f32)),
-        Row("deep-4k", L(pp=2, dp=2, mbs=1, gas=2, seq=256, **f32)),
+        Row("deep-4k", L(pp=2, dp=2, zero=1, mbs=1, gas=2, seq=256, **f32)),
         Row("gqa-50k", L(tp=2, dp=2, mbs=2, seq=256, **f32)),
         Row("deep-4k", L(dp=2, zero=3, mbs=4, seq=512, **f32)),
         Row("wide-64k-tied", L(mbs=1, seq=256, **f32)),

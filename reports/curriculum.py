@@ -330,9 +330,12 @@ def summarise(req: CompareRequest, plans: dict[str, Plan], runs: list[RunResult]
                                  "wall_s": stat([r.wall_s for r in mine]).as_dict(),
                                  "layouts": sorted({s.layout.short() for s in plans[name].stages})}
         for metric in metrics:
-            per_skill = {skill: stat([r.final(metric).get(skill) for r in mine]).as_dict() for skill in scored}
-            means = [statistics.fmean([r.final(metric)[k] for k in scored]) for r in mine
-                     if all(k in r.final(metric) for k in scored)]
+            # exact match is null for skills without answers (text rows): their mean leaves them out
+            values = [{k: v for k, v in r.final(metric).items() if v is not None} for r in mine]
+            counted = [k for k in scored if any(k in v for v in values)]
+            per_skill = {skill: stat([v.get(skill) for v in values]).as_dict() for skill in scored}
+            means = [statistics.fmean([v[k] for k in counted]) for v in values
+                     if counted and all(k in v for k in counted)]
             entry[metric] = {"skills": per_skill, "mean": stat(means).as_dict()}
         entry["forgetting"] = {skill: _forgetting_stats(mine, skill, mixed.name if mixed else None)
                                for skill in scored}
