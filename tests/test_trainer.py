@@ -143,8 +143,10 @@ def test_summary_says_nan_when_a_step_had_a_non_finite_loss(tmp_path, monkeypatc
     all_reduce, calls = loop._sum_across_ranks, []
 
     def nan_loss_at_step_3(values):  # the step's loss as the loop sees it, after the all-reduce
-        calls.append(values)
         summed = all_reduce(values)
+        if len(values) == 1:  # the step's trained-token count, before its micro-batches run
+            return summed
+        calls.append(values)
         return [float("nan"), *summed[1:]] if len(calls) == 3 else summed
 
     monkeypatch.setattr(loop, "_sum_across_ranks", nan_loss_at_step_3)

@@ -24,6 +24,12 @@ class MicroBatch:
     input_ids: torch.Tensor  # (rows, seq) int64
     labels: torch.Tensor  # (rows, seq) int64, -100 where not trained
     position_ids: torch.Tensor | None = None  # (rows, seq) int64, restarting per packed document
+    # The step's trained tokens over all its micro-batches and replicas, divided by dp x gas: given it,
+    # the model's loss is this micro-batch's summed token loss over it (transformers'
+    # `num_items_in_batch`), so that after the engines' division by gas and their mean over replicas
+    # every trained token of the step weighs the same, whatever the split (mbs, gas, dp). None: the
+    # micro-batch's own mean (evaluation, timing).
+    num_items: float | None = None
 
     @classmethod
     def from_ids(cls, ids: torch.Tensor | np.ndarray) -> "MicroBatch":
@@ -42,7 +48,7 @@ class MicroBatch:
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         return MicroBatch(self.input_ids.to(device), self.labels.to(device),
-                          self.position_ids.to(device) if self.position_ids is not None else None)
+                          self.position_ids.to(device) if self.position_ids is not None else None, self.num_items)
 
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments of an HF causal LM's forward (no attention mask: see the module doc).
@@ -50,7 +56,13 @@ class MicroBatch:
         inputs = {"input_ids": self.input_ids, "labels": self.labels, "use_cache": False}
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
+        if self.num_items is not None:
+            inputs["num_items_in_batch"] = self.num_items
         return inputs
+
+    def trained_tokens(self) -> int:
+        """Tokens that carry a loss (the model shifts the labels: the first column never does)."""
+        return int((self.labels[:, 1:] != IGNORE).sum())
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -72,7 +84,8 @@ def concat(batches: list[MicroBatch]) -> MicroBatch:
     if any(p is not None for p in positions):
         positions = [p if p is not None else default_positions(b) for p, b in zip(positions, batches)]
     return MicroBatch(torch.cat([b.input_ids for b in batches]), torch.cat([b.labels for b in batches]),
-                      torch.cat(positions) if positions[0] is not None else None)  # type: ignore[arg-type]
+                      torch.cat(positions) if positions[0] is not None else None,  # type: ignore[arg-type]
+                      batches[0].num_items)
 
 
 def default_positions(batch: MicroBatch) -> torch.Tensor:

@@ -612,6 +612,7 @@ class _Run:
         hold (prepared data)."""
         layout = self.layout
         data_rank = getattr(self.engine, "data_rank", self.rank)  # TP/PP ranks of one replica read the same data
+        batches = []
         for micro in range(layout.gas):
             batch = as_micro_batch(stage.stream.global_batch(position, layout.dp, layout.mbs, layout.gas, data_rank,
                                                              micro))
@@ -619,6 +620,13 @@ class _Run:
                 micro_usage = stage.stream.usage(position, layout.dp, layout.mbs, data_rank, micro)
                 usage[:] = [a + b for a, b in zip(usage, micro_usage)]
             self.inject.check(self.state.global_step + 1, micro, batch.input_ids.numpy())
+            batches.append(batch)
+        # Every trained token of the step weighs the same, however the step is split: micro-batches
+        # hold different numbers of trained tokens (answers, padding, packed documents' first tokens).
+        local = float(sum(b.trained_tokens() for b in batches))
+        step_tokens = _sum_across_ranks([local])[0] * layout.dp / self.world  # a replica's ranks read alike
+        for batch in batches:
+            batch.num_items = step_tokens / (layout.dp * layout.gas) if step_tokens > 0 else None
             yield batch.to(self.dev)
 
     def record(self, stage: _Stage, step: _Step) -> None:

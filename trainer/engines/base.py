@@ -110,8 +110,9 @@ def device() -> torch.device:
 
 
 def forward_backward(model: torch.nn.Module, batch: MicroBatch | torch.Tensor, gas: int) -> float:
-    """One micro-batch's forward and backward (the loss scaled for accumulation); its mean loss over
-    the trained tokens. Bare token ids train every token."""
+    """One micro-batch's forward and backward (the loss scaled for accumulation); its loss: the mean
+    over its trained tokens, or with `num_items` its share of the step's token mean. Bare token ids
+    train every token."""
     loss = model(**as_micro_batch(batch).model_inputs()).loss
     (loss / gas).backward()
     return float(loss.detach())

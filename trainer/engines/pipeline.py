@@ -184,8 +184,10 @@ class PipelineEngine(DTensorState):
         self.hidden_size = int(model.config.hidden_size)
         vocab = int(model.config.vocab_size)
         hf_loss = model.loss_function
+        self._num_items: float | None = None  # the running step's (MicroBatch.num_items); None: a mean
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = \
-            lambda logits, labels: hf_loss(logits=logits, labels=labels, vocab_size=vocab)
+            lambda logits, labels: hf_loss(logits=logits, labels=labels, vocab_size=vocab,
+                                           num_items_in_batch=self._num_items)
 
         self.chunks = cut_chunks(model, layout, self.stage_index)
         for chunk in self.chunks:
@@ -201,7 +203,8 @@ class PipelineEngine(DTensorState):
         stage_class = _sharded_stage_class(layout.zero if layout.dp > 1 else 0)
         stages = [stage_class(chunk, self.stage_index + k * layout.pp, self.stages, device(), group=self.pp_group)
                   for k, chunk in enumerate(self.chunks)]
-        # loss_fn returns each micro-batch's mean; the schedule divides gradients by gas
+        # loss_fn returns each micro-batch's share of the step's loss (MicroBatch.num_items); the
+        # schedule divides gradients by gas
         if layout.vpp > 1:
             self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=layout.gas, loss_fn=self.loss_fn)
         else:
@@ -231,7 +234,11 @@ class PipelineEngine(DTensorState):
         args = (whole.input_ids,) if self.stage_index == 0 else ()
         target = whole.labels if self.is_last else None
         kwargs = {"position_ids": whole.position_ids} if whole.position_ids is not None else {}
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        self._num_items = whole.num_items
+        try:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        finally:
+            self._num_items = None  # evaluation (PipelineForward) takes each micro-batch's mean
         mean = torch.stack(losses).mean().detach().float() if self.is_last else torch.zeros((), device=device())
         dist.broadcast(mean, src=self.last_stage_rank, group=self.pp_group)
         return float(mean)
