@@ -374,8 +374,13 @@ def universal_state(directory: Path, module: torch.nn.Module) -> tuple[dict[str,
     because DeepSpeed reads that format only into its own engine. Frozen parameters (a LoRA base)
     are not in it: they come from the model's weights, as when the run started."""
     zero = universal_checkpoint(directory) / "zero"
-    # pickled DeepSpeed objects (a loss scaler, an enum): run dirs are trusted through run.json
-    common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    # DeepSpeed pickles two objects of its own there (the ZeRO stage enum, the loss scaler): allowed
+    # by name, so the file still loads with weights_only (deferred: only DeepSpeed checkpoints need them)
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    with torch.serialization.safe_globals([ZeroStageEnum, LossScaler]):
+        common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=True)
     step = float(next(iter(common["optimizer_state_dict"]["state"].values()))["step"])
     model, moments = {}, {}
     for name, param in module.named_parameters():
