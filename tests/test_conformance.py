@@ -226,3 +226,48 @@ def test_the_declaration_names_an_engine_for_every_feature_the_pinned_examples_c
     covered = {"sp": "tp2-sp", "vpp": "pp2-vpp2-uneven", "selective": "selective", "qlora": "qlora"}
     names = {p[0] for p in PINNED}
     assert all(covered[f] in names for f, on in allowed.items() if on)
+
+
+# -- a stage with its own sequence length (issue 18): its own layout, planned and run --------------
+
+def _stages_with_their_own_seq(global_batch: int) -> TaskSpec:
+    """Short sequences first, then the task's: the planner gives the first stage its own layout."""
+    only = task(global_batch).stages[0]
+    return task(global_batch).model_copy(update={"stages": [
+        only.model_copy(update={"name": "short", "seq_len": SEQ // 2}), only.model_copy(update={"name": "long"})]})
+
+
+def _cli_train_losses(plan: Plan, root: Path) -> list[tuple[str, float]]:
+    """`advisor train` itself: a plan of several segments runs them one launch each (trainer/launch.py)."""
+    import os
+    import subprocess
+    import sys
+
+    root.mkdir(parents=True, exist_ok=True)
+    plan.write(root / "plan.yaml")
+    done = subprocess.run([sys.executable, "-m", "advisor.cli", "train", str(root / "plan.yaml"), "--out",
+                           str(root / "run")], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [(m["stage"], m["loss"]) for m in map(json.loads, (root / "run" / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.slow
+def test_a_stage_with_its_own_sequence_length_runs_as_planned_and_matches_the_unsplit_model(tmp_path) -> None:
+    plan = make_plan(PlanOptions(model=model_spec("llama", 2), hardware=load_hardware("cpu"), gpus_per_node=2,
+                                 task=_stages_with_their_own_seq(4), min_compute_fraction=0.0))
+    short, long = (stage.layout for stage in plan.stages)
+    assert (short.seq, long.seq) == (SEQ // 2, SEQ)
+    assert short.global_batch * short.seq == long.global_batch * long.seq  # the task's tokens per step
+    assert short.devices == long.devices == 2  # split, so the unsplit run below is another computation
+    for stage in plan.stages:
+        assert runnable_problem(stage.layout, config_shape(plan.model.hf_config), "cpu", plan.engine) is None
+
+    reference = plan.model_copy(deep=True)  # the same stages, each on one process, unsplit
+    reference.chosen.layout = unsplit(plan.chosen.layout)
+    for stage in reference.stages:
+        stage.layout, stage.devices = unsplit(stage.layout), 1
+    measured = _cli_train_losses(plan, tmp_path / "split")
+    expected = _cli_train_losses(reference, tmp_path / "reference")
+    assert [s for s, _ in measured] == [s for s, _ in expected] == ["short"] * STEPS + ["long"] * STEPS
+    assert [v for _, v in measured] == pytest.approx([v for _, v in expected], abs=1e-5)
