@@ -169,13 +169,12 @@ def _files_stamp(source: DataSource, base: Path) -> list[list]:
     return stamps
 
 
-def load_rows(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Path | None,
-              pack: bool = True) -> Packed:
+def load_rows(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Path | None) -> Packed:
     """The source's rows of `seq` tokens with labels and positions. Text is packed as a stream
-    (`pack_stream`); the supervised formats keep examples whole (`pack_examples`), several to a row
-    unless `pack` is off (one example per row, for back-ends that cannot keep packed documents apart)."""
+    (`pack_stream`); the supervised formats keep examples whole, several to a row (`pack_examples`).
+    Every engine keeps packed documents apart (their position ids)."""
     base = Path(task.base_dir)
-    key = hashlib.sha256(json.dumps([source.model_dump(mode="json"), str(base), seq, tokenizer.name, pack,
+    key = hashlib.sha256(json.dumps([source.model_dump(mode="json"), str(base), seq, tokenizer.name,
                                      _files_stamp(source, base)]).encode())
     cached = cache / f"{key.hexdigest()[:20]}.npz" if cache else None
     if cached and cached.is_file():
@@ -183,10 +182,7 @@ def load_rows(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Pa
             return Packed(saved["ids"], saved["labels"], saved["positions"])
     format = source_format(source, base)
     documents = _documents(source, base, format, tokenizer)
-    if format == "text" and pack:
-        packed = pack_stream(documents, seq)
-    else:
-        packed = pack_examples(documents, seq, pack=pack)
+    packed = pack_stream(documents, seq) if format == "text" else pack_examples(documents, seq)
     if cached:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(f".{cached.stem}.{os.getpid()}.npz")  # ranks may race to write it
@@ -195,14 +191,12 @@ def load_rows(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Pa
     return packed
 
 
-def load_source(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Path | None,
-                pack: bool = True) -> np.ndarray:
+def load_source(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Path | None) -> np.ndarray:
     """The token ids of `load_rows`."""
-    return load_rows(source, task, tokenizer, seq, cache, pack).ids
+    return load_rows(source, task, tokenizer, seq, cache).ids
 
 
-def stage_sources(task: TaskSpec, index: int, tokenizer, seq: int, cache: Path | None,
-                  pack: bool = True) -> list[Source]:
+def stage_sources(task: TaskSpec, index: int, tokenizer, seq: int, cache: Path | None) -> list[Source]:
     """The stage's own sources by weight, plus replayed earlier stages by their share of tokens."""
     stage: StageSpec = task.stages[index]
     own_share = 1.0 - sum(stage.replay.values())
@@ -211,16 +205,16 @@ def stage_sources(task: TaskSpec, index: int, tokenizer, seq: int, cache: Path |
     sources = []
     weight_total = sum(s.weight for s in stage.sources) or 1.0
     for src in stage.sources:
-        sources.append(Source.of(f"{stage.name}:{src.path}", load_rows(src, task, tokenizer, seq, cache, pack),
+        sources.append(Source.of(f"{stage.name}:{src.path}", load_rows(src, task, tokenizer, seq, cache),
                                  own_share * src.weight / weight_total))
     for name, share in stage.replay.items():
         earlier = next(s for s in task.stages if s.name == name)
         total = sum(s.weight for s in earlier.sources) or 1.0
         for src in earlier.sources:
-            sources.append(Source.of(f"{name}:{src.path}", load_rows(src, task, tokenizer, seq, cache, pack),
+            sources.append(Source.of(f"{name}:{src.path}", load_rows(src, task, tokenizer, seq, cache),
                                      share * src.weight / total))
     if stage.ramp_steps and index > 0:
-        _ramp_from(task.stages[index - 1], sources, lambda src: load_rows(src, task, tokenizer, seq, cache, pack))
+        _ramp_from(task.stages[index - 1], sources, lambda src: load_rows(src, task, tokenizer, seq, cache))
     return sources
 
 

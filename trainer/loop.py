@@ -34,7 +34,7 @@ from planner.export import model_deepspeed_config
 from profiler.hardware_bench import TORCH_DTYPES
 from profiler.tensor_memory import TensorMemory
 from trainer import checkpoint
-from trainer.batch import IGNORE, MicroBatch, as_micro_batch
+from trainer.batch import MicroBatch, as_micro_batch
 from trainer.corpus import ByteTokenizer, load_rows, stage_sources, tokenizer_for
 from trainer.engines import Engine, device, make_engine, select_backend
 from trainer.exact_match import NOT_SCORED_PIPELINE, stage_exact_match
@@ -222,7 +222,7 @@ def _evaluate(model: torch.nn.Module, sources: list[Source], count: int, mbs: in
             for start in range(0, min(count, len(source.sequences)), mbs):
                 rows = source.rows(np.arange(start, min(start + mbs, count, len(source.sequences))))
                 batch = MicroBatch.from_arrays(rows.ids, rows.labels, rows.positions).to(dev)
-                trained = int((batch.labels[:, 1:] != IGNORE).sum())  # the model shifts the labels
+                trained = batch.trained_tokens()
                 if trained:
                     total += float(model(**batch.model_inputs()).loss) * trained
                     tokens += trained
@@ -348,10 +348,6 @@ class _Run:
             self._log_resharding(last)
         if self.prepared is not None:
             self.events.write({"event": "data", "source": "prepared", "dir": str(self.prepared)})
-        if not self.packing:
-            self.events.write({"event": "data_packing", "packed": False,
-                               "reason": f"the {type(self.engine).__name__} cannot keep packed documents apart: "
-                                         "one example per row, right-padded"})
         if last is None:
             self.save("start")  # the rollback target before the first step
         self.per_step = self.layout.global_batch
@@ -407,13 +403,6 @@ class _Run:
         return build_engine(self.plan.model, self.layout, self.plan.hardware.device_type, self.plan.engine,
                             options, self.dev)
 
-    @property
-    def packing(self) -> bool:
-        """Whether a row may hold several documents: only where the engine keeps them apart (every
-        engine does, through the position ids; one that cannot says `keeps_documents_apart = False`
-        and gets one example per row)."""
-        return getattr(self.engine, "keeps_documents_apart", True)
-
     def _fresh_guard(self) -> SpikeGuard:
         return SpikeGuard(warmup_steps=self.options.spike_warmup_steps)
 
@@ -424,7 +413,7 @@ class _Run:
                 raise UsageError(f"stage '{self.task.stages[index].name}': ramp_steps is not run on prepared "
                                  "(bucketed) data yet; set ramp_steps: 0 or train on the raw sources")
             return bucket_stream(self.prepared, self.task, index, self.layout.seq, self.layout.mbs, self.options.seed)
-        return StageStream(stage_sources(self.task, index, self.tokenizer, self.layout.seq, self.cache, self.packing),
+        return StageStream(stage_sources(self.task, index, self.tokenizer, self.layout.seq, self.cache),
                            self.options.seed, index, ramp_sequences=ramp * self.layout.global_batch)
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -529,7 +518,7 @@ class _Run:
         their held-out answers: forgetting shows here."""
         name = stage.spec.name
         self.evals[name] = _evaluate_stages(self.engine.model, self.task, stage.index, self.tokenizer,
-                                            self.layout, self.cache, self.options, self.dev, self.packing)
+                                            self.layout, self.cache, self.options, self.dev)
         record: dict[str, Any] = {"event": "eval", "stage": name, "step": self.state.global_step,
                                   "losses": self.evals[name]}
         exact = stage_exact_match(self.engine.model, self.task, stage.index, self.tokenizer, self.layout.mbs,
@@ -754,12 +743,12 @@ def _stage_model_dir(run_dir: Path, stage: str) -> Path:
 
 
 def _evaluate_stages(model, task, upto: int, tokenizer, layout: Layout, cache: Path, options: TrainOptions,
-                     dev: torch.device, pack: bool = True) -> dict[str, float]:
+                     dev: torch.device) -> dict[str, float]:
     """Eval loss per stage (skill) with eval data, for stages 0..upto, in micro-batches of the layout's."""
     sources = []
     for stage in task.stages[: upto + 1]:
         for src in stage.eval_sources:
-            rows = load_rows(src, task, tokenizer, layout.seq, cache, pack)
+            rows = load_rows(src, task, tokenizer, layout.seq, cache)
             if len(rows):
                 sources.append(Source.of(stage.name, rows, 1.0))
     module = getattr(model, "module", model)

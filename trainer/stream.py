@@ -242,27 +242,26 @@ def pack_stream(documents: list[tuple[list[int], list[int]]], seq: int) -> Packe
     return Packed(ids.reshape(-1, seq), labels.reshape(-1, seq), positions.reshape(-1, seq))
 
 
-def pack_examples(examples: list[tuple[list[int], list[int]]], seq: int, pack: bool = True,
-                  pad_id: int = 0) -> Packed:
+def pack_examples(examples: list[tuple[list[int], list[int]]], seq: int, pad_id: int = 0) -> Packed:
     """Supervised examples (prompt and answer) kept whole in rows of `seq` tokens, right-padded
-    (padding: `pad_id`, label -100). With `pack`, several examples share a row, best fit in their
-    order (each into the fullest row it still fits); without, one example per row. Positions
-    restart at every example, padding included (its own segment), so that no example attends to
-    another; an example's first token has no label. An example longer than `seq` keeps its first
-    `seq` tokens (the end of a long answer is lost); one left without any trained token is dropped."""
+    (padding: `pad_id`, label -100). Several examples share a row, best fit in their order (each
+    into the fullest row it still fits). Positions restart at every example, padding included (its
+    own segment), so that no example attends to another; an example's first token has no label. An
+    example longer than `seq` keeps its first `seq` tokens (the end of a long answer is lost); one
+    left without any trained token is dropped."""
     examples = [(ids[:seq], labels[:seq]) for ids, labels in examples]
     examples = [(ids, [IGNORE] + labels[1:]) for ids, labels in examples if any(x != IGNORE for x in labels[1:])]
     rows: list[list[int]] = []  # example indices per row
     room: list[tuple[int, int]] = []  # (free tokens, row), sorted: the open rows
     for number, (ids, _) in enumerate(examples):
-        slot = bisect.bisect_left(room, (len(ids), -1)) if pack else len(room)
+        slot = bisect.bisect_left(room, (len(ids), -1))
         if slot < len(room):
             free, row = room.pop(slot)
         else:
             free, row = seq, len(rows)
             rows.append([])
         rows[row].append(number)
-        if pack and free - len(ids) > 0:
+        if free - len(ids) > 0:
             bisect.insort(room, (free - len(ids), row))
     out = Packed(np.full((len(rows), seq), pad_id, dtype=np.int64), np.full((len(rows), seq), IGNORE, dtype=np.int64),
                  np.zeros((len(rows), seq), dtype=np.int64))
