@@ -141,19 +141,12 @@ def full_weights(engine) -> dict[str, torch.Tensor]:
 def write_full_weights(engine, spec: ModelSpec, directory: Path,
                        weights: dict[str, torch.Tensor] | None = None) -> None:
     """Collective: gather the full weights (unless `weights`, what `full_weights` gave, are passed
-    on every rank) and, on rank 0, write them with the model's config."""
-    from safetensors.torch import save_file  # deferred: only boundaries between layouts need it
-    from transformers import AutoConfig
+    on every rank) and, on rank 0, write them with the model's config, in the master precision."""
+    from transformers import AutoConfig  # deferred: only boundaries between layouts need it
 
-    weights = full_weights(engine) if weights is None else dict(weights)
-    if _rank() != 0:
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    config = AutoConfig.for_model(**spec.hf_config)
-    if getattr(config, "tie_word_embeddings", False):
-        weights.pop("lm_head.weight", None)  # one storage in the model: safetensors refuses shared tensors
-    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(directory / "model.safetensors"))
-    config.save_pretrained(str(directory))
+    weights = full_weights(engine) if weights is None else weights
+    if _rank() == 0:
+        _write_hf_model(AutoConfig.for_model(**spec.hf_config), weights, None, directory, None, None)
 
 
 # -- the run's artifacts ----------------------------------------------------------------------------
@@ -212,19 +205,21 @@ def _write_adapters(module: torch.nn.Module, adapters: dict[str, torch.Tensor], 
               metadata={"format": "pt"})
 
 
-def _write_hf_model(config, weights: dict[str, torch.Tensor], dtype: torch.dtype, out: Path, source: str | None,
-                    generation_config) -> None:
+def _write_hf_model(config, weights: dict[str, torch.Tensor], dtype: torch.dtype | None, out: Path,
+                    source: str | None, generation_config) -> None:
     """config.json, the safetensors (sharded above 5 GB, with their index, by huggingface_hub as
-    `save_pretrained` does) and generation_config.json: the --weights folder's when it has one."""
+    `save_pretrained` does) and generation_config.json: the --weights folder's when it has one.
+    `dtype` None keeps the weights' own (the handoff's master precision)."""
     from huggingface_hub import save_torch_state_dict  # transformers' own dependency
 
     out.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(config)
     config.use_cache = True  # off for training (trainer/model.py); generation wants it
-    config.dtype = dtype
+    if dtype is not None:
+        config.dtype = dtype
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # merged QLoRA weights are 16-bit
-    tensors = {name: t.to(dtype) for name, t in weights.items()}
+    tensors = {name: t if dtype is None else t.to(dtype) for name, t in weights.items()}
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)  # one storage in the model: from_pretrained ties it again
     save_torch_state_dict(tensors, str(out))
