@@ -287,6 +287,11 @@ def profile_from_data(data: Any, path: Path) -> HardwareProfile:
         raise UsageError(_format_validation_error(exc, f"profile {path}") + " (corrupt or edited? "
                          "rerun `advisor profile`)") from None
     profile.hardware.source = str(path)
+    hardware = profile.hardware
+    if hardware.device_type == "cpu" and hardware.threads_per_device is None:
+        # written before the hardware carried its device's threads: the inventory has them
+        hardware.threads_per_device = profile.inventory.threads_per_device
+        hardware.cpu_cores = profile.inventory.cpu_cores
     return profile
 
 

@@ -105,6 +105,11 @@ class HardwareSpec(BaseModel):
     cpu_adam_params_per_s: float = Field(
         1.0e9, gt=0, description="host Adam update rate per device for optimizer offload"
     )
+    threads_per_device: int | None = Field(
+        None, ge=1, description="CPU: the threads one device (rank) runs, as the profile measured it; "
+        "advisor train pins every rank to it (unset: the node's cores shared out over its ranks)")
+    cpu_cores: int | None = Field(
+        None, ge=1, description="CPU: cores per node; more ranks x threads than cores time-share them")
     efficiency: Efficiency = Field(default_factory=Efficiency)
     source: str = Field("preset", description="'preset' or the profile file it was measured into")
     assumed: dict[str, str] = Field(
@@ -143,6 +148,18 @@ class HardwareSpec(BaseModel):
                 f"supported: {', '.join(k for k, v in self.peak_tflops.items() if v > 0)}"
             )
         return self.peak_tflops[dtype] * 1e12
+
+    def threads_per_rank(self, ranks_on_node: int, cores: int) -> int:
+        """CPU threads each of `ranks_on_node` ranks runs: the profile's device when it defines one
+        (what the plan was priced on), else the node's `cores` shared out evenly."""
+        return self.threads_per_device or max(1, cores // max(ranks_on_node, 1))
+
+    def oversubscription(self, ranks_on_node: int) -> float:
+        """How many times over `ranks_on_node` ranks ask for the node's CPU cores (1: they fit; on
+        GPUs and wherever the cores are unknown, 1). Time-shared cores run each rank that much slower."""
+        if self.device_type != "cpu" or not self.cpu_cores:
+            return 1.0
+        return max(1.0, ranks_on_node * self.threads_per_rank(ranks_on_node, self.cpu_cores) / self.cpu_cores)
 
     @property
     def default_dtype(self) -> DType:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from advisor.capabilities import engine_for  # noqa: E402
 from benchmarks_md import write_section  # noqa: E402
-from advisor.specs import Layout, ModelSpec  # noqa: E402
+from advisor.specs import HardwareSpec, Layout, ModelSpec  # noqa: E402
 from planner.cost_model import estimate_from_trace  # noqa: E402
 from planner.export import deepspeed_config  # noqa: E402
 from presets import load_hardware  # noqa: E402
@@ -117,6 +117,11 @@ def _rows() -> list[Row]:
         Row("gqa-50k", L(dp=2, mbs=4, seq=256, **f32)),
         Row("gqa-50k", L(pp=2, mbs=2, gas=2, seq=512, **f32)),
         Row("gqa-50k", L(dp=2, zero=2, mbs=2, seq=512, gas=2, **f32)),
+        # each recompute mode on the same layout (rows 3 and 5; 13): torch's op-level selective policy
+        Row("mha-16k", L(mbs=4, seq=512, recompute="selective", **f32)),
+        Row("gqa-32k-tied", L(mbs=2, seq=1024, recompute="selective", **f32)),
+        Row("gqa-32k-tied", L(mbs=2, seq=1024, **f32)),
+        Row("deep-4k", L(dp=2, mbs=4, seq=512, recompute="selective", **f32)),
     ]
 
 
@@ -131,14 +136,14 @@ def spec_of(config: str) -> ModelSpec:
 # measuring: the trainer's own model, engine and step
 
 
-def _worker(rank: int, row: Row, steps: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, row: Row, steps: int, port: int, out_dir: str, threads: int) -> None:
     from trainer.engines import make_engine  # deferred: the parent imports it before forking
     from trainer.model import build_model
 
     layout = row.layout
     backend = engine_for(layout, row.engine)
     distributed = layout.devices > 1 or backend == "deepspeed"
-    init_rank(rank, layout.devices, port, distributed)
+    init_rank(rank, layout.devices, port, distributed, threads)
     memory = TensorMemory(torch.device("cpu"))
     spec = spec_of(row.config)
     model = build_model(spec, layout, SEED)
@@ -189,11 +194,12 @@ def prepare_parent(rows: list[Row]) -> None:
         build_shm_op()
 
 
-def measure(row: Row, steps: int = 4, warmup: int = 2) -> dict[str, Any]:
-    """Train `row` for `steps` optimizer steps in forked ranks: steady peak (max over ranks and
-    steps after `warmup`, Adam's states exist from step 1 on) and the median steady step time."""
+def measure(row: Row, threads: int, steps: int = 4, warmup: int = 2) -> dict[str, Any]:
+    """Train `row` for `steps` optimizer steps in forked ranks of `threads` CPU threads each (what
+    `advisor train` pins them to): steady peak (max over ranks and steps after `warmup`, Adam's
+    states exist from step 1 on) and the median steady step time."""
     with tempfile.TemporaryDirectory(prefix="accuracy_") as out_dir:
-        launch(_worker, row.layout.devices, (row, steps, free_port(), out_dir))
+        launch(_worker, row.layout.devices, (row, steps, free_port(), out_dir, threads))
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(row.layout.devices)]
     steady = slice(warmup, None)
     slowest = [max(times) for times in zip(*(r["step_s"] for r in ranks))]
@@ -210,7 +216,16 @@ def measure(row: Row, steps: int = 4, warmup: int = 2) -> dict[str, Any]:
 # predicting
 
 
-def predict(row: Row, hardware: Any) -> Any:
+def on_this_node(row: Row, hardware: HardwareSpec) -> HardwareSpec:
+    """The profile's node holding all of `row`'s ranks: a row of more ranks than the profile has
+    devices puts them on this one node, which time-shares its cores (`HardwareSpec.oversubscription`)."""
+    if row.layout.devices <= hardware.devices_per_node:
+        return hardware
+    return hardware.model_copy(update={"devices_per_node": row.layout.devices})
+
+
+def predict(row: Row, hardware: HardwareSpec) -> Any:
+    hardware = on_this_node(row, hardware)
     layout = row.layout
     trace = trace_model(spec_of(row.config), layout.seq, layout.dtype, layout.method, layout.lora_rank,
                         device_type="cpu")
@@ -289,7 +304,9 @@ def table(results: list[dict[str, Any]], hardware_name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated 1-based row indices")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per row, warm-up included")
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median (calibration "
+                        "leaves out the same)")
     parser.add_argument("--profile", type=Path, help="an existing profile.json (default: run `advisor profile "
                         "--quick` on the calibration config first)")
     parser.add_argument("--no-write", action="store_true")
@@ -313,7 +330,8 @@ def main() -> None:
     if not args.predict_only:
         prepare_parent(rows)
     for index, row in zip(indices, rows):
-        measured = kept[index] if args.predict_only else measure(row, args.steps, warmup=1)
+        threads = hardware.threads_per_rank(row.layout.devices, os.cpu_count() or 1)
+        measured = kept[index] if args.predict_only else measure(row, threads, args.steps, warmup=args.warmup)
         measured = {key: measured[key] for key in ("peak_bytes", "static_bytes", "forward_backward_peak",
                                                    "optimizer_peak", "step_s")}
         est = predict(row, hardware)

@@ -361,6 +361,7 @@ class _Rates:
     adapter: float
     byte: float
     slowdown: float
+    time_shared: float  # of it, the cores' time-sharing alone (what Python's per-micro-batch work suffers too)
 
 
 # Tokens per micro-batch at which `Efficiency.gemm` holds as fitted; `gemm_tokens_slope` scales the
@@ -381,13 +382,16 @@ def gemm_tokens_factor(layout: Layout, hardware: HardwareSpec) -> float:
 def _rates(layout: Layout, hardware: HardwareSpec) -> _Rates:
     eff = hardware.efficiency
     # Compute slows down when the other devices of the node compute too (CPU cores share caches
-    # and memory bandwidth; GPUs do not, contention 0).
+    # and memory bandwidth; GPUs do not, contention 0), and more so when the node's ranks ask for
+    # more threads than it has cores (the kernel time-shares them).
     busy = min(layout.devices, hardware.devices_per_node)
+    time_shared = hardware.oversubscription(busy)
     return _Rates(
         flop=hardware.peak_flops(layout.dtype) * eff.gemm / gemm_tokens_factor(layout, hardware),
         adapter=hardware.peak_flops(layout.dtype) * (eff.adapter_gemm or eff.gemm),
         byte=hardware.memory_bandwidth_gbs * 1e9 * eff.memory_bandwidth,
-        slowdown=1 + eff.node_contention * (busy - 1) / max(hardware.devices_per_node - 1, 1),
+        slowdown=(1 + eff.node_contention * (busy - 1) / max(hardware.devices_per_node - 1, 1)) * time_shared,
+        time_shared=time_shared,
     )
 
 
@@ -403,6 +407,7 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overh
     if layout.recompute == "full":
         fwd += recomputed * layer.fwd_flops
     slowdown, flop_rate, adapter_rate, byte_rate = rates.slowdown, rates.flop, rates.adapter, rates.byte
+    overhead_s *= rates.time_shared
     # LoRA adapters run skinny GEMMs (rank r on one side) far below the dense rate: 2 FLOPs per
     # adapter parameter per token forward, 4 backward (input and weight gradients). They are part
     # of the traced FLOPs; here they move from the dense rate to the adapter rate.

@@ -4,10 +4,14 @@ The profiler only measures here. The runner that executes the steps is handed in
 root (the CLI passes the trainer's timed steps, trainer/timed_steps.py: `advisor train`'s own
 engines and step code), and the factors are fitted to the times by `planner/calibration.py`.
 
-Which layouts (`fit_layouts`): mbs 1 and mbs 4 separate per-token from per-micro-batch work, a
-second micro-batch (gas 2) pins the overhead, seq 512 weighs attention, LoRA separates the
-adapters and the missing optimizer traffic, and one data-parallel step over every device of the
-node measures contention (and the collectives the profile measured).
+Which layouts (`fit_layouts`): mbs 1, 2, 4 and 8 separate per-token from per-micro-batch work and
+the GEMM rate's fall with the tokens per micro-batch (four points on that axis: with two, the GEMM
+factor and its slope traded off freely and two quick profiles of one machine fitted 0.83 and 2.0),
+a second micro-batch (gas 2) pins the overhead, seq 512 weighs attention, full recomputation adds
+forward GEMMs without the optimizer (GEMM against memory traffic), LoRA separates the adapters and
+the missing optimizer traffic, and one data-parallel step over every device of the node measures
+contention (and the collectives the profile measured). Nine steps for six unknowns: the fit is
+over-determined, so one noisy step cannot move a factor alone.
 """
 
 from __future__ import annotations
@@ -55,9 +59,12 @@ def fit_layouts(seq: int, devices: int, max_seq: int | None = None) -> list[Layo
     node has them."""
     layouts = [
         Layout(mbs=1, seq=seq, dtype="fp32"),
+        Layout(mbs=2, seq=seq, dtype="fp32"),
         Layout(mbs=4, seq=seq, dtype="fp32"),
+        Layout(mbs=8, seq=seq, dtype="fp32"),
         Layout(mbs=1, gas=2, seq=seq, dtype="fp32"),
         Layout(mbs=1, seq=min(2 * seq, max_seq or 2 * seq), dtype="fp32"),
+        Layout(mbs=2, seq=seq, dtype="fp32", recompute="full"),
         Layout(mbs=2, seq=seq, dtype="fp32", method="lora"),
     ]
     if devices >= 2:

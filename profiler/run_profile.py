@@ -374,6 +374,8 @@ def hardware_from(raw: dict[str, Any], inventory: Inventory, name: str) -> Hardw
         inter_node_latency_us=inter["fit"]["latency_us"] if inter else unmeasured.latency_us,
         assumed=unmeasured.assumed() if unmeasured else {},
         devices_per_node=inventory.devices_per_node,
+        threads_per_device=None if cuda else inventory.threads_per_device,
+        cpu_cores=None if cuda else inventory.cpu_cores,
         host_memory_gib=inventory.host_memory_gib,
         host_to_device_gbs=h2d,
         cpu_adam_params_per_s=raw["adam"]["params_per_s"],

@@ -247,7 +247,8 @@ def test_profile_all_reduce_matches_a_direct_measurement(tmp_path: Path, monkeyp
     direct_bus_gbs = bus_factor * SIZE / seconds / 1e9
     # The same link measured twice, seconds apart, on a 2-core machine shared with other jobs. Not
     # tighter: 19 runs under a load average of 3-5 gave ratios 0.65-3.5 (16 of them within 0.65-1.5).
-    assert figure.value == pytest.approx(direct_bus_gbs, rel=0.5), (figure.value, direct_bus_gbs)
+    # Symmetric: within a factor of 2 either way (a one-sided rel=0.5 allowed 0.5x low but only 1.5x high).
+    assert 0.5 <= figure.value / direct_bus_gbs <= 2, (figure.value, direct_bus_gbs)
     assert profile.hardware.intra_node_bandwidth_gbs > 0
 
     # one node measured no inter-node link: the profile says so and takes the preset's network

@@ -158,3 +158,18 @@ def test_durations_refuse_anything_else(text: str) -> None:
 
     with pytest.raises(UsageError, match="--deadline"):
         parse_duration(text)
+
+
+def test_ranks_beyond_the_cores_time_share_them_in_the_price() -> None:
+    """4 one-thread ranks on a 2-core node take twice the compute of the same 4 ranks on 4 cores
+    (the kernel gives each half a core); 2 such ranks on 2 cores fit."""
+    from planner.cost_model import estimate
+
+    base = load_hardware("cpu").model_copy(update={"threads_per_device": 1, "devices_per_node": 4})
+    assert base.model_copy(update={"cpu_cores": 2}).oversubscription(4) == 2.0
+    assert base.model_copy(update={"cpu_cores": 2}).oversubscription(2) == 1.0
+    assert load_hardware("cpu").oversubscription(64) == 1.0  # cores unknown: no claim
+    model = load_model("demo-tiny")
+    layout = Layout(dp=4, mbs=2, seq=128, dtype="fp32")
+    shared, own = (estimate(model, base.model_copy(update={"cpu_cores": cores}), layout) for cores in (2, 4))
+    assert shared.time.compute_s == pytest.approx(2 * own.time.compute_s, rel=1e-9)

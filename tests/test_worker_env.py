@@ -105,3 +105,37 @@ def test_forked_ranks_run_in_sessions_of_their_own_as_torchruns_workers_do(tmp_p
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["sid"] == r["pid"] for r in ranks)  # each leads its own session
     assert os.getsid(0) not in {r["sid"] for r in ranks}
+
+
+def _launched_threads(tmp_path: Path, monkeypatch, devices: int, threads_per_device: int | None) -> int:
+    """The CPU threads one rank of a `devices`-rank plan trains with, on hardware whose device is
+    `threads_per_device` threads (a profile) or undefined (a preset), with OMP_NUM_THREADS=7 set by
+    the user: the in-process rank's torch threads, or the launched ranks' OMP_NUM_THREADS."""
+    from advisor.plan_file import load_plan
+    from trainer import launch
+    from trainer.options import TrainOptions
+
+    plan_path = make_plan_file(tmp_path, devices=devices, steps=2)
+    plan = load_plan(plan_path)
+    plan.hardware = plan.hardware.model_copy(update={"threads_per_device": threads_per_device, "cpu_cores": 2})
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.setattr(launch, "_cuda", lambda: False)
+    seen: list[int] = []
+    monkeypatch.setattr(launch, "_worker", lambda *args, **kwargs: seen.append(torch.get_num_threads()) or {})
+    monkeypatch.setattr(subprocess, "run", lambda command, env, check: seen.append(int(env["OMP_NUM_THREADS"]))
+                        or subprocess.CompletedProcess(command, 0))
+    before = torch.get_num_threads()
+    launch.run(plan, plan_path, tmp_path / "run", False, TrainOptions(show_progress=False), False, None, 0,
+               "127.0.0.1", 29999)
+    assert torch.get_num_threads() == before  # the in-process run gives the caller its threads back
+    return seen[0]
+
+
+def test_ranks_train_with_the_threads_their_device_was_priced_with(tmp_path, monkeypatch) -> None:
+    # a profile made one thread a device: a 1-rank run uses one thread, 2 ranks one each, whatever
+    # the user's OMP_NUM_THREADS says (the plan's step times are for that device)
+    assert _launched_threads(tmp_path / "a", monkeypatch, 1, threads_per_device=1) == 1
+    assert _launched_threads(tmp_path / "b", monkeypatch, 2, threads_per_device=1) == 1
+    # a preset defines no device: the process keeps its threads, launched ranks the user's setting
+    assert _launched_threads(tmp_path / "c", monkeypatch, 1, threads_per_device=None) == torch.get_num_threads()
+    assert _launched_threads(tmp_path / "d", monkeypatch, 2, threads_per_device=None) == 7

@@ -9,6 +9,7 @@ and names the plan's next layout (trainer/oom.py), the launcher starts the ranks
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -16,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, segment_of
+from profiler.inventory import cpu_cores
 from profiler.ranks import free_port, slurm_topology
 from trainer import checkpoint
 from trainer.loop import JsonLines, train
@@ -76,7 +79,8 @@ def _run_segment(plan: Plan, plan_path: Path, out: Path, resume: bool, options: 
         zero = segment_of(plan, _next_stage(out) if resume else 0).layout.zero
         if zero:  # DeepSpeed needs a process group, even of one
             _single_process_group_env()
-        return _worker(plan, out, resume, options, distributed=bool(zero))
+        with _cpu_threads(plan, ranks_on_node=1):
+            return _worker(plan, out, resume, options, distributed=bool(zero))
     topology = slurm_topology()
     if topology and nnodes is None:
         nnodes, node_rank, master_addr = topology
@@ -86,7 +90,11 @@ def _run_segment(plan: Plan, plan_path: Path, out: Path, resume: bool, options: 
     nproc = devices // nnodes
     env = dict(os.environ)
     if not _cuda():  # ranks share the CPU cores; oversubscribed OpenMP threads run 8x slower
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        threads = str(plan.hardware.threads_per_rank(nproc, cpu_cores()))
+        if plan.hardware.threads_per_device:  # a profile's device: what the plan was priced on
+            env["OMP_NUM_THREADS"] = threads
+        else:
+            env.setdefault("OMP_NUM_THREADS", threads)
     while True:
         command = launch_command(plan, plan_path, out, resume, options, nproc, nnodes, node_rank, master_addr,
                                  master_port)
@@ -131,6 +139,21 @@ def _single_process_group_env() -> None:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(port))):
         os.environ.setdefault(key, value)
+
+
+@contextlib.contextmanager
+def _cpu_threads(plan: Plan, ranks_on_node: int) -> Iterator[None]:
+    """This process trains as the plan priced a device: on CPU, the profile's threads per device
+    (a 1-rank run on a 2-core machine whose profile made one core a device runs one thread)."""
+    if _cuda() or not plan.hardware.threads_per_device:  # a preset's CPU: this process's threads
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(plan.hardware.threads_per_rank(ranks_on_node, cpu_cores()))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _cuda() -> bool:

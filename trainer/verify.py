@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,9 +27,10 @@ from typing import Any, Callable
 import torch
 
 from advisor.plan_file import Plan, PlannedLayout
-from advisor.specs import Layout
+from advisor.specs import HardwareSpec, Layout
 from planner.granularity import plan_stage
 from planner.plan import PlanOptions
+from profiler.inventory import cpu_cores
 from profiler.ranks import free_port
 from trainer.launch import run as run_training
 from trainer.options import TrainOptions
@@ -85,14 +85,12 @@ class Verification:
     reason: str
 
 
-def training_threads(devices: int, device_type: str) -> int:
-    """CPU threads per rank that training will use: launch.py's OMP_NUM_THREADS for several ranks,
-    this process's torch threads for one."""
-    if device_type != "cpu":
+def training_threads(devices: int, hardware: HardwareSpec) -> int:
+    """CPU threads per rank that training will use (trainer/launch.py pins them): the profile's
+    threads per device, else the cores shared out; 0 on GPUs."""
+    if hardware.device_type != "cpu":
         return 0
-    if devices == 1:
-        return torch.get_num_threads()
-    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // devices))
+    return hardware.threads_per_rank(devices, cpu_cores())
 
 
 def trial_harness(layout: Layout, device_type: str, steps: int) -> tuple[str, int]:
@@ -166,7 +164,7 @@ def verify(plan: Plan, k: int, run_dir: Path, steps: int = 4, warmup: int = 2, s
         est, layout = planned.estimate, planned.layout
         trial = Trial(rank=rank, layout=layout.short(), predicted_step_s=est.time.step_s,
                       predicted_tokens_per_s=est.throughput.tokens_per_s, predicted_peak_bytes=int(est.memory.peak),
-                      threads=training_threads(layout.devices, device_type))
+                      threads=training_threads(layout.devices, plan.hardware))
         trial.harness, trial.steps = trial_harness(layout, device_type, steps)
         forked = trial.harness == "fork"
         say(f"verify {rank}/{len(candidates)}: {layout.short()} ({trial.steps} steps, {trial.harness})")

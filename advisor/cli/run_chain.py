@@ -182,7 +182,7 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     events = [{"event": "verify", **asdict(t)} for t in (verification.trials if verification else [])]
     round_ = None
     if opts.feedback and profile_path is not None:
-        threads = training_threads(plan.chosen.layout.devices, hardware.device_type)
+        threads = training_threads(plan.chosen.layout.devices, plan.hardware)
         round_ = _feed_back(profile_path, _observations(plan, verification, summary, out, threads), out, say, events)
     elif opts.feedback:
         say(f"feedback: --hardware {opts.hardware} is a preset, not a profile: nothing to update")
