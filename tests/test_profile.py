@@ -38,7 +38,7 @@ def synthetic_profile(hostname: str | None = None) -> HardwareProfile:
         device_reserved_gib=0.3, cpu_cores=2, threads_per_device=1, host_memory_gib=23.0,
         host_memory_available_gib=20.0, intra_node_link="shared memory", inter_node_link="none (one node)",
     )
-    hardware = load_hardware("cpu").model_copy(update={"name": "profile:cpu"})
+    hardware = load_hardware("cpu").model_copy(update={"name": "profile:cpu", "threads_per_device": 1, "cpu_cores": 2})
     return HardwareProfile(
         created=dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc), quick=True, fingerprint=host,
         inventory=inventory, hardware=hardware,
@@ -267,3 +267,15 @@ def test_profile_all_reduce_matches_a_direct_measurement(tmp_path: Path, monkeyp
     said = [n for n in two_nodes.notes if "inter-node figures are assumed" in n]
     assert said and "inter_node_bandwidth_gbs" in said[0] and "preset cpu" in said[0]
     assert not [n for n in make_plan(PlanOptions(nodes=1, **options)).notes if "inter-node" in n]
+
+
+def test_a_profile_from_before_the_device_threads_gets_them_from_its_inventory(tmp_path: Path) -> None:
+    data = synthetic_profile().model_dump(mode="json")
+    for key in ("threads_per_device", "cpu_cores"):
+        del data["hardware"][key]
+    data["inventory"].update(threads_per_device=2, cpu_cores=4)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    hardware = load_profile(path).hardware
+    assert (hardware.threads_per_device, hardware.cpu_cores) == (2, 4)
+    assert hardware.threads_per_rank(ranks_on_node=1, cores=4) == 2  # what advisor train pins a rank to
