@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from benchmarks_md import write_section  # noqa: E402
 from paper_tables import MEGATRON_SEQ_LEN, MEGATRON_TABLE1, MEGATRON_VOCAB  # noqa: E402
 
-from advisor.specs import HardwareSpec, Layout, ModelSpec  # noqa: E402
+from advisor.specs import Estimate, HardwareSpec, Layout, ModelSpec  # noqa: E402
 from megatron_schedule import replay  # noqa: E402
 from planner.cost_model import Placement, default_split, estimate, stage_time, step_seconds  # noqa: E402
 from planner.memory import MEGATRON  # noqa: E402
@@ -34,9 +34,34 @@ def paper_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vo
     return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
-def megatron_2021(hardware: HardwareSpec) -> HardwareSpec:
-    """The preset as Megatron-LM 2021 used it: no gradient all-reduce hidden behind backward."""
+def megatron_2021(hardware: HardwareSpec, ddp: str = "local") -> HardwareSpec:
+    """The preset as the row's DDP ran: Megatron-LM's own ("local") all-reduces the gradients after the
+    last backward, nothing hidden; PyTorch's ("torch") overlaps its buckets with the last micro-batch's
+    backward, priced with the preset's comm_overlap."""
+    if ddp == "torch":
+        return hardware
     return hardware.model_copy(update={"efficiency": hardware.efficiency.model_copy(update={"comm_overlap": 0.0})})
+
+
+def row_model(row: dict) -> ModelSpec:
+    config = {"model_type": "gpt2", "n_embd": row["hidden"], "n_layer": row["layers"], "n_head": row["heads"],
+              "n_positions": MEGATRON_SEQ_LEN, "vocab_size": MEGATRON_VOCAB, "activation_function": "gelu"}
+    return ModelSpec(name=f"gpt-{row['params_billion']}b", hf_config=config)
+
+
+def row_layout(row: dict) -> Layout:
+    gas = row["batch_size"] // (row["dp"] * row["micro_batch"])
+    return Layout(dp=row["dp"], tp=row["tp"], pp=row["pp"], vpp=row["model_chunks"], mbs=row["micro_batch"], gas=gas,
+                  recompute="full", dtype="fp16", seq=MEGATRON_SEQ_LEN)
+
+
+def predicted_tflops(row: dict, preset: HardwareSpec) -> tuple[Estimate, float]:
+    """The cost model's estimate of a Table 1 row and its TFLOP/s per GPU in the paper's metric."""
+    est = estimate(row_model(row), megatron_2021(preset, row["ddp"]), row_layout(row), attention="eager",
+                   engine=MEGATRON)
+    flops = paper_flops_per_iteration(row["batch_size"], MEGATRON_SEQ_LEN, row["layers"], row["hidden"],
+                                      MEGATRON_VOCAB)
+    return est, flops / est.time.step_s / row["gpus"] / 1e12
 
 
 def replayed_over_priced(model: ModelSpec, layout: Layout, hardware: HardwareSpec) -> float:
@@ -54,20 +79,14 @@ def replayed_over_priced(model: ModelSpec, layout: Layout, hardware: HardwareSpe
 
 
 def main() -> None:
-    hardware = megatron_2021(load_hardware("a100-80g"))
+    preset = load_hardware("a100-80g")
+    hardware = megatron_2021(preset)
     rows = []
     for r in MEGATRON_TABLE1:
-        config = {"model_type": "gpt2", "n_embd": r["hidden"], "n_layer": r["layers"], "n_head": r["heads"],
-                  "n_positions": MEGATRON_SEQ_LEN, "vocab_size": MEGATRON_VOCAB, "activation_function": "gelu"}
-        model = ModelSpec(name=f"gpt-{r['params_billion']}b", hf_config=config)
-        gas = r["batch_size"] // (r["dp"] * r["micro_batch"])
-        layout = Layout(dp=r["dp"], tp=r["tp"], pp=r["pp"], vpp=r["model_chunks"], mbs=r["micro_batch"], gas=gas,
-                        recompute="full", dtype="fp16", seq=MEGATRON_SEQ_LEN)
-        est = estimate(model, hardware, layout, attention="eager", engine=MEGATRON)
-        flops = paper_flops_per_iteration(r["batch_size"], MEGATRON_SEQ_LEN, r["layers"], r["hidden"], MEGATRON_VOCAB)
-        predicted = flops / est.time.step_s / r["gpus"] / 1e12
+        est, predicted = predicted_tflops(r, preset)
+        layout = row_layout(r)
         rows.append((r, layout, est, predicted, predicted / r["tflops_per_gpu"] - 1,
-                     replayed_over_priced(model, layout, hardware)))
+                     replayed_over_priced(row_model(r), layout, megatron_2021(preset, r["ddp"]))))
 
     lines = ["| params (B) | GPUs | TP | PP | DP | mbs | chunks | batch | published TFLOP/s | predicted | error "
              "| step s | compute % | bubble s | replayed / priced | peak GiB |",
