@@ -461,26 +461,25 @@ def wave_efficiency(rows: int, cols: int, hardware: HardwareSpec) -> float:
     return best
 
 
-def linear_gemms(trace: ModelTrace, layout: Layout, vocab: int, head: bool) -> list[GemmShape]:
-    """The GEMMs of one decoder layer's linear layers (and the LM head's when `head`) for one
-    micro-batch on one device, under Megatron's tensor-parallel split: a column-parallel linear
-    (in, out) runs forward (T x in) @ (in x out/tp), input gradient (T x out/tp) @ (out/tp x in) and
-    weight gradient (out/tp x T) @ (T x in); a row-parallel one splits `in` instead (T = mbs x seq
-    tokens). Named fwd, dgrad and wgrad. The attention's q, k and v projections count as one fused
-    GEMM (Megatron, GPT-2; HF Llama runs three), the MLP's matrices from the layer's parameters."""
+def _linear_gemms(tokens: int, fan_in: int, fan_out: int) -> list[GemmShape]:
+    """Forward (T x in) @ (in x out), input gradient (T x out) @ (out x in) and weight gradient
+    (out x T) @ (T x in) of one linear layer over `tokens` tokens, named fwd, dgrad and wgrad."""
+    return [GemmShape(tokens, fan_in, fan_out, name="fwd"), GemmShape(tokens, fan_out, fan_in, name="dgrad"),
+            GemmShape(fan_out, tokens, fan_in, name="wgrad")]
+
+
+def layer_gemms(trace: ModelTrace, layout: Layout) -> list[GemmShape]:
+    """The GEMMs of one decoder layer's linear layers for one micro-batch on one device, under
+    Megatron's tensor-parallel split: a column-parallel linear divides its outputs by tp, a
+    row-parallel one its inputs (mbs x seq tokens; sequence parallelism gathers them back before
+    each GEMM). The attention's q, k and v projections count as one fused GEMM (Megatron, GPT-2; HF
+    Llama runs three); the MLP has two or three matrices, as the layer's parameters say."""
     h, tp, tokens = trace.hidden_size, layout.tp, layout.mbs * trace.seq
     q, kv = trace.num_heads * trace.head_dim, trace.num_kv_heads * trace.head_dim
     mlp = round((trace.layer.params - 2 * h * q - 2 * h * kv) / (h * trace.intermediate_size))
     columns = [q + 2 * kv] + [trace.intermediate_size] * max(min(mlp, 3) - 1, 1)
-    rows = [q, trace.intermediate_size]
-    linears = [(h, out // tp) for out in columns] + [(inner // tp, h) for inner in rows]
-    if head:
-        linears.append((h, trace.vocab_size // vocab))
-    gemms = []
-    for fan_in, fan_out in linears:
-        gemms += [GemmShape(tokens, fan_in, fan_out, name="fwd"), GemmShape(tokens, fan_out, fan_in, name="dgrad"),
-                  GemmShape(fan_out, tokens, fan_in, name="wgrad")]
-    return gemms
+    linears = [(h, out // tp) for out in columns] + [(q // tp, h), (trace.intermediate_size // tp, h)]
+    return [gemm for fan_in, fan_out in linears for gemm in _linear_gemms(tokens, fan_in, fan_out)]
 
 
 def _gemm_wave_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, rate: float, layers: int,
@@ -488,18 +487,20 @@ def _gemm_wave_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec
     """Seconds one micro-batch's linear GEMMs on one stage lose to tile and wave quantization
     (`wave_efficiency`) beyond their FLOPs at the dense rate: forward once per layer and once more
     per recomputed layer, input and weight gradients once (no weight gradient for frozen weights
-    under LoRA/QLoRA; the head is never recomputed)."""
+    under LoRA/QLoRA); the LM head's (vocabulary split `vocab` ways) once, on the last stage."""
     if hardware.sm_count is None:
         return 0.0
-    runs = {"fwd": layers + (recomputed if layout.recompute == "full" else 0), "dgrad": layers,
-            "wgrad": layers if layout.method == "full" else 0}
-    head_runs = {"fwd": 1, "dgrad": 1, "wgrad": 1 if layout.method == "full" else 0}
-    lost = 0.0
-    for gemm in linear_gemms(trace, layout, vocab, head=False):
-        lost += runs[gemm.name] * gemm.flops * (1 / wave_efficiency(gemm.m, gemm.n, hardware) - 1)
+
+    def lost_flops(gemms: list[GemmShape], runs: dict[str, int]) -> float:
+        return sum(runs[g.name] * g.flops * (1 / wave_efficiency(g.m, g.n, hardware) - 1) for g in gemms)
+
+    trains = layout.method == "full"
+    lost = lost_flops(layer_gemms(trace, layout), {
+        "fwd": layers + (recomputed if layout.recompute == "full" else 0), "dgrad": layers,
+        "wgrad": layers if trains else 0})
     if last:
-        for gemm in linear_gemms(trace, layout, vocab, head=True)[-3:]:
-            lost += head_runs[gemm.name] * gemm.flops * (1 / wave_efficiency(gemm.m, gemm.n, hardware) - 1)
+        head = _linear_gemms(layout.mbs * trace.seq, trace.hidden_size, trace.vocab_size // vocab)
+        lost += lost_flops(head, {"fwd": 1, "dgrad": 1, "wgrad": 1 if trains else 0})
     return lost / rate
 
 
