@@ -1,10 +1,11 @@
 """Predicted against published throughput for Table 1 of Narayanan et al. 2021 (Megatron-LM).
 
-Each row's GPT model, layout (TP, PP, DP, micro-batch, interleaved chunks, full recomputation, as
-in the authors' `examples/sc21/run_table_1.sh`) and batch run through `advisor`'s cost model on
-the `a100-80g` preset with explicit attention (2021 Megatron had no FlashAttention). We compare the
+Each row's GPT model, layout (TP, PP, DP, micro-batch, interleaved chunks, full recomputation) and
+DDP (PyTorch's or Megatron's own), as in the authors' `examples/sc21/run_table_1.sh`, and batch run
+through `advisor`'s cost model on the `a100-80g` preset with explicit attention (2021 Megatron had
+no FlashAttention), priced as the `megatron` engine (planner/megatron2021.py). We compare the
 paper's metric: its equation (3) FLOPs, which count the recomputed forward, over the predicted
-step time, per GPU.
+step time, per GPU. A second table adds the terms that cut the bias one at a time.
 
     python bench/megatron_table1.py
 """
