@@ -449,8 +449,9 @@ def wave_efficiency(rows: int, cols: int, hardware: HardwareSpec) -> float:
     covers the output with `gemm_tile` tiles (either orientation, whichever wastes less; the edge
     tiles are padded) and runs them `sm_count` at a time, so its time is its number of full
     waves (tile and wave quantization: NVIDIA's "Matrix Multiplication Background User's Guide").
-    1 where the hardware declares no SM count (CPUs, measured profiles, whose GEMM rate is
-    measured at the model's own shapes)."""
+    cuBLAS may pick a smaller, slower tile or split K for a GEMM of few waves: there this is the
+    high end of the loss. 1 where the hardware declares no SM count (CPUs, measured profiles, whose
+    GEMM rate is measured at the model's own shapes)."""
     if hardware.sm_count is None or hardware.gemm_tile is None:
         return 1.0
     best = 0.0
