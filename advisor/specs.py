@@ -110,6 +110,12 @@ class HardwareSpec(BaseModel):
         "advisor train pins every rank to it (unset: the node's cores shared out over its ranks)")
     cpu_cores: int | None = Field(
         None, ge=1, description="CPU: cores per node; more ranks x threads than cores time-share them")
+    sm_count: int | None = Field(
+        None, ge=1, description="streaming multiprocessors: how many GEMM output tiles run at once (one wave); "
+        "None where wave quantization does not apply or is not known (CPUs, measured profiles)")
+    gemm_tile: tuple[int, int] | None = Field(
+        None, description="output tile (rows, columns) of the tensor-core GEMM kernels that reach "
+        "`efficiency.gemm`, one per SM at a time; used with sm_count")
     efficiency: Efficiency = Field(default_factory=Efficiency)
     source: str = Field("preset", description="'preset' or the profile file it was measured into")
     assumed: dict[str, str] = Field(
@@ -128,6 +134,10 @@ class HardwareSpec(BaseModel):
     def _reserve_below_memory(self) -> "HardwareSpec":
         if self.reserved_gib >= self.memory_gib:
             raise ValueError(f"reserved_gib ({self.reserved_gib}) leaves nothing of memory_gib ({self.memory_gib})")
+        if (self.sm_count is None) != (self.gemm_tile is None):
+            raise ValueError("sm_count and gemm_tile go together: set both or neither")
+        if self.gemm_tile is not None and min(self.gemm_tile) < 1:
+            raise ValueError(f"gemm_tile {list(self.gemm_tile)} must be two positive sizes")
         return self
 
     @property

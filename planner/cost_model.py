@@ -27,7 +27,7 @@ from advisor.specs import (
     TimeEstimate,
     layers_per_stage,
 )
-from planner import collectives
+from planner import collectives, megatron2021
 from planner.memory import (
     ADAPTER_BYTES,
     HOST_MEMORY_USABLE,
@@ -46,6 +46,7 @@ from planner.memory import (
     model_state_bytes,
     stored_dtype_bytes,
 )
+from profiler.hardware_bench import GemmShape
 from profiler.model_trace import ModelTrace, trace_model
 
 # Bytes an Adam update moves per parameter with a fused kernel: read weight, grad, m, v (and the
@@ -395,10 +396,11 @@ def _rates(layout: Layout, hardware: HardwareSpec) -> _Rates:
     )
 
 
-def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overhead_s: float, layers: int,
-                         recomputed: int, last: bool, vocab: int) -> tuple[float, float, float]:
+def _micro_batch_compute(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engine: str, rates: _Rates,
+                         layers: int, recomputed: int, last: bool, vocab: int) -> tuple[float, float, float]:
     """(compute, useful compute, backward) seconds of one micro-batch on one stage; useful leaves
     out the recomputed forward. The head's FLOPs split `vocab` ways (`vocab_shards`), the rest tp."""
+    overhead_s = hardware.efficiency.micro_batch_overhead_s
     tp, mbs = layout.tp, layout.mbs
     layer = trace.layer
     head_share = tp / vocab if last else 0.0  # the head's FLOPs, in units divided by tp below
@@ -414,22 +416,98 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overh
     adapter = 2 * layer.trainable_params * trace.seq if layout.method in ("lora", "qlora") else 0.0
     adapter_fwd = adapter * (layers + (recomputed if layout.recompute == "full" else 0))
     adapter_bwd = 2 * adapter * layers
+    traffic, useful_traffic = _elementwise_bytes(trace, layout, engine, layers, recomputed)
+    fwd_s = slowdown * mbs * ((fwd - adapter_fwd) / flop_rate + adapter_fwd / adapter_rate) / tp
+    bwd_s = slowdown * mbs * ((bwd - adapter_bwd) / flop_rate + adapter_bwd / adapter_rate) / tp
+    compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + overhead_s
+    compute += slowdown * mbs * _score_matmul_extra_s(trace, layout, rates, layers, recomputed)
+    compute += slowdown * _gemm_wave_extra_s(trace, layout, hardware, flop_rate, layers, recomputed, last, vocab)
+    model_flops = (layers * (layer.fwd_flops + layer.bwd_flops)
+                   + (trace.head.fwd_flops + trace.head.bwd_flops) * head_share)
+    adapter_all = 3 * adapter * layers
+    useful = slowdown * mbs * ((model_flops - adapter_all) / flop_rate + adapter_all / adapter_rate) / tp
+    useful += slowdown * useful_traffic / byte_rate + overhead_s
+    useful += slowdown * _gemm_wave_extra_s(trace, layout, hardware, flop_rate, layers, 0, last, vocab)
+    return compute, useful, bwd_s
+
+
+def _elementwise_bytes(trace: ModelTrace, layout: Layout, engine: str, layers: int,
+                       recomputed: int) -> tuple[float, float]:
+    """(all, without recomputation) bytes one micro-batch's memory-bound kernels move on one stage.
+    Megatron-LM's 2021 layer is counted kernel by kernel (planner/megatron2021.py); for the engines
+    we run, about `ELEMENTWISE_PASSES` x the activations a layer saves."""
+    if engine == MEGATRON:
+        fwd, bwd = megatron2021.layer_elementwise_bytes(trace, layout)
+        again = recomputed * fwd if layout.recompute == "full" else 0.0
+        return layers * (fwd + bwd) + again, layers * (fwd + bwd)
     kept = layer_activation_bytes(trace, layout, recompute="none")
     traffic = ELEMENTWISE_PASSES * layers * kept
     if layout.recompute == "full":  # the forward's writes happen twice
         traffic += ELEMENTWISE_PASSES / 4 * recomputed * kept
     elif layout.recompute == "selective":  # no GEMM runs again: the element-wise ops write what was not kept
         traffic += ELEMENTWISE_PASSES / 4 * recomputed * max(kept - layer_activation_bytes(trace, layout), 0.0)
-    fwd_s = slowdown * mbs * ((fwd - adapter_fwd) / flop_rate + adapter_fwd / adapter_rate) / tp
-    bwd_s = slowdown * mbs * ((bwd - adapter_bwd) / flop_rate + adapter_bwd / adapter_rate) / tp
-    compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + overhead_s
-    compute += slowdown * mbs * _score_matmul_extra_s(trace, layout, rates, layers, recomputed)
-    model_flops = (layers * (layer.fwd_flops + layer.bwd_flops)
-                   + (trace.head.fwd_flops + trace.head.bwd_flops) * head_share)
-    adapter_all = 3 * adapter * layers
-    useful = slowdown * mbs * ((model_flops - adapter_all) / flop_rate + adapter_all / adapter_rate) / tp
-    useful += slowdown * ELEMENTWISE_PASSES * layers * kept / byte_rate + overhead_s
-    return compute, useful, bwd_s
+    return traffic, ELEMENTWISE_PASSES * layers * kept
+
+
+def wave_efficiency(rows: int, cols: int, hardware: HardwareSpec) -> float:
+    """Share of the SM time a GEMM with a rows x cols output spends on its output: the kernel
+    covers the output with `gemm_tile` tiles (either orientation, whichever wastes less; the edge
+    tiles are padded) and runs them `sm_count` at a time, so its time is its number of full
+    waves (tile and wave quantization: NVIDIA's "Matrix Multiplication Background User's Guide").
+    cuBLAS may pick a smaller, slower tile or split K for a GEMM of few waves: there this is the
+    high end of the loss. 1 where the hardware declares no SM count (CPUs, measured profiles, whose
+    GEMM rate is measured at the model's own shapes)."""
+    if hardware.sm_count is None or hardware.gemm_tile is None:
+        return 1.0
+    best = 0.0
+    for tile_rows, tile_cols in {hardware.gemm_tile, hardware.gemm_tile[::-1]}:
+        tiles = math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols)
+        slots = math.ceil(tiles / hardware.sm_count) * hardware.sm_count
+        best = max(best, rows * cols / (tile_rows * tile_cols) / slots)
+    return best
+
+
+def _linear_gemms(tokens: int, fan_in: int, fan_out: int) -> list[GemmShape]:
+    """Forward (T x in) @ (in x out), input gradient (T x out) @ (out x in) and weight gradient
+    (out x T) @ (T x in) of one linear layer over `tokens` tokens, named fwd, dgrad and wgrad."""
+    return [GemmShape(tokens, fan_in, fan_out, name="fwd"), GemmShape(tokens, fan_out, fan_in, name="dgrad"),
+            GemmShape(fan_out, tokens, fan_in, name="wgrad")]
+
+
+def layer_gemms(trace: ModelTrace, layout: Layout) -> list[GemmShape]:
+    """The GEMMs of one decoder layer's linear layers for one micro-batch on one device, under
+    Megatron's tensor-parallel split: a column-parallel linear divides its outputs by tp, a
+    row-parallel one its inputs (mbs x seq tokens; sequence parallelism gathers them back before
+    each GEMM). The attention's q, k and v projections count as one fused GEMM (Megatron, GPT-2; HF
+    Llama runs three); the MLP has two or three matrices, as the layer's parameters say."""
+    h, tp, tokens = trace.hidden_size, layout.tp, layout.mbs * trace.seq
+    q, kv = trace.num_heads * trace.head_dim, trace.num_kv_heads * trace.head_dim
+    mlp = round((trace.layer.params - 2 * h * q - 2 * h * kv) / (h * trace.intermediate_size))
+    columns = [q + 2 * kv] + [trace.intermediate_size] * max(min(mlp, 3) - 1, 1)
+    linears = [(h, out // tp) for out in columns] + [(q // tp, h), (trace.intermediate_size // tp, h)]
+    return [gemm for fan_in, fan_out in linears for gemm in _linear_gemms(tokens, fan_in, fan_out)]
+
+
+def _gemm_wave_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, rate: float, layers: int,
+                       recomputed: int, last: bool, vocab: int) -> float:
+    """Seconds one micro-batch's linear GEMMs on one stage lose to tile and wave quantization
+    (`wave_efficiency`) beyond their FLOPs at the dense rate: forward once per layer and once more
+    per recomputed layer, input and weight gradients once (no weight gradient for frozen weights
+    under LoRA/QLoRA); the LM head's (vocabulary split `vocab` ways) once, on the last stage."""
+    if hardware.sm_count is None:
+        return 0.0
+
+    def lost_flops(gemms: list[GemmShape], runs: dict[str, int]) -> float:
+        return sum(runs[g.name] * g.flops * (1 / wave_efficiency(g.m, g.n, hardware) - 1) for g in gemms)
+
+    trains = layout.method == "full"
+    lost = lost_flops(layer_gemms(trace, layout), {
+        "fwd": layers + (recomputed if layout.recompute == "full" else 0), "dgrad": layers,
+        "wgrad": layers if trains else 0})
+    if last:
+        head = _linear_gemms(layout.mbs * trace.seq, trace.hidden_size, trace.vocab_size // vocab)
+        lost += lost_flops(head, {"fwd": 1, "dgrad": 1, "wgrad": 1 if trains else 0})
+    return lost / rate
 
 
 def _score_matmul_extra_s(trace: ModelTrace, layout: Layout, rates: _Rates, layers: int, recomputed: int) -> float:
@@ -512,12 +590,14 @@ def gradient_comm_bytes(layout: Layout, engine: str, trainable: float) -> float:
 
 
 def _optimizer_time(layout: Layout, hardware: HardwareSpec, rates: _Rates, params: float,
-                    trainable: float) -> tuple[float, float]:
+                    trainable: float, engine: str) -> tuple[float, float]:
     """(optimizer step, offload traffic) seconds of one step on one device."""
     w = DTYPE_BYTES[layout.dtype]
     updated = trainable / (layout.dp if layout.zero >= 1 else 1)
     if layout.offload == "none":
         per_param = ADAM_BYTES_PER_PARAM_CPU if hardware.device_type == "cpu" else ADAM_BYTES_PER_PARAM_FUSED
+        if engine == MEGATRON:
+            per_param = megatron2021.ADAM_BYTES_PER_PARAM
         return rates.slowdown * updated * per_param / rates.byte, 0.0
     optimizer = updated / hardware.cpu_adam_params_per_s
     h2d = hardware.host_to_device_gbs * 1e9
@@ -534,14 +614,17 @@ def stage_time(
     engine = engine_of(layout, engine)
     first, last = stage == 0, stage == layout.pp - 1
     rates = _rates(layout, hardware)
-    compute, useful, bwd_s = _micro_batch_compute(trace, layout, rates, hardware.efficiency.micro_batch_overhead_s,
-                                                  layers, recomputed, last, vocab_shards(layout, engine))
+    compute, useful, bwd_s = _micro_batch_compute(trace, layout, hardware, engine, rates, layers, recomputed, last,
+                                                  vocab_shards(layout, engine))
     tp_comm, pp_comm = _activation_comm(trace, layout, hardware, placement, layers, recomputed, first, last)
     params, trainable, _ = device_params(trace, layout, engine, layers, stage)
+    if engine == MEGATRON:  # autograd sums each micro-batch's gradients into `.grad`
+        accumulate = rates.slowdown * megatron2021.gradient_accumulation_bytes(layout, trainable) / rates.byte
+        compute, useful = compute + accumulate, useful + accumulate
     w = DTYPE_BYTES[layout.dtype]
     grad_bytes = gradient_comm_bytes(layout, engine, trainable)
     dp_comm, window = _gradient_comm(layout, engine, hardware, placement, grad_bytes, params * w, bwd_s, compute)
-    optimizer, offload = _optimizer_time(layout, hardware, rates, params, trainable)
+    optimizer, offload = _optimizer_time(layout, hardware, rates, params, trainable, engine)
     return StageTime(
         compute_mb=compute, useful_compute_mb=useful, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,
         dp_comm=dp_comm, dp_hidden_max=window, optimizer=optimizer, offload=offload,

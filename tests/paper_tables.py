@@ -283,6 +283,9 @@ KORTHIKANTI_530B_DP8 = {"gpus": 2240, "global_batch": 2240, "iteration_s": 39.15
 #                      NOTE: the 1T row has no virtual-pipeline flag in the script (so v = 1,
 #                      non-interleaved), although section 5.1 says the interleaved schedule is
 #                      used; the 39.1B row (pp = 2) is also non-interleaved in the script.
+#   ddp                the script's DDP variable (--DDP-impl): "torch" (PyTorch DDP, whose bucketed
+#                      all-reduce overlaps the last micro-batch's backward) for 1.7B-18.4B, "local"
+#                      (Megatron's DDP: one all-reduce after the last backward) from 39.1B on.
 #   activation_recompute  every row in the script passes "--activations-checkpoint-method uniform"
 #                      (later renamed "--recompute-method uniform"), i.e. full recomputation with
 #                      the default 1 layer per checkpoint; consistent with equation (3)'s 4x.
@@ -300,34 +303,34 @@ MEGATRON_VOCAB = 51200
 MEGATRON_TABLE1 = [
     {"params_billion": 1.7, "heads": 24, "hidden": 2304, "layers": 24, "tp": 1, "pp": 1, "gpus": 32,
      "batch_size": 512, "tflops_per_gpu": 137, "pct_peak": 44, "aggregate_pflops": 4.4,
-     "dp": 32, "micro_batch": 16, "model_chunks": 1, "activation_recompute": True},
+     "dp": 32, "micro_batch": 16, "model_chunks": 1, "activation_recompute": True, "ddp": "torch"},
     {"params_billion": 3.6, "heads": 32, "hidden": 3072, "layers": 30, "tp": 2, "pp": 1, "gpus": 64,
      "batch_size": 512, "tflops_per_gpu": 138, "pct_peak": 44, "aggregate_pflops": 8.8,
-     "dp": 32, "micro_batch": 16, "model_chunks": 1, "activation_recompute": True},
+     "dp": 32, "micro_batch": 16, "model_chunks": 1, "activation_recompute": True, "ddp": "torch"},
     {"params_billion": 7.5, "heads": 32, "hidden": 4096, "layers": 36, "tp": 4, "pp": 1, "gpus": 128,
      "batch_size": 512, "tflops_per_gpu": 142, "pct_peak": 46, "aggregate_pflops": 18.2,
-     "dp": 32, "micro_batch": 16, "model_chunks": 1, "activation_recompute": True},
+     "dp": 32, "micro_batch": 16, "model_chunks": 1, "activation_recompute": True, "ddp": "torch"},
     {"params_billion": 18.4, "heads": 48, "hidden": 6144, "layers": 40, "tp": 8, "pp": 1, "gpus": 256,
      "batch_size": 1024, "tflops_per_gpu": 135, "pct_peak": 43, "aggregate_pflops": 34.6,
-     "dp": 32, "micro_batch": 8, "model_chunks": 1, "activation_recompute": True},
+     "dp": 32, "micro_batch": 8, "model_chunks": 1, "activation_recompute": True, "ddp": "torch"},
     {"params_billion": 39.1, "heads": 64, "hidden": 8192, "layers": 48, "tp": 8, "pp": 2, "gpus": 512,
      "batch_size": 1536, "tflops_per_gpu": 138, "pct_peak": 44, "aggregate_pflops": 70.8,
-     "dp": 32, "micro_batch": 4, "model_chunks": 1, "activation_recompute": True},
+     "dp": 32, "micro_batch": 4, "model_chunks": 1, "activation_recompute": True, "ddp": "local"},
     {"params_billion": 76.1, "heads": 80, "hidden": 10240, "layers": 60, "tp": 8, "pp": 4, "gpus": 1024,
      "batch_size": 1792, "tflops_per_gpu": 140, "pct_peak": 45, "aggregate_pflops": 143.8,
-     "dp": 32, "micro_batch": 2, "model_chunks": 3, "activation_recompute": True},  # 15 layers/stage, 5/chunk
+     "dp": 32, "micro_batch": 2, "model_chunks": 3, "activation_recompute": True, "ddp": "local"},  # 15 layers/stage, 5/chunk
     {"params_billion": 145.6, "heads": 96, "hidden": 12288, "layers": 80, "tp": 8, "pp": 8, "gpus": 1536,
      "batch_size": 2304, "tflops_per_gpu": 148, "pct_peak": 47, "aggregate_pflops": 227.1,
-     "dp": 24, "micro_batch": 2, "model_chunks": 2, "activation_recompute": True},  # 10 layers/stage, 5/chunk
+     "dp": 24, "micro_batch": 2, "model_chunks": 2, "activation_recompute": True, "ddp": "local"},  # 10 layers/stage, 5/chunk
     {"params_billion": 310.1, "heads": 128, "hidden": 16384, "layers": 96, "tp": 8, "pp": 16, "gpus": 1920,
      "batch_size": 2160, "tflops_per_gpu": 155, "pct_peak": 50, "aggregate_pflops": 297.4,
-     "dp": 15, "micro_batch": 1, "model_chunks": 2, "activation_recompute": True},  # 6 layers/stage, 3/chunk
+     "dp": 15, "micro_batch": 1, "model_chunks": 2, "activation_recompute": True, "ddp": "local"},  # 6 layers/stage, 3/chunk
     {"params_billion": 529.6, "heads": 128, "hidden": 20480, "layers": 105, "tp": 8, "pp": 35, "gpus": 2520,
      "batch_size": 2520, "tflops_per_gpu": 163, "pct_peak": 52, "aggregate_pflops": 410.2,
-     "dp": 9, "micro_batch": 1, "model_chunks": 3, "activation_recompute": True},  # 3 layers/stage, 1/chunk
+     "dp": 9, "micro_batch": 1, "model_chunks": 3, "activation_recompute": True, "ddp": "local"},  # 3 layers/stage, 1/chunk
     {"params_billion": 1008.0, "heads": 160, "hidden": 25600, "layers": 128, "tp": 8, "pp": 64, "gpus": 3072,
      "batch_size": 3072, "tflops_per_gpu": 163, "pct_peak": 52, "aggregate_pflops": 502.0,
-     "dp": 6, "micro_batch": 1, "model_chunks": 1, "activation_recompute": True},  # script: no interleaving
+     "dp": 6, "micro_batch": 1, "model_chunks": 1, "activation_recompute": True, "ddp": "local"},  # script: no interleaving
 ]
 
 # Section 5.1 worked training-time estimates with equation (4).
