@@ -44,6 +44,8 @@ class EngineCapability:
     qlora_devices: frozenset[str] = frozenset()
     # zero=0 across data-parallel replicas runs as priced: whole replicas, one gradient all-reduce
     replicas_without_zero: bool = True
+    # the loss runs chunked (trainer/chunked_loss.py, `chunked_loss`); otherwise HF's whole-logits loss
+    chunked_loss: bool = False
 
 
 ENGINES: dict[EngineName, EngineCapability] = {
@@ -52,7 +54,7 @@ ENGINES: dict[EngineName, EngineCapability] = {
         zero_stages=frozenset({0}), offloads=frozenset({"none"}), methods=frozenset({"full", "lora"}),
         recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"}),
         # a bitsandbytes NF4 base (trainer/adapters.py), tested on CPU; CUDA runs bitsandbytes' own kernels (untested here)
-        qlora_devices=frozenset({"cpu", "cuda"})),
+        qlora_devices=frozenset({"cpu", "cuda"}), chunked_loss=True),
     # No QLoRA: ZeRO 1-3 do train a 4-bit base, but DeepSpeed casts the module to its dtype (the fp32
     # embeddings, norms and adapters of the recipe become bf16, with fp32 master copies), which is not
     # what planner/memory.py prices for QLoRA.
@@ -60,12 +62,12 @@ ENGINES: dict[EngineName, EngineCapability] = {
         "deepspeed", "DeepSpeed ZeRO 1-3, optionally offloaded to host memory",
         zero_stages=frozenset({1, 2, 3}), offloads=frozenset({"none", "optimizer", "optimizer+params"}),
         methods=frozenset({"full", "lora"}), recompute=frozenset({"none", "selective", "full"}),
-        dtypes=frozenset({"bf16", "fp16", "fp32"})),
+        dtypes=frozenset({"bf16", "fp16", "fp32"}), chunked_loss=True),
     "fsdp2": EngineCapability(
         "fsdp2", "DTensor tensor parallelism and/or FSDP2 over the data-parallel replicas",
         zero_stages=frozenset({0, 1, 2, 3}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
         recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
-        sequence_parallel=True),
+        sequence_parallel=True, chunked_loss=True),
     "pipeline": EngineCapability(
         "pipeline", "torch.distributed.pipelining 1F1B or interleaved 1F1B stages, FSDP2 across replicas, "
         "TP inside a stage",
@@ -73,6 +75,27 @@ ENGINES: dict[EngineName, EngineCapability] = {
         recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
         sequence_parallel=True, max_vpp=4, tied_embeddings=False, replicas_without_zero=False),
 }
+
+
+# Tokens per chunk of the chunked loss: one chunk's logits (in the layout's dtype, their fp32 up-cast
+# and log-softmax) are all the loss holds at once, 512 x vocab x 4 bytes each in fp32 (256 MiB at a
+# 128k vocabulary). Few enough rows to bound that, enough that the head's GEMM stays efficient.
+LOSS_CHUNK_TOKENS = 512
+
+# Causal LMs whose forward computes `loss_function(lm_head(decoder(...).last_hidden_state), labels)`
+# and nothing more (no logit soft-capping or scaling): the chunked loss reproduces their loss exactly.
+CHUNKED_LOSS_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
+
+
+def chunked_loss(layout: Layout, engine: EngineName, model_type: str) -> bool:
+    """Whether the trainer computes this layout's loss chunk by chunk (trainer/chunked_loss.py) rather
+    than through HF's loss over the whole logits; the cost model prices whichever runs.
+
+    The pipeline engine's schedule takes the last stage's logits as its output and applies the loss
+    outside the stage, so it keeps HF's loss. Sequence parallelism hands the LM head a
+    sequence-sharded DTensor that its input hook gathers: chunking it would split that hook's input,
+    so sp keeps HF's loss too."""
+    return ENGINES[engine].chunked_loss and not layout.sp and model_type in CHUNKED_LOSS_MODEL_TYPES
 
 
 def engine_for(layout: Layout, choice: str = "auto") -> EngineName:
