@@ -41,6 +41,7 @@ from planner.memory import (
     vocab_shards,
     layer_activation_bytes,
     logits_transient_bytes,
+    loss_runs_chunked,
     micro_batches_in_flight,
     tied_embedding_gradient_bytes,
     model_state_bytes,
@@ -391,14 +392,23 @@ def _rates(layout: Layout, hardware: HardwareSpec) -> _Rates:
     )
 
 
+def loss_recompute_flops(trace: ModelTrace, layout: Layout, engine: str) -> float:
+    """FLOPs per sequence that the loss recomputes in backward: the head's whole forward (LM head
+    GEMM and cross-entropy) once more where the loss runs chunked (trainer/chunked_loss.py), each
+    chunk's logits recomputed rather than kept; none under HF's loss."""
+    return trace.head.fwd_flops if loss_runs_chunked(trace, layout, engine) else 0.0
+
+
 def _micro_batch_compute(trace: ModelTrace, layout: Layout, rates: _Rates, overhead_s: float, layers: int,
-                         recomputed: int, last: bool, vocab: int) -> tuple[float, float, float]:
+                         recomputed: int, last: bool, vocab: int, head_recompute_flops: float = 0.0
+                         ) -> tuple[float, float, float]:
     """(compute, useful compute, backward) seconds of one micro-batch on one stage; useful leaves
-    out the recomputed forward. The head's FLOPs split `vocab` ways (`vocab_shards`), the rest tp."""
+    out the recomputed forward (of layers, and of the head under the chunked loss). The head's FLOPs
+    split `vocab` ways (`vocab_shards`), the rest tp."""
     tp, mbs = layout.tp, layout.mbs
     layer = trace.layer
     head_share = tp / vocab if last else 0.0  # the head's FLOPs, in units divided by tp below
-    fwd = layers * layer.fwd_flops + trace.head.fwd_flops * head_share
+    fwd = layers * layer.fwd_flops + (trace.head.fwd_flops + head_recompute_flops) * head_share
     bwd = layers * layer.bwd_flops + trace.head.bwd_flops * head_share
     if layout.recompute == "full":
         fwd += recomputed * layer.fwd_flops
@@ -530,7 +540,8 @@ def stage_time(
     first, last = stage == 0, stage == layout.pp - 1
     rates = _rates(layout, hardware)
     compute, useful, bwd_s = _micro_batch_compute(trace, layout, rates, hardware.efficiency.micro_batch_overhead_s,
-                                                  layers, recomputed, last, vocab_shards(layout, engine))
+                                                  layers, recomputed, last, vocab_shards(layout, engine),
+                                                  loss_recompute_flops(trace, layout, engine))
     tp_comm, pp_comm = _activation_comm(trace, layout, hardware, placement, layers, recomputed, first, last)
     params, trainable, _ = device_params(trace, layout, engine, layers, stage)
     w = DTYPE_BYTES[layout.dtype]

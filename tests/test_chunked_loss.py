@@ -1,0 +1,129 @@
+"""The chunked loss (trainer/chunked_loss.py): the value and gradients of HF's loss, its memory as
+planner/memory.py prices it (independent truth: the CPU allocator counter), and where it runs."""
+
+import pytest
+import torch
+
+from advisor.capabilities import LOSS_CHUNK_TOKENS, chunked_loss
+from advisor.specs import Layout, ModelSpec
+from planner.cost_model import loss_recompute_flops, stage_memory
+from presets import load_hardware
+from profiler.model_trace import trace_model
+from profiler.tensor_memory import TensorMemory
+from trainer.chunked_loss import install_chunked_loss
+from trainer.model import build_filled_model
+
+SMALL = {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "max_position_embeddings": 128}
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, SMALL["vocab_size"], (3, 40), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :7] = -100  # a prompt
+    labels[1, 30:] = -100  # padding
+    return ids, labels
+
+
+def _loss_and_grads(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("num_items", [None, 57.0])
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_chunked_loss_and_gradients_equal_hf(tied: bool, num_items: float | None, method: str) -> None:
+    config = {**SMALL, "tie_word_embeddings": tied}
+    spec, layout = ModelSpec(name="small", hf_config=config), Layout(method=method, lora_rank=4, dtype="fp32")
+    reference, chunked = build_filled_model(spec, layout, seed=0), build_filled_model(spec, layout, seed=0)
+    install_chunked_loss(chunked, chunk_tokens=16)  # 120 tokens: 8 chunks, the last one partial
+    ids, labels = _batch()
+    inputs = {"input_ids": ids, "labels": labels}
+    if num_items is not None:
+        inputs["num_items_in_batch"] = num_items
+    expected, expected_grads = _loss_and_grads(reference, **inputs)
+    loss, grads = _loss_and_grads(chunked, **inputs)
+    assert torch.allclose(loss, expected, atol=1e-6, rtol=0)
+    assert expected_grads.keys() == grads.keys() and grads
+    if method == "lora":
+        assert all("lora" in name for name in grads)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, expected_grads[name], atol=1e-6, rtol=0), name
+    with torch.no_grad():  # evaluation: the same value without recomputation
+        assert torch.allclose(chunked(**inputs).loss, expected, atol=1e-6, rtol=0)
+    assert chunked(input_ids=ids).logits.shape == (*ids.shape, config["vocab_size"])  # generation: HF's forward
+
+
+MEMORY = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 64, "intermediate_size": 64,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "max_position_embeddings": 2048, "tie_word_embeddings": False}
+
+
+def _measured_peak(layout: Layout, memory: TensorMemory, chunked: bool) -> int:
+    """Peak bytes of one forward and backward above what was live before it (the second step,
+    after zero_grad, as tests/test_logits_memory.py measures)."""
+    model = build_filled_model(ModelSpec(name="logits", hf_config=MEMORY), layout, seed=0)
+    if chunked:
+        install_chunked_loss(model)
+    ids = torch.randint(0, MEMORY["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        base = memory.live()
+        memory.reset_peak()
+        model(input_ids=ids, labels=ids).loss.backward()
+    return memory.peak() - base
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_chunked_loss_peak_drops_as_priced(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    memory = TensorMemory(torch.device("cpu"))
+    layout = Layout(mbs=2, seq=1024, dtype="fp32", method=method, lora_rank=4)  # 4 chunks
+    hf, chunked = _measured_peak(layout, memory, chunked=False), _measured_peak(layout, memory, chunked=True)
+    trace = trace_model(ModelSpec(name="logits", hf_config=MEMORY), layout.seq, "fp32", method=method, device_type="cpu")
+
+    def backward_start(engine: str) -> float:
+        stage = stage_memory(trace, layout, load_hardware("cpu"), 0, 1, 0, engine=engine)
+        return stage.activations + stage.transient
+
+    predicted_chunked = backward_start("plain")
+    monkeypatch.setattr("planner.memory.loss_runs_chunked", lambda *args, **kwargs: False)
+    predicted_hf = backward_start("plain")
+    chunk_fp32 = LOSS_CHUNK_TOKENS * MEMORY["vocab_size"] * 4
+    assert hf > 2.9 * 4 * chunk_fp32  # HF: three fp32 buffers of the whole logits
+    assert chunked < 4 * chunk_fp32  # chunked: those of one chunk, and the head's gradients
+    assert predicted_chunked == pytest.approx(chunked, rel=0.05)
+    assert predicted_hf - predicted_chunked == pytest.approx(hf - chunked, rel=0.05)
+
+
+def test_the_declaration_chunks_where_the_engine_runs_it() -> None:
+    assert chunked_loss(Layout(), "plain", "llama")
+    assert chunked_loss(Layout(zero=3, dp=2), "deepspeed", "qwen2")
+    assert chunked_loss(Layout(tp=2), "fsdp2", "llama")
+    assert not chunked_loss(Layout(tp=2, sp=1), "fsdp2", "llama")  # the head's input hook gathers shards
+    assert not chunked_loss(Layout(pp=2, gas=2), "pipeline", "llama")  # the schedule applies HF's loss
+    assert not chunked_loss(Layout(), "plain", "gemma2")  # soft-capped logits: not HF's plain loss
+
+
+def test_the_chunked_head_runs_its_forward_twice_in_the_time() -> None:
+    trace = trace_model(ModelSpec(name="small", hf_config=SMALL), 64, "fp32", device_type="cpu")
+    assert loss_recompute_flops(trace, Layout(seq=64), "plain") == trace.head.fwd_flops > 0
+    assert loss_recompute_flops(trace, Layout(seq=64, pp=2, gas=2), "pipeline") == 0.0
+
+
+def test_the_plain_engine_trains_on_the_chunked_loss() -> None:
+    from trainer.batch import MicroBatch
+    from trainer.engines import make_engine
+    from trainer.model import build_model
+
+    layout = Layout(seq=40, dtype="fp32")
+    spec = ModelSpec(name="small", hf_config=SMALL)
+    reference = build_filled_model(spec, layout, seed=0)
+    engine = make_engine(build_model(spec, layout, seed=0), layout, None, clip=0.0)
+    ids, labels = _batch()
+    loss = engine.micro_step(MicroBatch(ids, labels))
+    assert engine.model(input_ids=ids, labels=labels).logits is None  # the chunked forward ran
+    assert loss == pytest.approx(float(reference(input_ids=ids, labels=labels).loss), abs=1e-6)
