@@ -231,7 +231,7 @@ def loss_runs_chunked(trace: ModelTrace, layout: Layout, engine: str | None = No
     """Whether the trainer computes this layout's loss chunk by chunk (advisor.capabilities
     `chunked_loss`, trainer/chunked_loss.py) rather than through HF's loss over the whole logits."""
     engine = engine or engine_for(layout)
-    return engine != MEGATRON and chunked_loss(layout, engine, trace.model_type)  # type: ignore[arg-type]
+    return engine != MEGATRON and chunked_loss(layout, engine, trace.model_type, trace.hidden_size)  # type: ignore[arg-type]
 
 
 def loss_chunk_tokens(trace: ModelTrace, layout: Layout, engine: str | None = None) -> int:
@@ -270,13 +270,17 @@ def logits_transient_bytes(trace: ModelTrace, layout: Layout, engine: str | None
 
     The chunked loss holds the same three buffers for one chunk at a time (its recomputed
     log-softmax among them). A trainable head's weight gradient then adds up chunk by chunk: from the
-    second chunk on, the chunks' running sum waits in autograd's buffer beside them.
+    second chunk on, the chunks' running sum waits in autograd's buffer beside them, and each chunk's
+    accumulation holds three head gradients at once (the sum so far, the chunk's, and their sum:
+    autograd does not add a linear layer's weight gradient in place). Measured with the CPU
+    allocator counter: vocabularies 16k-128k, hidden 32-512, fp32 and bf16, within 2%.
     """
     chunk = logits_fp32_bytes(trace, layout, engine) / (layout.mbs * trace.seq) * loss_chunk_tokens(trace, layout, engine)
     if not loss_runs_chunked(trace, layout, engine):
         return 2 * chunk
     several = layout.mbs * trace.seq > loss_chunk_tokens(trace, layout, engine)
-    return 3 * chunk + (head_gradient_bytes(trace, layout, engine) if several else 0.0)
+    head = head_gradient_bytes(trace, layout, engine) if several else 0.0
+    return max(3 * chunk + head, 3 * head)
 
 
 def head_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:

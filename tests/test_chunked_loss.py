@@ -63,13 +63,13 @@ MEMORY = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 64, "interm
           "max_position_embeddings": 2048, "tie_word_embeddings": False}
 
 
-def _measured_peak(layout: Layout, memory: TensorMemory, chunked: bool) -> int:
+def _measured_peak(layout: Layout, config: dict, memory: TensorMemory, chunked: bool) -> int:
     """Peak bytes of one forward and backward above what was live before it (the second step,
     after zero_grad, as tests/test_logits_memory.py measures)."""
-    model = build_filled_model(ModelSpec(name="logits", hf_config=MEMORY), layout, seed=0)
+    model = build_filled_model(ModelSpec(name="logits", hf_config=config), layout, seed=0)
     if chunked:
         install_chunked_loss(model)
-    ids = torch.randint(0, MEMORY["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, config["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         base = memory.live()
@@ -78,12 +78,17 @@ def _measured_peak(layout: Layout, memory: TensorMemory, chunked: bool) -> int:
     return memory.peak() - base
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
-def test_chunked_loss_peak_drops_as_priced(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("method, hidden", [("full", 64), ("lora", 64), ("full", 512)])
+def test_chunked_loss_peak_drops_as_priced(method: str, hidden: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hidden 64: one chunk's three fp32 logits set the loss's peak; hidden 512: the trainable head's
+    gradient copies do (three at each chunk's accumulation), a frozen one has none."""
     memory = TensorMemory(torch.device("cpu"))
-    layout = Layout(mbs=2, seq=1024, dtype="fp32", method=method, lora_rank=4)  # 4 chunks
-    hf, chunked = _measured_peak(layout, memory, chunked=False), _measured_peak(layout, memory, chunked=True)
-    trace = trace_model(ModelSpec(name="logits", hf_config=MEMORY), layout.seq, "fp32", method=method, device_type="cpu")
+    config = {**MEMORY, "hidden_size": hidden}
+    layout = Layout(mbs=2, seq=1024, dtype="fp32", method=method, lora_rank=4)  # 8 chunks
+    assert chunked_loss(layout, "plain", "llama", hidden)
+    hf = _measured_peak(layout, config, memory, chunked=False)
+    chunked = _measured_peak(layout, config, memory, chunked=True)
+    trace = trace_model(ModelSpec(name="logits", hf_config=config), layout.seq, "fp32", method=method, device_type="cpu")
 
     def backward_start(engine: str) -> float:
         stage = stage_memory(trace, layout, load_hardware("cpu"), 0, 1, 0, engine=engine)
@@ -93,19 +98,26 @@ def test_chunked_loss_peak_drops_as_priced(method: str, monkeypatch: pytest.Monk
     monkeypatch.setattr("planner.memory.loss_runs_chunked", lambda *args, **kwargs: False)
     predicted_hf = backward_start("plain")
     chunk_fp32 = LOSS_CHUNK_TOKENS * MEMORY["vocab_size"] * 4
-    assert hf > 2.9 * 4 * chunk_fp32  # HF: three fp32 buffers of the whole logits
-    assert chunked < 4 * chunk_fp32  # chunked: those of one chunk, and the head's gradients
+    head_gradient = MEMORY["vocab_size"] * hidden * 4 if method == "full" else 0
+    assert hf > 2.9 * 8 * chunk_fp32  # HF: three fp32 buffers of the whole logits
+    assert chunked > max(3 * chunk_fp32 + head_gradient, 3 * head_gradient)  # the case priced
+    assert chunked < hf / 2
     assert predicted_chunked == pytest.approx(chunked, rel=0.05)
     assert predicted_hf - predicted_chunked == pytest.approx(hf - chunked, rel=0.05)
 
 
 def test_the_declaration_chunks_where_the_engine_runs_it() -> None:
-    assert chunked_loss(Layout(), "plain", "llama")
-    assert chunked_loss(Layout(zero=3, dp=2), "deepspeed", "qwen2")
-    assert chunked_loss(Layout(tp=2), "fsdp2", "llama")
-    assert not chunked_loss(Layout(tp=2, sp=1), "fsdp2", "llama")  # the head's input hook gathers shards
-    assert not chunked_loss(Layout(pp=2, gas=2), "pipeline", "llama")  # the schedule applies HF's loss
-    assert not chunked_loss(Layout(), "plain", "gemma2")  # soft-capped logits: not HF's plain loss
+    long = {"seq": 4096, "dtype": "bf16"}
+    assert chunked_loss(Layout(**long), "plain", "llama", 4096)
+    assert chunked_loss(Layout(zero=3, dp=2, **long), "deepspeed", "qwen2", 4096)
+    assert chunked_loss(Layout(tp=2, **long), "fsdp2", "llama", 4096)
+    assert not chunked_loss(Layout(tp=2, sp=1, **long), "fsdp2", "llama", 4096)  # the head's input hook gathers shards
+    assert not chunked_loss(Layout(pp=2, gas=2, **long), "pipeline", "llama", 4096)  # the schedule applies HF's loss
+    assert not chunked_loss(Layout(**long), "plain", "gemma2", 4096)  # soft-capped logits: not HF's plain loss
+    # a short micro-batch of a wide trainable head: three head gradients (3 x 4096 x 2 bytes per vocabulary
+    # entry) would outweigh HF's three fp32 logits of 1024 tokens (3 x 1024 x 4); a frozen head has none
+    assert not chunked_loss(Layout(seq=1024, dtype="bf16"), "plain", "llama", 4096)
+    assert chunked_loss(Layout(seq=1024, dtype="bf16", method="lora"), "plain", "llama", 4096)
 
 
 def test_the_chunked_head_runs_its_forward_twice_in_the_time() -> None:

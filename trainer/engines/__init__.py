@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 
-from advisor.capabilities import EngineChoice, EngineName, check_runnable, chunked_loss, config_shape, engine_for
+from advisor.capabilities import EngineChoice, EngineName, check_runnable, engine_for, config_shape
 from advisor.errors import UsageError
 from advisor.specs import Layout
-from trainer.chunked_loss import install_chunked_loss
 from trainer.engines.base import Engine, device
 from trainer.engines.deepspeed_zero import DeepSpeedEngine
 from trainer.engines.pipeline import PipelineEngine
@@ -36,8 +35,6 @@ def make_engine(model: torch.nn.Module, layout: Layout, deepspeed_config: dict[s
     needed only when DeepSpeed runs."""
     check_runnable(layout, config_shape(model.config), device().type, engine)
     backend = select_backend(layout, engine)
-    if chunked_loss(layout, backend, model.config.model_type):  # as the cost model prices it
-        install_chunked_loss(model)
     if backend == "pipeline":
         return PipelineEngine(model, layout, clip)
     if backend == "fsdp2":

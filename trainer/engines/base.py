@@ -116,7 +116,7 @@ def use_declared_loss(model: torch.nn.Module, layout: Layout, engine: EngineName
     """Give `model` the loss the declaration names for `engine` and `layout` (advisor.capabilities
     `chunked_loss`), the one the cost model prices: the chunked cross-entropy where it runs, else
     HF's loss over the whole logits."""
-    if chunked_loss(layout, engine, model.config.model_type):
+    if chunked_loss(layout, engine, model.config.model_type, int(model.config.hidden_size)):
         install_chunked_loss(model)
 
 
