@@ -10,6 +10,7 @@ from planner.cost_model import loss_recompute_flops, stage_memory
 from presets import load_hardware
 from profiler.model_trace import trace_model
 from profiler.tensor_memory import TensorMemory
+from test_logits_memory import measured_activation_peak
 from trainer.chunked_loss import install_chunked_loss
 from trainer.model import build_filled_model
 
@@ -63,21 +64,6 @@ MEMORY = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 64, "interm
           "max_position_embeddings": 2048, "tie_word_embeddings": False}
 
 
-def _measured_peak(layout: Layout, config: dict, memory: TensorMemory, chunked: bool) -> int:
-    """Peak bytes of one forward and backward above what was live before it (the second step,
-    after zero_grad, as tests/test_logits_memory.py measures)."""
-    model = build_filled_model(ModelSpec(name="logits", hf_config=config), layout, seed=0)
-    if chunked:
-        install_chunked_loss(model)
-    ids = torch.randint(0, config["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        base = memory.live()
-        memory.reset_peak()
-        model(input_ids=ids, labels=ids).loss.backward()
-    return memory.peak() - base
-
-
 @pytest.mark.parametrize("method, hidden", [("full", 64), ("lora", 64), ("full", 512)])
 def test_chunked_loss_peak_drops_as_priced(method: str, hidden: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """hidden 64: one chunk's three fp32 logits set the loss's peak; hidden 512: the trainable head's
@@ -86,8 +72,8 @@ def test_chunked_loss_peak_drops_as_priced(method: str, hidden: int, monkeypatch
     config = {**MEMORY, "hidden_size": hidden}
     layout = Layout(mbs=2, seq=1024, dtype="fp32", method=method, lora_rank=4)  # 8 chunks
     assert chunked_loss(layout, "plain", "llama", hidden)
-    hf = _measured_peak(layout, config, memory, chunked=False)
-    chunked = _measured_peak(layout, config, memory, chunked=True)
+    hf = measured_activation_peak(layout, memory, config)
+    chunked = measured_activation_peak(layout, memory, config, chunked=True)
     trace = trace_model(ModelSpec(name="logits", hf_config=config), layout.seq, "fp32", method=method, device_type="cpu")
 
     def backward_start(engine: str) -> float:

@@ -12,6 +12,7 @@ from planner.cost_model import stage_memory
 from presets import load_hardware
 from profiler.model_trace import trace_model
 from profiler.tensor_memory import TensorMemory
+from trainer.chunked_loss import install_chunked_loss
 from trainer.model import build_filled_model
 
 CONFIG = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 32, "intermediate_size": 64,
@@ -19,10 +20,13 @@ CONFIG = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 32, "interm
           "max_position_embeddings": 512, "tie_word_embeddings": False}
 
 
-def measured_activation_peak(layout: Layout, memory: TensorMemory, config: dict = CONFIG) -> int:
+def measured_activation_peak(layout: Layout, memory: TensorMemory, config: dict = CONFIG, chunked: bool = False) -> int:
     """Peak bytes of one forward and backward above what was live before it (the second step:
-    the gradients of the first are dropped, as the optimizer's zero_grad does)."""
+    the gradients of the first are dropped, as the optimizer's zero_grad does); HF's loss, or
+    `chunked` the trainer's chunked loss."""
     model = build_filled_model(ModelSpec(name="logits", hf_config=config), layout, seed=0)
+    if chunked:
+        install_chunked_loss(model)
     ids = torch.randint(0, config["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         model.zero_grad(set_to_none=True)
