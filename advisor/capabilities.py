@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from advisor.errors import UsageError
 from advisor.layout_rules import ModelShape, layout_problem
-from advisor.specs import Layout
+from advisor.specs import DTYPE_BYTES, Layout
 
 EngineName = Literal["plain", "deepspeed", "fsdp2", "pipeline"]
 EngineChoice = Literal["auto", "deepspeed", "fsdp2"]
@@ -44,6 +44,8 @@ class EngineCapability:
     qlora_devices: frozenset[str] = frozenset()
     # zero=0 across data-parallel replicas runs as priced: whole replicas, one gradient all-reduce
     replicas_without_zero: bool = True
+    # the loss runs chunked (trainer/chunked_loss.py, `chunked_loss`); otherwise HF's whole-logits loss
+    chunked_loss: bool = False
 
 
 ENGINES: dict[EngineName, EngineCapability] = {
@@ -52,7 +54,7 @@ ENGINES: dict[EngineName, EngineCapability] = {
         zero_stages=frozenset({0}), offloads=frozenset({"none"}), methods=frozenset({"full", "lora"}),
         recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"}),
         # a bitsandbytes NF4 base (trainer/adapters.py), tested on CPU; CUDA runs bitsandbytes' own kernels (untested here)
-        qlora_devices=frozenset({"cpu", "cuda"})),
+        qlora_devices=frozenset({"cpu", "cuda"}), chunked_loss=True),
     # No QLoRA: ZeRO 1-3 do train a 4-bit base, but DeepSpeed casts the module to its dtype (the fp32
     # embeddings, norms and adapters of the recipe become bf16, with fp32 master copies), which is not
     # what planner/memory.py prices for QLoRA.
@@ -60,12 +62,12 @@ ENGINES: dict[EngineName, EngineCapability] = {
         "deepspeed", "DeepSpeed ZeRO 1-3, optionally offloaded to host memory",
         zero_stages=frozenset({1, 2, 3}), offloads=frozenset({"none", "optimizer", "optimizer+params"}),
         methods=frozenset({"full", "lora"}), recompute=frozenset({"none", "selective", "full"}),
-        dtypes=frozenset({"bf16", "fp16", "fp32"})),
+        dtypes=frozenset({"bf16", "fp16", "fp32"}), chunked_loss=True),
     "fsdp2": EngineCapability(
         "fsdp2", "DTensor tensor parallelism and/or FSDP2 over the data-parallel replicas",
         zero_stages=frozenset({0, 1, 2, 3}), offloads=frozenset({"none"}), methods=frozenset({"full"}),
         recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
-        sequence_parallel=True),
+        sequence_parallel=True, chunked_loss=True),
     "pipeline": EngineCapability(
         "pipeline", "torch.distributed.pipelining 1F1B or interleaved 1F1B stages, FSDP2 across replicas, "
         "TP inside a stage",
@@ -73,6 +75,43 @@ ENGINES: dict[EngineName, EngineCapability] = {
         recompute=frozenset({"none", "selective", "full"}), dtypes=frozenset({"bf16", "fp32"}), tensor_parallel=True,
         sequence_parallel=True, max_vpp=4, tied_embeddings=False, replicas_without_zero=False),
 }
+
+
+# Tokens per chunk of the chunked loss: one chunk's logits (in the layout's dtype, their fp32 up-cast
+# and log-softmax) are all the loss holds at once, 256 x vocab x 4 bytes each in fp32 (125 MiB at a
+# 128k vocabulary). Few enough rows to bound that, enough that the head's GEMM (256 x hidden x vocab)
+# stays efficient; Liger's fused linear cross-entropy picks about as many for 8k tokens at 128k.
+LOSS_CHUNK_TOKENS = 256
+
+# Causal LMs whose forward computes `loss_function(lm_head(decoder(...).last_hidden_state), labels)`
+# and nothing more (no logit soft-capping or scaling): the chunked loss reproduces their loss exactly.
+CHUNKED_LOSS_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
+
+
+def chunked_loss(layout: Layout, engine: EngineName, model_type: str, hidden_size: int) -> bool:
+    """Whether the trainer computes this layout's loss chunk by chunk (trainer/chunked_loss.py) rather
+    than through HF's loss over the whole logits; the cost model prices whichever runs.
+
+    The pipeline engine's schedule takes the last stage's logits as its output and applies the loss
+    outside the stage, so it keeps HF's loss. Sequence parallelism hands the LM head a
+    sequence-sharded DTensor that its input hook gathers: chunking it would split that hook's input,
+    so sp keeps HF's loss too. Elsewhere it runs where it holds less (`chunked_loss_holds_less`)."""
+    runs = ENGINES[engine].chunked_loss and not layout.sp and model_type in CHUNKED_LOSS_MODEL_TYPES
+    return runs and chunked_loss_holds_less(layout, hidden_size)
+
+
+def chunked_loss_holds_less(layout: Layout, hidden_size: int) -> bool:
+    """Whether the chunked loss's backward holds no more than HF's, per vocabulary entry
+    (planner/memory.py `logits_transient_bytes` prices both): HF three fp32 logits of the whole
+    micro-batch; the chunked loss three of one chunk, and with a trainable head beside them its
+    gradient's running sum, which at each chunk's accumulation is three head gradients at once
+    (the sum so far, the chunk's, their sum). Short micro-batches of a wide trainable head keep
+    HF's loss."""
+    tokens = layout.mbs * layout.seq
+    if tokens <= LOSS_CHUNK_TOKENS:
+        return True  # one chunk: the same buffers
+    head_gradient = hidden_size * DTYPE_BYTES[layout.dtype] if layout.method == "full" else 0
+    return max(3 * 4 * LOSS_CHUNK_TOKENS + head_gradient, 3 * head_gradient) < 3 * 4 * tokens
 
 
 def engine_for(layout: Layout, choice: str = "auto") -> EngineName:

@@ -41,6 +41,7 @@ from planner.memory import (
     vocab_shards,
     layer_activation_bytes,
     logits_transient_bytes,
+    loss_runs_chunked,
     micro_batches_in_flight,
     tied_embedding_gradient_bytes,
     model_state_bytes,
@@ -180,6 +181,24 @@ def _resident_gradients(layout: Layout, engine: str, gradients: float, params: f
     return 0.0
 
 
+def regrown_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str, stage: int, gradients: float,
+                           trainable: float, resident: float) -> float:
+    """Gradient bytes held when the stage's first decoder layer regrows its activations in backward
+    (recomputation runs from the stage's first layers, `trainer.recompute`): every layer after it
+    and the head have produced theirs, as the engine keeps them (`states.gradients` per trainable
+    parameter: whole `.grad`, or ZeRO/FSDP2 partitions; a tied head's share of the embedding's
+    gradient waits in autograd's buffer). Counted on top of the activations kept at the
+    start of backward, most of which are freed by then (measured: the plain engine, full
+    recomputation, 4 layers: within 2%). None where the gradients are resident from the start
+    (`_resident_gradients` counts them) or offloaded."""
+    if not trainable or resident:
+        return 0.0
+    before = trace.layer.trainable_params / layout.tp  # the layer itself
+    if stage == 0 and not model_shape(trace).tied_embeddings:
+        before += trace.embedding.trainable_params / vocab_shards(layout, engine)  # the embedding's comes last
+    return gradients * max(trainable - before, 0.0) / trainable
+
+
 def zero_bucket_elems(trace: ModelTrace, layout: Layout) -> int:
     """DeepSpeed reduce/all-gather bucket that our exported configs set: the default 5e7 elements,
     shrunk to the trainable parameters of one model shard for small models (DeepSpeed allocates the
@@ -218,6 +237,9 @@ class StageMemory:
     activations: float
     logits: float
     regrown: float
+    # gradients that exist when the stage's first layer regrows in backward: the head's and those of
+    # the stage's other layers (0 where no layer recomputes or gradients are resident anyway)
+    regrown_gradients: float
     # live at the start of backward beyond the shards: gathered weights (ZeRO-3, FSDP2), ZeRO-3's bucket
     zero3_live: float
     scratch: float
@@ -229,8 +251,9 @@ class StageMemory:
 
     @property
     def transient(self) -> float:
-        # the loss's buffers are gone before the first recomputed layer regrows its activations
-        return max(self.logits, self.regrown) + self.zero3_live
+        # the loss's buffers are gone before the first recomputed layer regrows its activations;
+        # the gradients of everything after that layer exist by then
+        return max(self.logits, self.regrown + self.regrown_gradients) + self.zero3_live
 
     @property
     def backward_start(self) -> float:
@@ -298,6 +321,7 @@ def stage_memory(
     root = params - layers * trace.layer.params / tp
     gathered = gathered_parameter_bytes(params, trace.layer.params / tp, root, layout, engine)
     resident = _resident_gradients(layout, engine, states.gradients, params)
+    regrows = bool(recomputed) and layout.recompute != "none"
     tied_copies = tied_embedding_gradient_bytes(trace, layout, engine)
     tied_backward = 0.0
     if tied_copies:
@@ -313,7 +337,9 @@ def stage_memory(
         resident_gradients=resident,
         activations=activations,
         logits=logits_transient_bytes(trace, layout, engine) if last else 0.0,
-        regrown=kept - reduced if recomputed and layout.recompute != "none" else 0.0,
+        regrown=kept - reduced if regrows else 0.0,
+        regrown_gradients=(regrown_gradient_bytes(trace, layout, engine, stage, states.gradients, trainable, resident)
+                           if regrows else 0.0),
         zero3_live=gathered,
         scratch=buckets + _optimizer_temporaries(trace, layout, hardware, engine, trainable),
         tied_backward=tied_backward,
@@ -396,15 +422,24 @@ def _rates(layout: Layout, hardware: HardwareSpec) -> _Rates:
     )
 
 
+def loss_recompute_flops(trace: ModelTrace, layout: Layout, engine: str) -> float:
+    """FLOPs per sequence that the loss recomputes in backward: the head's whole forward (LM head
+    GEMM and cross-entropy) once more where the loss runs chunked (trainer/chunked_loss.py), each
+    chunk's logits recomputed rather than kept; none under HF's loss."""
+    return trace.head.fwd_flops if loss_runs_chunked(trace, layout, engine) else 0.0
+
+
 def _micro_batch_compute(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engine: str, rates: _Rates,
                          layers: int, recomputed: int, last: bool, vocab: int) -> tuple[float, float, float]:
     """(compute, useful compute, backward) seconds of one micro-batch on one stage; useful leaves
-    out the recomputed forward. The head's FLOPs split `vocab` ways (`vocab_shards`), the rest tp."""
+    out the recomputed forward (of layers, and of the head under the chunked loss). The head's FLOPs
+    split `vocab` ways (`vocab_shards`), the rest tp."""
     overhead_s = hardware.efficiency.micro_batch_overhead_s
+    head_recompute_flops = loss_recompute_flops(trace, layout, engine)
     tp, mbs = layout.tp, layout.mbs
     layer = trace.layer
     head_share = tp / vocab if last else 0.0  # the head's FLOPs, in units divided by tp below
-    fwd = layers * layer.fwd_flops + trace.head.fwd_flops * head_share
+    fwd = layers * layer.fwd_flops + (trace.head.fwd_flops + head_recompute_flops) * head_share
     bwd = layers * layer.bwd_flops + trace.head.bwd_flops * head_share
     if layout.recompute == "full":
         fwd += recomputed * layer.fwd_flops

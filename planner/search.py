@@ -221,6 +221,7 @@ class _StageCoefficients:
     optimizer_moment: _Affine
     logits: float
     regrown: float
+    regrown_gradients: _Affine  # with the regrown layer only (k plays no part)
     per_mb: _Affine
     compute: _Affine
     dp_comm: _Affine
@@ -241,15 +242,18 @@ def _time_parts(t: StageTime) -> tuple[float, ...]:
 
 def stage_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec, stage: int) -> _StageCoefficients:
     placement = Placement.of(layout, hw.devices_per_node)
-    mems = [stage_memory(trace, layout, hw, stage, n, k) for n, k in ((0, 0), (1, 0), (1, 1))]
+    mems = [stage_memory(trace, layout, hw, stage, n, k) for n, k in ((0, 0), (1, 0), (1, 1), (2, 1))]
     times = [_time_parts(stage_time(trace, layout, hw, placement, stage, n, k)) for n, k in ((0, 0), (1, 0), (1, 1))]
-    parts = [_memory_parts(m) for m in mems]
+    parts = [_memory_parts(m) for m in mems[:3]]
+    grads_per_layer = mems[3].regrown_gradients - mems[2].regrown_gradients
     affine_t = [_affine(*(t[i] for t in times)) for i in range(5)]
     return _StageCoefficients(
         backward_base=_affine(*(p[0] for p in parts)), optimizer_moment=_affine(*(p[1] for p in parts)),
-        logits=mems[0].logits, regrown=mems[2].regrown, per_mb=affine_t[0], compute=affine_t[1],
+        logits=mems[0].logits, regrown=mems[2].regrown,
+        regrown_gradients=_Affine(mems[2].regrown_gradients - grads_per_layer, grads_per_layer, 0.0),
+        per_mb=affine_t[0], compute=affine_t[1],
         dp_comm=affine_t[2], dp_hidden=affine_t[3], update=affine_t[4], overlap=hw.efficiency.comm_overlap,
-        host=_affine(*(m.host for m in mems)), host_capacity=mems[0].host_capacity,
+        host=_affine(*(m.host for m in mems[:3])), host_capacity=mems[0].host_capacity,
     )
 
 
@@ -409,8 +413,12 @@ class StageProgram:
             base = c.backward_base
             if s in r_index:  # the layer being recomputed regrows its activations
                 row({k: 1.0, r_index[s]: -float(max(1, most[s]))}, high=0.0)  # the least big-M: a tighter LP
-                row({n: base.n * scale, k: base.k * scale, r_index[s]: c.regrown * scale},
-                    high=1.0 - base.c * scale)
+                # the gradients held then grow with n but count only with r: big-M keeps the row
+                # slack when the stage does not recompute (n <= most)
+                grads = c.regrown_gradients
+                big = max(grads.n, 0.0) * max(1, most[s])
+                row({n: (base.n + grads.n) * scale, k: base.k * scale,
+                     r_index[s]: (c.regrown + grads.c + big) * scale}, high=1.0 - (base.c - big) * scale)
             row({n: base.n * scale, k: base.k * scale}, high=1.0 - (base.c + c.logits) * scale)
             moment = c.optimizer_moment
             row({n: moment.n * scale, k: moment.k * scale}, high=1.0 - moment.c * scale)

@@ -115,7 +115,7 @@ def test_plain_lora_keeps_a_16_bit_base_and_fp32_adapters() -> None:
 def test_dry_run_refuses_a_layout_the_trainer_does_not_run(tmp_path: Path) -> None:
     plan_path = _plan(tmp_path, "llama2-7b-4090-auto")
     data = yaml.safe_load(plan_path.read_text())
-    data["chosen"]["layout"].update({"method": "full", "dtype": "fp16", "zero": 0})
+    data["chosen"]["layout"].update({"method": "full", "dtype": "fp16", "zero": 0, "offload": "none"})
     plan_path.write_text(yaml.safe_dump(data))
     result = runner.invoke(app, ["train", str(plan_path), "--dry-run"])
     if "fp16" in ENGINES["plain"].dtypes:

@@ -12,28 +12,25 @@ from planner.cost_model import stage_memory
 from presets import load_hardware
 from profiler.model_trace import trace_model
 from profiler.tensor_memory import TensorMemory
-from trainer.model import build_filled_model
+from bench.chunked_loss_memory import measured
 
 CONFIG = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
           "max_position_embeddings": 512, "tie_word_embeddings": False}
 
 
-def measured_activation_peak(layout: Layout, memory: TensorMemory, config: dict = CONFIG) -> int:
+def measured_activation_peak(layout: Layout, memory: TensorMemory, config: dict = CONFIG, chunked: bool = False) -> int:
     """Peak bytes of one forward and backward above what was live before it (the second step:
-    the gradients of the first are dropped, as the optimizer's zero_grad does)."""
-    model = build_filled_model(ModelSpec(name="logits", hf_config=config), layout, seed=0)
-    ids = torch.randint(0, config["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        base = memory.live()
-        memory.reset_peak()
-        model(input_ids=ids, labels=ids).loss.backward()
-    return memory.peak() - base
+    the gradients of the first are dropped, as the optimizer's zero_grad does); HF's loss, or
+    `chunked` the trainer's chunked loss."""
+    return measured(layout, config, memory, chunked)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_loss_buffers_priced_as_measured(dtype: str) -> None:
+def test_loss_buffers_priced_as_measured(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF's loss over the whole logits, as the engines that keep it run it (pipeline, sequence
+    parallelism; the chunked loss: tests/test_chunked_loss.py)."""
+    monkeypatch.setattr("planner.memory.loss_runs_chunked", lambda *args, **kwargs: False)
     memory = TensorMemory(torch.device("cpu"))
     layout = Layout(mbs=4, seq=256, dtype=dtype)
     measured = measured_activation_peak(layout, memory)

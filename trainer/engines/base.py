@@ -14,7 +14,10 @@ from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
+from advisor.capabilities import EngineName, chunked_loss
+from advisor.specs import Layout
 from trainer.batch import MicroBatch, as_micro_batch
+from trainer.chunked_loss import install_chunked_loss
 from trainer.checkpoint import load_distributed, load_full_state, plain_state, save_distributed, universal_state
 
 
@@ -107,6 +110,14 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def use_declared_loss(model: torch.nn.Module, layout: Layout, engine: EngineName) -> None:
+    """Give `model` the loss the declaration names for `engine` and `layout` (advisor.capabilities
+    `chunked_loss`), the one the cost model prices: the chunked cross-entropy where it runs, else
+    HF's loss over the whole logits."""
+    if chunked_loss(layout, engine, model.config.model_type, int(model.config.hidden_size)):
+        install_chunked_loss(model)
 
 
 def forward_backward(model: torch.nn.Module, batch: MicroBatch | torch.Tensor, gas: int) -> float:

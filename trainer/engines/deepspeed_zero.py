@@ -14,7 +14,7 @@ import torch.distributed as dist
 from advisor.errors import UsageError
 from advisor.specs import Layout
 from trainer.batch import MicroBatch, as_micro_batch
-from trainer.engines.base import device, state_bytes
+from trainer.engines.base import device, state_bytes, use_declared_loss
 from trainer.engines.optimizer import set_learning_rate
 from trainer.checkpoint import ENGINE_TAG, saved_ranks, universal_checkpoint
 from trainer.materialize import materialize, materialize_zero3, pending_init
@@ -63,6 +63,7 @@ class DeepSpeedEngine:
         config = dict(config)
         config["gradient_clipping"] = clip  # DeepSpeed clips at 1.0 unless told (NOTES trap 3)
         cpu = not torch.cuda.is_available()
+        use_declared_loss(model, layout, "deepspeed")
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": weight_decay,
                                                           "torch_adam": cpu}}
         if layout.zero == 3:  # partitioned by DeepSpeed's own zero.Init, then each rank fills its partition

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from advisor.specs import Layout
 from trainer.batch import MicroBatch
 from trainer.checkpoint import load_distributed, saved_ranks, universal_state
-from trainer.engines.base import device, forward_backward, state_bytes
+from trainer.engines.base import device, forward_backward, state_bytes, use_declared_loss
 from trainer.engines.optimizer import adamw, clip_replicated_grad_norm, optimizer_step
 from trainer.materialize import materialize, pending_init
 
@@ -30,6 +30,7 @@ class PlainEngine:
         self.layout = layout
         self.clip = clip
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        use_declared_loss(model, layout, "plain")
         materialize(model, pending_init(model), device())  # whole: every replica holds every weight
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, weight_decay, fused=True)

@@ -6,7 +6,7 @@ import torch
 
 from advisor.specs import Layout
 from trainer.batch import MicroBatch
-from trainer.engines.base import DTensorState, device, forward_backward
+from trainer.engines.base import DTensorState, device, forward_backward, use_declared_loss
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
 from trainer.materialize import materialize, pending_init
 from trainer.parallelize import (ParallelMesh, check_parallel_layout, decoder_layers, parallelize,
@@ -27,6 +27,7 @@ class ShardedEngine(DTensorState):
         check_parallel_layout(model, layout)
         self.layout, self.clip = layout, clip
         self.mesh = ParallelMesh.build(layout)
+        use_declared_loss(model, layout, "fsdp2")
         parallelize(model, self.mesh, layout, layers=lambda: decoder_layers(model),
                     fsdp_units=lambda: shard_units(model), reshard_after_forward=layout.zero == 3)
         materialize(model, pending_init(model), device())  # only the local shards

@@ -1,0 +1,71 @@
+"""The loss's memory with HF's loss and with the trainer's chunked loss (trainer/chunked_loss.py) at
+real vocabularies: the measured peak of one forward and backward (the CPU allocator counter,
+profiler/tensor_memory.py) against planner/memory.py's backward-start prediction (plain engine; HF's
+loss priced as the engines that keep it run it). One decoder layer, hidden 256, mbs 1, seq 1024.
+
+    PYTHONPATH=$PWD python -m bench.chunked_loss_memory
+"""
+
+from __future__ import annotations
+
+import torch
+
+import planner.memory
+from advisor.specs import Layout, ModelSpec
+from planner.cost_model import stage_memory
+from presets import load_hardware
+from profiler.model_trace import trace_model
+from profiler.tensor_memory import TensorMemory
+from trainer.chunked_loss import install_chunked_loss
+from trainer.model import build_filled_model
+
+VOCABULARIES = (32000, 128256)
+
+
+def _config(vocab: int) -> dict:
+    return {"model_type": "llama", "vocab_size": vocab, "hidden_size": 256, "intermediate_size": 688,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "max_position_embeddings": 2048, "tie_word_embeddings": False}
+
+
+def measured(layout: Layout, config: dict, memory: TensorMemory, chunked: bool) -> int:
+    """Peak bytes of the second forward and backward above what was live before it."""
+    model = build_filled_model(ModelSpec(name="loss", hf_config=config), layout, seed=0)
+    if chunked:
+        install_chunked_loss(model)
+    ids = torch.randint(0, config["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        base = memory.live()
+        memory.reset_peak()
+        model(input_ids=ids, labels=ids).loss.backward()
+    return memory.peak() - base
+
+
+def predicted(layout: Layout, config: dict, chunked: bool) -> float:
+    trace = trace_model(ModelSpec(name="loss", hf_config=config), layout.seq, layout.dtype, device_type="cpu")
+    runs_chunked = planner.memory.loss_runs_chunked
+    if not chunked:  # price HF's loss, as the pipeline engine and sequence parallelism run it
+        planner.memory.loss_runs_chunked = lambda *args, **kwargs: False  # type: ignore[assignment]
+    try:
+        stage = stage_memory(trace, layout, load_hardware("cpu"), 0, 1, 0, engine="plain")
+    finally:
+        planner.memory.loss_runs_chunked = runs_chunked
+    return stage.activations + stage.transient
+
+
+def main() -> None:
+    memory = TensorMemory(torch.device("cpu"))
+    for vocab in VOCABULARIES:
+        for dtype in ("fp32", "bf16"):
+            layout, config = Layout(mbs=1, seq=1024, dtype=dtype), _config(vocab)
+            cells = []
+            for chunked in (False, True):
+                got, want = measured(layout, config, memory, chunked), predicted(layout, config, chunked)
+                cells.append(f"{'chunked' if chunked else 'HF'} {got / 2**20:7.1f} MiB measured, "
+                             f"{want / 2**20:7.1f} predicted ({want / got - 1:+.1%})")
+            print(f"vocab {vocab:6d} seq 1024 {dtype}: " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
