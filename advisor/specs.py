@@ -48,6 +48,18 @@ MIN_COMPUTE_FRACTION = 0.8
 MEMORY_MARGIN = 0.05
 
 
+class LinkFigures(BaseModel):
+    """A collective's measured bus bandwidth and latency on one kind of link (alpha-beta fit)."""
+
+    model_config = SPEC_CONFIG
+
+    bandwidth_gbs: float = Field(gt=0, description="bus bandwidth, GB/s (nccl-tests' busbw definition)")
+    latency_us: float = Field(ge=0)
+
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
 class Efficiency(BaseModel):
     """Fractions of datasheet peak that real kernels reach (the cost model's calibration knobs)."""
 
@@ -105,6 +117,10 @@ class HardwareSpec(BaseModel):
     cpu_adam_params_per_s: float = Field(
         1.0e9, gt=0, description="host Adam update rate per device for optimizer offload"
     )
+    collective_links: dict[str, LinkFigures] = Field(
+        default_factory=dict, description="'<op>/intra' or '<op>/inter' (op: all_gather, reduce_scatter, "
+        "send_recv) -> that collective's own measured fit, where a profile measured it (gloo's all-gather "
+        "runs at a third of its all-reduce's bus bandwidth); absent: the link's all-reduce figures above")
     threads_per_device: int | None = Field(
         None, ge=1, description="CPU: the threads one device (rank) runs, as the profile measured it; "
         "advisor train pins every rank to it (unset: the node's cores shared out over its ranks)")

@@ -295,10 +295,21 @@ def table(results: list[dict[str, Any]], hardware_name: str) -> str:
         "from forward to backward; DeepSpeed ZeRO-3 as exported keeps up to stage3_max_live_parameters "
         "gathered and its reduce bucket alive in backward; DDP accumulating under no_sync holds fresh gradients "
         "beside its persistent buckets; a tied embedding's gradient exists three times at the end of backward (the "
-        "LM head's share held by autograd until the embedding's own arrives, that one, and their sum: row 28). Step times are not yet within their targets: this run shared the "
-        "two cores with other sessions (load average 2-10 while it ran; its quick profile's fp32 GEMM reached "
-        "49 GFLOP/s of the ~185 a quiet machine gives), and each row times only 2 steady steps after 1 "
-        "warm-up step (calibration warms up 3).")
+        "LM head's share held by autograd until the embedding's own arrives, that one, and their sum: row 28); "
+        "the chunked loss (trainer/chunked_loss.py) holds one chunk's logits where the declaration runs it.\n\n"
+        "What the step times taught it: a profile's CPU device is its threads (one core here), and every rank "
+        "now trains with exactly those (`HardwareSpec.threads_per_device`; 1-rank rows had run on both cores and "
+        "were 50-175% slower than predicted); ranks beyond the cores time-share them (the 4-rank rows); the "
+        "optimizer step runs at the profile's measured AdamW rate, not at a fitted memory rate; FSDP2 and ZeRO-3 "
+        "pay gloo's own all-gather and reduce-scatter rates (a third and a half of its all-reduce's); the loss's "
+        "passes over the fp32 logits are priced; the GEMM efficiency is the measured rate's, not fitted (fitted, "
+        "it traded off against the element-wise time and drifted between 0.86 and 2.0 from one profile to the "
+        "next); calibration runs 9 steps for its 5 unknowns. What is still off: the rows with the largest "
+        "vocabularies (50k-64k) run 20-32% slower than priced, a cost that grows with tokens x vocabulary "
+        "beyond the loss's passes and the head's GEMMs as the profile measures them, which calibration on an 8k "
+        "vocabulary cannot see; the pipeline rows run 17-43% faster than priced; the 4-rank DeepSpeed ZeRO-1 "
+        "row's peak is the end of backward with a tied embedding, priced 12% high. Each row times 3 steady steps "
+        "after 3 warm-up steps, as calibration does, on a quiet machine.")
 
 
 def main() -> None:

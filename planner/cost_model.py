@@ -40,6 +40,7 @@ from planner.memory import (
     head_activation_bytes,
     vocab_shards,
     layer_activation_bytes,
+    logits_fp32_bytes,
     logits_transient_bytes,
     loss_runs_chunked,
     micro_batches_in_flight,
@@ -53,12 +54,17 @@ from profiler.model_trace import ModelTrace, trace_model
 # Bytes an Adam update moves per parameter with a fused kernel: read weight, grad, m, v (and the
 # fp32 master), write them back (PyTorch's fused AdamW and DeepSpeed's FusedAdam stream each once).
 ADAM_BYTES_PER_PARAM_FUSED = 28
-# PyTorch's single-tensor AdamW on CPU runs ~10 separate element-wise kernels per parameter.
-ADAM_BYTES_PER_PARAM_CPU = 112
 # Memory-bound kernels (norms, activations, softmax, dropout, residual adds) read and write about
 # as many bytes as the activations they save; each saved byte is written in forward and read in
 # backward, and their gradients are written and read once more.
 ELEMENTWISE_PASSES = 4.0
+# The loss's memory-bound passes over the fp32 logits (tokens x vocab) of one micro-batch: the
+# log-softmax reads them for the maximum, again for the sum of exponentials, and once more to write
+# the log-probabilities (4); backward fills and scatters the NLL's gradient, then reads it with the
+# log-probabilities to write the logits' gradient (4). The chunked loss runs the forward's again in
+# backward. At a 32k-64k vocabulary these passes outweigh a small model's layers on a CPU.
+LOSS_FORWARD_PASSES = 4.0
+LOSS_BACKWARD_PASSES = 4.0
 
 
 @dataclass(frozen=True)
@@ -452,6 +458,9 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, hardware: HardwareSp
     adapter_fwd = adapter * (layers + (recomputed if layout.recompute == "full" else 0))
     adapter_bwd = 2 * adapter * layers
     traffic, useful_traffic = _elementwise_bytes(trace, layout, engine, layers, recomputed)
+    if last:
+        loss_traffic, loss_useful = loss_elementwise_bytes(trace, layout, engine)
+        traffic, useful_traffic = traffic + loss_traffic, useful_traffic + loss_useful
     fwd_s = slowdown * mbs * ((fwd - adapter_fwd) / flop_rate + adapter_fwd / adapter_rate) / tp
     bwd_s = slowdown * mbs * ((bwd - adapter_bwd) / flop_rate + adapter_bwd / adapter_rate) / tp
     compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + overhead_s
@@ -464,6 +473,15 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, hardware: HardwareSp
     useful += slowdown * useful_traffic / byte_rate + overhead_s
     useful += slowdown * _gemm_wave_extra_s(trace, layout, hardware, flop_rate, layers, 0, last, vocab)
     return compute, useful, bwd_s
+
+
+def loss_elementwise_bytes(trace: ModelTrace, layout: Layout, engine: str) -> tuple[float, float]:
+    """(all, without recomputation) bytes the loss's memory-bound kernels move for one micro-batch
+    on the last stage (`LOSS_FORWARD_PASSES`, `LOSS_BACKWARD_PASSES` over its fp32 logits)."""
+    logits = logits_fp32_bytes(trace, layout, engine)
+    useful = (LOSS_FORWARD_PASSES + LOSS_BACKWARD_PASSES) * logits
+    again = LOSS_FORWARD_PASSES * logits if loss_runs_chunked(trace, layout, engine) else 0.0
+    return useful + again, useful
 
 
 def _elementwise_bytes(trace: ModelTrace, layout: Layout, engine: str, layers: int,
@@ -630,9 +648,12 @@ def _optimizer_time(layout: Layout, hardware: HardwareSpec, rates: _Rates, param
     w = DTYPE_BYTES[layout.dtype]
     updated = trainable / (layout.dp if layout.zero >= 1 else 1)
     if layout.offload == "none":
-        per_param = ADAM_BYTES_PER_PARAM_CPU if hardware.device_type == "cpu" else ADAM_BYTES_PER_PARAM_FUSED
-        if engine == MEGATRON:
-            per_param = megatron2021.ADAM_BYTES_PER_PARAM
+        if hardware.device_type == "cpu":
+            # the device is the host: the profile's own measured AdamW rate (the single-tensor
+            # AdamW that plain torch and DeepSpeed's torch_adam run on a CPU, at the device's threads),
+            # not memory traffic at the fitted element-wise rate, which traded off against compute
+            return rates.slowdown * updated / hardware.cpu_adam_params_per_s, 0.0
+        per_param = megatron2021.ADAM_BYTES_PER_PARAM if engine == MEGATRON else ADAM_BYTES_PER_PARAM_FUSED
         return rates.slowdown * updated * per_param / rates.byte, 0.0
     optimizer = updated / hardware.cpu_adam_params_per_s
     h2d = hardware.host_to_device_gbs * 1e9

@@ -9,7 +9,7 @@ the GEMM rate's fall with the tokens per micro-batch (four points on that axis: 
 factor and its slope traded off freely and two quick profiles of one machine fitted 0.83 and 2.0),
 a second micro-batch (gas 2) pins the overhead, seq 512 weighs attention, full recomputation adds
 forward GEMMs without the optimizer (GEMM against memory traffic), LoRA separates the adapters and
-the missing optimizer traffic, and one data-parallel step over every device of the node measures
+the element-wise traffic (LoRA skips most of the optimizer), and one data-parallel step over every device of the node measures
 contention (and the collectives the profile measured). Nine steps for six unknowns: the fit is
 over-determined, so one noisy step cannot move a factor alone.
 """

@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol
 
 from advisor.errors import UsageError
 from advisor.profile import HardwareProfile, Inventory, Measurement, NodeInventory
-from advisor.specs import Efficiency, HardwareSpec, ModelSpec
+from advisor.specs import COLLECTIVE_OPS, Efficiency, HardwareSpec, LinkFigures, ModelSpec
 from presets import load_hardware, load_model
 from profiler import hardware_bench as hb
 from profiler.calibration_steps import CalibrationSteps, StepRunner, fit_layouts, measure_calibration_steps
@@ -284,6 +284,20 @@ def _last_line(text: str) -> str:
 # from measurements to a HardwareSpec
 
 
+def collective_links(raw: dict[str, Any]) -> dict[str, LinkFigures]:
+    """Each measured collective other than the all-reduce (which sets the link's own figures) at
+    its own fit: on gloo, all-gather and reduce-scatter run at a third to a half of the all-reduce's
+    bus bandwidth, and FSDP2 and ZeRO-3 run on them."""
+    links = {}
+    for op in COLLECTIVE_OPS[1:]:
+        for scope in ("intra", "inter"):
+            fit = _collective_fit(raw, op, scope)
+            if fit and fit["fit"]["bandwidth_gbs"] > 0:
+                links[f"{op}/{scope}"] = LinkFigures(bandwidth_gbs=fit["fit"]["bandwidth_gbs"],
+                                                     latency_us=fit["fit"]["latency_us"])
+    return links
+
+
 def _collective_fit(raw: dict[str, Any], op: str, scope: str) -> dict[str, Any] | None:
     fits = [r for r in raw.get("collectives", []) if "fit" in r and r["op"] == op and r["scope"] == scope]
     return max(fits, key=lambda r: r["ranks"]) if fits else None
@@ -374,6 +388,7 @@ def hardware_from(raw: dict[str, Any], inventory: Inventory, name: str) -> Hardw
         inter_node_latency_us=inter["fit"]["latency_us"] if inter else unmeasured.latency_us,
         assumed=unmeasured.assumed() if unmeasured else {},
         devices_per_node=inventory.devices_per_node,
+        collective_links=collective_links(raw),
         threads_per_device=None if cuda else inventory.threads_per_device,
         cpu_cores=None if cuda else inventory.cpu_cores,
         host_memory_gib=inventory.host_memory_gib,

@@ -156,14 +156,16 @@ def _calibration_cases(devices: int):
             for lay in fit_layouts(256, devices)]
 
 
-def test_fit_recovers_the_six_factors_that_made_the_step_times() -> None:
+def test_fit_recovers_the_factors_that_made_the_step_times() -> None:
+    """Five fitted factors come back exactly; the GEMM efficiency is the measured rate's (1.0), not
+    fitted, whatever the profile started from (planner.calibration.MEASURED)."""
     hardware = load_hardware("cpu").model_copy(update={"devices_per_node": 2})
-    truth = {"gemm": 0.62, "memory_bandwidth": 0.35, "adapter_gemm": 0.2, "micro_batch_overhead_s": 0.004,
+    truth = {"gemm": 1.0, "memory_bandwidth": 0.35, "adapter_gemm": 0.2, "micro_batch_overhead_s": 0.004,
              "node_contention": 0.3, "gemm_tokens_slope": 0.15}
     cases = _calibration_cases(2)
     made = with_factors(hardware, **truth)
     measured = [estimate_from_trace(trace, lay, made).time.step_s for trace, lay in cases]
-    fit = fit_to_steps(cases, measured, with_factors(hardware, gemm=1.0, memory_bandwidth=1.0))
+    fit = fit_to_steps(cases, measured, with_factors(hardware, gemm=0.4, memory_bandwidth=1.0))
     assert set(fit) == set(truth)
     for key, value in truth.items():
         assert fit[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
@@ -176,7 +178,7 @@ def test_fit_leaves_alone_what_no_layout_measures() -> None:
     cases = [c for c in _calibration_cases(1) if c[1].method == "full"]
     terms = [decompose(trace, lay, hardware) for trace, lay in cases]
     fit = fit_factors(terms, [t.base_s * 1.3 for t in terms])
-    assert set(fit) == {"gemm", "memory_bandwidth", "micro_batch_overhead_s", "gemm_tokens_slope"}
+    assert set(fit) == {"memory_bandwidth", "micro_batch_overhead_s", "gemm_tokens_slope"}  # gemm: measured
 
 
 @pytest.mark.parametrize("op", list(RING_FACTORS))
