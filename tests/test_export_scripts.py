@@ -71,9 +71,9 @@ def test_a_model_folder_named_like_a_command_runs_nothing(tmp_path: Path, name: 
 
 # -- deepspeed.json and accelerate.yaml ---------------------------------------------------------------
 
-def llama3_8b_plan():
+def llama3_8b_plan(top_k: int = 5):
     return make_plan(PlanOptions(model=load_model("llama3-8b"), hardware=load_hardware("a100-80g"), nodes=2,
-                                 seq=4096, global_batch=256))
+                                 seq=4096, global_batch=256, top_k=top_k))
 
 
 def with_layout(plan, engine: str = "auto", **fields):
@@ -115,7 +115,7 @@ def test_deepspeed_accepts_every_exported_config_at_the_plans_world_size(tmp_pat
 
 
 def test_the_planners_own_deepspeed_choices_pass_deepspeeds_check(tmp_path, monkeypatch) -> None:
-    plan = llama3_8b_plan()
+    plan = llama3_8b_plan(top_k=20)  # pipelined layouts lead the ranking; DeepSpeed's follow within 1%
     chosen = [p.layout for p in (plan.chosen, *plan.alternatives) if engine_for(p.layout, plan.engine) == "deepspeed"]
     assert chosen  # the ranking holds at least one DeepSpeed layout
     for layout in chosen:
