@@ -42,7 +42,8 @@ from profiler.model_trace import ModelTrace, _layers_key, trace_model
 # name -> (Efficiency field, reciprocal?, bounds of the unknown)
 UNKNOWNS: dict[str, tuple[str, bool, tuple[float, float]]] = {
     "gemm": ("gemm", True, (0.5, 20.0)),
-    "memory_bandwidth": ("memory_bandwidth", True, (0.5, 100.0)),  # eager element-wise ops on one CPU thread: ~1/20 of memcpy
+    # eager element-wise ops on one CPU thread run at about 1/20 of the copy rate
+    "memory_bandwidth": ("memory_bandwidth", True, (0.5, 100.0)),
     "adapter_gemm": ("adapter_gemm", True, (0.5, 50.0)),
     "micro_batch_overhead_s": ("micro_batch_overhead_s", False, (0.0, 1.0)),
     "node_contention": ("node_contention", False, (0.0, 4.0)),
@@ -110,12 +111,13 @@ def fit_factors(terms: list[Terms], measured_s: list[float]) -> dict[str, float]
     """One bounded least-squares solve of relative errors, min sum((t_i(u) / m_i - 1)^2).
 
     Returns the Efficiency fields the measured layouts determine (memory_bandwidth, adapter_gemm,
-    micro_batch_overhead_s, node_contention, gemm_tokens_slope; gemm is `MEASURED`); an unknown no layout depends on (no
-    LoRA layout, one device only) is left out, so it keeps its value."""
+    micro_batch_overhead_s, node_contention, gemm_tokens_slope; gemm is `MEASURED`); an unknown no
+    layout depends on (no LoRA layout, one device only) is left out, so it keeps its value."""
     if len(terms) != len(measured_s) or not terms:
         raise ValueError("need one measured time per layout")
     m = np.array(measured_s, dtype=float)
-    names = [n for n in FACTORS if n not in MEASURED and max(abs(t.slopes[n]) / mi for t, mi in zip(terms, m)) > 1e-9]
+    names = [n for n in FACTORS
+             if n not in MEASURED and max(abs(t.slopes[n]) / mi for t, mi in zip(terms, m)) > 1e-9]
     slopes = np.array([[t.slopes[n] for n in names] for t in terms]) / m[:, None]
     offset = np.array([t.base_s - sum(t.slopes[n] * t.reference[n] for n in names) for t in terms]) / m
     lower = np.array([UNKNOWNS[n][2][0] for n in names])

@@ -48,7 +48,7 @@ from planner.memory import (
     model_state_bytes,
     stored_dtype_bytes,
 )
-from profiler.hardware_bench import GemmShape
+from profiler.hardware_bench import GemmShape, linear_gemms
 from profiler.model_trace import ModelTrace, trace_model
 
 # Bytes an Adam update moves per parameter with a fused kernel: read weight, grad, m, v (and the
@@ -520,13 +520,6 @@ def wave_efficiency(rows: int, cols: int, hardware: HardwareSpec) -> float:
     return best
 
 
-def _linear_gemms(tokens: int, fan_in: int, fan_out: int) -> list[GemmShape]:
-    """Forward (T x in) @ (in x out), input gradient (T x out) @ (out x in) and weight gradient
-    (out x T) @ (T x in) of one linear layer over `tokens` tokens, named fwd, dgrad and wgrad."""
-    return [GemmShape(tokens, fan_in, fan_out, name="fwd"), GemmShape(tokens, fan_out, fan_in, name="dgrad"),
-            GemmShape(fan_out, tokens, fan_in, name="wgrad")]
-
-
 def layer_gemms(trace: ModelTrace, layout: Layout) -> list[GemmShape]:
     """The GEMMs of one decoder layer's linear layers for one micro-batch on one device, under
     Megatron's tensor-parallel split: a column-parallel linear divides its outputs by tp, a
@@ -538,7 +531,7 @@ def layer_gemms(trace: ModelTrace, layout: Layout) -> list[GemmShape]:
     mlp = round((trace.layer.params - 2 * h * q - 2 * h * kv) / (h * trace.intermediate_size))
     columns = [q + 2 * kv] + [trace.intermediate_size] * max(min(mlp, 3) - 1, 1)
     linears = [(h, out // tp) for out in columns] + [(q // tp, h), (trace.intermediate_size // tp, h)]
-    return [gemm for fan_in, fan_out in linears for gemm in _linear_gemms(tokens, fan_in, fan_out)]
+    return [gemm for fan_in, fan_out in linears for gemm in linear_gemms(tokens, fan_in, fan_out)]
 
 
 def _gemm_wave_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, rate: float, layers: int,
@@ -558,7 +551,7 @@ def _gemm_wave_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec
         "fwd": layers + (recomputed if layout.recompute == "full" else 0), "dgrad": layers,
         "wgrad": layers if trains else 0})
     if last:
-        head = _linear_gemms(layout.mbs * trace.seq, trace.hidden_size, trace.vocab_size // vocab)
+        head = linear_gemms(layout.mbs * trace.seq, trace.hidden_size, trace.vocab_size // vocab)
         lost += lost_flops(head, {"fwd": 1, "dgrad": 1, "wgrad": 1 if trains else 0})
     return lost / rate
 

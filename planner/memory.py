@@ -231,7 +231,8 @@ def loss_runs_chunked(trace: ModelTrace, layout: Layout, engine: str | None = No
     """Whether the trainer computes this layout's loss chunk by chunk (advisor.capabilities
     `chunked_loss`, trainer/chunked_loss.py) rather than through HF's loss over the whole logits."""
     engine = engine or engine_for(layout)
-    return engine != MEGATRON and chunked_loss(layout, engine, trace.model_type, trace.hidden_size)  # type: ignore[arg-type]
+    return engine != MEGATRON and chunked_loss(layout, engine,  # type: ignore[arg-type]
+                                               trace.model_type, trace.hidden_size)
 
 
 def loss_chunk_tokens(trace: ModelTrace, layout: Layout, engine: str | None = None) -> int:
@@ -275,7 +276,8 @@ def logits_transient_bytes(trace: ModelTrace, layout: Layout, engine: str | None
     autograd does not add a linear layer's weight gradient in place). Measured with the CPU
     allocator counter: vocabularies 16k-128k, hidden 32-512, fp32 and bf16, within 2%.
     """
-    chunk = logits_fp32_bytes(trace, layout, engine) / (layout.mbs * trace.seq) * loss_chunk_tokens(trace, layout, engine)
+    per_token = logits_fp32_bytes(trace, layout, engine) / (layout.mbs * trace.seq)
+    chunk = per_token * loss_chunk_tokens(trace, layout, engine)
     if not loss_runs_chunked(trace, layout, engine):
         return 2 * chunk
     several = layout.mbs * trace.seq > loss_chunk_tokens(trace, layout, engine)

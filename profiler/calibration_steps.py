@@ -5,12 +5,12 @@ root (the CLI passes the trainer's timed steps, trainer/timed_steps.py: `advisor
 engines and step code), and the factors are fitted to the times by `planner/calibration.py`.
 
 Which layouts (`fit_layouts`): mbs 1, 2, 4 and 8 separate per-token from per-micro-batch work and
-the GEMM rate's fall with the tokens per micro-batch (four points on that axis: with two, the GEMM
-factor and its slope traded off freely and two quick profiles of one machine fitted 0.83 and 2.0),
-a second micro-batch (gas 2) pins the overhead, seq 512 weighs attention, full recomputation adds
-forward GEMMs without the optimizer (GEMM against memory traffic), LoRA separates the adapters and
-the element-wise traffic (LoRA skips most of the optimizer), and one data-parallel step over every device of the node measures
-contention (and the collectives the profile measured). Nine steps for six unknowns: the fit is
+follow the GEMM rate over the tokens per micro-batch (four points on that axis: with two, its slope
+traded off freely against the other factors), a second micro-batch (gas 2) pins the overhead, seq
+512 weighs attention, full recomputation adds forward work without the optimizer, LoRA separates
+the adapters and the element-wise traffic (LoRA skips most of the optimizer), and one
+data-parallel step over every device of the node measures contention (and the collectives the
+profile measured). Nine steps for five fitted factors (planner/calibration.py): the fit is
 over-determined, so one noisy step cannot move a factor alone.
 """
 

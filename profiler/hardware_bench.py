@@ -145,6 +145,13 @@ class GemmShape:
         return 2.0 * self.m * self.k * self.n
 
 
+def linear_gemms(tokens: int, fan_in: int, fan_out: int) -> list[GemmShape]:
+    """Forward (T x in) @ (in x out), input gradient (T x out) @ (out x in) and weight gradient
+    (out x T) @ (T x in) of one linear layer over `tokens` tokens, named fwd, dgrad and wgrad."""
+    return [GemmShape(tokens, fan_in, fan_out, name="fwd"), GemmShape(tokens, fan_out, fan_in, name="dgrad"),
+            GemmShape(fan_out, tokens, fan_in, name="wgrad")]
+
+
 def model_gemm_shapes(dims: dict[str, int], tokens: int) -> list[GemmShape]:
     """The linear layers of a decoder layer and the LM head for `tokens` tokens of one
     micro-batch: forward (T x in) @ (in x out), input gradient (T x out) @ (out x in) and weight
@@ -161,14 +168,10 @@ def model_gemm_shapes(dims: dict[str, int], tokens: int) -> list[GemmShape]:
         old = shapes.get(key)
         shapes[key] = GemmShape(m, k, n, count + (old.count if old else 0), old.name if old else name)
 
-    for name, fan_in, fan_out, per_layer in linears:
-        add(tokens, fan_in, fan_out, per_layer * layers, f"{name} fwd")
-        add(tokens, fan_out, fan_in, per_layer * layers, f"{name} dgrad")
-        add(fan_out, tokens, fan_in, per_layer * layers, f"{name} wgrad")
-    V = dims["vocab_size"]
-    add(tokens, h, V, 1, "head fwd")
-    add(tokens, V, h, 1, "head dgrad")
-    add(V, tokens, h, 1, "head wgrad")
+    for name, fan_in, fan_out, count in [*((n, i, o, per_layer * layers) for n, i, o, per_layer in linears),
+                                         ("head", h, dims["vocab_size"], 1)]:
+        for gemm in linear_gemms(tokens, fan_in, fan_out):
+            add(gemm.m, gemm.k, gemm.n, count, f"{name} {gemm.name}")
     return list(shapes.values())
 
 

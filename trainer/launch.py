@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, segment_of
+from advisor.specs import HardwareSpec
 from profiler.inventory import cpu_cores
 from profiler.ranks import free_port, slurm_topology
 from trainer import checkpoint
@@ -90,11 +91,7 @@ def _run_segment(plan: Plan, plan_path: Path, out: Path, resume: bool, options: 
     nproc = devices // nnodes
     env = dict(os.environ)
     if not _cuda():  # ranks share the CPU cores; oversubscribed OpenMP threads run 8x slower
-        threads = str(plan.hardware.threads_per_rank(nproc, cpu_cores()))
-        if plan.hardware.threads_per_device:  # a profile's device: what the plan was priced on
-            env["OMP_NUM_THREADS"] = threads
-        else:
-            env.setdefault("OMP_NUM_THREADS", threads)
+        env["OMP_NUM_THREADS"] = str(cpu_threads(plan.hardware, nproc))
     while True:
         command = launch_command(plan, plan_path, out, resume, options, nproc, nnodes, node_rank, master_addr,
                                  master_port)
@@ -141,15 +138,26 @@ def _single_process_group_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def cpu_threads(hardware: HardwareSpec, ranks_on_node: int) -> int:
+    """CPU threads each of the node's ranks trains with: the profile's threads per device, what the
+    plan was priced on (a 1-rank run on a 2-core machine whose profile made one core a device runs
+    one thread); on a preset, which defines no device, this process's threads for one rank, else
+    the user's OMP_NUM_THREADS or the cores shared out."""
+    if hardware.threads_per_device:
+        return hardware.threads_per_device
+    if ranks_on_node == 1:
+        return torch.get_num_threads()
+    return int(os.environ.get("OMP_NUM_THREADS") or hardware.threads_per_rank(ranks_on_node, cpu_cores()))
+
+
 @contextlib.contextmanager
 def _cpu_threads(plan: Plan, ranks_on_node: int) -> Iterator[None]:
-    """This process trains as the plan priced a device: on CPU, the profile's threads per device
-    (a 1-rank run on a 2-core machine whose profile made one core a device runs one thread)."""
-    if _cuda() or not plan.hardware.threads_per_device:  # a preset's CPU: this process's threads
+    """This process trains with `cpu_threads`, and gives the caller its own back."""
+    if _cuda():
         yield
         return
     before = torch.get_num_threads()
-    torch.set_num_threads(plan.hardware.threads_per_rank(ranks_on_node, cpu_cores()))
+    torch.set_num_threads(cpu_threads(plan.hardware, ranks_on_node))
     try:
         yield
     finally:

@@ -30,9 +30,8 @@ from advisor.plan_file import Plan, PlannedLayout
 from advisor.specs import HardwareSpec, Layout
 from planner.granularity import plan_stage
 from planner.plan import PlanOptions
-from profiler.inventory import cpu_cores
 from profiler.ranks import free_port
-from trainer.launch import run as run_training
+from trainer.launch import cpu_threads, run as run_training
 from trainer.options import TrainOptions
 from trainer.timed_steps import time_layout
 
@@ -86,11 +85,10 @@ class Verification:
 
 
 def training_threads(devices: int, hardware: HardwareSpec) -> int:
-    """CPU threads per rank that training will use (trainer/launch.py pins them): the profile's
-    threads per device, else the cores shared out; 0 on GPUs."""
+    """CPU threads per rank that training will use (trainer/launch.py `cpu_threads`); 0 on GPUs."""
     if hardware.device_type != "cpu":
         return 0
-    return hardware.threads_per_rank(devices, cpu_cores())
+    return cpu_threads(hardware, devices)
 
 
 def trial_harness(layout: Layout, device_type: str, steps: int) -> tuple[str, int]:
