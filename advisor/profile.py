@@ -286,6 +286,9 @@ def profile_from_data(data: Any, path: Path) -> HardwareProfile:
     except ValidationError as exc:
         raise UsageError(_format_validation_error(exc, f"profile {path}") + " (corrupt or edited? "
                          "rerun `advisor profile`)") from None
+    except UnicodeEncodeError:  # pydantic-core cannot take a lone surrogate
+        raise UsageError(f"profile {path} holds text that is not valid Unicode (corrupt or edited? "
+                         "rerun `advisor profile`)") from None
     profile.hardware.source = str(path)
     hardware = profile.hardware
     if hardware.device_type == "cpu" and hardware.threads_per_device is None:

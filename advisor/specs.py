@@ -423,6 +423,8 @@ def validate(model_cls: type[BaseModel], data: dict[str, Any], what: str) -> Any
         return model_cls.model_validate(data)
     except ValidationError as exc:
         raise UsageError(_format_validation_error(exc, what)) from None
+    except UnicodeEncodeError:  # pydantic-core cannot take a lone surrogate, e.g. a YAML "\ud800" escape
+        raise UsageError(f"invalid {what}: it holds text that is not valid Unicode (a lone surrogate)") from None
 
 
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
