@@ -60,6 +60,35 @@ class LinkFigures(BaseModel):
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
+class SizeCurve(BaseModel):
+    """How a measured rate changes with the size of what it runs on: (size, rate relative to the
+    base figure) points, read linearly in log2(size) between them and flat beyond the ends."""
+
+    model_config = SPEC_CONFIG
+
+    sizes: list[float] = Field(min_length=1, description="increasing sizes the rate was measured at")
+    relative: list[float] = Field(min_length=1, description="the rate at each size / the base figure")
+
+    @model_validator(mode="after")
+    def _points(self) -> "SizeCurve":
+        if len(self.sizes) != len(self.relative):
+            raise ValueError(f"{len(self.sizes)} sizes but {len(self.relative)} relative rates")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:])) or self.sizes[0] <= 0:
+            raise ValueError("sizes must be positive and increasing")
+        if min(self.relative) <= 0:
+            raise ValueError("relative rates must be > 0")
+        return self
+
+    def at(self, size: float) -> float:
+        if size <= self.sizes[0]:
+            return self.relative[0]
+        for (a, ra), (b, rb) in zip(zip(self.sizes, self.relative), zip(self.sizes[1:], self.relative[1:])):
+            if size <= b:
+                share = math.log2(size / a) / math.log2(b / a)
+                return ra + share * (rb - ra)
+        return self.relative[-1]
+
+
 class Efficiency(BaseModel):
     """Fractions of datasheet peak that real kernels reach (the cost model's calibration knobs)."""
 
@@ -117,6 +146,13 @@ class HardwareSpec(BaseModel):
     cpu_adam_params_per_s: float = Field(
         1.0e9, gt=0, description="host Adam update rate per device for optimizer offload"
     )
+    head_gemm: SizeCurve | None = Field(
+        None, description="the LM head's GEMMs (forward, input and weight gradients) over the dense rate "
+        "`peak_tflops`, by the vocabulary one device holds (a measured profile: a CPU runs a 64k-wide head "
+        "at ~70% of its decoder GEMMs' rate); unset: the dense rate")
+    cpu_adam_by_tensor: SizeCurve | None = Field(
+        None, description="host AdamW rate over `cpu_adam_params_per_s`, by the parameters of the tensor it "
+        "updates (a measured profile: a tensor whose states leave the caches updates ~3x slower); unset: flat")
     collective_links: dict[str, LinkFigures] = Field(
         default_factory=dict, description="'<op>/intra' or '<op>/inter' (op: all_gather, reduce_scatter, "
         "send_recv) -> that collective's own measured fit, where a profile measured it (gloo's all-gather "

@@ -466,13 +466,30 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, hardware: HardwareSp
     compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + overhead_s
     compute += slowdown * mbs * _score_matmul_extra_s(trace, layout, rates, layers, recomputed)
     compute += slowdown * _gemm_wave_extra_s(trace, layout, hardware, flop_rate, layers, recomputed, last, vocab)
+    if last:
+        compute += slowdown * _head_gemm_extra_s(trace, layout, hardware, flop_rate, head_recompute_flops, vocab)
     model_flops = (layers * (layer.fwd_flops + layer.bwd_flops)
                    + (trace.head.fwd_flops + trace.head.bwd_flops) * head_share)
     adapter_all = 3 * adapter * layers
     useful = slowdown * mbs * ((model_flops - adapter_all) / flop_rate + adapter_all / adapter_rate) / tp
     useful += slowdown * useful_traffic / byte_rate + overhead_s
     useful += slowdown * _gemm_wave_extra_s(trace, layout, hardware, flop_rate, layers, 0, last, vocab)
+    if last:
+        useful += slowdown * _head_gemm_extra_s(trace, layout, hardware, flop_rate, 0.0, vocab)
     return compute, useful, bwd_s
+
+
+def _head_gemm_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, rate: float,
+                       recompute_flops: float, vocab: int) -> float:
+    """Seconds one micro-batch's LM-head GEMMs (forward, and again where the loss recomputes it;
+    input and weight gradients) take beyond their FLOPs at the dense rate: the profile measured the
+    head's own rate at the vocabulary one device holds (`HardwareSpec.head_gemm`; a CPU runs a
+    64k-wide head at ~70% of its decoder GEMMs' rate). 0 where nothing was measured."""
+    if hardware.head_gemm is None:
+        return 0.0
+    relative = hardware.head_gemm.at(trace.vocab_size / vocab)
+    flops = layout.mbs * (trace.head.fwd_flops + recompute_flops + trace.head.bwd_flops) / vocab
+    return flops * (1 / relative - 1) / rate
 
 
 def loss_elementwise_bytes(trace: ModelTrace, layout: Layout, engine: str) -> tuple[float, float]:
@@ -635,8 +652,44 @@ def gradient_comm_bytes(layout: Layout, engine: str, trainable: float) -> float:
     return trainable * DTYPE_BYTES[layout.dtype]
 
 
-def _optimizer_time(layout: Layout, hardware: HardwareSpec, rates: _Rates, params: float,
-                    trainable: float, engine: str) -> tuple[float, float]:
+def optimizer_tensors(trace: ModelTrace, layout: Layout, engine: str, layers: int,
+                      stage: int) -> list[tuple[float, float]]:
+    """(parameters, parameters per tensor) of the tensors one device's optimizer step updates, by
+    kind: DeepSpeed updates one flat fp32 partition; the other engines each parameter (its shard
+    under FSDP2's ZeRO): the embedding's and the head's, and the decoder layers' adapted matrices
+    (a LoRA adapter's two factors each)."""
+    _, trainable, _ = device_params(trace, layout, engine, layers, stage)
+    shards = layout.dp if layout.zero >= 1 else 1
+    if engine == "deepspeed":  # one stage: its partition is the whole model's share, whatever `layers` is
+        # (the planner reads this term as affine in the stage's layers)
+        whole = device_params(trace, layout, engine, trace.num_layers, stage)[1] / shards
+        return [(trainable / shards, whole)]
+    first, last = stage == 0, stage == layout.pp - 1
+    vocab = vocab_shards(layout, engine)
+    tied = trace.head.params < trace.vocab_size * trace.hidden_size
+    tables = (trace.embedding.trainable_params if first else 0.0) + (
+        trace.head.trainable_params + (trace.embedding.trainable_params if tied and layout.pp > 1 else 0.0)
+        if last else 0.0)
+    vocab_tensor = trace.vocab_size * trace.hidden_size / vocab / shards
+    matrices = adapted_linears_per_layer(trace) * (2 if layout.method in ("lora", "qlora") else 1)
+    layer_tensor = trace.layer.trainable_params / layout.tp / matrices / shards
+    return [(tables / vocab / shards, vocab_tensor), (trainable / shards - tables / vocab / shards, layer_tensor)]
+
+
+def _cpu_adam_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engine: str, layers: int,
+                stage: int, updated: float) -> float:
+    """The host's AdamW step over `updated` parameters at the profile's measured rate, per tensor
+    size where it measured that (`HardwareSpec.cpu_adam_by_tensor`: an embedding's states leave the
+    caches that a decoder layer's fit in)."""
+    base, curve = hardware.cpu_adam_params_per_s, hardware.cpu_adam_by_tensor
+    if curve is None or engine == MEGATRON:
+        return updated / base
+    return sum(count / (base * curve.at(size)) for count, size in
+               optimizer_tensors(trace, layout, engine, layers, stage) if count > 0)
+
+
+def _optimizer_time(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, rates: _Rates, params: float,
+                    trainable: float, engine: str, layers: int, stage: int) -> tuple[float, float]:
     """(optimizer step, offload traffic) seconds of one step on one device."""
     w = DTYPE_BYTES[layout.dtype]
     updated = trainable / (layout.dp if layout.zero >= 1 else 1)
@@ -645,10 +698,10 @@ def _optimizer_time(layout: Layout, hardware: HardwareSpec, rates: _Rates, param
             # the device is the host: the profile's own measured AdamW rate (the single-tensor
             # AdamW that plain torch and DeepSpeed's torch_adam run on a CPU, at the device's threads),
             # not memory traffic at the fitted element-wise rate, which traded off against compute
-            return rates.slowdown * updated / hardware.cpu_adam_params_per_s, 0.0
+            return rates.slowdown * _cpu_adam_s(trace, layout, hardware, engine, layers, stage, updated), 0.0
         per_param = megatron2021.ADAM_BYTES_PER_PARAM if engine == MEGATRON else ADAM_BYTES_PER_PARAM_FUSED
         return rates.slowdown * updated * per_param / rates.byte, 0.0
-    optimizer = updated / hardware.cpu_adam_params_per_s
+    optimizer = _cpu_adam_s(trace, layout, hardware, engine, layers, stage, updated)
     h2d = hardware.host_to_device_gbs * 1e9
     offload = 2 * updated * w / h2d  # gradients down, updated weights up
     if layout.offload == "optimizer+params":  # weights stream in for forward and backward
@@ -673,7 +726,7 @@ def stage_time(
     w = DTYPE_BYTES[layout.dtype]
     grad_bytes = gradient_comm_bytes(layout, engine, trainable)
     dp_comm, window = _gradient_comm(layout, engine, hardware, placement, grad_bytes, params * w, bwd_s, compute)
-    optimizer, offload = _optimizer_time(layout, hardware, rates, params, trainable, engine)
+    optimizer, offload = _optimizer_time(trace, layout, hardware, rates, params, trainable, engine, layers, stage)
     return StageTime(
         compute_mb=compute, useful_compute_mb=useful, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,
         dp_comm=dp_comm, dp_hidden_max=window, optimizer=optimizer, offload=offload,
@@ -688,11 +741,26 @@ def default_split(trace: ModelTrace, layout: Layout) -> tuple[list[int], list[in
     return split, [min(r, n) for r, n in zip(recomputed, split)]
 
 
+def pipeline_bubble_s(layout: Layout, times: list[StageTime]) -> float:
+    """The pipeline's fill and drain: one micro-batch through every stage but the slowest, over the
+    vpp chunks each rank interleaves. The first micro-batch's forward reaches the slowest stage
+    through the stages before it, and the last one's backward leaves through them, while the slowest
+    stage runs its gas micro-batches back to back (the 1F1B critical path). With equal stages this
+    is Narayanan et al. 2021's (p - 1)/v slots; with a last stage that carries a large vocabulary's
+    head and loss, the bubble is the cheaper stages' time, not p - 1 slots of the dearest
+    (bench/accuracy.py: the 2-rank pipeline of a 50k vocabulary was priced 29% slow). Exact when the
+    slowest stage is the last (tests/test_megatron_schedule.py replays the schedule); when an
+    earlier stage is slowest, the stages after it partly hide behind its warm-up forwards, which
+    this leaves exposed: never optimistic."""
+    per_mb = [t.per_micro_batch for t in times]
+    return (sum(per_mb) - max(per_mb)) / layout.vpp
+
+
 def step_seconds(layout: Layout, times: list[StageTime]) -> float:
-    """(gas + bubble) micro-batch slots of the slowest stage, plus exposed DP traffic and the
-    optimizer of the slowest stage (Narayanan et al. 2021: bubble = (p - 1)/v micro-batch slots)."""
+    """gas micro-batch slots of the slowest stage and the pipeline's bubble (`pipeline_bubble_s`),
+    plus exposed DP traffic and the optimizer of the slowest stage."""
     slot = max(t.per_micro_batch for t in times)
-    return ((layout.gas + (layout.pp - 1) / layout.vpp) * slot + max(t.dp_exposed for t in times)
+    return (layout.gas * slot + pipeline_bubble_s(layout, times) + max(t.dp_exposed for t in times)
             + max(t.optimizer + t.offload for t in times))
 
 
@@ -715,7 +783,7 @@ def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpe
     slowest = max(times, key=lambda t: t.per_micro_batch)
     gas = layout.gas
     step = step_seconds(layout, times)
-    bubble = (layout.pp - 1) / layout.vpp * slowest.per_micro_batch
+    bubble = pipeline_bubble_s(layout, times)
     dp_exposed = max(t.dp_exposed for t in times)
     updater = max(times, key=lambda t: t.optimizer + t.offload)
     compute = gas * slowest.compute_mb

@@ -365,6 +365,7 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
         recomputed = excess / saving
     slot = mean(lambda c: c.per_mb) + coeffs[0].per_mb.k * recomputed / pp
     dp = mean(lambda c: c.dp_comm) * (1 - coeffs[0].overlap)
+    # the step, (gas - 1/vpp) max_s t_s + sum_s t_s / vpp, is at least this at max >= mean
     step = (layout.gas + (pp - 1) / layout.vpp) * slot + dp + mean(lambda c: c.update)
     return Bound(step, layout.gas * mean(lambda c: c.compute) / step)
 
@@ -390,8 +391,14 @@ class StageProgram:
         r_index = {s: 2 * pp + i for i, s in enumerate(regrows)}
         width = 2 * pp + len(regrows) + 3
         slot, dp, update = width - 3, width - 2, width - 1
+        # step = gas T + (sum_s per_mb_s - T) / vpp + D + O (cost_model.step_seconds: the slowest
+        # stage's slots and the other stages' fill and drain); sum_s per_mb_s is affine in (n, k)
         objective = np.zeros(width)
-        objective[[slot, dp, update]] = (gas + (pp - 1) / layout.vpp, 1.0, 1.0)
+        objective[[slot, dp, update]] = (gas - 1 / layout.vpp, 1.0, 1.0)
+        for s, c in enumerate(coeffs):
+            objective[s] += c.per_mb.n / layout.vpp
+            objective[pp + s] += c.per_mb.k / layout.vpp
+        self.step_constant = sum(c.per_mb.c for c in coeffs) / layout.vpp
         rows: list[np.ndarray] = []
         lo: list[float] = []
         hi: list[float] = []
@@ -429,8 +436,10 @@ class StageProgram:
             row({dp: 1.0, n: c.dp_hidden.n - c.dp_comm.n, k: c.dp_hidden.k}, low=c.dp_comm.c - c.dp_hidden.c)
             row({update: 1.0, n: -c.update.n}, low=c.update.c)
             if min_fraction > 0:  # gas * compute_s >= f * step
-                row({n: gas * c.compute.n, k: gas * c.compute.k,
-                     **{i: -min_fraction * objective[i] for i in (slot, dp, update)}}, low=-gas * c.compute.c)
+                terms = {i: -min_fraction * objective[i] for i in range(width) if objective[i]}
+                terms[n] = terms.get(n, 0.0) + gas * c.compute.n
+                terms[k] = terms.get(k, 0.0) + gas * c.compute.k
+                row(terms, low=-gas * c.compute.c + min_fraction * self.step_constant)
         lower = np.zeros(width)
         upper = np.full(width, np.inf)
         # each device holds vpp chunks of at least one layer (advisor.specs.chunk_layers)
@@ -456,7 +465,7 @@ class StageProgram:
 
         constraints = [LinearConstraint(self.rows, self.row_lo, self.row_hi)]
         if cutoff < math.inf:  # only a step below the cutoff matters: the solver prunes by it
-            constraints.append(LinearConstraint(self.objective, -np.inf, cutoff))
+            constraints.append(LinearConstraint(self.objective, -np.inf, cutoff - self.step_constant))
         return milp(self.objective, integrality=self.integrality if integral else None,
                     bounds=Bounds(self.lower, self.upper), constraints=constraints, options={"mip_rel_gap": 0.0})
 
@@ -483,7 +492,7 @@ class StageProgram:
                 & np.all((x >= self.lower) & (x <= self.upper), axis=1))
         if not fits.any():
             return None
-        steps = np.where(fits, x @ self.objective, np.inf)
+        steps = np.where(fits, x @ self.objective + self.step_constant, np.inf)
         best = int(np.argmin(steps))  # the fewest recomputed layers among equals
         return float(steps[best]), x[best]
 
@@ -494,7 +503,7 @@ class StageProgram:
             single = self._single_stage()
             return single[0] if single else math.inf
         result = self._solve(integral=False)
-        return float(result.fun) if result.status == 0 else math.inf
+        return float(result.fun) + self.step_constant if result.status == 0 else math.inf
 
     def solve(self, cutoff: float = math.inf) -> Layout | None:
         """The optimal split and recompute counts, as a layout; None when nothing fits with a step

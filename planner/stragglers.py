@@ -2,17 +2,20 @@
 excludes left out (`advisor plan --exclude n1d0,n3`).
 
 A synchronous step waits for its slowest device, and a ring collective runs at its slowest link,
-so the profile's `hardware` holds the slowest device's and link's figures. Excluding members
-reprices each figure by (slowest kept / slowest of all). The device count is the plan's, not the
+so the profile's `hardware` holds their pace (profiler.stragglers.pace: a straggler's figure, else
+the median). Excluding members reprices each figure by (pace of those kept / pace of all). The device count is the plan's, not the
 profile's: an excluded device is assumed replaced by one like the others (a scheduler's
 `--exclude`), which is what "what excluding it would gain" means.
 """
 
 from __future__ import annotations
 
+import statistics
+
 from advisor.errors import UsageError
 from advisor.profile import ClusterProfile, DeviceRate, Straggler
 from advisor.specs import HardwareSpec
+from profiler.stragglers import pace
 
 
 def parse_exclude(text: str | None) -> list[str]:
@@ -39,23 +42,24 @@ def priced_without(hardware: HardwareSpec, cluster: ClusterProfile, exclude: lis
         return hardware
     gone = excluded_devices(cluster, exclude)
     kept = [d for d in cluster.devices if d.name not in gone]
+    threshold = cluster.straggler_threshold
     peaks = dict(hardware.peak_tflops)
     for dtype in peaks:
         peaks[dtype] *= _ratio([d.gemm_tflops.get(dtype, 0.0) for d in kept],
-                               [d.gemm_tflops.get(dtype, 0.0) for d in cluster.devices])
-    memory = _ratio([d.memory_gbs for d in kept], [d.memory_gbs for d in cluster.devices])
+                               [d.gemm_tflops.get(dtype, 0.0) for d in cluster.devices], threshold)
+    memory = _ratio([d.memory_gbs for d in kept], [d.memory_gbs for d in cluster.devices], threshold)
     gone_nodes = {f"n{d.node}" for d in cluster.devices} & set(exclude)
     kept_links = [link.bandwidth_gbs for link in cluster.links
                   if not {f"n{link.nodes[0]}", f"n{link.nodes[1]}"} & gone_nodes]
-    network = _ratio(kept_links, [link.bandwidth_gbs for link in cluster.links])
+    network = _ratio(kept_links, [link.bandwidth_gbs for link in cluster.links], threshold)
     return hardware.model_copy(update={
         "peak_tflops": peaks, "memory_bandwidth_gbs": hardware.memory_bandwidth_gbs * memory,
         "inter_node_bandwidth_gbs": hardware.inter_node_bandwidth_gbs * network})
 
 
-def _ratio(kept: list[float], every: list[float]) -> float:
+def _ratio(kept: list[float], every: list[float], threshold: float) -> float:
     kept, every = [v for v in kept if v > 0], [v for v in every if v > 0]
-    return min(kept) / min(every) if kept and every else 1.0
+    return pace(kept, threshold) / pace(every, threshold) if kept and every else 1.0
 
 
 def slowest_device(cluster: ClusterProfile, exclude: list[str], dtype: str) -> DeviceRate:
@@ -67,9 +71,16 @@ def slowest_device(cluster: ClusterProfile, exclude: list[str], dtype: str) -> D
 def pricing_note(cluster: ClusterProfile, exclude: list[str], dtype: str) -> str:
     device = slowest_device(cluster, exclude, dtype)
     without = f" (without {', '.join(exclude)})" if exclude else ""
-    return (f"priced at the slowest participating device{without}: {device.name}, GEMM {dtype} "
-            f"{device.gemm_tflops.get(dtype, 0.0) * 1e3:,.1f} GFLOP/s, of {len(cluster.devices)} measured "
-            "(a synchronous step waits for it)")
+    gone = excluded_devices(cluster, exclude) if exclude else set()
+    rates = [d.gemm_tflops.get(dtype, 0.0) for d in cluster.devices if d.name not in gone]
+    rates = [r for r in rates if r > 0] or [0.0]
+    rate = device.gemm_tflops.get(dtype, 0.0)
+    if rate and rate < (1 - cluster.straggler_threshold) * statistics.median(rates):
+        return (f"priced at the slowest participating device{without}: {device.name}, GEMM {dtype} "
+                f"{rate * 1e3:,.1f} GFLOP/s, of {len(cluster.devices)} measured (a synchronous step waits for it)")
+    return (f"priced at the median participating device{without}: GEMM {dtype} "
+            f"{statistics.median(rates) * 1e3:,.1f} GFLOP/s over {len(rates)} measured; the slowest, {device.name}, "
+            f"is within the {100 * cluster.straggler_threshold:.0f}% straggler threshold (noise)")
 
 
 def straggler_candidates(cluster: ClusterProfile, exclude: list[str]) -> dict[str, Straggler]:

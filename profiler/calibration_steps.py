@@ -10,7 +10,10 @@ traded off freely against the other factors), a second micro-batch (gas 2) pins 
 512 weighs attention, full recomputation adds forward work without the optimizer, LoRA separates
 the adapters and the element-wise traffic (LoRA skips most of the optimizer), and one
 data-parallel step over every device of the node measures contention (and the collectives the
-profile measured). Nine steps for five fitted factors (planner/calibration.py): the fit is
+profile measured). That step runs the largest micro-batch: the node's ranks slow each other's
+compute by a few percent, and a short step's fixed costs (its all-reduce under load) read as
+contention multiply every longer step (at mbs 2 the fit read 47% where two independent ranks
+computing at once measured 3-9%, and `advisor run`'s demo step at mbs 8 was priced 36% slow). Nine steps for five fitted factors (planner/calibration.py): the fit is
 over-determined, so one noisy step cannot move a factor alone.
 """
 
@@ -68,7 +71,7 @@ def fit_layouts(seq: int, devices: int, max_seq: int | None = None) -> list[Layo
         Layout(mbs=2, seq=seq, dtype="fp32", method="lora"),
     ]
     if devices >= 2:
-        layouts.append(Layout(dp=2, mbs=2, seq=seq, dtype="fp32"))
+        layouts.append(Layout(dp=2, mbs=8, seq=seq, dtype="fp32"))
     return layouts
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from advisor.profile import ClusterProfile, DeviceRate, LinkRate, NodeInventory
 from advisor.specs import HardwareSpec
-from profiler.stragglers import describe, device_name, find_stragglers
+from profiler.stragglers import describe, device_name, find_stragglers, pace
 
 
 def cluster_of(raw: dict[str, Any], threshold: float) -> ClusterProfile:
@@ -48,15 +48,16 @@ def cluster_notes(cluster: ClusterProfile) -> list[str]:
 
 
 def priced_at_slowest(hardware: HardwareSpec, cluster: ClusterProfile) -> HardwareSpec:
-    """Each device figure at its slowest device, memory at the smallest node's; the collective fits
-    already ran at the pace of their slowest link."""
+    """Each device figure at its devices' pace (a straggler's, else the median: `pace`), memory at
+    the smallest node's; the collective fits already ran at the pace of their slowest link."""
+    threshold = cluster.straggler_threshold
     peaks = dict(hardware.peak_tflops)
     for dtype in peaks:
         rates = [d.gemm_tflops[dtype] for d in cluster.devices if d.gemm_tflops.get(dtype, 0) > 0]
         if rates:
-            peaks[dtype] = min(rates)
+            peaks[dtype] = pace(rates, threshold)
     update: dict[str, Any] = {"peak_tflops": peaks,
-                              "memory_bandwidth_gbs": min(d.memory_gbs for d in cluster.devices)}
+                              "memory_bandwidth_gbs": pace([d.memory_gbs for d in cluster.devices], threshold)}
     if len(cluster.nodes) > 1:
         update["memory_gib"] = min(n.device_memory_gib for n in cluster.nodes)
         update["host_memory_gib"] = min(n.host_memory_gib for n in cluster.nodes)

@@ -152,8 +152,8 @@ def linear_gemms(tokens: int, fan_in: int, fan_out: int) -> list[GemmShape]:
             GemmShape(fan_out, tokens, fan_in, name="wgrad")]
 
 
-def model_gemm_shapes(dims: dict[str, int], tokens: int) -> list[GemmShape]:
-    """The linear layers of a decoder layer and the LM head for `tokens` tokens of one
+def model_gemm_shapes(dims: dict[str, int], tokens: int, head: bool = True) -> list[GemmShape]:
+    """The linear layers of a decoder layer and (with `head`) the LM head for `tokens` tokens of one
     micro-batch: forward (T x in) @ (in x out), input gradient (T x out) @ (out x in) and weight
     gradient (out x T) @ (T x in); counts per step (layers for the decoder, 1 for the head).
     `dims` is profiler.model_trace.architecture_dims of the model."""
@@ -168,8 +168,9 @@ def model_gemm_shapes(dims: dict[str, int], tokens: int) -> list[GemmShape]:
         old = shapes.get(key)
         shapes[key] = GemmShape(m, k, n, count + (old.count if old else 0), old.name if old else name)
 
+    heads = [("head", h, dims["vocab_size"], 1)] if head else []
     for name, fan_in, fan_out, count in [*((n, i, o, per_layer * layers) for n, i, o, per_layer in linears),
-                                         ("head", h, dims["vocab_size"], 1)]:
+                                         *heads]:
         for gemm in linear_gemms(tokens, fan_in, fan_out):
             add(gemm.m, gemm.k, gemm.n, count, f"{name} {gemm.name}")
     return list(shapes.values())
@@ -194,8 +195,7 @@ def bench_gemm(shapes: list[GemmShape], dtype: str, device: torch.device, budget
     for full in shapes:
         rows = max(16, min(full.m, int(full.m * per_call_s * rate / full.flops)))
         shape = GemmShape(rows, full.k, full.n, full.count * full.m / rows, full.name)
-        a = torch.randn(shape.m, shape.k, device=device).to(torch_dtype)
-        b = torch.randn(shape.k, shape.n, device=device).to(torch_dtype)
+        a, b = _linear_operands(shape, torch_dtype, device)
         call = lambda: torch.matmul(a, b)  # noqa: E731
         inner = _inner_count(call, device, target_s=0.01)
         timing = Repeater(budget_s=budget_s / len(shapes)).run(_timed(call, device, inner, slowdown_of_this_rank()))
@@ -205,6 +205,36 @@ def bench_gemm(shapes: list[GemmShape], dtype: str, device: torch.device, budget
         total_s += shape.count * timing.median_s
         del a, b
     return {"dtype": dtype, "tflops": total_flops / total_s / 1e12, "shapes": per_shape}
+
+
+def _linear_operands(shape: GemmShape, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two operands as an nn.Linear lays them out (`linear_gemms`' names): the forward
+    multiplies by the transposed (out x in) weight, the weight gradient by the transposed output
+    gradient; the input gradient's operands are contiguous. A CPU runs a 64k-wide head's forward
+    at 70 GFLOP/s this way and its input gradient at 90 (both contiguous: 60 and 90)."""
+    m, k, n = shape.m, shape.k, shape.n
+    a = torch.randn(k, m, device=device).to(dtype).t() if shape.name.endswith("wgrad") else \
+        torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(n, k, device=device).to(dtype).t() if shape.name.endswith("fwd") else \
+        torch.randn(k, n, device=device).to(dtype)
+    return a, b
+
+
+def head_gemm_widths(device_type: str) -> list[int]:
+    """Vocabularies a device may hold, at which the LM head's GEMMs are measured."""
+    return [4096, 16384, 65536] if device_type == "cpu" else [32768, 131072, 262144]
+
+
+def bench_head_gemms(hidden: int, tokens: int, widths: list[int], dtype: str, device: torch.device,
+                     budget_s: float, dense_tflops: float) -> dict[str, Any]:
+    """The LM head's forward, input- and weight-gradient GEMMs (`linear_gemms` of hidden -> width)
+    at each width, as one step-weighted rate per width, relative to `dense_tflops` (the decoder's
+    rate measured alongside): a wide head's GEMMs leave the caches that a decoder layer's fit in."""
+    relative = []
+    for width in widths:
+        rate = bench_gemm(linear_gemms(tokens, hidden, width), dtype, device, budget_s / len(widths))["tflops"]
+        relative.append(rate / dense_tflops)
+    return {"dtype": dtype, "hidden": hidden, "tokens": tokens, "widths": widths, "relative": relative}
 
 
 def dtype_supported(dtype: str, device: torch.device) -> bool:
@@ -260,6 +290,23 @@ def bench_cpu_adam(shapes: list[tuple[int, ...]], budget_s: float) -> dict[str, 
     timing = Repeater(budget_s=budget_s).run(_timed(optimizer.step, torch.device("cpu")))
     return {"params": count, "tensors": len(params), "params_per_s": count / timing.median_s,
             **timing.__dict__}
+
+
+def adam_tensor_sizes(device_type: str) -> list[int]:
+    """Parameters per tensor at which the host AdamW rate is measured: from a decoder layer's
+    matrices, whose states stay in a CPU's caches, to an embedding's, whose do not."""
+    return [1 << 16, 1 << 20, 1 << 23]
+
+
+def bench_cpu_adam_by_size(sizes: list[int], budget_s: float, base_params_per_s: float) -> dict[str, Any]:
+    """The AdamW rate (`bench_cpu_adam`) over tensors of each size (as many as make 2^23
+    parameters, at least one), relative to `base_params_per_s`."""
+    relative = []
+    for size in sizes:
+        count = max(1, (1 << 23) // size)
+        rate = bench_cpu_adam([(size,)] * count, budget_s / len(sizes))["params_per_s"]
+        relative.append(rate / base_params_per_s)
+    return {"sizes": sizes, "relative": relative}
 
 
 def model_param_shapes(dims: dict[str, int], layers: int) -> list[tuple[int, ...]]:

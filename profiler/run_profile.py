@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol
 
 from advisor.errors import UsageError
 from advisor.profile import HardwareProfile, Inventory, Measurement, NodeInventory
-from advisor.specs import COLLECTIVE_OPS, Efficiency, HardwareSpec, LinkFigures, ModelSpec
+from advisor.specs import COLLECTIVE_OPS, Efficiency, HardwareSpec, LinkFigures, ModelSpec, SizeCurve
 from presets import load_hardware, load_model
 from profiler import hardware_bench as hb
 from profiler.calibration_steps import CalibrationSteps, StepRunner, fit_layouts, measure_calibration_steps
@@ -90,20 +90,21 @@ class Budget:
     collective_s: float
     copy_bytes: int
     collective_sizes: list[int] = field(default_factory=list)
+    head_s: float = 3.0
 
     @classmethod
     def of(cls, quick: bool, device_type: str) -> "Budget":
         if quick:
             sizes = [4 << 10, 256 << 10, 4 << 20, 32 << 20]
-            return cls(3.0, 0.6, 0.6, 1.0, 64 << 20, sizes)
+            return cls(3.0, 0.6, 0.6, 1.0, 64 << 20, sizes, 3.0)
         sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20, 128 << 20]
         copy = (1 << 30) if device_type == "cuda" else (256 << 20)
-        return cls(12.0, 2.0, 2.0, 3.0, copy, sizes)
+        return cls(12.0, 2.0, 2.0, 3.0, copy, sizes, 8.0)
 
 
 # Work units of the progress bar, per part.
 def progress_total(dtypes: int, collectives: int, calibration: int) -> int:
-    return 1 + dtypes + 2 + collectives + calibration + 1
+    return 1 + dtypes + 3 + collectives + calibration + 1
 
 
 def gemm_dtypes(device_type: str) -> list[str]:
@@ -136,19 +137,28 @@ def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, t
         free, total = torch.cuda.mem_get_info(device)
         out["reserved_gib"] = (total - free) / 2**30
     tokens = gemm_tokens(None, quick, device_type)
-    shapes = hb.model_gemm_shapes(dims, tokens) if dims else hb.square_gemm_shapes(device_type)
+    # the decoder's GEMMs; the LM head's, whose rate changes with the vocabulary, are measured apart
+    shapes = hb.model_gemm_shapes(dims, tokens, head=False) if dims else hb.square_gemm_shapes(device_type)
     out["gemm"] = {}
     for dtype in gemm_dtypes(device_type):
         if hb.dtype_supported(dtype, device):
             budget_s = budget.gemm_s if dtype == "fp32" else budget.gemm_s / 2
             out["gemm"][dtype] = hb.bench_gemm(shapes, dtype, device, budget_s)
         report(f"GEMM {dtype}")
+    head_dtype = "fp32" if device_type == "cpu" else "bf16"
+    if head_dtype in out["gemm"]:
+        hidden = dims["hidden_size"] if dims else (1024 if device_type == "cpu" else 4096)
+        out["head_gemm"] = hb.bench_head_gemms(hidden, tokens, hb.head_gemm_widths(device_type), head_dtype,
+                                               device, budget.head_s, out["gemm"][head_dtype]["tflops"])
+    report("LM head GEMMs")
     out["memory"] = hb.bench_memory_bandwidth(device, budget.copy_bytes, budget.memory_s)
     if device.type == "cuda":
         out["host_device"] = hb.bench_host_device(device, 256 << 20, budget.memory_s)
     report("memory bandwidth")
     adam_shapes = hb.model_param_shapes(dims, 2) if dims else [(4_000_000,)]
     out["adam"] = hb.bench_cpu_adam(adam_shapes, budget.adam_s)
+    out["adam_by_size"] = hb.bench_cpu_adam_by_size(hb.adam_tensor_sizes(device_type), budget.adam_s,
+                                                    out["adam"]["params_per_s"])
     report("CPU optimizer step")
     if world > 1:
         # across nodes the quick budget doubles: multi-node plans rest on the inter-node fit, and a
@@ -318,6 +328,12 @@ def measurements_of(raw: dict[str, Any]) -> list[Measurement]:
     a = raw["adam"]
     out.append(Measurement(name="cpu_adam", value=a["params_per_s"], unit="params/s", median_s=a["median_s"],
                            repeats=a["repeats"], stable=a["stable"], params=a["params"], tensors=a["tensors"]))
+    for size, relative in zip(raw.get("adam_by_size", {}).get("sizes", []), raw.get("adam_by_size", {}).get("relative", [])):
+        out.append(Measurement(name=f"cpu_adam/tensor_{size}", value=relative * a["params_per_s"], unit="params/s"))
+    head = raw.get("head_gemm")
+    for width, relative in zip(head["widths"], head["relative"]) if head else ():
+        out.append(Measurement(name=f"head_gemm/{head['dtype']}/{width}", value=relative * raw["gemm"][head["dtype"]]["tflops"],
+                               unit="TFLOP/s", hidden=head["hidden"], tokens=head["tokens"]))
     for r in raw.get("collectives", []):
         key = f"{r['op']}/{r['ranks']}/{r['scope']}"
         if "fit" in r:
@@ -394,6 +410,10 @@ def hardware_from(raw: dict[str, Any], inventory: Inventory, name: str) -> Hardw
         host_memory_gib=inventory.host_memory_gib,
         host_to_device_gbs=h2d,
         cpu_adam_params_per_s=raw["adam"]["params_per_s"],
+        head_gemm=SizeCurve(sizes=raw["head_gemm"]["widths"], relative=raw["head_gemm"]["relative"])
+        if "head_gemm" in raw else None,
+        cpu_adam_by_tensor=SizeCurve(sizes=raw["adam_by_size"]["sizes"], relative=raw["adam_by_size"]["relative"])
+        if "adam_by_size" in raw else None,
         efficiency=Efficiency(gemm=1.0, intra_node_collective=1.0, inter_node_collective=1.0,
                               memory_bandwidth=1.0, comm_overlap=0.5 if cuda else 0.0),
     )

@@ -2,8 +2,8 @@
 
 Every device ran the same GEMM and memory benchmark at once, and every node pair the same
 send/recv, so their figures compare like for like. A synchronous step runs at the pace of its
-slowest member: the profile's `hardware` takes the slowest device's and link's figures, and this
-module names who they are.
+slowest member: the profile's `hardware` takes a straggler's figures (`pace`), and this module
+names who they are.
 """
 
 from __future__ import annotations
@@ -13,6 +13,15 @@ import statistics
 from advisor.profile import DeviceRate, LinkRate, Straggler
 
 DEFAULT_THRESHOLD = 0.2  # 20% below the median: beyond the run-to-run noise of a quiet GPU node
+
+
+def pace(values: list[float], threshold: float) -> float:
+    """The figure a synchronous step of these members runs at: the slowest one's where it straggles
+    (more than `threshold` below the median), else the median. Within the threshold members differ
+    by their benchmark's noise (a CPU's cores, measured at once, by 5-15% from one quick profile to
+    the next), and pricing the lowest draw would price every plan by that noise."""
+    median = statistics.median(values)
+    return min(values) if min(values) < (1 - threshold) * median else median
 
 
 def device_name(node: int, local_rank: int) -> str:

@@ -232,6 +232,12 @@ def test_node_pairs_unequal_nodes_and_exclusion_pricing() -> None:
     assert slowest.memory_gib == 16.0  # the smaller node's
     kept = priced_without(slowest, cluster, ["n1"])
     assert kept.peak_tflops["fp32"] == pytest.approx(1.0) and kept.memory_bandwidth_gbs == pytest.approx(40.0)
+    # two healthy devices 10% apart (a quick profile's noise, within the threshold): the median prices
+    noisy = cluster_of({"ranks": [{**ranks[0]}, {**ranks[1], "gemm": {"fp32": 0.9}, "memory_gbs": 36.0}],
+                        "bisection": {"bisection_gbs": 3.0}}, threshold=0.2)
+    assert not noisy.stragglers
+    median = priced_at_slowest(measured, noisy)
+    assert median.peak_tflops["fp32"] == pytest.approx(0.95) and median.memory_bandwidth_gbs == pytest.approx(38.0)
     with pytest.raises(UsageError, match="not in the profile"):
         priced_without(slowest, cluster, ["n7d0"])
     with pytest.raises(UsageError, match="leaves no measured device"):
