@@ -1,6 +1,6 @@
 """Fit the cost model's efficiency factors to a few real training steps of the target model.
 
-The cost model's step time of a layout is affine in six unknowns (for fixed everything else):
+The cost model's step time of a layout is affine in seven unknowns (for fixed everything else):
 
     x_gemm = 1 / efficiency.gemm             dense GEMM FLOPs at the measured GEMM rate (set to
                                              1, not fitted: `MEASURED`)
@@ -10,6 +10,9 @@ The cost model's step time of a layout is affine in six unknowns (for fixed ever
     x_adapter = 1 / efficiency.adapter_gemm  LoRA adapters' skinny GEMMs
     overhead = efficiency.micro_batch_overhead_s   fixed time per micro-batch (Python, launches)
     contention = efficiency.node_contention  slow-down when every device of the node computes
+    x_collective = 1 / efficiency.intra_node_collective   the node's collectives under load at the
+                                             measured (idle) link rate: read off data-parallel
+                                             steps at mbs 1 (traffic-heavy) and 8 (compute-heavy)
     slope = efficiency.gemm_tokens_slope     GEMM time per doubling of tokens per micro-batch (the
                                              CPU's caches): read off steps at mbs 1, 4 and seq 512
 
@@ -48,6 +51,9 @@ UNKNOWNS: dict[str, tuple[str, bool, tuple[float, float]]] = {
     "micro_batch_overhead_s": ("micro_batch_overhead_s", False, (0.0, 1.0)),
     "node_contention": ("node_contention", False, (0.0, 4.0)),
     "gemm_tokens_slope": ("gemm_tokens_slope", False, (-0.5, 2.0)),
+    # the node's collectives while its devices compute: gloo's all-reduce shares the cores with the
+    # backward it overlaps, and ran 2.7x slower than alone (gqa-50k's gradients, 2 ranks on this CPU)
+    "intra_node_collective": ("intra_node_collective", True, (1.0, 20.0)),
 }
 FACTORS = tuple(UNKNOWNS)
 # Not fitted: the profile measured the GEMM rate on the model's own shapes (profiler.hardware_bench.
@@ -111,7 +117,7 @@ def fit_factors(terms: list[Terms], measured_s: list[float]) -> dict[str, float]
     """One bounded least-squares solve of relative errors, min sum((t_i(u) / m_i - 1)^2).
 
     Returns the Efficiency fields the measured layouts determine (memory_bandwidth, adapter_gemm,
-    micro_batch_overhead_s, node_contention, gemm_tokens_slope; gemm is `MEASURED`); an unknown no
+    micro_batch_overhead_s, node_contention, gemm_tokens_slope, intra_node_collective; gemm is `MEASURED`); an unknown no
     layout depends on (no LoRA layout, one device only) is left out, so it keeps its value."""
     if len(terms) != len(measured_s) or not terms:
         raise ValueError("need one measured time per layout")

@@ -9,12 +9,14 @@ follow the GEMM rate over the tokens per micro-batch (four points on that axis: 
 traded off freely against the other factors), a second micro-batch (gas 2) pins the overhead, seq
 512 weighs attention, full recomputation adds forward work without the optimizer, LoRA separates
 the adapters and the element-wise traffic (LoRA skips most of the optimizer), and one
-data-parallel step over every device of the node measures contention (and the collectives the
-profile measured). That step runs the largest micro-batch: the node's ranks slow each other's
-compute by a few percent, and a short step's fixed costs (its all-reduce under load) read as
-contention multiply every longer step (at mbs 2 the fit read 47% where two independent ranks
-computing at once measured 3-9%, and `advisor run`'s demo step at mbs 8 was priced 36% slow). Nine steps for five fitted factors (planner/calibration.py): the fit is
-over-determined, so one noisy step cannot move a factor alone.
+data-parallel step over every device of the node measures contention and the collectives under
+load, twice: at mbs 1 the gradients' all-reduce weighs most, at mbs 8 the compute.
+The node's ranks slow each other's compute by a few percent, while the all-reduce, sharing the
+cores with the backward it overlaps, runs slower than the profile measured it alone: one step
+cannot tell the two apart (at mbs 2 alone the fit read 47% contention where two independent ranks
+computing at once measured 3-9%, and `advisor run`'s demo step at mbs 8 was priced 36% slow).
+Ten steps for six fitted factors (planner/calibration.py): the fit is over-determined, so one noisy
+step cannot move a factor alone.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def fit_layouts(seq: int, devices: int, max_seq: int | None = None) -> list[Layo
         Layout(mbs=2, seq=seq, dtype="fp32", method="lora"),
     ]
     if devices >= 2:
-        layouts.append(Layout(dp=2, mbs=8, seq=seq, dtype="fp32"))
+        layouts += [Layout(dp=2, mbs=1, seq=seq, dtype="fp32"), Layout(dp=2, mbs=8, seq=seq, dtype="fp32")]
     return layouts
 
 

@@ -181,9 +181,11 @@ def square_gemm_shapes(device_type: str) -> list[GemmShape]:
     return [GemmShape(s, s, s, 1, f"{s}^3") for s in sizes]
 
 
-def bench_gemm(shapes: list[GemmShape], dtype: str, device: torch.device, budget_s: float) -> dict[str, Any]:
+def bench_gemm(shapes: list[GemmShape], dtype: str, device: torch.device, budget_s: float,
+               shrink: bool = True) -> dict[str, Any]:
     """Achieved FLOP/s per shape, and the step-weighted rate over the set: total FLOPs of one
-    step's GEMMs over their total time (what a training step of the model would see)."""
+    step's GEMMs over their total time (what a training step of the model would see). `shrink`:
+    cut a shape's rows so that one call fits the budget (a slow dtype); else every shape as given."""
     per_shape = []
     total_flops = total_s = 0.0
     torch_dtype = TORCH_DTYPES[dtype]
@@ -193,7 +195,7 @@ def bench_gemm(shapes: list[GemmShape], dtype: str, device: torch.device, budget
     rate = GemmShape(256, 256, 256).flops / _timed(lambda: torch.matmul(probe, probe), device)()
     per_call_s = budget_s / len(shapes) / 4
     for full in shapes:
-        rows = max(16, min(full.m, int(full.m * per_call_s * rate / full.flops)))
+        rows = max(16, min(full.m, int(full.m * per_call_s * rate / full.flops))) if shrink else full.m
         shape = GemmShape(rows, full.k, full.n, full.count * full.m / rows, full.name)
         a, b = _linear_operands(shape, torch_dtype, device)
         call = lambda: torch.matmul(a, b)  # noqa: E731
@@ -225,15 +227,24 @@ def head_gemm_widths(device_type: str) -> list[int]:
     return [4096, 16384, 65536] if device_type == "cpu" else [32768, 131072, 262144]
 
 
+def best_tflops(result: dict[str, Any]) -> float:
+    """`bench_gemm`'s step-weighted rate from each shape's fastest sample."""
+    flops = sum(s["count"] * 2.0 * s["shape"][0] * s["shape"][1] * s["shape"][2] for s in result["shapes"])
+    return flops / sum(s["count"] * s["min_s"] for s in result["shapes"]) / 1e12
+
+
 def bench_head_gemms(hidden: int, tokens: int, widths: list[int], dtype: str, device: torch.device,
-                     budget_s: float, dense_tflops: float) -> dict[str, Any]:
-    """The LM head's forward, input- and weight-gradient GEMMs (`linear_gemms` of hidden -> width)
-    at each width, as one step-weighted rate per width, relative to `dense_tflops` (the decoder's
-    rate measured alongside): a wide head's GEMMs leave the caches that a decoder layer's fit in."""
+                     budget_s: float, dense: list[GemmShape]) -> dict[str, Any]:
+    """The LM head's forward, input- and weight-gradient GEMMs (`linear_gemms` of hidden -> width,
+    at the tokens given) at each width, as one step-weighted rate per width relative to the
+    decoder's GEMMs (`dense`): a wide head's GEMMs leave the caches that a decoder layer's fit in.
+    Each ratio is of fastest samples taken back to back, so that a slow spell of a shared machine
+    moves both sides of it (rates from medians swung 0.65-0.9 at one width between widths)."""
     relative = []
+    share = budget_s / len(widths) / 2
     for width in widths:
-        rate = bench_gemm(linear_gemms(tokens, hidden, width), dtype, device, budget_s / len(widths))["tflops"]
-        relative.append(rate / dense_tflops)
+        head = bench_gemm(linear_gemms(tokens, hidden, width), dtype, device, share, shrink=False)
+        relative.append(best_tflops(head) / best_tflops(bench_gemm(dense, dtype, device, share)))
     return {"dtype": dtype, "hidden": hidden, "tokens": tokens, "widths": widths, "relative": relative}
 
 

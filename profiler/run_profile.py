@@ -149,7 +149,7 @@ def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, t
     if head_dtype in out["gemm"]:
         hidden = dims["hidden_size"] if dims else (1024 if device_type == "cpu" else 4096)
         out["head_gemm"] = hb.bench_head_gemms(hidden, tokens, hb.head_gemm_widths(device_type), head_dtype,
-                                               device, budget.head_s, out["gemm"][head_dtype]["tflops"])
+                                               device, budget.head_s, shapes)
     report("LM head GEMMs")
     out["memory"] = hb.bench_memory_bandwidth(device, budget.copy_bytes, budget.memory_s)
     if device.type == "cuda":
@@ -328,12 +328,14 @@ def measurements_of(raw: dict[str, Any]) -> list[Measurement]:
     a = raw["adam"]
     out.append(Measurement(name="cpu_adam", value=a["params_per_s"], unit="params/s", median_s=a["median_s"],
                            repeats=a["repeats"], stable=a["stable"], params=a["params"], tensors=a["tensors"]))
-    for size, relative in zip(raw.get("adam_by_size", {}).get("sizes", []), raw.get("adam_by_size", {}).get("relative", [])):
+    by_size = raw.get("adam_by_size", {"sizes": [], "relative": []})
+    for size, relative in zip(by_size["sizes"], by_size["relative"]):
         out.append(Measurement(name=f"cpu_adam/tensor_{size}", value=relative * a["params_per_s"], unit="params/s"))
     head = raw.get("head_gemm")
     for width, relative in zip(head["widths"], head["relative"]) if head else ():
-        out.append(Measurement(name=f"head_gemm/{head['dtype']}/{width}", value=relative * raw["gemm"][head["dtype"]]["tflops"],
-                               unit="TFLOP/s", hidden=head["hidden"], tokens=head["tokens"]))
+        out.append(Measurement(name=f"head_gemm/{head['dtype']}/{width}",
+                               value=relative * raw["gemm"][head["dtype"]]["tflops"], unit="TFLOP/s",
+                               hidden=head["hidden"], tokens=head["tokens"]))
     for r in raw.get("collectives", []):
         key = f"{r['op']}/{r['ranks']}/{r['scope']}"
         if "fit" in r:

@@ -1,0 +1,75 @@
+"""Rates a profile measures by size: the LM head's GEMMs by the vocabulary a device holds, the host's
+AdamW by the tensor it updates. The cost model prices each at its measured rate, computed here
+from the trace's own FLOPs and parameter counts."""
+
+import pytest
+
+from advisor.specs import Layout, ModelSpec, SizeCurve
+from planner.cost_model import estimate_from_trace, loss_recompute_flops, optimizer_tensors
+from presets import load_hardware
+from profiler.hardware_bench import bench_cpu_adam_by_size, bench_head_gemms, linear_gemms
+from profiler.model_trace import trace_model
+
+WIDE_VOCAB = ModelSpec(name="wide-vocab", hf_config={
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 344,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32000,
+    "max_position_embeddings": 512, "tie_word_embeddings": False})
+
+
+def test_a_size_curve_reads_linearly_in_log_size_and_flat_beyond_its_ends() -> None:
+    curve = SizeCurve(sizes=[1024, 4096, 65536], relative=[1.0, 0.8, 0.4])
+    assert curve.at(16) == 1.0 and curve.at(1e9) == 0.4
+    assert curve.at(2048) == pytest.approx(0.9)  # half way in log2 between 1024 and 4096
+    assert curve.at(16384) == pytest.approx(0.6)
+    with pytest.raises(ValueError):
+        SizeCurve(sizes=[4096, 1024], relative=[1.0, 1.0])
+
+
+def test_the_heads_measured_rate_prices_exactly_its_gemms_at_that_rate() -> None:
+    """A head measured at half the dense rate costs its FLOPs once more at the dense rate: the
+    forward (twice under the chunked loss), the input and the weight gradients of every sequence."""
+    layout = Layout(mbs=2, seq=256, dtype="fp32")
+    trace = trace_model(WIDE_VOCAB, layout.seq, "fp32", device_type="cpu")
+    cpu = load_hardware("cpu").model_copy(update={"devices_per_node": 1})
+    half = cpu.model_copy(update={"head_gemm": SizeCurve(sizes=[1000.0], relative=[0.5])})
+    dense, slow = (estimate_from_trace(trace, layout, hw) for hw in (cpu, half))
+    head_flops = layout.mbs * (trace.head.fwd_flops + loss_recompute_flops(trace, layout, "plain")
+                               + trace.head.bwd_flops)
+    rate = cpu.peak_flops("fp32") * cpu.efficiency.gemm  # at 256 tokens the tokens slope does not apply
+    assert slow.time.step_s - dense.time.step_s == pytest.approx(head_flops / rate, rel=1e-6)
+
+
+@pytest.mark.parametrize("layout,engine", [
+    (Layout(mbs=1, seq=128, dtype="fp32"), "plain"),
+    (Layout(dp=2, zero=2, mbs=1, seq=128, dtype="fp32"), "fsdp2"),
+    (Layout(dp=2, zero=1, mbs=1, seq=128, dtype="fp32"), "deepspeed"),
+    (Layout(mbs=1, seq=128, dtype="fp32", method="lora"), "plain"),
+])
+def test_the_optimizer_updates_each_trainable_parameter_once_at_its_tensors_rate(layout, engine) -> None:
+    trace = trace_model(WIDE_VOCAB, layout.seq, "fp32", layout.method, device_type="cpu")
+    tensors = optimizer_tensors(trace, layout, engine, trace.num_layers, 0)
+    updated = trace.trainable_params / (layout.dp if layout.zero else 1)
+    assert sum(count for count, _ in tensors) == pytest.approx(updated, rel=1e-9)
+    cpu = load_hardware("cpu").model_copy(update={"devices_per_node": 2})
+    # tensors of up to 2^20 parameters update at the base rate, from 4M on at a quarter of it
+    curve = SizeCurve(sizes=[2.0**20, 4e6], relative=[1.0, 0.25])
+    sized = cpu.model_copy(update={"cpu_adam_by_tensor": curve})
+    base, slow = (estimate_from_trace(trace, layout, hw, engine).time.optimizer_s for hw in (cpu, sized))
+    extra = sum(count * (1 / curve.at(size) - 1) for count, size in tensors) / cpu.cpu_adam_params_per_s
+    assert slow - base == pytest.approx(extra, rel=1e-6)
+    if engine == "plain" and layout.method == "full":  # the 32000 x 128 tables, 4.1M parameters each, at a quarter
+        big = 2 * 32000 * 128 + 128  # and the final norm, which the trace counts with the head
+        assert [(count, size) for count, size in tensors if size >= 4e6] == [(big, 32000 * 128)]
+        assert slow - base == pytest.approx(3 * big / cpu.cpu_adam_params_per_s, rel=1e-6)
+
+
+def test_the_profile_measures_a_wide_head_and_big_tensors_against_its_base_rates() -> None:
+    """The benches return rates relative to their base: a "head" as narrow as the dense shapes it is
+    compared with reads 1, within the benchmark's noise; AdamW handed its own rate reads 1 too."""
+    import torch
+
+    cpu = torch.device("cpu")
+    same = bench_head_gemms(64, 64, [64], "fp32", cpu, 0.4, dense=linear_gemms(64, 64, 64))
+    assert same["relative"][0] == pytest.approx(1.0, rel=0.5)
+    adam = bench_cpu_adam_by_size([1 << 12], 0.2, base_params_per_s=1.0)["relative"][0]
+    assert bench_cpu_adam_by_size([1 << 12], 0.2, base_params_per_s=adam)["relative"][0] == pytest.approx(1.0, rel=0.5)
