@@ -398,18 +398,23 @@ class _Rates:
 
 
 # Tokens per micro-batch at which `Efficiency.gemm` holds as fitted; `gemm_tokens_slope` scales the
-# GEMM time per doubling of them from here.
+# GEMM time per doubling of them from here, up to the most tokens a calibration step measures (mbs 8
+# at a quick profile's seq 256).
 GEMM_REFERENCE_TOKENS = 256
+GEMM_SLOPE_MAX_TOKENS = 8 * GEMM_REFERENCE_TOKENS
 
 
 def gemm_tokens_factor(layout: Layout, hardware: HardwareSpec) -> float:
     """GEMM time at this layout's tokens per micro-batch (mbs x seq) over that at
-    `GEMM_REFERENCE_TOKENS`: 1 + slope log2(tokens / reference), floored at a quarter. The slope is
-    measured (planner/calibration.py fits it to calibration steps at several micro-batch sizes)."""
+    `GEMM_REFERENCE_TOKENS`: 1 + slope log2(tokens / reference) within the tokens the slope was
+    measured over, flat outside them, floored at a quarter. The slope is measured (planner/calibration.py fits it to
+    calibration steps at mbs 1 to 8); carried on in a straight line to 4096-8192 tokens, a fitted
+    -8% per doubling priced those micro-batches' GEMMs 32-40% fast (bench/accuracy.py)."""
     slope = hardware.efficiency.gemm_tokens_slope
     if not slope:
         return 1.0
-    return max(0.25, 1 + slope * math.log2(layout.mbs * layout.seq / GEMM_REFERENCE_TOKENS))
+    tokens = min(max(layout.mbs * layout.seq, GEMM_REFERENCE_TOKENS), GEMM_SLOPE_MAX_TOKENS)
+    return max(0.25, 1 + slope * math.log2(tokens / GEMM_REFERENCE_TOKENS))
 
 
 def _rates(layout: Layout, hardware: HardwareSpec) -> _Rates:
@@ -465,6 +470,7 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, hardware: HardwareSp
     bwd_s = slowdown * mbs * ((bwd - adapter_bwd) / flop_rate + adapter_bwd / adapter_rate) / tp
     compute = fwd_s + bwd_s + slowdown * traffic / byte_rate + overhead_s
     compute += slowdown * mbs * _score_matmul_extra_s(trace, layout, rates, layers, recomputed)
+    compute += slowdown * mbs * _attention_extra_s(trace, layout, hardware, flop_rate, layers, recomputed)
     compute += slowdown * _gemm_wave_extra_s(trace, layout, hardware, flop_rate, layers, recomputed, last, vocab)
     if last:
         compute += slowdown * _head_gemm_extra_s(trace, layout, hardware, flop_rate, head_recompute_flops, vocab)
@@ -473,6 +479,7 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, hardware: HardwareSp
     adapter_all = 3 * adapter * layers
     useful = slowdown * mbs * ((model_flops - adapter_all) / flop_rate + adapter_all / adapter_rate) / tp
     useful += slowdown * useful_traffic / byte_rate + overhead_s
+    useful += slowdown * mbs * _attention_extra_s(trace, layout, hardware, flop_rate, layers, 0)
     useful += slowdown * _gemm_wave_extra_s(trace, layout, hardware, flop_rate, layers, 0, last, vocab)
     if last:
         useful += slowdown * _head_gemm_extra_s(trace, layout, hardware, flop_rate, 0.0, vocab)
@@ -571,6 +578,20 @@ def _gemm_wave_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec
         head = linear_gemms(layout.mbs * trace.seq, trace.hidden_size, trace.vocab_size // vocab)
         lost += lost_flops(head, {"fwd": 1, "dgrad": 1, "wgrad": 1 if trains else 0})
     return lost / rate
+
+
+def _attention_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, rate: float, layers: int,
+                       recomputed: int) -> float:
+    """Seconds the fused attention kernel of one sequence takes beyond its counted FLOPs at the dense
+    rate: the profile measured the kernel's own rate at the sequence length (`HardwareSpec.attention`;
+    a CPU runs it at 40-55% of its GEMMs'). Forward once per layer and again under full
+    recomputation (the selective policy keeps its output), backward twice the forward's FLOPs.
+    Eager attention is priced by `_score_matmul_extra_s`; 0 where nothing was measured."""
+    if hardware.attention is None or trace.attention == "eager":
+        return 0.0
+    per_layer_fwd = 4 * trace.seq * trace.seq * trace.num_heads * trace.head_dim  # QK^T and scores x V
+    passes = 3 * layers + (recomputed if layout.recompute == "full" else 0)
+    return passes * per_layer_fwd / layout.tp * (1 / hardware.attention.at(trace.seq) - 1) / rate
 
 
 def _score_matmul_extra_s(trace: ModelTrace, layout: Layout, rates: _Rates, layers: int, recomputed: int) -> float:

@@ -303,6 +303,48 @@ def bench_cpu_adam(shapes: list[tuple[int, ...]], budget_s: float) -> dict[str, 
             **timing.__dict__}
 
 
+def attention_seqs(device_type: str) -> list[int]:
+    """Sequence lengths at which the fused attention kernel's rate is measured."""
+    return [256, 1024] if device_type == "cpu" else [1024, 4096]
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """Model FLOPs of one causal attention's forward and backward as the trace counts them
+    (profiler.model_trace: the two s x s matmuls, full rather than causal-halved, and twice that
+    backward)."""
+    return 3 * 4.0 * batch * heads * seq * seq * head_dim
+
+
+def bench_attention(heads: int, head_dim: int, seqs: list[int], tokens: int, dtype: str, device: torch.device,
+                    budget_s: float, dense: list[GemmShape]) -> dict[str, Any]:
+    """The fused causal attention kernel (`scaled_dot_product_attention`, as the trainer's models
+    run it), forward and backward, at each sequence length over `tokens` tokens, as its counted
+    FLOPs' rate relative to the decoder's GEMMs (`dense`), fastest samples back to back as in
+    `bench_head_gemms`. On a CPU it reaches 40-55% of the GEMM rate, which the trace's FLOPs at the
+    dense rate did not see (an 8-layer, 192-wide model at seq 512-1024 ran 20-30% slower than
+    priced)."""
+    import torch.nn.functional as F
+
+    torch_dtype = TORCH_DTYPES[dtype]
+    relative = []
+    share = budget_s / len(seqs) / 2
+    for seq in seqs:
+        batch = max(1, tokens // seq)
+        q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=torch_dtype, requires_grad=True)
+                   for _ in range(3))
+
+        def step() -> None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(torch.ones_like(out))
+            q.grad = k.grad = v.grad = None
+
+        timing = Repeater(budget_s=share).run(_timed(step, device))
+        rate = attention_flops(batch, heads, seq, head_dim) / timing.min_s / 1e12
+        relative.append(rate / best_tflops(bench_gemm(dense, dtype, device, share)))
+        del q, k, v
+    return {"dtype": dtype, "heads": heads, "head_dim": head_dim, "seqs": seqs, "relative": relative}
+
+
 def adam_tensor_sizes(device_type: str) -> list[int]:
     """Parameters per tensor at which the host AdamW rate is measured: from a decoder layer's
     matrices, whose states stay in a CPU's caches, to an embedding's, whose do not."""

@@ -150,7 +150,11 @@ def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, t
         hidden = dims["hidden_size"] if dims else (1024 if device_type == "cpu" else 4096)
         out["head_gemm"] = hb.bench_head_gemms(hidden, tokens, hb.head_gemm_widths(device_type), head_dtype,
                                                device, budget.head_s, shapes)
-    report("LM head GEMMs")
+        heads = dims["num_heads"] if dims else 8
+        head_dim = dims["head_dim"] if dims else hidden // 8
+        out["attention"] = hb.bench_attention(heads, head_dim, hb.attention_seqs(device_type), max(tokens, 1024),
+                                              head_dtype, device, budget.head_s, shapes)
+    report("LM head GEMMs and attention")
     out["memory"] = hb.bench_memory_bandwidth(device, budget.copy_bytes, budget.memory_s)
     if device.type == "cuda":
         out["host_device"] = hb.bench_host_device(device, 256 << 20, budget.memory_s)
@@ -331,6 +335,11 @@ def measurements_of(raw: dict[str, Any]) -> list[Measurement]:
     by_size = raw.get("adam_by_size", {"sizes": [], "relative": []})
     for size, relative in zip(by_size["sizes"], by_size["relative"]):
         out.append(Measurement(name=f"cpu_adam/tensor_{size}", value=relative * a["params_per_s"], unit="params/s"))
+    attention = raw.get("attention")
+    for seq, relative in zip(attention["seqs"], attention["relative"]) if attention else ():
+        out.append(Measurement(name=f"attention/{attention['dtype']}/{seq}",
+                               value=relative * raw["gemm"][attention["dtype"]]["tflops"], unit="TFLOP/s",
+                               heads=attention["heads"], head_dim=attention["head_dim"]))
     head = raw.get("head_gemm")
     for width, relative in zip(head["widths"], head["relative"]) if head else ():
         out.append(Measurement(name=f"head_gemm/{head['dtype']}/{width}",
@@ -414,6 +423,8 @@ def hardware_from(raw: dict[str, Any], inventory: Inventory, name: str) -> Hardw
         cpu_adam_params_per_s=raw["adam"]["params_per_s"],
         head_gemm=SizeCurve(sizes=raw["head_gemm"]["widths"], relative=raw["head_gemm"]["relative"])
         if "head_gemm" in raw else None,
+        attention=SizeCurve(sizes=raw["attention"]["seqs"], relative=raw["attention"]["relative"])
+        if "attention" in raw else None,
         cpu_adam_by_tensor=SizeCurve(sizes=raw["adam_by_size"]["sizes"], relative=raw["adam_by_size"]["relative"])
         if "adam_by_size" in raw else None,
         efficiency=Efficiency(gemm=1.0, intra_node_collective=1.0, inter_node_collective=1.0,

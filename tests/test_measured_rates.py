@@ -73,3 +73,31 @@ def test_the_profile_measures_a_wide_head_and_big_tensors_against_its_base_rates
     assert same["relative"][0] == pytest.approx(1.0, rel=0.5)
     adam = bench_cpu_adam_by_size([1 << 12], 0.2, base_params_per_s=1.0)["relative"][0]
     assert bench_cpu_adam_by_size([1 << 12], 0.2, base_params_per_s=adam)["relative"][0] == pytest.approx(1.0, rel=0.5)
+
+
+@pytest.mark.parametrize("recompute,passes", [("none", 3), ("selective", 3), ("full", 4)])
+def test_the_attention_kernels_measured_rate_prices_exactly_its_counted_flops(recompute, passes) -> None:
+    """Attention measured at a quarter of the dense rate costs its counted FLOPs (4 s^2 heads
+    head_dim per layer forward, twice that backward, once more under full recomputation) three
+    times over at the dense rate."""
+    layout = Layout(mbs=2, seq=256, dtype="fp32", recompute=recompute)
+    trace = trace_model(WIDE_VOCAB, layout.seq, "fp32", device_type="cpu")
+    cpu = load_hardware("cpu").model_copy(update={"devices_per_node": 1})
+    slow = cpu.model_copy(update={"attention": SizeCurve(sizes=[256.0], relative=[0.25])})
+    dense, quarter = (estimate_from_trace(trace, layout, hw) for hw in (cpu, slow))
+    flops = layout.mbs * passes * trace.num_layers * 4 * 256 * 256 * trace.num_heads * trace.head_dim
+    rate = cpu.peak_flops("fp32") * cpu.efficiency.gemm
+    assert quarter.time.step_s - dense.time.step_s == pytest.approx(3 * flops / rate, rel=1e-6)
+
+
+def test_the_gemm_slope_over_tokens_holds_only_where_calibration_measured_it() -> None:
+    """Fitted over 256-2048 tokens per micro-batch (mbs 1 to 8 at seq 256), the slope is not
+    carried beyond them: 4096 and 8192 tokens are priced as 2048, 128 as 256."""
+    from planner.cost_model import gemm_tokens_factor
+
+    cpu = load_hardware("cpu")
+    cpu = cpu.model_copy(update={"efficiency": cpu.efficiency.model_copy(update={"gemm_tokens_slope": -0.1})})
+    at = {tokens: gemm_tokens_factor(Layout(mbs=tokens // 128, seq=128), cpu) for tokens in (128, 256, 1024, 2048,
+                                                                                               4096, 8192)}
+    assert at[256] == at[128] == 1.0
+    assert at[1024] == pytest.approx(0.8) and at[2048] == at[4096] == at[8192] == pytest.approx(0.7)

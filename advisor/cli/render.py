@@ -136,6 +136,8 @@ def render_profile(result, out: Path) -> None:
             table.add_row("CPU AdamW step", f"{m.value / 1e6:,.0f} M params/s", str(m.repeats))
         elif m.name.startswith("cpu_adam/tensor_"):
             table.add_row(f"  tensors of {int(m.name.split('_')[-1]):,} params", f"{m.value / 1e6:,.0f} M params/s", "")
+        elif m.name.startswith("attention/"):
+            table.add_row(f"attention, seq {int(m.name.split('/')[-1]):,}", f"{m.value * 1e3:,.1f} GFLOP/s", "")
         elif m.name.startswith("head_gemm/"):
             table.add_row(f"LM head GEMMs, vocab {int(m.name.split('/')[-1]):,}", f"{m.value * 1e3:,.1f} GFLOP/s", "")
         elif m.name.endswith("/bandwidth"):
