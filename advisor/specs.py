@@ -152,8 +152,8 @@ class HardwareSpec(BaseModel):
         "at ~70% of its decoder GEMMs' rate); unset: the dense rate")
     attention: SizeCurve | None = Field(
         None, description="the fused attention kernel's counted FLOPs (forward and backward) over the dense rate "
-        "`peak_tflops`, by sequence length (a measured profile: a CPU runs it at 40-55% of its GEMMs' rate); "
-        "unset: the dense rate")
+        "`peak_tflops`, by sequence length (a measured profile: a CPU runs it at 65% of its GEMMs' rate at seq "
+        "256, 93% at 1024); unset: the dense rate")
     cpu_adam_by_tensor: SizeCurve | None = Field(
         None, description="host AdamW rate over `cpu_adam_params_per_s`, by the parameters of the tensor it "
         "updates (a measured profile: a tensor whose states leave the caches updates ~3x slower); unset: flat")

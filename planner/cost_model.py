@@ -407,9 +407,10 @@ GEMM_SLOPE_MAX_TOKENS = 8 * GEMM_REFERENCE_TOKENS
 def gemm_tokens_factor(layout: Layout, hardware: HardwareSpec) -> float:
     """GEMM time at this layout's tokens per micro-batch (mbs x seq) over that at
     `GEMM_REFERENCE_TOKENS`: 1 + slope log2(tokens / reference) within the tokens the slope was
-    measured over, flat outside them, floored at a quarter. The slope is measured (planner/calibration.py fits it to
-    calibration steps at mbs 1 to 8); carried on in a straight line to 4096-8192 tokens, a fitted
-    -8% per doubling priced those micro-batches' GEMMs 32-40% fast (bench/accuracy.py)."""
+    measured over, flat outside them, floored at a quarter. The slope is measured
+    (planner/calibration.py fits it to calibration steps at mbs 1 to 8); carried on in a straight
+    line to 4096-8192 tokens, a fitted -8% per doubling priced those micro-batches' GEMMs 32-40%
+    fast (bench/accuracy.py)."""
     slope = hardware.efficiency.gemm_tokens_slope
     if not slope:
         return 1.0
@@ -584,8 +585,9 @@ def _attention_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec
                        recomputed: int) -> float:
     """Seconds the fused attention kernel of one sequence takes beyond its counted FLOPs at the dense
     rate: the profile measured the kernel's own rate at the sequence length (`HardwareSpec.attention`;
-    a CPU runs it at 40-55% of its GEMMs'). Forward once per layer and again under full
-    recomputation (the selective policy keeps its output), backward twice the forward's FLOPs.
+    a CPU runs its counted FLOPs at 65% of its GEMMs' rate at seq 256, 93% at 1024). Forward once
+    per layer and again under full recomputation (the selective policy keeps its output), backward
+    twice the forward's FLOPs.
     Eager attention is priced by `_score_matmul_extra_s`; 0 where nothing was measured."""
     if hardware.attention is None or trace.attention == "eager":
         return 0.0

@@ -3,9 +3,9 @@ excludes left out (`advisor plan --exclude n1d0,n3`).
 
 A synchronous step waits for its slowest device, and a ring collective runs at its slowest link,
 so the profile's `hardware` holds their pace (profiler.stragglers.pace: a straggler's figure, else
-the median). Excluding members reprices each figure by (pace of those kept / pace of all). The device count is the plan's, not the
-profile's: an excluded device is assumed replaced by one like the others (a scheduler's
-`--exclude`), which is what "what excluding it would gain" means.
+the median). Excluding members reprices each figure by (pace of those kept / pace of all). The
+device count is the plan's, not the profile's: an excluded device is assumed replaced by one like
+the others (a scheduler's `--exclude`), which is what "what excluding it would gain" means.
 """
 
 from __future__ import annotations

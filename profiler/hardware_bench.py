@@ -320,9 +320,9 @@ def bench_attention(heads: int, head_dim: int, seqs: list[int], tokens: int, dty
     """The fused causal attention kernel (`scaled_dot_product_attention`, as the trainer's models
     run it), forward and backward, at each sequence length over `tokens` tokens, as its counted
     FLOPs' rate relative to the decoder's GEMMs (`dense`), fastest samples back to back as in
-    `bench_head_gemms`. On a CPU it reaches 40-55% of the GEMM rate, which the trace's FLOPs at the
-    dense rate did not see (an 8-layer, 192-wide model at seq 512-1024 ran 20-30% slower than
-    priced)."""
+    `bench_head_gemms`. On a CPU its counted FLOPs run at 65% of the GEMM rate at seq 256 and 93% at
+    1024, which the trace's FLOPs at the dense rate did not see (an 8-layer, 192-wide model with 32-wide
+    heads at seq 512-1024 ran 20-30% slower than priced)."""
     import torch.nn.functional as F
 
     torch_dtype = TORCH_DTYPES[dtype]
