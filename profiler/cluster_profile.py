@@ -1,5 +1,5 @@
 """From every rank's gathered figures to the profile's `cluster` section, and the hardware priced
-at its slowest member (a synchronous step waits for it)."""
+at its members' pace (a synchronous step waits for a straggler; within the threshold, the median)."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ from rich.table import Table
 
 from advisor.cli.common import console
 from advisor.specs import Estimate, GiB
+from profiler.stragglers import pace
 
 
 def format_gib(nbytes: float) -> str:
@@ -170,15 +172,20 @@ def render_profile(result, out: Path) -> None:
 
 
 def _cluster_rows(table: Table, cluster) -> None:
-    """Every device measured at once: the slowest of each figure (what the hardware prices), the links
-    between node pairs, the bisection."""
+    """Every device measured at once: each figure's pace (what the hardware prices: a straggler's,
+    else the median) and its slowest device, the links between node pairs, the bisection."""
+    def paced(label: str, rates: dict[str, float], unit: str, scale: float) -> None:
+        slowest = min(rates, key=rates.get)
+        priced = pace(list(rates.values()), cluster.straggler_threshold)
+        rule = "straggler" if priced < statistics.median(rates.values()) else "median"
+        table.add_row(label, f"{priced * scale:,.1f} {unit} (slowest {slowest}: {rates[slowest] * scale:,.1f})",
+                      f"priced, {rule}")
+
     for figure in ("fp32", "bf16"):
         rates = {d.name: d.gemm_tflops[figure] for d in cluster.devices if d.gemm_tflops.get(figure, 0) > 0}
         if rates:
-            slowest = min(rates, key=rates.get)
-            table.add_row(f"slowest GEMM {figure}", f"{slowest}: {rates[slowest] * 1e3:,.1f} GFLOP/s", "priced")
-    slowest = min(cluster.devices, key=lambda d: d.memory_gbs)
-    table.add_row("slowest memory", f"{slowest.name}: {slowest.memory_gbs:,.1f} GB/s", "priced")
+            paced(f"GEMM {figure}, {len(rates)} devices", rates, "GFLOP/s", 1e3)
+    paced(f"memory, {len(cluster.devices)} devices", {d.name: d.memory_gbs for d in cluster.devices}, "GB/s", 1.0)
     for link in cluster.links:
         table.add_row(f"send/recv {link.name}", f"{link.bandwidth_gbs:,.2f} GB/s, {link.latency_us:,.0f} µs", "fit")
     if cluster.bisection_gbs:
