@@ -681,22 +681,17 @@ def optimizer_tensors(trace: ModelTrace, layout: Layout, engine: str, layers: in
     kind: DeepSpeed updates one flat fp32 partition; the other engines each parameter (its shard
     under FSDP2's ZeRO): the embedding's and the head's, and the decoder layers' adapted matrices
     (a LoRA adapter's two factors each)."""
-    _, trainable, _ = device_params(trace, layout, engine, layers, stage)
+    trainable = device_params(trace, layout, engine, layers, stage)[1]
     shards = layout.dp if layout.zero >= 1 else 1
     if engine == "deepspeed":  # one stage: its partition is the whole model's share, whatever `layers` is
         # (the planner reads this term as affine in the stage's layers)
         whole = device_params(trace, layout, engine, trace.num_layers, stage)[1] / shards
         return [(trainable / shards, whole)]
-    first, last = stage == 0, stage == layout.pp - 1
-    vocab = vocab_shards(layout, engine)
-    tied = trace.head.params < trace.vocab_size * trace.hidden_size
-    tables = (trace.embedding.trainable_params if first else 0.0) + (
-        trace.head.trainable_params + (trace.embedding.trainable_params if tied and layout.pp > 1 else 0.0)
-        if last else 0.0)
-    vocab_tensor = trace.vocab_size * trace.hidden_size / vocab / shards
+    tables = device_params(trace, layout, engine, 0, stage)[1]  # the embedding and head this stage holds
+    vocab_tensor = trace.vocab_size * trace.hidden_size / vocab_shards(layout, engine) / shards
     matrices = adapted_linears_per_layer(trace) * (2 if layout.method in ("lora", "qlora") else 1)
     layer_tensor = trace.layer.trainable_params / layout.tp / matrices / shards
-    return [(tables / vocab / shards, vocab_tensor), (trainable / shards - tables / vocab / shards, layer_tensor)]
+    return [(tables / shards, vocab_tensor), ((trainable - tables) / shards, layer_tensor)]
 
 
 def _cpu_adam_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engine: str, layers: int,

@@ -15,7 +15,7 @@ import statistics
 from advisor.errors import UsageError
 from advisor.profile import ClusterProfile, DeviceRate, Straggler
 from advisor.specs import HardwareSpec
-from profiler.stragglers import pace
+from profiler.stragglers import pace, straggles
 
 
 def parse_exclude(text: str | None) -> list[str]:
@@ -75,7 +75,7 @@ def pricing_note(cluster: ClusterProfile, exclude: list[str], dtype: str) -> str
     rates = [d.gemm_tflops.get(dtype, 0.0) for d in cluster.devices if d.name not in gone]
     rates = [r for r in rates if r > 0] or [0.0]
     rate = device.gemm_tflops.get(dtype, 0.0)
-    if len(rates) == 1 or (rate and rate < (1 - cluster.straggler_threshold) * statistics.median(rates)):
+    if len(rates) == 1 or (rate and straggles(rate, statistics.median(rates), cluster.straggler_threshold)):
         return (f"priced at the slowest participating device{without}: {device.name}, GEMM {dtype} "
                 f"{rate * 1e3:,.1f} GFLOP/s, of {len(cluster.devices)} measured (a synchronous step waits for it)")
     return (f"priced at the median participating device{without}: GEMM {dtype} "

@@ -345,10 +345,9 @@ def bench_attention(heads: int, head_dim: int, seqs: list[int], tokens: int, dty
     return {"dtype": dtype, "heads": heads, "head_dim": head_dim, "seqs": seqs, "relative": relative}
 
 
-def adam_tensor_sizes(device_type: str) -> list[int]:
-    """Parameters per tensor at which the host AdamW rate is measured: from a decoder layer's
-    matrices, whose states stay in a CPU's caches, to an embedding's, whose do not."""
-    return [1 << 16, 1 << 20, 1 << 23]
+# Parameters per tensor at which the host AdamW rate is measured: from a decoder layer's matrices,
+# whose states stay in a CPU's caches, to an embedding's, whose do not.
+ADAM_TENSOR_SIZES = [1 << 16, 1 << 20, 1 << 23]
 
 
 def bench_cpu_adam_by_size(sizes: list[int], budget_s: float, base_params_per_s: float) -> dict[str, Any]:

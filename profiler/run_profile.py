@@ -161,7 +161,7 @@ def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, t
     report("memory bandwidth")
     adam_shapes = hb.model_param_shapes(dims, 2) if dims else [(4_000_000,)]
     out["adam"] = hb.bench_cpu_adam(adam_shapes, budget.adam_s)
-    out["adam_by_size"] = hb.bench_cpu_adam_by_size(hb.adam_tensor_sizes(device_type), budget.adam_s,
+    out["adam_by_size"] = hb.bench_cpu_adam_by_size(hb.ADAM_TENSOR_SIZES, budget.adam_s,
                                                     out["adam"]["params_per_s"])
     report("CPU optimizer step")
     if world > 1:

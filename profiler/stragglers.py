@@ -15,13 +15,18 @@ from advisor.profile import DeviceRate, LinkRate, Straggler
 DEFAULT_THRESHOLD = 0.2  # 20% below the median: beyond the run-to-run noise of a quiet GPU node
 
 
+def straggles(value: float, median: float, threshold: float) -> bool:
+    """Whether a member's figure lies more than `threshold` below its kind's median."""
+    return value < (1 - threshold) * median
+
+
 def pace(values: list[float], threshold: float) -> float:
     """The figure a synchronous step of these members runs at: the slowest one's where it straggles
     (more than `threshold` below the median), else the median. Within the threshold members differ
     by their benchmark's noise (a CPU's cores, measured at once, by 5-15% from one quick profile to
     the next), and pricing the lowest draw would price every plan by that noise."""
     median = statistics.median(values)
-    return min(values) if min(values) < (1 - threshold) * median else median
+    return min(values) if straggles(min(values), median, threshold) else median
 
 
 def device_name(node: int, local_rank: int) -> str:
@@ -51,7 +56,7 @@ def _below_median(values: dict[str, float], kind: str, figure: str, threshold: f
     median = statistics.median(values.values())
     return [Straggler(name=name, kind=kind, figure=figure, value=value, median=median,  # type: ignore[arg-type]
                       slower_by=1 - value / median)
-            for name, value in values.items() if value < (1 - threshold) * median]
+            for name, value in values.items() if straggles(value, median, threshold)]
 
 
 def describe(straggler: Straggler) -> str:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from advisor.cli.common import console
 from advisor.specs import Estimate, GiB
-from profiler.stragglers import pace
+from profiler.stragglers import pace, straggles
 
 
 def format_gib(nbytes: float) -> str:
@@ -177,7 +177,8 @@ def _cluster_rows(table: Table, cluster) -> None:
     def paced(label: str, rates: dict[str, float], unit: str, scale: float) -> None:
         slowest = min(rates, key=rates.get)
         priced = pace(list(rates.values()), cluster.straggler_threshold)
-        rule = "straggler" if priced < statistics.median(rates.values()) else "median"
+        rule = "straggler" if straggles(rates[slowest], statistics.median(rates.values()),
+                                        cluster.straggler_threshold) else "median"
         table.add_row(label, f"{priced * scale:,.1f} {unit} (slowest {slowest}: {rates[slowest] * scale:,.1f})",
                       f"priced, {rule}")
 
