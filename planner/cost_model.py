@@ -32,7 +32,6 @@ from planner.memory import (
     ADAPTER_BYTES,
     HOST_MEMORY_USABLE,
     MEGATRON,
-    TIED_GRADIENT_COPIES,
     ZERO_REDUCE_BUCKET_ELEMS,
     ModelStates,
     fsdp_shards,
@@ -45,6 +44,7 @@ from planner.memory import (
     loss_runs_chunked,
     micro_batches_in_flight,
     tied_embedding_gradient_bytes,
+    tied_embedding_gradient_copies,
     model_state_bytes,
     stored_dtype_bytes,
 )
@@ -250,7 +250,7 @@ class StageMemory:
     zero3_live: float
     scratch: float
     # the end of backward with a tied embedding: its gradient copies beside every other gradient
-    # (`tied_embedding_gradient_bytes`); 0 where none applies
+    # (`tied_embedding_gradient_copies`); 0 where none applies
     tied_backward: float
     host: float  # offloaded bytes of this device in host RAM
     host_capacity: float  # this device's share of its node's usable RAM
@@ -328,12 +328,14 @@ def stage_memory(
     gathered = gathered_parameter_bytes(params, trace.layer.params / tp, root, layout, engine)
     resident = _resident_gradients(layout, engine, states.gradients, params)
     regrows = bool(recomputed) and layout.recompute != "none"
-    tied_copies = tied_embedding_gradient_bytes(trace, layout, engine)
+    tied_copies = tied_embedding_gradient_copies(trace, layout, engine)
     tied_backward = 0.0
     if tied_copies:
+        tied_gradient = tied_embedding_gradient_bytes(trace, layout, engine)
         # every other gradient exists by then: in resident buffers, or in `.grad` beside the bucket
-        others = 0.0 if resident else trainable * grad_bytes - tied_copies / TIED_GRADIENT_COPIES
-        tied_backward = states.weights + states.optimizer + resident + buckets + others + tied_copies
+        others = 0.0 if resident else trainable * grad_bytes - tied_gradient
+        tied_backward = (states.weights + states.optimizer + resident + buckets + others
+                         + tied_copies * tied_gradient)
     if deepspeed_buckets and layout.zero == 3:
         # ZeRO-3 reduces gradients during backward through its bucket, allocated as the first
         # gradients arrive: alive with the loss's buffers (measured on this CPU; ZeRO-2's is not)

@@ -293,23 +293,35 @@ def head_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = 
 
 
 # A tied embedding's gradient arrives twice in one backward: the LM head's contribution waits in
-# autograd's input buffer until the embedding's own arrives, last, and their sum is a third tensor
-# of the same size, all three alive at once (measured with the CPU allocator counter: +2 embedding
-# gradients above the held one at the end of backward, plain and DeepSpeed ZeRO-1, vocab 64k).
+# autograd's input buffer until the embedding's own arrives, last. Autograd adds the second into the
+# first in place only when it may reuse the waiting tensor, and it may not reuse a linear layer's
+# weight gradient as the head's GEMM returns it: then their sum is a third tensor, all three alive
+# at once. Where the chunked loss ran two or more chunks, the waiting tensor is already their sum,
+# a tensor of its own, and the embedding's gradient is added into it: two copies. Measured with the
+# CPU allocator counter at the end of backward (plain and DeepSpeed ZeRO-1; vocabularies 32k and 64k,
+# hidden 384 and 512): +2 embedding gradients above the waiting one under HF's loss or one chunk,
+# +1 under two or more chunks.
 TIED_GRADIENT_COPIES = 3
+TIED_GRADIENT_COPIES_CHUNKED = 2
 
 
-def tied_embedding_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
-    """Bytes of a tied embedding's gradient copies at the end of backward (`TIED_GRADIENT_COPIES`),
-    on an engine that keeps whole `.grad` tensors (plain, DDP, DeepSpeed ZeRO-1/2) with the head and
-    the embedding on one stage; 0 where the embedding is untied, frozen (LoRA) or sharded."""
+def tied_embedding_gradient_copies(trace: ModelTrace, layout: Layout, engine: str | None = None) -> int:
+    """How many copies of a tied embedding's gradient are alive at once at the end of backward
+    (`TIED_GRADIENT_COPIES`), on an engine that keeps whole `.grad` tensors (plain, DDP, DeepSpeed
+    ZeRO-1/2) with the head and the embedding on one stage; 0 where the embedding is untied, frozen
+    (LoRA) or sharded."""
     engine = engine or engine_for(layout)
     tied = trace.head.params < trace.vocab_size * trace.hidden_size
     whole_grads = engine in ("plain", "deepspeed") and layout.zero < 3
     if not tied or layout.pp > 1 or layout.method != "full" or not whole_grads:
-        return 0.0
-    gradient = trace.embedding.trainable_params * DTYPE_BYTES[layout.dtype] / vocab_shards(layout, engine)
-    return TIED_GRADIENT_COPIES * gradient
+        return 0
+    chunks = -(-layout.mbs * trace.seq // loss_chunk_tokens(trace, layout, engine))
+    return TIED_GRADIENT_COPIES_CHUNKED if chunks > 1 else TIED_GRADIENT_COPIES
+
+
+def tied_embedding_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
+    """Bytes of one copy of a tied embedding's gradient on this device."""
+    return trace.embedding.trainable_params * DTYPE_BYTES[layout.dtype] / vocab_shards(layout, engine)
 
 
 def logits_fp32_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:

@@ -9,10 +9,13 @@ import torch
 
 from advisor.specs import Layout, ModelSpec
 from planner.cost_model import stage_memory
+from planner.memory import tied_embedding_gradient_copies
 from presets import load_hardware
 from profiler.model_trace import trace_model
 from profiler.tensor_memory import TensorMemory
 from bench.chunked_loss_memory import measured
+from trainer.chunked_loss import install_chunked_loss
+from trainer.model import build_filled_model
 
 CONFIG = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -63,3 +66,51 @@ def test_a_tied_embeddings_gradient_copies_at_the_end_of_backward_priced_as_meas
     assert measured > 2.9 * embedding_grad + (trainable - embedding_grad)
     assert stage.tied_backward - stage.weights - stage.optimizer == pytest.approx(measured, rel=0.05)
     assert stage.peak == stage.tied_backward
+
+
+def measured_tied_gradient_growth(layout: Layout, config: dict, memory: TensorMemory) -> int:
+    """Peak bytes that the tied embedding's own backward adds, from the moment its input gradient
+    arrives (every other gradient exists, the head's share waits in autograd's buffer) to the moment
+    its gradient is accumulated; the trainer's loss for `layout` (chunked where it runs so)."""
+    model = build_filled_model(ModelSpec(name="tied", hf_config=config), layout, seed=0)
+    if loss_runs_chunked_for(layout, config):
+        install_chunked_loss(model)
+    ids = torch.randint(0, config["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
+    embedding = model.get_input_embeddings()
+    moments: dict[str, int] = {}
+
+    def embedding_gradient_arrives(gradient: torch.Tensor) -> None:
+        moments["before"] = memory.live()
+        memory.reset_peak()
+
+    def watch_output(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.register_hook(embedding_gradient_arrives)
+
+    embedding.register_forward_hook(watch_output)
+    embedding.weight.register_post_accumulate_grad_hook(lambda weight: moments.__setitem__("peak", memory.peak()))
+    model(input_ids=ids, labels=ids).loss.backward()
+    return moments["peak"] - moments["before"]
+
+
+def loss_runs_chunked_for(layout: Layout, config: dict) -> bool:
+    from advisor.capabilities import chunked_loss
+    return chunked_loss(layout, "plain", config["model_type"], config["hidden_size"])
+
+
+@pytest.mark.parametrize("seq, chunks", [(256, 1), (1024, 4)])
+def test_the_tied_gradients_sum_is_a_third_copy_unless_the_chunked_loss_summed_the_heads_share(
+        seq: int, chunks: int) -> None:
+    """Autograd adds the embedding's gradient into the waiting head share in place only when that
+    share is a tensor of its own: the chunked loss's running sum over two or more chunks, not the
+    weight gradient one GEMM returned (HF's loss, or one chunk)."""
+    memory = TensorMemory(torch.device("cpu"))
+    config = {**CONFIG, "vocab_size": 4096, "hidden_size": 256, "tie_word_embeddings": True}
+    layout = Layout(mbs=1, seq=seq, dtype="fp32")
+    assert loss_runs_chunked_for(layout, config)  # the trainer's loss, in 256-token chunks
+    gradient = config["vocab_size"] * config["hidden_size"] * 4
+    growth = measured_tied_gradient_growth(layout, config, memory)
+    copies = tied_embedding_gradient_copies(trace_model(ModelSpec(name="tied", hf_config=config), seq, "fp32",
+                                                        device_type="cpu"), layout, "plain")
+    assert copies == (3 if chunks == 1 else 2)
+    # the copies beyond the waiting one, within the embedding backward's own small buffers
+    assert growth == pytest.approx((copies - 1) * gradient, rel=0.05)
