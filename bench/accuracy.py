@@ -9,10 +9,15 @@ DeepSpeed's flat buffers included): the peak over the steady steps, max over ran
 median steady step of the slowest rank.
 
 Predictions come from `planner.cost_model.estimate_from_trace` for the engine that runs the row,
-on the hardware profile of `advisor profile --quick` (step time) run once, on the calibration
-config only (`CALIBRATION`); every other row is held out.
+on the hardware profile of `advisor profile --quick` (step time), calibrated on the calibration
+config only (`CALIBRATION`); every other row is held out. The rows run in passes (`--passes`, 3),
+each after its own quick profile and predicted by it, each pass starting further on in the rows:
+this shared machine's speed drifts by 10% and more over tens of minutes, so one profile at the
+start priced the last rows at another speed, and neighbouring rows shared one slow spell. A row's
+step error is the median of its passes' errors.
 
-    python -m bench.accuracy [--only 1,5,9] [--profile profile.json] [--no-write]
+    python -m bench.accuracy [--only 1,5,9] [--passes 3] [--profile profile.json] [--no-write]
+    python -m bench.accuracy --predict-only  # re-predict the saved passes on their own profiles
     python -m bench.accuracy --memory-only   # re-predict the saved rows' peaks; measures nothing
 """
 
@@ -264,26 +269,42 @@ def _error(predicted: float, measured: float) -> float:
     return predicted / measured - 1
 
 
-def table(results: list[dict[str, Any]], hardware_name: str) -> str:
-    lines = ["| # | config | layout | measured MiB | predicted MiB | error | measured s | predicted s | error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def step_error(result: dict[str, Any]) -> float:
+    """The median of a row's passes' errors (each pass predicted by its own profile); a row saved
+    from a single measurement, its one error."""
+    if "step_error" in result:
+        return float(result["step_error"])
+    return _error(result["predicted_step_s"], result["step_s"])
+
+
+def _pass_errors(result: dict[str, Any]) -> str:
+    return " / ".join(f"{100 * _error(p['predicted_step_s'], p['step_s']):+.0f}" for p in result.get("passes", []))
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = ["| # | config | layout | measured MiB | predicted MiB | error | measured s | predicted s | error | "
+             "each pass's error, % |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
             f"| {r['index']} | {r['config']}{' (calibration)' if r['config'] == CALIBRATION else ''} | {r['row']} | "
             f"{r['peak_bytes'] / 2**20:.1f} | {r['predicted_peak'] / 2**20:.1f} | "
             f"{100 * _error(r['predicted_peak'], r['peak_bytes']):+.1f}% | {r['step_s']:.3f} | "
-            f"{r['predicted_step_s']:.3f} | {100 * _error(r['predicted_step_s'], r['step_s']):+.1f}% |")
+            f"{r['predicted_step_s']:.3f} | {100 * step_error(r):+.1f}% | {_pass_errors(r)} |")
     held = [r for r in results if r["config"] != CALIBRATION]
     memory = [abs(_error(r["predicted_peak"], r["peak_bytes"])) for r in held]
-    time_ = [abs(_error(r["predicted_step_s"], r["step_s"])) for r in held]
+    time_ = [abs(step_error(r)) for r in held]
+    profiles = sorted({p["profile"] for r in results for p in r.get("passes", [])})
     configs = "; ".join(f"`{name}`: vocab {c['vocab_size']}, hidden {c['hidden_size']}, {c['num_hidden_layers']} "
                         f"layers, {c['num_attention_heads']}/{c['num_key_value_heads']} heads, "
                         f"{'tied' if c['tie_word_embeddings'] else 'untied'}" for name, c in CONFIGS.items())
     return "\n".join(lines) + (
         f"\n\nHeld-out rows: {len(held)} of {len(results)}. Peak memory |error|: median "
         f"{100 * statistics.median(memory):.1f}%, worst {100 * max(memory):.1f}% (targets 5% / 10%). Step time "
-        f"|error|: median {100 * statistics.median(time_):.1f}%, worst {100 * max(time_):.1f}% (targets 10% / 20%), "
-        f"predicted on `{hardware_name}`.\n\nModels (Llama-family configs, not presets): {configs}. Measured "
+        f"|error|: median {100 * statistics.median(time_):.1f}%, worst {100 * max(time_):.1f}% (targets 10% / 20%). "
+        f"Each row measured in {max(len(r.get('passes', [])) for r in results)} passes over all rows, each pass "
+        f"after its own `advisor profile --quick` ({len(profiles)} profiles) and predicted by it; measured and "
+        "predicted seconds are the passes' medians, the step error the median of the passes' errors."
+        f"\n\nModels (Llama-family configs, not presets): {configs}. Measured "
         "through the trainer's own `build_model`, `make_engine` and `micro_step`/`optimizer_step` in forked gloo "
         "ranks, fp32; memory is the CPU allocator counter (`profiler/tensor_memory.py`: every tensor, DeepSpeed's "
         "flat buffers included), the steady-step peak of the most loaded rank; time is the slowest rank's median "
@@ -295,7 +316,9 @@ def table(results: list[dict[str, Any]], hardware_name: str) -> str:
         "from forward to backward; DeepSpeed ZeRO-3 as exported keeps up to stage3_max_live_parameters "
         "gathered and its reduce bucket alive in backward; DDP accumulating under no_sync holds fresh gradients "
         "beside its persistent buckets; a tied embedding's gradient exists three times at the end of backward (the "
-        "LM head's share held by autograd until the embedding's own arrives, that one, and their sum: row 28); "
+        "LM head's share held by autograd until the embedding's own arrives, that one, and their sum: row 28), "
+        "twice where the chunked loss summed two or more chunks, as autograd adds the embedding's into that sum in "
+        "place (row 18 had been priced 12% high); "
         "the chunked loss (trainer/chunked_loss.py) holds one chunk's logits where the declaration runs it.\n\n"
         "What the step times taught it: a profile's CPU device is its threads (one core here), and every rank "
         "now trains with exactly those (`HardwareSpec.threads_per_device`; 1-rank rows had run on both cores and "
@@ -313,14 +336,16 @@ def table(results: list[dict[str, Any]], hardware_name: str) -> str:
         "had been priced 29-33% slow); the GEMM slope over tokens holds only over the 256-2048 tokens calibration "
         "measures; calibration runs 10 steps for its 6 unknowns, two of them data-parallel at mbs 1 and 8, "
         "which tell contention (8-11% here, measured directly with two independent ranks) from collectives "
-        "under load (at mbs 2 alone it read 47% contention). What is still off: the noise of this 2-vCPU "
-        "machine, on which the same row measured in four runs of this bench varies by a median factor of 1.16 "
-        "(1 rank) and 1.20 (2-4 ranks), worst 1.36 and 1.73; most rows are now priced a few percent fast, as the "
-        "profile's short GEMM samples catch the machine's quicker spells; the worst rows are data-parallel "
-        "(the 2-rank DDP row at seq 512 measured 0.85, 1.02, 1.22 and 1.48 s in those runs); the 4-rank "
-        "DeepSpeed ZeRO-1 row's peak is the end of backward with a tied embedding, priced 12% high. Each row "
-        "times 3 steady steps "
-        "after 3 warm-up steps, as calibration does, on a quiet machine.")
+        "under load (at mbs 2 alone it read 47% contention). What the machine taught the bench: this 2-vCPU machine's speed drifts "
+        "by 10% and more over tens of minutes (the same rows measured 10-16% apart an hour apart, and back-to-back "
+        "quick profiles fitted a GEMM-token slope of -0.09 and -0.04), so one profile taken before a 30-minute "
+        "run priced every row at the speed of its own minute: the calibration config itself read -4% in one run "
+        "and +18% in the next. Each pass now has its own profile. What is still off: tensor parallelism, priced "
+        "fast (the 2-rank TP rows here by 0-13%, a 2-rank TP step of gqa-50k by 17%, the 4-rank DP×TP row by 23%): "
+        "an op profile of that 2-rank TP step "
+        "spends 0.16 s waiting on its 30 blocking all-reduces, about 5 ms each where the idle link "
+        "prices 2 ms, and 0.3 s in AdamW on DTensors, priced 0.12 s. Each row times 3 steady steps after 3 "
+        "warm-up steps, as calibration does, on a quiet machine.")
 
 
 def main() -> None:
@@ -329,11 +354,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per row, warm-up included")
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median (calibration "
                         "leaves out the same)")
-    parser.add_argument("--profile", type=Path, help="an existing profile.json (default: run `advisor profile "
-                        "--quick` on the calibration config first)")
+    parser.add_argument("--passes", type=int, default=3, help="passes over all rows, each after a fresh `advisor "
+                        "profile --quick` and predicted by it, each starting further on in the rows; a row's step "
+                        "error is the median of its passes' (this machine's speed drifts by 10%% and more over "
+                        "tens of minutes: one profile at the start prices the last rows at another speed)")
+    parser.add_argument("--profile", type=Path, help="an existing profile.json for every pass (default: `advisor "
+                        "profile --quick` on the calibration config before each pass)")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--predict-only", action="store_true", help="re-predict the measurements saved in "
-                        "bench/accuracy.json (with the profile they were predicted on); measures nothing")
+                        "bench/accuracy.json (each pass with the profile it was predicted on); measures nothing")
     parser.add_argument("--memory-only", action="store_true", help="re-predict the peak memory of the rows saved in "
                         "bench/accuracy.json with the current cost model (memory needs no profile); their step "
                         "times stay as measured and predicted then")
@@ -344,31 +373,68 @@ def main() -> None:
     indices = [int(i) for i in args.only.split(",")] if args.only else list(range(1, len(ROWS) + 1))
     kept = {r["index"]: r for r in json.loads(saved.read_text())} if saved.is_file() else {}
     if args.predict_only:
-        indices = [i for i in indices if i in kept]
-    rows = [ROWS[i - 1] for i in indices]
-    profile = args.profile or (Path(kept[indices[0]]["profile"]) if args.predict_only else
-                               quick_profile(Path(tempfile.mkdtemp(prefix="accuracy_")) / "profile.json"))
-    hardware = load_hardware(str(profile))
-    if not args.predict_only:
-        prepare_parent(rows)
-    for index, row in zip(indices, rows):
-        threads = hardware.threads_per_rank(row.layout.devices, os.cpu_count() or 1)
-        measured = kept[index] if args.predict_only else measure(row, threads, args.steps, warmup=args.warmup)
-        measured = {key: measured[key] for key in ("peak_bytes", "static_bytes", "forward_backward_peak",
-                                                   "optimizer_peak", "step_s")}
-        est = predict(row, hardware)
-        kept[index] = {"index": index, "row": describe(row), "config": row.config, **measured,
-                       "predicted_peak": est.memory.peak, "predicted_step_s": est.time.step_s,
-                       "profile": str(profile)}
-        # rows measured earlier stay (a long run is resumable: measure the missing rows with --only)
-        saved.write_text(json.dumps([kept[i] for i in sorted(kept)], indent=1) + "\n")
-        print(f"[{index}] {row.config:14} {describe(row):40} peak {measured['peak_bytes'] / 2**20:8.1f} MiB "
-              f"({_error(est.memory.peak, measured['peak_bytes']):+.1%})  step {measured['step_s']:.3f} s "
-              f"({_error(est.time.step_s, measured['step_s']):+.1%})", flush=True)
-    results = [kept[i] for i in sorted(kept)]
-    body = table(results, hardware.name)
+        return _predict_only(saved, kept, [i for i in indices if i in kept], args.profile, args.no_write)
+    rows = list(zip(indices, (ROWS[i - 1] for i in indices)))
+    prepare_parent([row for _, row in rows])
+    passes: dict[int, list[dict[str, Any]]] = {index: [] for index in indices}
+    workdir = Path(tempfile.mkdtemp(prefix="accuracy_"))
+    for number in range(args.passes):
+        profile = args.profile or quick_profile(workdir / f"profile{number}.json")
+        hardware = load_hardware(str(profile))
+        for index, row in pass_order(rows, number, args.passes):
+            threads = hardware.threads_per_rank(row.layout.devices, os.cpu_count() or 1)
+            measured = measure(row, threads, args.steps, warmup=args.warmup)
+            est = predict(row, hardware)
+            passes[index].append({"step_s": measured["step_s"], "predicted_step_s": est.time.step_s,
+                                  "profile": str(profile)})
+            kept[index] = record(index, row, measured, est.memory.peak, passes[index])
+            # rows measured earlier stay (a long run is resumable: measure the missing rows with --only)
+            saved.write_text(json.dumps([kept[i] for i in sorted(kept)], indent=1) + "\n")
+            print(f"[{index}] pass {number + 1} {row.config:14} {describe(row):40} peak "
+                  f"{measured['peak_bytes'] / 2**20:8.1f} MiB ({_error(est.memory.peak, measured['peak_bytes']):+.1%})"
+                  f"  step {measured['step_s']:.3f} s ({_error(est.time.step_s, measured['step_s']):+.1%})", flush=True)
+    _write([kept[i] for i in sorted(kept)], args.no_write)
+
+
+def pass_order(rows: list[tuple[int, Row]], number: int, passes: int) -> list[tuple[int, Row]]:
+    """All rows, pass `number` starting `number * len / passes` rows on: each row is measured at
+    another point of the run (another spell of a shared machine) in each pass."""
+    shift = -(-len(rows) // passes) * number
+    return rows[shift % len(rows):] + rows[:shift % len(rows)]
+
+
+def record(index: int, row: Row, measured: dict[str, Any], predicted_peak: float,
+           passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row's saved result: its memory (the same in every pass), and its passes' step times, each
+    predicted by the profile taken before that pass; the step error is the median of the passes'."""
+    return {"index": index, "row": describe(row), "config": row.config,
+            **{key: measured[key] for key in ("peak_bytes", "static_bytes", "forward_backward_peak", "optimizer_peak")},
+            "predicted_peak": predicted_peak,
+            "step_s": statistics.median(p["step_s"] for p in passes),
+            "predicted_step_s": statistics.median(p["predicted_step_s"] for p in passes),
+            "step_error": statistics.median(_error(p["predicted_step_s"], p["step_s"]) for p in passes),
+            "passes": passes, "profile": passes[-1]["profile"]}
+
+
+def _predict_only(saved: Path, kept: dict[int, dict[str, Any]], indices: list[int], profile: Path | None,
+                  no_write: bool) -> None:
+    """Every saved pass re-predicted with the current cost model, on the profile it was predicted on
+    (or `profile`)."""
+    for index in indices:
+        old = kept[index]
+        passes = old.get("passes") or [{"step_s": old["step_s"], "profile": old["profile"]}]
+        passes = [{**p, "predicted_step_s": predict(ROWS[index - 1], load_hardware(str(profile or p["profile"])))
+                   .time.step_s} for p in passes]
+        kept[index] = record(index, ROWS[index - 1], old, predict(ROWS[index - 1], load_hardware("cpu")).memory.peak,
+                             passes)
+    saved.write_text(json.dumps([kept[i] for i in sorted(kept)], indent=1) + "\n")
+    _write([kept[i] for i in sorted(kept)], no_write)
+
+
+def _write(results: list[dict[str, Any]], no_write: bool, footnote: str = "") -> None:
+    body = table(results) + footnote
     print(body)
-    if not args.no_write:
+    if not no_write:
         write_section("accuracy", "Held-out accuracy: peak memory and step time of the trainer's engines "
                       "(this CPU)", "python -m bench.accuracy", body)
 
@@ -378,16 +444,11 @@ def _memory_only(saved: Path, no_write: bool) -> None:
     stands for this machine's device type); measured figures and step-time predictions as saved."""
     kept = json.loads(saved.read_text())
     hardware = load_hardware("cpu")
-    for record in kept:
-        record["predicted_peak"] = predict(ROWS[record["index"] - 1], hardware).memory.peak
+    for result in kept:
+        result["predicted_peak"] = predict(ROWS[result["index"] - 1], hardware).memory.peak
     saved.write_text(json.dumps(kept, indent=1) + "\n")
-    body = table(kept, "the saved run's quick profile")
-    body += ("\n\nPeak memory re-predicted by `python -m bench.accuracy --memory-only` with the current cost model; "
-             "the measured figures and the step-time columns are the last full run's.")
-    print(body)
-    if not no_write:
-        write_section("accuracy", "Held-out accuracy: peak memory and step time of the trainer's engines "
-                      "(this CPU)", "python -m bench.accuracy", body)
+    _write(kept, no_write, "\n\nPeak memory re-predicted by `python -m bench.accuracy --memory-only` with the current "
+           "cost model; the measured figures and the step-time columns are the last full run's.")
 
 
 if __name__ == "__main__":
