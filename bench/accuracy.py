@@ -339,7 +339,7 @@ def table(results: list[dict[str, Any]]) -> str:
         "under load (at mbs 2 alone it read 47% contention). What the machine taught the bench: this 2-vCPU machine's speed drifts "
         "by 10% and more over tens of minutes (the same rows measured 10-16% apart an hour apart, and back-to-back "
         "quick profiles fitted a GEMM-token slope of -0.09 and -0.04), so one profile taken before a 30-minute "
-        "run priced every row at the speed of its own minute: the calibration config itself read -4% in one run "
+        "run priced every row at the speed of its own minute: the calibration config itself read +4% in one run "
         "and +18% in the next. Each pass now has its own profile. What is still off: tensor parallelism, priced "
         "fast (the 2-rank TP rows here by 0-13%, a 2-rank TP step of gqa-50k by 17%, the 4-rank DP×TP row by 23%): "
         "an op profile of that 2-rank TP step "
