@@ -242,6 +242,11 @@ def loss_chunk_tokens(trace: ModelTrace, layout: Layout, engine: str | None = No
     return min(LOSS_CHUNK_TOKENS, tokens) if loss_runs_chunked(trace, layout, engine) else tokens
 
 
+def loss_chunks(trace: ModelTrace, layout: Layout, engine: str | None = None) -> int:
+    """Chunks one micro-batch's loss runs in: several where the chunked loss splits it, else 1."""
+    return -(-layout.mbs * trace.seq // loss_chunk_tokens(trace, layout, engine))
+
+
 def head_activation_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
     """Final norm and lm_head input plus the fp32 log-softmax that HF's loss keeps (vocab-parallel
     where the engine splits the vocabulary); the chunked loss keeps no log-softmax (each chunk's is
@@ -280,8 +285,7 @@ def logits_transient_bytes(trace: ModelTrace, layout: Layout, engine: str | None
     chunk = per_token * loss_chunk_tokens(trace, layout, engine)
     if not loss_runs_chunked(trace, layout, engine):
         return 2 * chunk
-    several = layout.mbs * trace.seq > loss_chunk_tokens(trace, layout, engine)
-    head = head_gradient_bytes(trace, layout, engine) if several else 0.0
+    head = head_gradient_bytes(trace, layout, engine) if loss_chunks(trace, layout, engine) > 1 else 0.0
     return max(3 * chunk + head, 3 * head)
 
 
@@ -315,8 +319,7 @@ def tied_embedding_gradient_copies(trace: ModelTrace, layout: Layout, engine: st
     whole_grads = engine in ("plain", "deepspeed") and layout.zero < 3
     if not tied or layout.pp > 1 or layout.method != "full" or not whole_grads:
         return 0
-    chunks = -(-layout.mbs * trace.seq // loss_chunk_tokens(trace, layout, engine))
-    return TIED_GRADIENT_COPIES_CHUNKED if chunks > 1 else TIED_GRADIENT_COPIES
+    return TIED_GRADIENT_COPIES_CHUNKED if loss_chunks(trace, layout, engine) > 1 else TIED_GRADIENT_COPIES
 
 
 def tied_embedding_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:

@@ -9,12 +9,12 @@ import torch
 
 from advisor.specs import Layout, ModelSpec
 from planner.cost_model import stage_memory
-from planner.memory import tied_embedding_gradient_copies
+from planner.memory import loss_chunks, tied_embedding_gradient_copies
 from presets import load_hardware
 from profiler.model_trace import trace_model
 from profiler.tensor_memory import TensorMemory
 from bench.chunked_loss_memory import measured
-from trainer.chunked_loss import install_chunked_loss
+from trainer.engines.base import use_declared_loss
 from trainer.model import build_filled_model
 
 CONFIG = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 32, "intermediate_size": 64,
@@ -73,8 +73,7 @@ def measured_tied_gradient_growth(layout: Layout, config: dict, memory: TensorMe
     arrives (every other gradient exists, the head's share waits in autograd's buffer) to the moment
     its gradient is accumulated; the trainer's loss for `layout` (chunked where it runs so)."""
     model = build_filled_model(ModelSpec(name="tied", hf_config=config), layout, seed=0)
-    if loss_runs_chunked_for(layout, config):
-        install_chunked_loss(model)
+    use_declared_loss(model, layout, "plain")
     ids = torch.randint(0, config["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
     embedding = model.get_input_embeddings()
     moments: dict[str, int] = {}
@@ -92,11 +91,6 @@ def measured_tied_gradient_growth(layout: Layout, config: dict, memory: TensorMe
     return moments["peak"] - moments["before"]
 
 
-def loss_runs_chunked_for(layout: Layout, config: dict) -> bool:
-    from advisor.capabilities import chunked_loss
-    return chunked_loss(layout, "plain", config["model_type"], config["hidden_size"])
-
-
 @pytest.mark.parametrize("seq, chunks", [(256, 1), (1024, 4)])
 def test_the_tied_gradients_sum_is_a_third_copy_unless_the_chunked_loss_summed_the_heads_share(
         seq: int, chunks: int) -> None:
@@ -106,11 +100,11 @@ def test_the_tied_gradients_sum_is_a_third_copy_unless_the_chunked_loss_summed_t
     memory = TensorMemory(torch.device("cpu"))
     config = {**CONFIG, "vocab_size": 4096, "hidden_size": 256, "tie_word_embeddings": True}
     layout = Layout(mbs=1, seq=seq, dtype="fp32")
-    assert loss_runs_chunked_for(layout, config)  # the trainer's loss, in 256-token chunks
+    trace = trace_model(ModelSpec(name="tied", hf_config=config), seq, "fp32", device_type="cpu")
+    assert loss_chunks(trace, layout, "plain") == chunks  # the trainer's loss, in 256-token chunks
     gradient = config["vocab_size"] * config["hidden_size"] * 4
     growth = measured_tied_gradient_growth(layout, config, memory)
-    copies = tied_embedding_gradient_copies(trace_model(ModelSpec(name="tied", hf_config=config), seq, "fp32",
-                                                        device_type="cpu"), layout, "plain")
+    copies = tied_embedding_gradient_copies(trace, layout, "plain")
     assert copies == (3 if chunks == 1 else 2)
     # the copies beyond the waiting one, within the embedding backward's own small buffers
     assert growth == pytest.approx((copies - 1) * gradient, rel=0.05)
