@@ -44,15 +44,17 @@ def _far_off_profile(measured: CalibrationSteps) -> HardwareProfile:
     """The synthetic profile with its GEMM and memory rates a sixth of what this machine showed on
     the first calibration layout (a fixed fraction of a preset is near the truth on some load). A
     step also holds terms that do not scale with those rates (the optimizer's host pass, the
-    per-micro-batch overhead): measured, a third of the rates left held-out steps only 1.5x too
-    slow, a sixth leaves them well over 1.5x."""
+    per-micro-batch overhead): measured, a sixth leaves held-out steps 4-6x too slow, a third
+    1.1-2.6x."""
     profile = synthetic_profile()
     eff = profile.hardware.efficiency
     layout = measured.layouts[0]
     trace = trace_model(measured.small, layout.seq, dtype="fp32", device_type="cpu")
-    speed = estimate_from_trace(trace, layout, profile.hardware).time.step_s / measured.measured_s[0]
-    wrong = eff.model_copy(update={"gemm": min(2.0, eff.gemm / speed / 6),
-                                   "memory_bandwidth": min(2.0, eff.memory_bandwidth / speed / 6)})
+    # predicted / measured: the rates times this match the machine on that layout (above 1, the preset
+    # was slow and the machine runs faster); a sixth of that is far off
+    slowness = estimate_from_trace(trace, layout, profile.hardware).time.step_s / measured.measured_s[0]
+    wrong = eff.model_copy(update={"gemm": eff.gemm * slowness / 6,
+                                   "memory_bandwidth": eff.memory_bandwidth * slowness / 6})
     return profile.model_copy(update={"hardware": profile.hardware.model_copy(update={"efficiency": wrong})})
 
 
@@ -85,6 +87,7 @@ def _assert_fit_predicts_real_steps(fit: Fit, measured: CalibrationSteps, held_o
     assert max(after) < 0.25, after  # it explains the steps it was fitted on
     uncalibrated = _held_out_errors(start, measured.small, held_out_s)
     calibrated = _held_out_errors(fitted, measured.small, held_out_s)
+    print(f"\nFIGURES uncalibrated {uncalibrated}, calibrated {calibrated}")
     assert min(uncalibrated) > 0.5, uncalibrated  # the start is wrong on every held-out layout
     for before, after_ in zip(uncalibrated, calibrated):
         assert after_ < FITTED_WITHIN and after_ < before - MARGIN, (uncalibrated, calibrated)

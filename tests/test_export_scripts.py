@@ -24,6 +24,7 @@ from advisor.specs import ModelSpec
 from planner.export import export
 from planner.plan import PlanOptions, make_plan
 from presets import load_hardware, load_model, load_task
+from trainer import checkpoint
 from test_trainer import CONFIG, _free_port, read_jsonl, write_task
 
 NAMES = ["m; touch PWNED", "m $(touch PWNED) `touch PWNED`", "m' \"; touch PWNED; echo '", "m\ntouch PWNED\n#"]
@@ -204,7 +205,12 @@ def test_exported_torchrun_trains_on_two_launchers_and_resumes_after_they_are_ki
         kill_tree(node.pid)
         node.wait()
     first = {m["step"]: m["loss"] for m in _records(run / "metrics.jsonl")}
-    saved = max(e["step"] for e in _records(run / "events.jsonl") if e["event"] == "checkpoint")
+    # the newest complete checkpoint on disk: the kill may land after a checkpoint is sealed and
+    # before its event is written (seen once: events said step 6, the run resumed from step 8)
+    newest = checkpoint.latest(run / "checkpoints")
+    assert newest is not None
+    saved = int(newest.name.removeprefix(checkpoint.PREFIX))
+    assert saved >= max(e["step"] for e in _records(run / "events.jsonl") if e["event"] == "checkpoint")
     assert not (run / "summary.json").exists() and saved < 80  # killed mid-way
 
     nodes = launch_two_nodes(launch, _free_port())  # the same script again

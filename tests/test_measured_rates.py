@@ -70,9 +70,11 @@ def test_the_profile_measures_a_wide_head_and_big_tensors_against_its_base_rates
 
     cpu = torch.device("cpu")
     same = bench_head_gemms(64, 64, [64], "fp32", cpu, 0.4, dense=linear_gemms(64, 64, 64))
-    assert same["relative"][0] == pytest.approx(1.0, rel=0.5)
+    # within 2x either way: CI's shared machine read 1.54 once. A raw rate (TFLOP/s, or parameters
+    # per second for AdamW) instead of a ratio would be off by orders of magnitude.
+    assert 0.5 < same["relative"][0] < 2.0, same
     adam = bench_cpu_adam_by_size([1 << 12], 0.2, base_params_per_s=1.0)["relative"][0]
-    assert bench_cpu_adam_by_size([1 << 12], 0.2, base_params_per_s=adam)["relative"][0] == pytest.approx(1.0, rel=0.5)
+    assert 0.5 < bench_cpu_adam_by_size([1 << 12], 0.2, base_params_per_s=adam)["relative"][0] < 2.0
 
 
 @pytest.mark.parametrize("recompute,passes", [("none", 3), ("selective", 3), ("full", 4)])

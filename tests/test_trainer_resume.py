@@ -162,9 +162,10 @@ def test_a_torn_last_log_line_is_skipped_and_counted(tmp_path, monkeypatch, clea
 
 @pytest.mark.slow
 def test_kill_dash_nine_during_checkpoint_writes_always_resumes_from_the_last_complete_one(tmp_path) -> None:
-    """20 kills, each at a random moment of a checkpoint write (a delay between its files makes the
+    """10 kills, each at a random moment of a checkpoint write (a delay between its files makes the
     writes long enough to hit), each followed by --resume; the end equals an uninterrupted run."""
-    plan = make_plan_file(tmp_path, steps=16, checkpoint_every=1)  # long enough for 20 kills
+    kills = 10  # each launch starts an interpreter and torch (about 6 s here); 20 took 133 s of CI's budget
+    plan = make_plan_file(tmp_path, steps=16, checkpoint_every=1)  # long enough for the kills (10 reached step 10)
     env = {**os.environ, "OMP_NUM_THREADS": "1", checkpoint.DELAY_ENV: "0.03"}
 
     def launch(out: Path, *extra: str) -> subprocess.Popen:
@@ -175,7 +176,7 @@ def test_kill_dash_nine_during_checkpoint_writes_always_resumes_from_the_last_co
     assert launch(tmp_path / "whole").wait(timeout=600) == 0
     run, root, rng = tmp_path / "killed", tmp_path / "killed" / "checkpoints", random.Random(0)
     expected_from = []  # the newest complete checkpoint at each kill: where the next resume must start
-    for attempt in range(20):
+    for attempt in range(kills):
         started = time.time()
         victim = launch(run, *(["--resume"] if attempt else []))
         writes, seen = rng.randint(1, 2), set()
@@ -194,7 +195,8 @@ def test_kill_dash_nine_during_checkpoint_writes_always_resumes_from_the_last_co
     else:
         final = launch(run, "--resume")
         assert final.wait(timeout=600) == 0, final.stderr.read().decode()[-2000:]
-    assert len(expected_from) == 20  # every attempt was killed mid-write
+    print("\nFIGURES resumed from", expected_from)
+    assert len(expected_from) == kills  # every attempt was killed mid-write
     assert [e["from"] for e in events(run, "resume")] == expected_from
     assert losses(run) == losses(tmp_path / "whole")
     last = checkpoint.latest(tmp_path / "whole" / "checkpoints")
