@@ -77,6 +77,17 @@ ENGINES: dict[EngineName, EngineCapability] = {
 }
 
 
+# The trainer's tensor-parallel plan (trainer/parallelize.py) of a Llama-style decoder layer:
+# Megatron's split (Shoeybi et al. 2019, section 3), the first linear of each block split by output
+# columns, the second by input rows. Unlike Megatron, which fuses q/k/v and gate/up into one GEMM
+# each, every HF projection is its own column-parallel module, so without sequence parallelism
+# each all-reduces its input gradient on its own: 5 all-reduces backward per layer, 2 forward
+# (counted by the cost model, `planner.cost_model.tp_all_reduces`).
+COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+# The norms that sequence parallelism runs on sequence shards (Korthikanti et al. 2022, section 4.2).
+SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "post_attention_layernorm")
+
 # Tokens per chunk of the chunked loss: one chunk's logits (in the layout's dtype, their fp32 up-cast
 # and log-softmax) are all the loss holds at once, 256 x vocab x 4 bytes each in fp32 (125 MiB at a
 # 128k vocabulary). Few enough rows to bound that, enough that the head's GEMM (256 x hidden x vocab)

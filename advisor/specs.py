@@ -115,6 +115,10 @@ class Efficiency(BaseModel):
         0.0, ge=-0.5, le=2, description="relative change of GEMM time per doubling of the tokens a micro-batch "
         "feeds each GEMM, from 256 on (a CPU's working set leaves its caches: > 0; fitted by calibration "
         "from steps at several micro-batch sizes); 0: none")
+    tp_collective_wait_s: float = Field(
+        0.0, ge=0, le=1, description="seconds each tensor-parallel collective of a micro-batch costs beyond its "
+        "transfer at the profiled link rate: the ranks' skew at every synchronisation and DTensor's work "
+        "around it (fitted by calibration from a tp=2 step; 0: none)")
 
 
 class HardwareSpec(BaseModel):

@@ -143,6 +143,7 @@ def spec_of(config: str) -> ModelSpec:
 
 def _worker(rank: int, row: Row, steps: int, port: int, out_dir: str, threads: int) -> None:
     from trainer.engines import make_engine  # deferred: the parent imports it before forking
+    from trainer.options import TrainOptions
     from trainer.model import build_model
 
     layout = row.layout
@@ -155,7 +156,8 @@ def _worker(rank: int, row: Row, steps: int, port: int, out_dir: str, threads: i
     ds_config = None
     if backend == "deepspeed":
         ds_config = deepspeed_config(SimpleNamespace(model=spec, hardware=load_hardware("cpu")), layout)
-    engine = make_engine(model, layout, ds_config, 0.0, row.engine)  # type: ignore[arg-type]
+    # clipping as `advisor train` runs it (its default), as calibration's timed steps do
+    engine = make_engine(model, layout, ds_config, TrainOptions().clip, row.engine)  # type: ignore[arg-type]
     del model
     vocab = int(CONFIGS[row.config]["vocab_size"])
     record: dict[str, list[float]] = {"static": [], "peak": [], "step_s": [], "forward_backward_peak": [],

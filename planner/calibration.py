@@ -1,6 +1,6 @@
 """Fit the cost model's efficiency factors to a few real training steps of the target model.
 
-The cost model's step time of a layout is affine in seven unknowns (for fixed everything else):
+The cost model's step time of a layout is affine in eight unknowns (for fixed everything else):
 
     x_gemm = 1 / efficiency.gemm             dense GEMM FLOPs at the measured GEMM rate (set to
                                              1, not fitted: `MEASURED`)
@@ -15,6 +15,9 @@ The cost model's step time of a layout is affine in seven unknowns (for fixed ev
                                              steps at mbs 1 (traffic-heavy) and 8 (compute-heavy)
     slope = efficiency.gemm_tokens_slope     GEMM time per doubling of tokens per micro-batch (the
                                              CPU's caches): read off steps at mbs 1, 4 and seq 512
+    wait = efficiency.tp_collective_wait_s   seconds each tensor-parallel collective waits beyond its
+                                             transfer (the ranks' skew at each blocking call): read
+                                             off a tp=2 step
 
 `decompose` reads the slope of each unknown off the cost model itself (planner/cost_model.py,
 evaluated at a reference point and with each unknown moved by one), so the fit never re-derives a
@@ -54,6 +57,9 @@ UNKNOWNS: dict[str, tuple[str, bool, tuple[float, float]]] = {
     # the node's collectives while its devices compute: gloo's all-reduce shares the cores with the
     # backward it overlaps, and ran 2.7x slower than alone (gqa-50k's gradients, 2 ranks on this CPU)
     "intra_node_collective": ("intra_node_collective", True, (1.0, 20.0)),
+    # each tensor-parallel collective's wait beyond its transfer: 8 ms per blocking all-reduce between
+    # two ranks computing 24 ms GEMM chunks here, where the idle link prices a 1 MiB one at 1.4 ms
+    "tp_collective_wait_s": ("tp_collective_wait_s", False, (0.0, 0.1)),
 }
 FACTORS = tuple(UNKNOWNS)
 # Not fitted: the profile measured the GEMM rate on the model's own shapes (profiler.hardware_bench.
@@ -117,8 +123,9 @@ def fit_factors(terms: list[Terms], measured_s: list[float]) -> dict[str, float]
     """One bounded least-squares solve of relative errors, min sum((t_i(u) / m_i - 1)^2).
 
     Returns the Efficiency fields the measured layouts determine (memory_bandwidth, adapter_gemm,
-    micro_batch_overhead_s, node_contention, gemm_tokens_slope, intra_node_collective; gemm is `MEASURED`); an unknown no
-    layout depends on (no LoRA layout, one device only) is left out, so it keeps its value."""
+    micro_batch_overhead_s, node_contention, gemm_tokens_slope, intra_node_collective,
+    tp_collective_wait_s; gemm is `MEASURED`); an unknown no layout depends on (no LoRA layout, one
+    device only) is left out, so it keeps its value."""
     if len(terms) != len(measured_s) or not terms:
         raise ValueError("need one measured time per layout")
     m = np.array(measured_s, dtype=float)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from advisor.capabilities import ENGINE_CHOICES, engine_for
+from advisor.capabilities import COLUMN_PARALLEL, ENGINE_CHOICES, ROW_PARALLEL, engine_for
 from advisor.errors import UsageError
 from advisor.layout_rules import ModelShape, layout_problem, tp_crosses_nodes
 from advisor.specs import (
@@ -54,6 +54,12 @@ from profiler.model_trace import ModelTrace, trace_model
 # Bytes an Adam update moves per parameter with a fused kernel: read weight, grad, m, v (and the
 # fp32 master), write them back (PyTorch's fused AdamW and DeepSpeed's FusedAdam stream each once).
 ADAM_BYTES_PER_PARAM_FUSED = 28
+# Passes over a rank's gradients that the step's norm and clipping make (the trainer clips at 1.0
+# unless told otherwise, trainer/options.py): torch's clip_grad_norm_ reads them once for the norm
+# and scales them in place (read, write); the sharded engines' norm squares each gradient into a
+# temporary first (write, read again: trainer/engines/optimizer.py grad_norm_squared); DeepSpeed
+# reads its partition for the norm and scales it.
+CLIP_PASSES = {"plain": 3, "fsdp2": 5, "pipeline": 5, "deepspeed": 3}
 # Memory-bound kernels (norms, activations, softmax, dropout, residual adds) read and write about
 # as many bytes as the activations they save; each saved byte is written in forward and read in
 # backward, and their gradients are written and read once more.
@@ -618,14 +624,41 @@ def _score_matmul_extra_s(trace: ModelTrace, layout: Layout, rates: _Rates, laye
     return passes * per_layer_fwd / layout.tp * (1 / rate - 1 / rates.flop)
 
 
-def _activation_comm(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, layers: int,
-                     recomputed: int, first: bool, last: bool) -> tuple[float, float]:
+def tp_collectives(layout: Layout, engine: str, layers: int, recomputed: int, first: bool,
+                   last: bool) -> dict[str, int]:
+    """The activation collectives (all-reduces, all-gathers, reduce-scatters of one micro-batch's
+    hidden states) that one micro-batch runs on one stage of a tensor-parallel layout, as its engine
+    runs them.
+
+    Megatron (Shoeybi et al. 2019) fuses q/k/v and gate/up: each block all-reduces once forward and
+    once backward, 4 per layer, its vocab-parallel embedding and head one each, and recomputation
+    re-runs the 2 forward ones. The trainer's DTensor plan (`advisor.capabilities`) splits every HF
+    projection on its own. Without sequence parallelism each row-parallel output is all-reduced
+    forward, and each column-parallel module all-reduces its own input gradient backward: 7 per
+    Llama layer. With it, each block gathers its input once and reduce-scatters its output, and
+    backward mirrors that (4 gathers and 4 scatters per layer), and the sequence is gathered again
+    before the head and for the embedding's gradient. Recomputation (torch's non-reentrant
+    checkpoint, full or selective) stops as soon as backward has what it needs, so it skips each
+    layer's last collective. Counted by tests/test_tp_collectives.py on the engine itself."""
+    again = recomputed if layout.recompute != "none" else 0
+    if engine == MEGATRON:
+        return {"all_reduce": 4 * layers + 2 * again + first + last}
+    if layout.sp:
+        return {"all_gather": 4 * layers + 2 * again + first + last, "reduce_scatter": 4 * layers + again}
+    forward = len(ROW_PARALLEL)
+    return {"all_reduce": (forward + len(COLUMN_PARALLEL)) * layers + (forward - 1) * again}
+
+
+def _activation_comm(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, engine: str,
+                     layers: int, recomputed: int, first: bool, last: bool) -> tuple[float, float]:
     """(tensor-parallel, pipeline) communication seconds of one micro-batch on one stage."""
     tp = layout.tp
     hidden_bytes = layout.mbs * trace.seq * trace.hidden_size * DTYPE_BYTES[layout.dtype]
-    # both recompute modes re-run the row-parallel reductions (the selective policy keeps no collective)
-    all_reduces = 4 * layers + (2 * recomputed if layout.recompute != "none" else 0) + first + last
-    tp_comm = all_reduces * collectives.all_reduce_s(hidden_bytes, tp, hardware, placement.tp_spans_nodes)
+    priced = {"all_reduce": collectives.all_reduce_s, "all_gather": collectives.all_gather_s,
+              "reduce_scatter": collectives.reduce_scatter_s}
+    wait = hardware.efficiency.tp_collective_wait_s if tp > 1 else 0.0  # a blocking call's skew (fitted)
+    tp_comm = sum(count * (priced[op](hidden_bytes, tp, hardware, placement.tp_spans_nodes) + wait)
+                  for op, count in tp_collectives(layout, engine, layers, recomputed, first, last).items())
     pp_comm = 0.0
     if layout.pp > 1:
         # Megatron's scatter/gather optimisation (Narayanan et al. 2021, section 4.1): each TP rank
@@ -655,7 +688,11 @@ def _gradient_comm(layout: Layout, engine: str, hardware: HardwareSpec, placemen
         dp_comm = gas * per_mb + reduces * collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
         return dp_comm, gas * compute
     if layout.zero <= 1:  # one all-reduce after the last micro-batch, overlapped with its backward
-        return collectives.all_reduce_s(grad_bytes, dp, hardware, spans), bwd_s
+        dp_comm = collectives.all_reduce_s(grad_bytes, dp, hardware, spans)
+        if layout.zero == 1 and engine == "deepspeed":  # and, as under ZeRO-2, DeepSpeed all-gathers
+            # the weight partitions its ranks updated after the step
+            dp_comm += collectives.all_gather_s(weight_bytes, dp, hardware, spans)
+        return dp_comm, bwd_s
     if layout.zero == 2:  # DeepSpeed reduce-scatters every micro-batch, gathers weights once
         dp_comm = gas * collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
         dp_comm += collectives.all_gather_s(weight_bytes, dp, hardware, spans)
@@ -677,6 +714,12 @@ def gradient_comm_bytes(layout: Layout, engine: str, trainable: float) -> float:
     return trainable * DTYPE_BYTES[layout.dtype]
 
 
+def optimizer_shards(layout: Layout, engine: str) -> int:
+    """How many ways the data-parallel replicas split the optimizer's work: ZeRO 1-3, and FSDP2
+    always (it shards the gradients and states whatever the stage, `fsdp_shards`)."""
+    return layout.dp if layout.zero >= 1 or fsdp_shards(layout, engine) else 1
+
+
 def optimizer_tensors(trace: ModelTrace, layout: Layout, engine: str, layers: int,
                       stage: int) -> list[tuple[float, float]]:
     """(parameters, parameters per tensor) of the tensors one device's optimizer step updates, by
@@ -684,7 +727,7 @@ def optimizer_tensors(trace: ModelTrace, layout: Layout, engine: str, layers: in
     under FSDP2's ZeRO): the embedding's and the head's, and the decoder layers' adapted matrices
     (a LoRA adapter's two factors each)."""
     trainable = device_params(trace, layout, engine, layers, stage)[1]
-    shards = layout.dp if layout.zero >= 1 else 1
+    shards = optimizer_shards(layout, engine)
     if engine == "deepspeed":  # one stage: its partition is the whole model's share, whatever `layers` is
         # (the planner reads this term as affine in the stage's layers)
         whole = device_params(trace, layout, engine, trace.num_layers, stage)[1] / shards
@@ -712,15 +755,20 @@ def _optimizer_time(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, r
                     trainable: float, engine: str, layers: int, stage: int) -> tuple[float, float]:
     """(optimizer step, offload traffic) seconds of one step on one device."""
     w = DTYPE_BYTES[layout.dtype]
-    updated = trainable / (layout.dp if layout.zero >= 1 else 1)
+    updated = trainable / optimizer_shards(layout, engine)
     if layout.offload == "none":
+        # the gradients' norm and clipping, before the update, over the gradients the rank holds: long
+        # streams at the profile's copy rate (measured: the plain engine's clip over gqa-50k's 37M
+        # gradients took 11 ms, 3 passes at 40 GB/s, where the fitted element-wise rate prices 55)
+        bandwidth = hardware.memory_bandwidth_gbs * 1e9
+        clip = rates.slowdown * CLIP_PASSES.get(engine, 0) * gradient_comm_bytes(layout, engine, updated) / bandwidth
         if hardware.device_type == "cpu":
             # the device is the host: the profile's own measured AdamW rate (the single-tensor
             # AdamW that plain torch and DeepSpeed's torch_adam run on a CPU, at the device's threads),
             # not memory traffic at the fitted element-wise rate, which traded off against compute
-            return rates.slowdown * _cpu_adam_s(trace, layout, hardware, engine, layers, stage, updated), 0.0
+            return clip + rates.slowdown * _cpu_adam_s(trace, layout, hardware, engine, layers, stage, updated), 0.0
         per_param = megatron2021.ADAM_BYTES_PER_PARAM if engine == MEGATRON else ADAM_BYTES_PER_PARAM_FUSED
-        return rates.slowdown * updated * per_param / rates.byte, 0.0
+        return clip + rates.slowdown * updated * per_param / rates.byte, 0.0
     optimizer = _cpu_adam_s(trace, layout, hardware, engine, layers, stage, updated)
     h2d = hardware.host_to_device_gbs * 1e9
     offload = 2 * updated * w / h2d  # gradients down, updated weights up
@@ -738,7 +786,7 @@ def stage_time(
     rates = _rates(layout, hardware)
     compute, useful, bwd_s = _micro_batch_compute(trace, layout, hardware, engine, rates, layers, recomputed, last,
                                                   vocab_shards(layout, engine))
-    tp_comm, pp_comm = _activation_comm(trace, layout, hardware, placement, layers, recomputed, first, last)
+    tp_comm, pp_comm = _activation_comm(trace, layout, hardware, placement, engine, layers, recomputed, first, last)
     params, trainable, _ = device_params(trace, layout, engine, layers, stage)
     if engine == MEGATRON:  # autograd sums each micro-batch's gradients into `.grad`
         accumulate = rates.slowdown * megatron2021.gradient_accumulation_bytes(layout, trainable) / rates.byte

@@ -10,13 +10,15 @@ traded off freely against the other factors), a second micro-batch (gas 2) pins 
 512 weighs attention, full recomputation adds forward work without the optimizer, LoRA separates
 the adapters and the element-wise traffic (LoRA skips most of the optimizer), and one
 data-parallel step over every device of the node measures contention and the collectives under
-load, twice: at mbs 1 the gradients' all-reduce weighs most, at mbs 8 the compute.
+load, twice: at mbs 1 the gradients' all-reduce weighs most, at mbs 8 the compute; and one
+tensor-parallel step on two devices measures what each blocking collective waits beyond its
+transfer (the ranks' skew: 5 ms per all-reduce in a 2-rank TP step here, where the link prices 1.4).
 The node's ranks slow each other's compute by a few percent, while the all-reduce, sharing the
 cores with the backward it overlaps, runs slower than the profile measured it alone: one step
 cannot tell the two apart (at mbs 2 alone the fit read 47% contention where two independent ranks
 computing at once measured 3-9%, and `advisor run`'s demo step at mbs 8 was priced 36% slow).
-Ten steps for six fitted factors (planner/calibration.py): the fit is over-determined, so one noisy
-step cannot move a factor alone.
+Eleven steps for seven fitted factors (planner/calibration.py): the fit is over-determined, so one
+noisy step cannot move a factor alone.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from advisor.capabilities import config_shape, runnable_problem
+from advisor.layout_rules import ModelShape
 from advisor.specs import Layout, ModelSpec
 from profiler.model_trace import _layers_key
 
@@ -59,9 +63,9 @@ def calibration_model(model: ModelSpec, layers: int = CALIBRATION_LAYERS) -> Mod
     return ModelSpec(name=f"{model.name}[{cfg[key]} layers]", hf_config=cfg, source=model.source)
 
 
-def fit_layouts(seq: int, devices: int, max_seq: int | None = None) -> list[Layout]:
-    """What calibration runs (see the module docstring); the last one on two devices when the
-    node has them."""
+def fit_layouts(seq: int, devices: int, max_seq: int | None = None, shape: ModelShape | None = None) -> list[Layout]:
+    """What calibration runs (see the module docstring); the last ones on two devices when the
+    node has them, tensor parallel where the model's `shape` splits in two (every shape, unset)."""
     layouts = [
         Layout(mbs=1, seq=seq, dtype="fp32"),
         Layout(mbs=2, seq=seq, dtype="fp32"),
@@ -74,6 +78,9 @@ def fit_layouts(seq: int, devices: int, max_seq: int | None = None) -> list[Layo
     ]
     if devices >= 2:
         layouts += [Layout(dp=2, mbs=1, seq=seq, dtype="fp32"), Layout(dp=2, mbs=8, seq=seq, dtype="fp32")]
+        tensor_parallel = Layout(tp=2, mbs=2, seq=seq, dtype="fp32")
+        if shape is None or runnable_problem(tensor_parallel, shape, "cpu") is None:
+            layouts.append(tensor_parallel)
     return layouts
 
 
@@ -91,7 +98,7 @@ def measure_calibration_steps(
 ) -> CalibrationSteps:
     """Run the fit layouts for real (CPU, fp32, ranks of `threads` threads) on the cut model."""
     small = calibration_model(model)
-    layouts = fit_layouts(calibration_seq(model, quick), devices, max_seq(model))
+    layouts = fit_layouts(calibration_seq(model, quick), devices, max_seq(model), config_shape(small.hf_config))
     steps = steps or (7 if quick else 12)
     measured = []
     for layout in layouts:

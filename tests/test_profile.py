@@ -157,12 +157,14 @@ def _calibration_cases(devices: int):
 
 
 def test_fit_recovers_the_factors_that_made_the_step_times() -> None:
-    """Six fitted factors come back exactly, the node's contention and its collectives under load
-    apart (data-parallel steps at mbs 1 and 8); the GEMM efficiency is the measured rate's (1.0),
-    not fitted, whatever the profile started from (planner.calibration.MEASURED)."""
+    """Seven fitted factors come back exactly, the node's contention and its collectives under load
+    apart (data-parallel steps at mbs 1 and 8), and the tensor-parallel collectives' wait (a tp=2
+    step); the GEMM efficiency is the measured rate's (1.0), not fitted, whatever the profile
+    started from (planner.calibration.MEASURED)."""
     hardware = load_hardware("cpu").model_copy(update={"devices_per_node": 2})
     truth = {"gemm": 1.0, "memory_bandwidth": 0.35, "adapter_gemm": 0.2, "micro_batch_overhead_s": 0.004,
-             "node_contention": 0.3, "gemm_tokens_slope": 0.15, "intra_node_collective": 0.4}
+             "node_contention": 0.3, "gemm_tokens_slope": 0.15, "intra_node_collective": 0.4,
+             "tp_collective_wait_s": 0.006}
     cases = _calibration_cases(2)
     made = with_factors(hardware, **truth)
     measured = [estimate_from_trace(trace, lay, made).time.step_s for trace, lay in cases]

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 import torch
 
-from advisor.capabilities import check_runnable, config_shape, engine_for
+from advisor.capabilities import COLUMN_PARALLEL, ROW_PARALLEL, check_runnable, config_shape, engine_for
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
 from advisor.specs import Layout, ModelSpec, layers_per_stage
@@ -32,7 +32,7 @@ from planner.cost_model import default_split, stage_memory
 from planner.memory import model_state_bytes
 from profiler.model_trace import trace_model
 from trainer.adapters import apply_lora
-from trainer.parallelize import COLUMN_PARALLEL, ROW_PARALLEL, check_parallel_layout
+from trainer.parallelize import check_parallel_layout
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 

@@ -20,17 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from advisor.capabilities import COLUMN_PARALLEL, ROW_PARALLEL, SEQUENCE_PARALLEL_NORMS
 from advisor.errors import UsageError
 from advisor.specs import Layout
 from profiler.hardware_bench import TORCH_DTYPES
-
-# Megatron's split of a Llama-style decoder layer (Shoeybi et al. 2019, section 3): the first
-# linear of each block is split by output columns, the second by input rows, so each block
-# needs one all-reduce forward and one backward.
-COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
-# The norms that sequence parallelism runs on sequence shards (Korthikanti et al. 2022, section 4.2).
-SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 @dataclass
