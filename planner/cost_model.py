@@ -639,7 +639,7 @@ def tp_collectives(layout: Layout, engine: str, layers: int, recomputed: int, fi
     backward mirrors that (4 gathers and 4 scatters per layer), and the sequence is gathered again
     before the head and for the embedding's gradient. Recomputation (torch's non-reentrant
     checkpoint, full or selective) stops as soon as backward has what it needs, so it skips each
-    layer's last collective. Counted by tests/test_tp_collectives.py on the engine itself."""
+    layer.s last collective. Counted by tests/test_collectives_as_run.py on the engine itself."""
     again = recomputed if layout.recompute != "none" else 0
     if engine == MEGATRON:
         return {"all_reduce": 4 * layers + 2 * again + first + last}
@@ -690,7 +690,8 @@ def _gradient_comm(layout: Layout, engine: str, hardware: HardwareSpec, placemen
     if layout.zero <= 1:  # one all-reduce after the last micro-batch, overlapped with its backward
         dp_comm = collectives.all_reduce_s(grad_bytes, dp, hardware, spans)
         if layout.zero == 1 and engine == "deepspeed":  # and, as under ZeRO-2, DeepSpeed all-gathers
-            # the weight partitions its ranks updated after the step
+            # the weight partitions its ranks updated after the step (counted on gloo: the whole
+            # weights, beside an all-reduce of the whole gradients; tests/test_collectives_as_run.py)
             dp_comm += collectives.all_gather_s(weight_bytes, dp, hardware, spans)
         return dp_comm, bwd_s
     if layout.zero == 2:  # DeepSpeed reduce-scatters every micro-batch, gathers weights once
