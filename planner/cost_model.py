@@ -639,7 +639,7 @@ def tp_collectives(layout: Layout, engine: str, layers: int, recomputed: int, fi
     backward mirrors that (4 gathers and 4 scatters per layer), and the sequence is gathered again
     before the head and for the embedding's gradient. Recomputation (torch's non-reentrant
     checkpoint, full or selective) stops as soon as backward has what it needs, so it skips each
-    layer.s last collective. Counted by tests/test_collectives_as_run.py on the engine itself."""
+    layer's last collective. Counted by tests/test_collectives_as_run.py on the engine itself."""
     again = recomputed if layout.recompute != "none" else 0
     if engine == MEGATRON:
         return {"all_reduce": 4 * layers + 2 * again + first + last}

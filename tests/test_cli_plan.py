@@ -99,8 +99,8 @@ COST_REQUEST = {"model": "llama3-8b", "hardware": "h100-80g", "nodes": 4, "seq":
 def _brute_force_layouts() -> list[tuple[int, float]]:
     """(devices, tokens/s) of every layout in a plain grid that the planner may choose for COST_REQUEST:
     the device counts it compares (powers of two in a node, then 2 and 4 whole nodes), tp within a
-    node with and without sequence parallelism, the global batch held, fitting with the planner's 5% memory margin, computing >= 80% of
-    the step. Each is priced by the cost model alone, with no search."""
+    node with and without sequence parallelism, the global batch held, fitting with the planner's 5%
+    memory margin, computing >= 80% of the step. Each is priced by the cost model alone, with no search."""
     hardware, model = load_hardware(COST_REQUEST["hardware"]), load_model(COST_REQUEST["model"])
     per_node = hardware.devices_per_node
     counts = [1, 2, 4, 8, 2 * per_node, 4 * per_node]
@@ -114,7 +114,8 @@ def _brute_force_layouts() -> list[tuple[int, float]]:
             continue
         gas = COST_REQUEST["global_batch"] // (dp * mbs)
         try:
-            layout = resolve_layout(f"tp={tp},sp={int(sp)},pp={pp},zero={zero},mbs={mbs},gas={gas},recompute={recompute}",
+            layout = resolve_layout(f"tp={tp},sp={int(sp)},pp={pp},zero={zero},mbs={mbs},gas={gas},"
+                                    f"recompute={recompute}",
                                     devices, hardware, COST_REQUEST["seq"])
             est = estimate(model, hardware, layout)
         except UsageError:

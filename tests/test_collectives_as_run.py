@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from advisor.specs import Layout, ModelSpec
+from planner import collectives
 from planner.cost_model import estimate_from_trace, tp_collectives
 from presets import load_hardware
 from profiler.model_trace import trace_model
@@ -139,5 +140,4 @@ def test_deepspeed_zero1_all_gathers_the_weights_after_its_step_as_priced(tmp_pa
     cpu = load_hardware("cpu")
     ddp, zero1 = (estimate_from_trace(trace, layout, cpu, engine).time.dp_comm_s
                   for layout, engine in ((ZERO1.model_copy(update={"zero": 0}), "plain"), (ZERO1, "deepspeed")))
-    from planner import collectives
     assert zero1 - ddp == pytest.approx(collectives.all_gather_s(weights, 2, cpu, False), rel=1e-9)
