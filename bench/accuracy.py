@@ -370,7 +370,8 @@ def main() -> None:
                         "tens of minutes: one profile at the start prices the last rows at another speed)")
     parser.add_argument("--profile", type=Path, help="an existing profile.json for every pass (default: `advisor "
                         "profile --quick` on the calibration config before each pass)")
-    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--no-write", action="store_true", help="print the table only: leave docs/benchmarks.md "
+                        "as it is, and bench/accuracy.json too under --predict-only and --memory-only")
     parser.add_argument("--predict-only", action="store_true", help="re-predict the measurements saved in "
                         "bench/accuracy.json (each pass with the profile it was predicted on); measures nothing")
     parser.add_argument("--memory-only", action="store_true", help="re-predict the peak memory of the rows saved in "
@@ -437,7 +438,8 @@ def _predict_only(saved: Path, kept: dict[int, dict[str, Any]], indices: list[in
                    .time.step_s} for p in passes]
         kept[index] = record(index, ROWS[index - 1], old, predict(ROWS[index - 1], load_hardware("cpu")).memory.peak,
                              passes)
-    saved.write_text(json.dumps([kept[i] for i in sorted(kept)], indent=1) + "\n")
+    if not no_write:
+        saved.write_text(json.dumps([kept[i] for i in sorted(kept)], indent=1) + "\n")
     _write([kept[i] for i in sorted(kept)], no_write)
 
 
@@ -456,7 +458,8 @@ def _memory_only(saved: Path, no_write: bool) -> None:
     hardware = load_hardware("cpu")
     for result in kept:
         result["predicted_peak"] = predict(ROWS[result["index"] - 1], hardware).memory.peak
-    saved.write_text(json.dumps(kept, indent=1) + "\n")
+    if not no_write:
+        saved.write_text(json.dumps(kept, indent=1) + "\n")
     _write(kept, no_write, "\n\nPeak memory re-predicted by `python -m bench.accuracy --memory-only` with the current "
            "cost model; the measured figures and the step-time columns are the last full run's.")
 

@@ -37,6 +37,7 @@ from planner.memory import (
     fsdp_shards,
     gathered_parameter_bytes,
     head_activation_bytes,
+    head_gradient_bytes,
     vocab_shards,
     layer_activation_bytes,
     logits_fp32_bytes,
@@ -254,6 +255,9 @@ class StageMemory:
     regrown_gradients: float
     # live at the start of backward beyond the shards: gathered weights (ZeRO-3, FSDP2), ZeRO-3's bucket
     zero3_live: float
+    # DeepSpeed ZeRO-1/2's gradient bucket and the first gradient, which arrives as the loss's buffers
+    # are freed and every activation is still alive (0 for the other engines)
+    first_gradient: float
     scratch: float
     # the end of backward with a tied embedding: its gradient copies beside every other gradient
     # (`tied_embedding_gradient_copies`); 0 where none applies
@@ -265,7 +269,7 @@ class StageMemory:
     def transient(self) -> float:
         # the loss's buffers are gone before the first recomputed layer regrows its activations;
         # the gradients of everything after that layer exist by then
-        return max(self.logits, self.regrown + self.regrown_gradients) + self.zero3_live
+        return max(self.logits, self.first_gradient, self.regrown + self.regrown_gradients) + self.zero3_live
 
     @property
     def backward_start(self) -> float:
@@ -342,10 +346,18 @@ def stage_memory(
         others = 0.0 if resident else trainable * grad_bytes - tied_gradient
         tied_backward = (states.weights + states.optimizer + resident + buckets + others
                          + tied_copies * tied_gradient)
+    first_gradient = 0.0
     if deepspeed_buckets and layout.zero == 3:
         # ZeRO-3 reduces gradients during backward through its bucket, allocated as the first
         # gradients arrive: alive with the loss's buffers (measured on this CPU; ZeRO-2's is not)
         gathered += buckets
+    elif deepspeed_buckets:
+        # ZeRO-1/2 set their bucket up as the first gradient arrives (DeepSpeed's `setup_buckets`,
+        # from its gradient hook): the LM head's, or a tied head's held in autograd's buffer, once
+        # the loss's buffers are freed, beside every activation. Where the loss's buffers are small
+        # (vocabularies of 2k-4k) this is the peak (measured on this CPU: 4-7% above the start of
+        # backward; tests/test_deepspeed_bucket_memory.py)
+        first_gradient = buckets + (head_gradient_bytes(trace, layout, engine) if last else 0.0)
     return StageMemory(
         weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
         resident_gradients=resident,
@@ -355,6 +367,7 @@ def stage_memory(
         regrown_gradients=(regrown_gradient_bytes(trace, layout, engine, stage, states.gradients, trainable, resident)
                            if regrows else 0.0),
         zero3_live=gathered,
+        first_gradient=first_gradient,
         scratch=buckets + _optimizer_temporaries(trace, layout, hardware, engine, trainable),
         tied_backward=tied_backward,
         host=states.host,
@@ -402,7 +415,7 @@ class _Rates:
     adapter: float
     byte: float
     slowdown: float
-    time_shared: float  # of it, the cores' time-sharing alone (what Python's per-micro-batch work suffers too)
+    time_shared: float  # of it, the cores' time-sharing alone (Python per micro-batch and collectives suffer it too)
 
 
 # Tokens per micro-batch at which `Efficiency.gemm` holds as fitted; `gemm_tokens_slope` scales the
@@ -788,6 +801,10 @@ def stage_time(
     compute, useful, bwd_s = _micro_batch_compute(trace, layout, hardware, engine, rates, layers, recomputed, last,
                                                   vocab_shards(layout, engine))
     tp_comm, pp_comm = _activation_comm(trace, layout, hardware, placement, engine, layers, recomputed, first, last)
+    # A CPU node's collectives are its ranks' own copies and reductions (gloo), so where the ranks
+    # outnumber the cores they are time-shared like the compute (bench/time_shared_collectives.py:
+    # two pairs of 4 ranks on 2 cores ran each collective 1.4-2.0x as long as one pair did)
+    tp_comm, pp_comm = tp_comm * rates.time_shared, pp_comm * rates.time_shared
     params, trainable, _ = device_params(trace, layout, engine, layers, stage)
     if engine == MEGATRON:  # autograd sums each micro-batch's gradients into `.grad`
         accumulate = rates.slowdown * megatron2021.gradient_accumulation_bytes(layout, trainable) / rates.byte
@@ -795,6 +812,7 @@ def stage_time(
     w = DTYPE_BYTES[layout.dtype]
     grad_bytes = gradient_comm_bytes(layout, engine, trainable)
     dp_comm, window = _gradient_comm(layout, engine, hardware, placement, grad_bytes, params * w, bwd_s, compute)
+    dp_comm *= rates.time_shared
     optimizer, offload = _optimizer_time(trace, layout, hardware, rates, params, trainable, engine, layers, stage)
     return StageTime(
         compute_mb=compute, useful_compute_mb=useful, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,

@@ -219,7 +219,7 @@ def _affine(f00: float, f10: float, f11: float) -> _Affine:
 class _StageCoefficients:
     backward_base: _Affine  # weights + optimizer + resident grads + activations + ZeRO-3 live
     optimizer_moment: _Affine
-    logits: float
+    logits: float  # the loss's buffers, or DeepSpeed ZeRO-1/2's bucket and first gradient where larger
     regrown: float
     regrown_gradients: _Affine  # with the regrown layer only (k plays no part)
     per_mb: _Affine
@@ -249,7 +249,7 @@ def stage_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec, stag
     affine_t = [_affine(*(t[i] for t in times)) for i in range(5)]
     return _StageCoefficients(
         backward_base=_affine(*(p[0] for p in parts)), optimizer_moment=_affine(*(p[1] for p in parts)),
-        logits=mems[0].logits, regrown=mems[2].regrown,
+        logits=max(mems[0].logits, mems[0].first_gradient), regrown=mems[2].regrown,
         regrown_gradients=_Affine(mems[2].regrown_gradients - grads_per_layer, grads_per_layer, 0.0),
         per_mb=affine_t[0], compute=affine_t[1],
         dp_comm=affine_t[2], dp_hidden=affine_t[3], update=affine_t[4], overlap=hw.efficiency.comm_overlap,
