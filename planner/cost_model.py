@@ -902,10 +902,12 @@ def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpe
 
 def estimate(
     model: ModelSpec, hardware: HardwareSpec, layout: Layout, attention: str | None = None, engine: str = "auto",
+    packed: bool = False,
 ) -> Estimate:
-    """Predict memory and step time of `layout` for `model` on `hardware`, run by `engine`."""
+    """Predict memory and step time of `layout` for `model` on `hardware`, run by `engine`, on rows
+    that pack several documents where `packed` (`trace_model`)."""
     trace = trace_model(
         model, layout.seq, dtype=layout.dtype, method=layout.method, lora_rank=layout.lora_rank,
-        attention=attention, device_type=hardware.device_type,  # type: ignore[arg-type]
+        attention=attention, device_type=hardware.device_type, packed=packed,  # type: ignore[arg-type]
     )
     return estimate_from_trace(trace, layout, hardware, engine)

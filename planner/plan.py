@@ -142,7 +142,8 @@ def _request(opts: PlanOptions, devices: int, seq: int, batch: int, methods: tup
     dtype = opts.dtype or hardware.default_dtype
     req = PlanRequest(model=opts.model, hardware=hardware, devices=devices, seq=seq, global_batch=batch,
                       dtype=dtype, space=space, min_compute_fraction=opts.min_compute_fraction,
-                      memory_margin=opts.memory_margin, top_k=opts.top_k, attention=opts.attention)
+                      memory_margin=opts.memory_margin, top_k=opts.top_k, attention=opts.attention,
+                      packed=True)  # the trainer packs documents into rows (trainer/stream.py), padding as one
     validate_request(req)
     return req
 

@@ -89,6 +89,10 @@ class PlanRequest:
     memory_margin: float = MEMORY_MARGIN
     top_k: int = 5
     attention: str | None = None
+    # rows pack several documents, as the trainer packs its data (trainer/stream.py: a text's
+    # documents, or examples beside their padding): priced with the document mask and the expanded
+    # GQA key/value heads that transformers' SDPA path then saves. False: one sequence per row
+    packed: bool = False
 
 
 @dataclass
@@ -566,7 +570,7 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
     """The K best layouts of one method under the cost model (exact, see the module docstring)."""
     started = time.perf_counter()
     trace = trace or trace_model(req.model, req.seq, req.dtype, method, attention=req.attention,  # type: ignore[arg-type]
-                                 device_type=req.hardware.device_type)
+                                 device_type=req.hardware.device_type, packed=req.packed)
     hw = req.hardware
     capacity = hw.usable_bytes * (1 - req.memory_margin)
     shapes, candidates = bounded or bound_shapes(trace, req, method)
@@ -614,7 +618,7 @@ def plan_layouts(req: PlanRequest) -> tuple[SearchResult, str]:
         if method == "qlora" and req.dtype == "fp32":
             req = replace(req, dtype="bf16")  # the 4-bit base computes in bf16 (an fp32 QLoRA layout is refused)
         trace = trace_model(req.model, req.seq, req.dtype, method, attention=req.attention,  # type: ignore[arg-type]
-                            device_type=req.hardware.device_type)
+                            device_type=req.hardware.device_type, packed=req.packed)
         bounded = bound_shapes(trace, req, method)  # shared by the strict and the relaxed search
         result = search(req, method, req.min_compute_fraction, trace, bounded)
         if result.solutions:

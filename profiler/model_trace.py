@@ -181,13 +181,14 @@ def _gpu_kernel_contracts(enabled: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _one_unpacked_sequence() -> Iterator[None]:
-    """Let HF's mask code see what a real run sees: one unpacked sequence.
+    """Let HF's mask code see what a run of unpacked rows sees: one sequence per row.
 
     transformers decides whether a batch packs several sequences by reading the position ids, which
     fake tensors cannot do, so under FakeTensorMode it assumes packing: it materialises an s x s
     causal mask, which SDPA then saves, and a mask turns off SDPA's native GQA, so the key/value
     heads get expanded and saved expanded. A real run of the same model finds no packing, passes no
     mask and saves neither (measured: an s x s fp32 tensor and the expanded k/v per layer too many).
+    A run whose rows pack several documents (`trace_model(packed=True)`) does both, as traced then.
     """
     from transformers import masking_utils
 
@@ -339,7 +340,7 @@ def _tp_names(cfg: dict[str, Any], hf_config: Any) -> tuple[set[str], set[str]]:
 
 def _trace_once(
     cfg: dict[str, Any], layers: int, seq: int, dtype: str, method: str, lora_rank: int,
-    attention: Attention, gpu_contracts: bool,
+    attention: Attention, gpu_contracts: bool, packed: bool = False,
 ) -> tuple[BlockTrace, int, int]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -378,7 +379,8 @@ def _trace_once(
                 LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
                            target_modules="all-linear", task_type="CAUSAL_LM"),
             )
-    with FakeTensorMode(allow_non_fake_inputs=True), _gpu_kernel_contracts(gpu_contracts), _one_unpacked_sequence():
+    rows = contextlib.nullcontext() if packed else _one_unpacked_sequence()
+    with FakeTensorMode(allow_non_fake_inputs=True), _gpu_kernel_contracts(gpu_contracts), rows:
         model.to_empty(device="cpu")
         model.tie_weights()  # to_empty gives tied matrices separate storage
         model.train()
@@ -417,12 +419,14 @@ def default_attention(device_type: str) -> Attention:
 @lru_cache(maxsize=256)
 def _trace_cached(
     name: str, cfg_key: str, seq: int, dtype: str, method: str, lora_rank: int, attention: str,
-    gpu_contracts: bool,
+    gpu_contracts: bool, packed: bool = False,
 ) -> ModelTrace:
     cfg = json.loads(cfg_key)
     dims = architecture_dims(cfg)
-    one, _, _ = _trace_once(cfg, 1, seq, dtype, method, lora_rank, attention, gpu_contracts)  # type: ignore[arg-type]
-    two, _, _ = _trace_once(cfg, 2, seq, dtype, method, lora_rank, attention, gpu_contracts)  # type: ignore[arg-type]
+    one, _, _ = _trace_once(cfg, 1, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
+                            gpu_contracts, packed)
+    two, _, _ = _trace_once(cfg, 2, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
+                            gpu_contracts, packed)
     layer = two.minus(one)
     outer = one.minus(layer)
     act_bytes = DTYPE_BYTES[dtype]
@@ -508,16 +512,17 @@ def _read_trace(path: Path) -> ModelTrace | None:
 
 
 def _trace_args(model: ModelSpec, seq: int, dtype: str, method: str, lora_rank: int, attention: str,
-                device_type: str) -> tuple:
+                device_type: str, packed: bool = False) -> tuple:
     trace_dtype = "bf16" if method == "qlora" and dtype == "fp32" else dtype
     cfg_key = json.dumps(copy.deepcopy(model.hf_config), sort_keys=True)
-    return (model.name, cfg_key, seq, trace_dtype, method, lora_rank, attention, device_type == "cuda")
+    args = (model.name, cfg_key, seq, trace_dtype, method, lora_rank, attention, device_type == "cuda")
+    return args + (True,) if packed else args  # unpacked rows keep the keys (and shipped traces) they had
 
 
 def ship_trace(model: ModelSpec, seq: int, dtype: str, method: str, lora_rank: int = 16,
-               device_type: str = "cuda") -> Path:
+               device_type: str = "cuda", packed: bool = False) -> Path:
     """Trace and store into the shipped store (`presets/traces`), keyed by release lines."""
-    args = _trace_args(model, seq, dtype, method, lora_rank, default_attention(device_type), device_type)
+    args = _trace_args(model, seq, dtype, method, lora_rank, default_attention(device_type), device_type, packed)
     path = SHIPPED_DIR / f"{_trace_key(_stack_family(), args)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(_trace_cached(*args).model_dump_json())
@@ -527,8 +532,11 @@ def ship_trace(model: ModelSpec, seq: int, dtype: str, method: str, lora_rank: i
 def trace_model(
     model: ModelSpec, seq: int, dtype: str = "bf16", method: str = "full", lora_rank: int = 16,
     attention: Attention | None = None, device_type: str = "cuda", use_disk_cache: bool = True,
+    packed: bool = False,
 ) -> ModelTrace:
-    """Trace `model` for one sequence of `seq` tokens as it would train on `device_type`.
+    """Trace `model` for one sequence of `seq` tokens as it would train on `device_type`; `packed`:
+    in rows that pack several documents, as the trainer packs a task's data (transformers then
+    keeps the documents apart with a mask, which SDPA saves, and expands GQA's key/value heads).
 
     Activations and FLOPs are exactly linear in the micro-batch size, so the cost model scales
     this single-sequence trace. Results are cached in memory and on disk (`$ADVISOR_CACHE`,
@@ -541,7 +549,9 @@ def trace_model(
     if seq < 1:
         raise UsageError(f"sequence length must be positive (got {seq})")
     attention = attention or default_attention(device_type)
-    args = _trace_args(model, seq, dtype, method, lora_rank, attention, device_type)
+    # the FlashAttention contract runs packed rows as variable-length sequences: no mask, native GQA
+    packed = packed and attention != "flash"
+    args = _trace_args(model, seq, dtype, method, lora_rank, attention, device_type, packed)
     path = _cache_dir() / f"{_trace_key(_stack_versions(), args)}.json"
     if use_disk_cache:
         # the user's cache (exact versions), then the traces shipped for the presets (same

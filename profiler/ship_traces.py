@@ -24,9 +24,9 @@ def main() -> None:
     count = 0
     for name in preset_names("models"):
         model = load_model(name)
-        if name == "demo-tiny":  # the embedded demo runs on this CPU in fp32
-            for seq, method in itertools.product((256, 512, 1024), ("full", "lora")):
-                ship_trace(model, seq, "fp32", method, device_type="cpu")
+        if name == "demo-tiny":  # the embedded demo runs on this CPU in fp32, planned on packed rows
+            for seq, method, packed in itertools.product((256, 512, 1024), ("full", "lora"), (False, True)):
+                ship_trace(model, seq, "fp32", method, device_type="cpu", packed=packed)
                 count += 1
             continue
         for seq, method in itertools.product(SEQS, METHODS):

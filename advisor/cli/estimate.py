@@ -30,11 +30,14 @@ def estimate(
         None, "--attention", help="flash | sdpa | eager (default: flash on GPUs, sdpa on CPU)"),
     min_compute_fraction: float = typer.Option(
         MIN_COMPUTE_FRACTION, "--min-compute-fraction", help="Amdahl rule: compute share of every device's step"),
+    packed: bool = typer.Option(
+        False, "--packed", help="rows pack several documents, as `advisor train` packs a task's data: priced with "
+                                "the document mask and the expanded key/value heads that SDPA then keeps"),
     as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object (the contract)"),
 ) -> None:
     exit_on_error(lambda: check_number(min_compute_fraction, "--min-compute-fraction", ge=0, le=1))
     result: Estimate = exit_on_error(
-        lambda: estimate_layout(model, hardware, layout, nodes, gpus_per_node, seq_len, attention))
+        lambda: estimate_layout(model, hardware, layout, nodes, gpus_per_node, seq_len, attention, packed))
     if as_json:
         print(result.model_dump_json())
         return
@@ -42,7 +45,7 @@ def estimate(
 
 
 def estimate_layout(model: str, hardware: str, layout: str, nodes: int | None, gpus_per_node: int | None,
-                    seq_len: int | None, attention: str | None) -> Estimate:
+                    seq_len: int | None, attention: str | None, packed: bool = False) -> Estimate:
     """Resolve the presets and the layout on its device count, then ask the cost model."""
     hw = load_hardware(hardware)
     spec = load_model(model)
@@ -59,7 +62,7 @@ def estimate_layout(model: str, hardware: str, layout: str, nodes: int | None, g
     lay = resolve_layout(layout, devices, hw, seq_len)
     if seq_len is not None or "seq" in given:  # the default 2048 is not the user's choice
         check_seq_fits(spec, lay.seq, "--seq-len" if seq_len is not None else "layout seq")
-    result = run_estimate(spec, hw, lay, attention=attention)
+    result = run_estimate(spec, hw, lay, attention=attention, packed=packed)
     problem = runnable_problem(lay, config_shape(spec.hf_config), hw.device_type)
     if problem:  # priced all the same: users of other engines estimate too, but they are told
         result.notes.append(f"advisor train does not run this layout: {problem}")
