@@ -127,6 +127,9 @@ def _rows() -> list[Row]:
         Row("gqa-32k-tied", L(mbs=2, seq=1024, recompute="selective", **f32)),
         Row("gqa-32k-tied", L(mbs=2, seq=1024, **f32)),
         Row("deep-4k", L(dp=2, mbs=4, seq=512, recompute="selective", **f32)),
+        # a small vocabulary under DeepSpeed ZeRO-2: its bucket, set up at the first gradient, beside
+        # every activation makes the peak (the loss's buffers are smaller)
+        Row("deep-4k", L(dp=2, zero=2, mbs=2, seq=256, **f32)),
     ]
 
 
@@ -339,8 +342,8 @@ def table(results: list[dict[str, Any]]) -> str:
         "measures; calibration runs 11 steps for its 7 unknowns, two of them data-parallel at mbs 1 and 8, "
         "which tell contention (8-11% here, measured directly with two independent ranks) from collectives "
         "under load (at mbs 2 alone it read 47% contention), and one tensor-parallel, which measures what each "
-        "blocking collective waits beyond its transfer (`tp_collective_wait_s`, fitted at 4.3-5.6 ms in this "
-        "run's three profiles, where the idle link prices a 1 MiB all-reduce at 1.4 ms); the trainer's TP plan "
+        "blocking collective waits beyond its transfer (`tp_collective_wait_s`, fitted at 4-6 ms in the "
+        "runs' profiles, where the idle link prices a 1 MiB all-reduce at 1.4 ms); the trainer's TP plan "
         "runs 7 all-reduces per Llama layer, not Megatron's 4 (each HF projection all-reduces its own input "
         "gradient; counted on the engine by tests/test_collectives_as_run.py), and recomputation re-runs one "
         "of them; DeepSpeed's ZeRO-1 all-gathers the weights after its step; FSDP2 shards the optimizer's work "
@@ -349,13 +352,18 @@ def table(results: list[dict[str, Any]]) -> str:
         "by 10% and more over tens of minutes (the same rows measured 10-16% apart an hour apart, and back-to-back "
         "quick profiles fitted a GEMM-token slope of -0.09 and -0.04), so one profile taken before a 30-minute "
         "run priced every row at the speed of its own minute: the calibration config itself read +4% in one run "
-        "and +18% in the next. Each pass now has its own profile; one of this run's three read its data-parallel "
-        "step at mbs 1 49% slower than the others did and fitted the node's collectives 2.8x slower, which "
-        "priced most of that pass's multi-rank rows slow, up to +54% (row 22). What is still off: the 4-rank "
-        "DP×TP row, 4 ranks time-sharing 2 cores on a 2-D mesh, runs 23-34% slower than priced in all three "
-        "passes (and 26-27% in the two previous runs, refitted and re-predicted with this cost model), while "
-        "the 2-rank TP rows are now within 7%. Each row times 3 steady steps after 3 "
-        "warm-up steps, as calibration does, on a quiet machine.")
+        "and +18% in the next. Each pass now has its own profile, and a row's error is the median of its "
+        "passes'. The 4-rank rows time-share 2 "
+        "cores: their collectives are gloo's copies and reductions on those cores, time-shared like the compute "
+        "(the DP×TP row had read 23-34% fast when they were not: bench/time_shared_collectives.py), and a "
+        "pipeline's stages that idle in its fill and drain leave the cores to the others (each rank of the "
+        "DP×PP row spent 0.15-0.18 s of CPU in a 0.37 s step; priced as if the fill and drain were time-shared "
+        "too, that row read 30-36% slow). DeepSpeed ZeRO-1/2 sets its gradient bucket up as the first gradient "
+        "arrives, beside every activation: with a 4k vocabulary that is the peak (row 39). Known to be left: a "
+        "micro-batch under 256 tokens is priced at the 256-token GEMM rate (calibration measures none smaller; "
+        "row 2, 128 tokens, reads fast), and FSDP2's gather and reduce-scatter buffers, allocated afresh every "
+        "step and written at page-fault speed above glibc's 32 MiB mmap ceiling, are not priced. Each row times 3 "
+        "steady steps after 3 warm-up steps, as calibration does, on a quiet machine.")
 
 
 def main() -> None:

@@ -396,6 +396,7 @@ class StageTime:
     optimizer: float
     offload: float
     dp_overlap: float  # the hardware's share of DP traffic hidden behind compute
+    time_shared: float = 1.0  # how many times over the node's ranks ask for its cores (1: they fit)
 
     @property
     def per_micro_batch(self) -> float:
@@ -817,7 +818,7 @@ def stage_time(
     return StageTime(
         compute_mb=compute, useful_compute_mb=useful, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,
         dp_comm=dp_comm, dp_hidden_max=window, optimizer=optimizer, offload=offload,
-        dp_overlap=hardware.efficiency.comm_overlap,
+        dp_overlap=hardware.efficiency.comm_overlap, time_shared=rates.time_shared,
     )
 
 
@@ -843,11 +844,29 @@ def pipeline_bubble_s(layout: Layout, times: list[StageTime]) -> float:
     return (sum(per_mb) - max(per_mb)) / layout.vpp
 
 
-def step_seconds(layout: Layout, times: list[StageTime]) -> float:
-    """gas micro-batch slots of the slowest stage and the pipeline's bubble (`pipeline_bubble_s`),
-    plus exposed DP traffic and the optimizer of the slowest stage."""
+def micro_batches_seconds(layout: Layout, times: list[StageTime]) -> float:
+    """The step's micro-batches: gas slots of the slowest stage and the pipeline's bubble
+    (`pipeline_bubble_s`).
+
+    On time-shared cores (a CPU node whose ranks outnumber its cores: every stage time is priced
+    `time_shared` times its own) the stages that idle in the fill and drain leave their cores to the
+    others, so that part runs unshared. The step is then bounded by the critical path run unshared
+    and by the cores' total work, gas micro-batches of the mean stage at the shared price, and is
+    the larger (exact where the stages overlap as 1F1B's do at gas 2 and pp 2: tests/
+    test_pipeline_time_shared.py). A 2-stage pipeline of 4 ranks on 2 cores was priced 35% slow when
+    its fill and drain were time-shared too."""
     slot = max(t.per_micro_batch for t in times)
-    return (layout.gas * slot + pipeline_bubble_s(layout, times) + max(t.dp_exposed for t in times)
+    critical = layout.gas * slot + pipeline_bubble_s(layout, times)
+    shared = times[0].time_shared
+    if shared <= 1:
+        return critical
+    return max(critical / shared, layout.gas * sum(t.per_micro_batch for t in times) / len(times))
+
+
+def step_seconds(layout: Layout, times: list[StageTime]) -> float:
+    """The micro-batches (`micro_batches_seconds`), plus exposed DP traffic and the optimizer of the
+    slowest stage."""
+    return (micro_batches_seconds(layout, times) + max(t.dp_exposed for t in times)
             + max(t.optimizer + t.offload for t in times))
 
 
@@ -870,7 +889,7 @@ def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpe
     slowest = max(times, key=lambda t: t.per_micro_batch)
     gas = layout.gas
     step = step_seconds(layout, times)
-    bubble = pipeline_bubble_s(layout, times)
+    bubble = max(0.0, micro_batches_seconds(layout, times) - gas * slowest.per_micro_batch)
     dp_exposed = max(t.dp_exposed for t in times)
     updater = max(times, key=lambda t: t.optimizer + t.offload)
     compute = gas * slowest.compute_mb
