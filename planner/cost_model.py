@@ -355,7 +355,7 @@ def stage_memory(
         # ZeRO-1/2 set their bucket up as the first gradient arrives (DeepSpeed's `setup_buckets`,
         # from its gradient hook): the LM head's, or a tied head's held in autograd's buffer, once
         # the loss's buffers are freed, beside every activation. Where the loss's buffers are small
-        # (vocabularies of 2k-4k) this is the peak (measured on this CPU: 4-7% above the start of
+        # (vocabularies of 2k-4k) this is the peak (measured on this CPU: 4-12% above the start of
         # backward; tests/test_deepspeed_bucket_memory.py)
         first_gradient = buckets + (head_gradient_bytes(trace, layout, engine) if last else 0.0)
     return StageMemory(
@@ -804,7 +804,7 @@ def stage_time(
     tp_comm, pp_comm = _activation_comm(trace, layout, hardware, placement, engine, layers, recomputed, first, last)
     # A CPU node's collectives are its ranks' own copies and reductions (gloo), so where the ranks
     # outnumber the cores they are time-shared like the compute (bench/time_shared_collectives.py:
-    # two pairs of 4 ranks on 2 cores ran each collective 1.4-2.0x as long as one pair did)
+    # two pairs of 4 ranks on 2 cores ran each collective 1.3-2.1x as long as one pair did)
     tp_comm, pp_comm = tp_comm * rates.time_shared, pp_comm * rates.time_shared
     params, trainable, _ = device_params(trace, layout, engine, layers, stage)
     if engine == MEGATRON:  # autograd sums each micro-batch's gradients into `.grad`

@@ -535,7 +535,7 @@ def trace_model(
     packed: bool = False,
 ) -> ModelTrace:
     """Trace `model` for one sequence of `seq` tokens as it would train on `device_type`; `packed`:
-    in rows that pack several documents, as the trainer packs a task's data (transformers then
+    in rows that pack several documents, as the trainer packs its data (transformers then
     keeps the documents apart with a mask, which SDPA saves, and expands GQA's key/value heads).
 
     Activations and FLOPs are exactly linear in the micro-batch size, so the cost model scales

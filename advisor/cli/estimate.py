@@ -31,7 +31,7 @@ def estimate(
     min_compute_fraction: float = typer.Option(
         MIN_COMPUTE_FRACTION, "--min-compute-fraction", help="Amdahl rule: compute share of every device's step"),
     packed: bool = typer.Option(
-        False, "--packed", help="rows pack several documents, as `advisor train` packs a task's data: priced with "
+        False, "--packed", help="rows pack several documents, as `advisor train` packs its data: priced with "
                                 "the document mask and the expanded key/value heads that SDPA then keeps"),
     as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object (the contract)"),
 ) -> None:
