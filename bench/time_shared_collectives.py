@@ -24,18 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from advisor.specs import Layout  # noqa: E402
 from benchmarks_md import write_section  # noqa: E402
-from planner.cost_model import _rates  # noqa: E402
 from presets import load_hardware  # noqa: E402
+from profiler.hardware_bench import RING_FACTORS  # noqa: E402
 from profiler.ranks import finish_rank, free_port, init_rank, launch  # noqa: E402
 
 SIZES_MIB = (8, 64)
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 REPEATS = 7
-# bytes through each rank's link per byte of buffer (nccl-tests' bus factors, planner/collectives.py)
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n}
 
 
 def _worker(rank: int, world: int, groups: list[list[int]], port: int, out: str) -> None:
@@ -79,9 +75,8 @@ def timed(groups: list[list[int]]) -> dict[str, float]:
 def time_sharing(ranks: int, cores: int) -> float:
     """The factor the cost model puts on a collective when `ranks` ranks of one thread share the
     node's `cores` cores."""
-    hardware = load_hardware("cpu").model_copy(update={"cpu_cores": cores, "threads_per_device": 1,
-                                                       "devices_per_node": max(ranks, cores)})
-    return _rates(Layout(dp=ranks, dtype="fp32"), hardware).time_shared
+    hardware = load_hardware("cpu").model_copy(update={"cpu_cores": cores, "threads_per_device": 1})
+    return hardware.oversubscription(ranks)
 
 
 def main() -> None:
@@ -96,7 +91,8 @@ def main() -> None:
         four = timed(groups)
         for key, seconds in four.items():  # the cost model prices one group's ring, time-shared
             op, mib = key.split("/")
-            priced = pair[key] * BUS_FACTOR[op](size) / BUS_FACTOR[op](2) * shared
+            bus = RING_FACTORS[op](size)[1] / RING_FACTORS[op](2)[1]  # bytes per rank's link, nccl-tests' factors
+            priced = pair[key] * bus * shared
             over_pair.append(seconds / priced * shared)
             lines.append(f"| {name} | {op} | {mib} | {pair[key] * 1e3:.1f} | {seconds * 1e3:.1f} | "
                          f"{priced * 1e3:.1f} | {seconds / priced:.2f} |")
