@@ -77,6 +77,68 @@ ENGINES: dict[EngineName, EngineCapability] = {
 }
 
 
+PrecisionMode = Literal["fp32", "autocast", "fsdp", "deepspeed", "frozen16", "cast16"]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a layout's dtype runs on its engine: what the trainer builds (trainer/model.py,
+    trainer/engines, trainer/parallelize.py) and what the cost model prices (planner/memory.py).
+
+    A 16-bit dtype is always mixed precision (issue 28): the weights the optimizer updates and its
+    Adam moments are fp32, the GEMMs run in 16 bits. The modes:
+    - ``fp32``: everything in fp32;
+    - ``autocast`` (plain, DDP, tensor or pipeline parallelism without FSDP2): fp32 parameters,
+      gradients and moments; forward and loss run under ``torch.autocast``, which keeps a 16-bit copy
+      of every weight it casts until that weight's backward (Lightning's bf16-mixed, torchtitan
+      without FSDP);
+    - ``fsdp`` (FSDP2 across data-parallel replicas): fp32 shards, gradients and moments; each unit
+      is gathered in 16 bits and its gradients reduced in fp32 (``MixedPrecisionPolicy``);
+    - ``deepspeed``: DeepSpeed casts the module to 16 bits and keeps fp32 master partitions and
+      moments in its ZeRO optimizer (ZeRO paper, section 3.1: K = 12);
+    - ``frozen16`` (LoRA, QLoRA without DeepSpeed): the frozen base in 16 bits, the adapters, their
+      gradients and moments in fp32: no update is small against a 16-bit weight;
+    - ``cast16``: fp16 outside DeepSpeed, which no other engine runs (no loss scaling there,
+      `engine_problem`): the module cast to fp16, priced as pure 16-bit for published tables.
+    """
+
+    mode: PrecisionMode
+    # bytes per element of the trainable weights as the model holds them, and of their gradients
+    weight_bytes: int
+    # a separate fp32 copy of the trainable weights inside the optimizer
+    master: bool
+
+    @property
+    def autocast(self) -> bool:
+        return self.mode == "autocast"
+
+
+def fsdp_shards(layout: Layout, engine: str) -> bool:
+    """FSDP2 shards weights, gradients and optimizer states across the data-parallel replicas
+    whatever the ZeRO stage (ZeRO 1/2 only change when it reshards)."""
+    return engine in ("fsdp2", "pipeline") and layout.dp > 1
+
+
+def precision(layout: Layout, engine: str) -> Precision:
+    """How `layout.dtype` runs on `engine` (see `Precision`): the one rule both the trainer and the
+    cost model read."""
+    if engine == "deepspeed":
+        if layout.dtype == "fp32":
+            # stage 3 reuses an fp32 partition as its master (stage3.py, _create_fp32_partitions);
+            # stages 1-2 clone theirs into the optimizer even when the model is fp32
+            return Precision("fp32", 4, master=layout.zero != 3)
+        return Precision("deepspeed", DTYPE_BYTES[layout.dtype], master=True)
+    if layout.dtype == "fp32":
+        return Precision("fp32", 4, master=False)
+    if layout.method != "full":
+        return Precision("frozen16", 4, master=False)
+    if layout.dtype != "bf16":
+        return Precision("cast16", DTYPE_BYTES[layout.dtype], master=False)
+    if fsdp_shards(layout, engine):
+        return Precision("fsdp", 4, master=False)
+    return Precision("autocast", 4, master=False)
+
+
 # The trainer's tensor-parallel plan (trainer/parallelize.py) of a Llama-style decoder layer:
 # Megatron's split (Shoeybi et al. 2019, section 3), the first linear of each block split by output
 # columns, the second by input rows. Unlike Megatron, which fuses q/k/v and gate/up into one GEMM
@@ -108,10 +170,10 @@ def chunked_loss(layout: Layout, engine: EngineName, model_type: str, hidden_siz
     sequence-sharded DTensor that its input hook gathers: chunking it would split that hook's input,
     so sp keeps HF's loss too. Elsewhere it runs where it holds less (`chunked_loss_holds_less`)."""
     runs = ENGINES[engine].chunked_loss and not layout.sp and model_type in CHUNKED_LOSS_MODEL_TYPES
-    return runs and chunked_loss_holds_less(layout, hidden_size)
+    return runs and chunked_loss_holds_less(layout, hidden_size, engine)
 
 
-def chunked_loss_holds_less(layout: Layout, hidden_size: int) -> bool:
+def chunked_loss_holds_less(layout: Layout, hidden_size: int, engine: str = "plain") -> bool:
     """Whether the chunked loss's backward holds no more than HF's, per vocabulary entry
     (planner/memory.py `logits_transient_bytes` prices both): HF three fp32 logits of the whole
     micro-batch; the chunked loss three of one chunk, and with a trainable head beside them its
@@ -121,7 +183,9 @@ def chunked_loss_holds_less(layout: Layout, hidden_size: int) -> bool:
     tokens = layout.mbs * layout.seq
     if tokens <= LOSS_CHUNK_TOKENS:
         return True  # one chunk: the same buffers
-    head_gradient = hidden_size * DTYPE_BYTES[layout.dtype] if layout.method == "full" else 0
+    # the head's gradient as backward makes it: fp32 under autocast (cast back to the fp32 weight)
+    gradient_bytes = 4 if precision(layout, engine).autocast else DTYPE_BYTES[layout.dtype]
+    head_gradient = hidden_size * gradient_bytes if layout.method == "full" else 0
     return max(3 * 4 * LOSS_CHUNK_TOKENS + head_gradient, 3 * head_gradient) < 3 * 4 * tokens
 
 
@@ -203,3 +267,16 @@ def check_runnable(layout: Layout, shape: ModelShape, device_type: str = "cuda",
     problem = runnable_problem(layout, shape, device_type, choice)
     if problem:
         raise UsageError(problem)
+
+
+# The attention kernel the trainer's models run (trainer/attention.py registers it with
+# transformers). On CUDA, rows that pack several documents run varlen FlashAttention with no s x s
+# mask, which is what the GPU traces price (profiler.model_trace's FlashAttention contract: no mask,
+# native GQA); one document per row runs SDPA's causal kernel. On a CPU the models run SDPA with
+# transformers' document mask, as the CPU traces of packed rows price it (trace_model(packed=True)).
+DOCUMENT_ATTENTION = "advisor_documents"
+
+
+def attention_implementation(device_type: str) -> str:
+    """transformers' `attn_implementation` of the trainer's models on `device_type`."""
+    return DOCUMENT_ATTENTION if device_type == "cuda" else "sdpa"

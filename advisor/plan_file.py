@@ -66,6 +66,10 @@ class Plan(BaseModel):
     stages: list[StagePlan] = Field(default_factory=list)
     solver: FiniteDict = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
+    attention: str = Field(
+        "sdpa", description="the attention kernel advisor train's models run on this hardware "
+                            "(advisor.capabilities.attention_implementation): advisor_documents trains "
+                            "packed rows through varlen FlashAttention, with no s x s mask")
     runnable_here: bool = Field(
         True, description="false: planned with --any-engine over every engine the cost model prices "
                           "(Megatron/NeMo layouts); `advisor train` refuses it")

@@ -74,6 +74,8 @@ class Measurement(BaseModel):
     median_s: float | None = None
     repeats: int = 0
     stable: bool = True
+    suspect: str | None = Field(None, description="why no healthy device gives this figure (measured twice); "
+                                "the hardware does not price it as measured (profiler.run_profile.hardware_from)")
 
 
 class CalibrationStep(BaseModel):

@@ -40,6 +40,22 @@ SPEC_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 READ_CONFIG = ConfigDict(allow_inf_nan=False)
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+# dtype=bf16 is bf16-mixed: fp32 weights, gradients and Adam moments, bf16 compute (how each engine
+# runs it: advisor/capabilities.py `precision`). Pure bf16 training (Lightning's "bf16-true": bf16
+# weights and bf16 Adam moments, no fp32 master) is refused: an AdamW update below half of bf16's
+# spacing at a weight rounds away (2e-5 on a weight of 0.02, where the spacing is 2^-13 = 1.2e-4),
+# and the stochastic rounding that would keep it (torchao) is not installed here.
+REFUSED_DTYPES: dict[str, str] = {
+    "bf16-true": ("dtype=bf16-true (bf16 weights and Adam moments, no fp32 master) is refused: AdamW updates below "
+                  "half of bf16's spacing at a weight round away (2e-5 on 0.02) and no stochastic rounding is "
+                  "installed; use dtype=bf16 (fp32 master weights, bf16 compute)"),
+}
+
+
+def check_dtype(name: str) -> None:
+    """A dtype the user named: one that trains, or the one line that says why not."""
+    if name in REFUSED_DTYPES:
+        raise UsageError(REFUSED_DTYPES[name])
 
 # The source article's rule: every device should spend at least this share of the step computing
 # (the rest is exposed communication, pipeline bubbles, offload traffic); the planner's default.
@@ -329,6 +345,13 @@ class Layout(BaseModel):
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq
 
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _refuse_pure_16_bit(cls, value: Any) -> Any:
+        if value in REFUSED_DTYPES:  # a plan or a dict as well as a layout string (`parse_layout_string`)
+            raise ValueError(REFUSED_DTYPES[value])
+        return value
+
     @model_validator(mode="after")
     def _check_combinations(self) -> "Layout":
         if self.sp and self.tp == 1:
@@ -385,7 +408,8 @@ LAYOUT_KEYS_HELP: dict[str, str] = {
                   "| full (whole decoder layer)"),
     "method": "full | lora | qlora (LoRA on 4-bit NF4 frozen weights)",
     "lora_rank": "LoRA rank r (default 16), adapters on all linear projections",
-    "dtype": "bf16 | fp16 | fp32 (default: bf16 where the hardware has it, fp32 on CPU)",
+    "dtype": ("bf16 (mixed: fp32 master weights, bf16 compute) | fp16 | fp32 (default: bf16 where the hardware "
+              "has it, fp32 on CPU); bf16-true (pure bf16) is refused"),
     "seq": "tokens per sequence (also --seq-len)",
     "stage_layers": "decoder layers per pipeline stage, '/'-separated, e.g. 19/20/21/20 (default: even)",
     "recompute_layers": "per stage, how many layers use `recompute`, e.g. 4/3/1/0 (default: all)",
@@ -500,6 +524,8 @@ def parse_layout_string(text: str) -> dict[str, Any]:
             except ValueError:
                 raise UsageError(f"layout {key}={value}: must be an integer") from None
         else:
+            if key == "dtype":
+                check_dtype(value)
             out[key] = value
     return out
 

@@ -22,6 +22,7 @@ from presets import load_hardware
 from profiler.model_trace import trace_model
 from profiler.tensor_memory import TensorMemory
 from trainer.chunked_loss import install_chunked_loss
+from trainer.engines.base import autocast_forward
 from trainer.model import build_filled_model
 from advisor.capabilities import LOSS_CHUNK_TOKENS
 from benchmarks_md import write_section  # noqa: E402
@@ -40,6 +41,7 @@ def measured(layout: Layout, config: dict, memory: TensorMemory, chunked: bool) 
     model = build_filled_model(ModelSpec(name="loss", hf_config=config), layout, seed=0)
     if chunked:
         install_chunked_loss(model)
+    autocast_forward(model, layout, "plain")  # bf16 runs as the plain engine runs it: fp32 weights under autocast
     ids = torch.randint(0, config["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         model.zero_grad(set_to_none=True)

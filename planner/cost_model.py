@@ -34,6 +34,7 @@ from planner.memory import (
     MEGATRON,
     ZERO_REDUCE_BUCKET_ELEMS,
     ModelStates,
+    autocast_weight_copy_bytes,
     fsdp_shards,
     gathered_parameter_bytes,
     head_activation_bytes,
@@ -47,6 +48,7 @@ from planner.memory import (
     tied_embedding_gradient_bytes,
     tied_embedding_gradient_copies,
     model_state_bytes,
+    residual_bytes,
     stored_dtype_bytes,
 )
 from profiler.hardware_bench import GemmShape, linear_gemms
@@ -324,18 +326,19 @@ def stage_memory(
     states = model_state_bytes(params, trainable, layout, quantizable, nf4_tensors, engine=engine)
 
     in_flight = micro_batches_in_flight(stage, layout)
-    kept = layer_activation_bytes(trace, layout, recompute="none")
-    reduced = layer_activation_bytes(trace, layout)
+    kept = layer_activation_bytes(trace, layout, recompute="none", engine=engine)
+    reduced = layer_activation_bytes(trace, layout, engine=engine)
     activations = in_flight * ((layers - recomputed) * kept + recomputed * reduced)
     if last:
         activations += head_activation_bytes(trace, layout, engine)
 
-    w = DTYPE_BYTES[layout.dtype]
-    grad_bytes = w if layout.method == "full" else ADAPTER_BYTES
+    # a gradient as the engine keeps it: fp32 where the weights are (autocast, FSDP2), 16-bit beside DeepSpeed's master
+    grad_bytes = stored_dtype_bytes(layout, engine) if layout.method == "full" else ADAPTER_BYTES
     deepspeed_buckets = engine == "deepspeed" and layout.dp > 1
     buckets = zero_bucket_elems(trace, layout) * grad_bytes if deepspeed_buckets else 0.0
     root = params - layers * trace.layer.params / tp
     gathered = gathered_parameter_bytes(params, trace.layer.params / tp, root, layout, engine)
+    gathered += autocast_weight_copy_bytes(trace, layout, engine, layers, last)  # 16-bit weights, like a gather
     resident = _resident_gradients(layout, engine, states.gradients, params)
     regrows = bool(recomputed) and layout.recompute != "none"
     tied_copies = tied_embedding_gradient_copies(trace, layout, engine)
@@ -540,12 +543,13 @@ def _elementwise_bytes(trace: ModelTrace, layout: Layout, engine: str, layers: i
         fwd, bwd = megatron2021.layer_elementwise_bytes(trace, layout)
         again = recomputed * fwd if layout.recompute == "full" else 0.0
         return layers * (fwd + bwd) + again, layers * (fwd + bwd)
-    kept = layer_activation_bytes(trace, layout, recompute="none")
+    kept = layer_activation_bytes(trace, layout, recompute="none", engine=engine)
     traffic = ELEMENTWISE_PASSES * layers * kept
     if layout.recompute == "full":  # the forward's writes happen twice
         traffic += ELEMENTWISE_PASSES / 4 * recomputed * kept
     elif layout.recompute == "selective":  # no GEMM runs again: the element-wise ops write what was not kept
-        traffic += ELEMENTWISE_PASSES / 4 * recomputed * max(kept - layer_activation_bytes(trace, layout), 0.0)
+        kept_selective = layer_activation_bytes(trace, layout, engine=engine)
+        traffic += ELEMENTWISE_PASSES / 4 * recomputed * max(kept - kept_selective, 0.0)
     return traffic, ELEMENTWISE_PASSES * layers * kept
 
 
@@ -680,8 +684,9 @@ def _activation_comm(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, 
         # every chunk of a device has an input and an output boundary, but for the model's very first
         # chunk (on the first device) and very last (on the last): 2 vpp - 1 there, 2 vpp in between
         boundaries = 2 * layout.vpp - (1 if first else 0) - (1 if last else 0)
-        send = collectives.send_recv_s(hidden_bytes / tp, hardware, placement.pp_spans_nodes)
-        gather = 0.0 if layout.sp else collectives.all_gather_s(hidden_bytes, tp, hardware, placement.tp_spans_nodes)
+        boundary = hidden_bytes / DTYPE_BYTES[layout.dtype] * residual_bytes(layout, engine)
+        send = collectives.send_recv_s(boundary / tp, hardware, placement.pp_spans_nodes)
+        gather = 0.0 if layout.sp else collectives.all_gather_s(boundary, tp, hardware, placement.tp_spans_nodes)
         pp_comm = boundaries * (send + gather)
     return tp_comm, pp_comm
 
@@ -721,12 +726,11 @@ def _gradient_comm(layout: Layout, engine: str, hardware: HardwareSpec, placemen
 def gradient_comm_bytes(layout: Layout, engine: str, trainable: float) -> float:
     """Bytes of the gradients one device reduces across data-parallel replicas per reduction:
     FSDP2 reduces in fp32 (its MixedPrecisionPolicy's reduce_dtype), whatever it computes in; DDP
-    and DeepSpeed reduce in the gradients' own dtype; LoRA's adapters are fp32."""
+    and DeepSpeed reduce in the gradients' own dtype (fp32 under autocast, 16-bit beside DeepSpeed's
+    master: `stored_dtype_bytes`); LoRA's adapters are fp32."""
     if layout.method != "full":
         return trainable * ADAPTER_BYTES
-    if fsdp_shards(layout, engine):
-        return trainable * stored_dtype_bytes(layout, engine)
-    return trainable * DTYPE_BYTES[layout.dtype]
+    return trainable * stored_dtype_bytes(layout, engine)
 
 
 def optimizer_shards(layout: Layout, engine: str) -> int:

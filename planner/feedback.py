@@ -20,6 +20,9 @@ run that measured only two similar layouts still fits against several.
 
 On CPU, a "device" of the profile is `threads_per_device` cores: observations at another thread
 count describe another device and are kept out of the fit (they are still recorded).
+
+`advisor run` also asks, before it trains, whether the refit can price the plan it chose at all:
+`refitted_hardware` is the same refit with nothing written, and `can_price` the rule (MAX_PRICE_MISS).
 """
 
 from __future__ import annotations
@@ -42,6 +45,13 @@ from profiler.model_trace import trace_model
 MAX_OBSERVATIONS = 48  # history kept in the profile: about a dozen runs of 3 trials and a run
 MAX_ROUNDS = 24
 FITTED = ("gemm", "memory_bandwidth")
+# A plan whose measured step and refitted prediction differ by more than this factor, either way,
+# cannot be priced on this machine. From a quick profile the cost model misses demo-tiny's steps by
+# 20% at worst (docs/benchmarks.md, bench.step_time_accuracy), and a trial of a few steps on a shared
+# machine adds tens of percent of noise; a miss of 3x after the refit is neither: the model lacks
+# something about this machine (a device or kernels the profile did not measure), so its ranking of
+# the plans and the run's time estimates mean nothing.
+MAX_PRICE_MISS = 3.0
 
 
 def now() -> dt.datetime:
@@ -76,6 +86,20 @@ def predict_step(obs: Observation, hardware: HardwareSpec) -> float:
 def relative_errors(observations: list[Observation], hardware: HardwareSpec) -> list[float]:
     """predicted / measured - 1 per observation."""
     return [predict_step(o, hardware) / o.step_s - 1 for o in observations]
+
+
+def price_miss(measured_s: float, predicted_s: float) -> float:
+    """How many times the prediction misses the measured step, either way (1: exact; inf when
+    either is not positive)."""
+    if measured_s <= 0 or predicted_s <= 0:
+        return math.inf
+    return max(measured_s / predicted_s, predicted_s / measured_s)
+
+
+def can_price(measured_s: float, predicted_s: float) -> bool:
+    """Whether the cost model prices a plan whose step measured `measured_s`: its prediction (after
+    the refit) is within MAX_PRICE_MISS of it, either way."""
+    return price_miss(measured_s, predicted_s) <= MAX_PRICE_MISS
 
 
 def rms(errors: list[float]) -> float:
@@ -161,13 +185,30 @@ def calibration_observations(profile: HardwareProfile) -> list[Observation]:
     return out
 
 
+def _history(profile: HardwareProfile, new: list[Observation]) -> tuple[Feedback, list[Observation]]:
+    """The profile's feedback record (seeded with its calibration steps) and the bounded history with `new`."""
+    feedback = profile.feedback or Feedback(observations=calibration_observations(profile))
+    return feedback, (feedback.observations + list(new))[-MAX_OBSERVATIONS:]
+
+
+def refitted_hardware(profile_path: Path | None, hardware: HardwareSpec, new: list[Observation]) -> HardwareSpec:
+    """The hardware with the factors `feed_back` would fit with `new` added, nothing written: over the
+    profile's comparable history, or with no profile (a preset) over `new` alone on `hardware`."""
+    used = list(new)
+    if profile_path is not None:
+        profile = load_profile(profile_path)
+        hardware, used = profile.hardware, [o for o in _history(profile, new)[1] if comparable(o, profile)]
+    if not used:
+        return hardware
+    return with_efficiency(hardware, refit_checked(used, hardware).factors_after)
+
+
 def feed_back(profile_path: Path, new: list[Observation], run_dir: str | None = None,
               say: Callable[[str], None] = print) -> FeedbackRound | None:
     """Add `new` to the profile's history, refit the factors over the comparable history, write
     the profile back atomically and say the error before and after. None when nothing fits."""
     profile = load_profile(profile_path)
-    feedback = profile.feedback or Feedback(observations=calibration_observations(profile))
-    history = (feedback.observations + list(new))[-MAX_OBSERVATIONS:]
+    feedback, history = _history(profile, new)
     used = [o for o in history if comparable(o, profile)]
     fresh = [o for o in new if comparable(o, profile)]
     skipped = len(new) - len(fresh)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from advisor.capabilities import LOSS_CHUNK_TOKENS, chunked_loss, engine_for
+from advisor.capabilities import LOSS_CHUNK_TOKENS, chunked_loss, engine_for, precision
+from advisor.capabilities import fsdp_shards as capability_fsdp_shards
 from advisor.specs import DTYPE_BYTES, Layout
-from profiler.model_trace import ModelTrace
+from profiler.model_trace import BlockTrace, ModelTrace
 
 # Bytes per parameter of a 4-bit NF4 weight with double quantisation (Dettmers et al. 2023,
 # QLoRA section 3): 4 bits + an 8-bit absmax per 64-weight block + an fp32 constant per 256 blocks.
@@ -56,43 +57,55 @@ MEGATRON = "megatron"
 
 
 def master_weights(layout: Layout, engine: str) -> bool:
-    """Whether the optimizer keeps a separate fp32 copy of the weights it updates.
-
-    DeepSpeed ZeRO keeps its own fp32 partition even when the model is fp32 (it clones the
-    partition into the optimizer; ZeRO paper, section 3.1: K = 12). The plain engine casts a bf16
-    model to bf16 and runs AdamW on those weights: no master copy. FSDP2 (the fsdp2 and pipeline
-    engines) keeps its sharded parameters in fp32 when it shards (dp > 1 with ZeRO >= 1) and
-    computes in bf16 through its MixedPrecisionPolicy: the fp32 shards are the weights the
-    optimizer updates, so there is no separate master either.
-    """
-    if engine == "deepspeed" and layout.zero == 3 and layout.dtype == "fp32":
-        return False  # stage 3 reuses an fp32 partition as its master (stage3.py, _create_fp32_partitions)
-    return engine in ("deepspeed", MEGATRON)
+    """Whether the optimizer keeps a separate fp32 copy of the weights it updates, as the engine runs
+    the layout's dtype (advisor.capabilities `precision`): DeepSpeed ZeRO does (its fp32 partitions;
+    ZeRO paper, section 3.1: K = 12), and so does Megatron-LM. The other engines keep the weights
+    they update in fp32 and compute in 16 bits through autocast or FSDP2's MixedPrecisionPolicy:
+    the fp32 weights are the master, there is no separate copy."""
+    if engine == MEGATRON:
+        return True
+    return precision(layout, engine).master
 
 
 def stored_dtype_bytes(layout: Layout, engine: str) -> int:
-    """Bytes per element of the weights an engine stores (and of their gradients and Adam moments,
-    unless the engine keeps those elsewhere): FSDP2 with ZeRO >= 1 across replicas keeps fp32
-    shards and casts to the layout's dtype per gathered unit; every other engine stores the
-    layout's dtype (DeepSpeed its 16-bit module weights, beside the fp32 master)."""
-    if engine in ("fsdp2", "pipeline") and layout.dp > 1 and layout.zero >= 1:
+    """Bytes per element of the trainable weights an engine stores, and of their gradients: fp32
+    wherever the weights are the optimizer's master (fp32 layouts, bf16-mixed through autocast or
+    FSDP2), the layout's 16-bit dtype where DeepSpeed keeps a 16-bit module beside its fp32 master
+    (advisor.capabilities `precision`)."""
+    if engine == MEGATRON:
+        return DTYPE_BYTES[layout.dtype]
+    return precision(layout, engine).weight_bytes
+
+
+def backward_gradient_bytes(layout: Layout, engine: str) -> int:
+    """Bytes per element of a trainable weight's gradient as backward produces it: under autocast the
+    16-bit GEMM gradient is cast to the fp32 parameter's dtype as it leaves the cast (the fp32 copy is
+    what autograd holds and accumulates); FSDP2 and DeepSpeed compute on 16-bit weights, whose
+    gradients are 16-bit until the engine reduces them."""
+    if engine != MEGATRON and precision(layout, engine).autocast:
+        return 4
+    return DTYPE_BYTES[layout.dtype]
+
+
+def residual_bytes(layout: Layout, engine: str) -> int:
+    """Bytes per element of the hidden states between decoder layers (a pipeline's boundary
+    activation): fp32 under autocast, where the fp32 embedding's output plus the 16-bit GEMM outputs
+    promote to fp32 along the residual stream; the layout's dtype elsewhere."""
+    if engine != MEGATRON and precision(layout, engine).autocast:
         return 4
     return DTYPE_BYTES[layout.dtype]
 
 
 def optimizer_bytes_per_param(layout: Layout, engine: str = "deepspeed") -> int:
-    """Adam's two moments, in the dtype of the weights it updates, plus the fp32 master copy where
-    the engine keeps one (`master_weights`): K = 12 for DeepSpeed, 8 for fp32 weights elsewhere,
-    4 for AdamW on the plain engine's bf16 weights (torch keeps the moments in the weights' dtype)."""
-    if master_weights(layout, engine):
-        return 12
-    return 2 * stored_dtype_bytes(layout, engine)
+    """Adam's two fp32 moments, plus the fp32 master copy where the engine keeps one
+    (`master_weights`): K = 12 for DeepSpeed, 8 elsewhere (the weights it updates are fp32)."""
+    return 12 if master_weights(layout, engine) else 8
 
 
 def fsdp_shards(layout: Layout, engine: str) -> bool:
     """FSDP2 shards weights, gradients and optimizer states across the data-parallel replicas
-    whatever the ZeRO stage (ZeRO 1/2 only change when it reshards)."""
-    return engine in ("fsdp2", "pipeline") and layout.dp > 1
+    whatever the ZeRO stage (ZeRO 1/2 only change when it reshards): advisor.capabilities."""
+    return capability_fsdp_shards(layout, engine)
 
 
 def model_state_bytes(
@@ -123,7 +136,7 @@ def model_state_bytes(
             weights = ((frozen - nf4) * QLORA_UNQUANTIZED_BYTES + nf4 * NF4_BYTES_PER_PARAM
                        + nf4_tensors * NF4_TENSOR_BYTES)
         else:
-            weights = frozen * w
+            weights = frozen * DTYPE_BYTES[layout.dtype]  # the frozen base stays in the layout's dtype
         weights += trainable * ADAPTER_BYTES
         grads = trainable * ADAPTER_BYTES
         optim = trainable * 8  # fp32 adapters need no separate master copy
@@ -196,7 +209,33 @@ def micro_batches_in_flight(stage: int, layout: Layout) -> float:
     return chunks / vpp
 
 
-def layer_activation_bytes(trace: ModelTrace, layout: Layout, recompute: str | None = None) -> float:
+def activation_blocks(trace: ModelTrace, layout: Layout, engine: str | None = None) -> tuple[BlockTrace, BlockTrace]:
+    """The traced decoder layer and head as `engine` computes `layout`: under autocast (fp32
+    residual stream and norm inputs, 16-bit GEMM outputs: advisor.capabilities `precision`) the
+    trace's autocast blocks, else its 16-bit (or fp32) module's."""
+    engine = engine or engine_for(layout)
+    if trace.autocast is not None and engine != MEGATRON and precision(layout, engine).autocast:
+        return trace.autocast.layer, trace.autocast.head
+    return trace.layer, trace.head
+
+
+def autocast_weight_copy_bytes(trace: ModelTrace, layout: Layout, engine: str, layers: int, last: bool) -> float:
+    """The 16-bit copies autocast makes of a device's weights (every GEMM's: the decoder layers'
+    projections, the LM head), as the trace measured them: alive from the weight's first use in
+    forward (autocast caches them) to its backward, so all of them at the start of backward. Counted
+    whatever the recomputation too: at the end of forward, the loss's buffers beside them, the cache
+    still holds every copy. The pipeline engine autocasts a whole step, so its micro-batches share
+    one copy of each weight."""
+    if trace.autocast is None or engine == MEGATRON or not precision(layout, engine).autocast:
+        return 0.0
+    copies = layers * trace.autocast.layer.cast_weight_bytes / layout.tp
+    if last:
+        copies += trace.autocast.head.cast_weight_bytes / vocab_shards(layout, engine)
+    return copies
+
+
+def layer_activation_bytes(trace: ModelTrace, layout: Layout, recompute: str | None = None,
+                           engine: str | None = None) -> float:
     """Bytes one decoder layer keeps for backward, per micro-batch, on one device.
 
     Replicated tensors (LayerNorm inputs, dropout masks after row-parallel linears) are divided by
@@ -206,7 +245,7 @@ def layer_activation_bytes(trace: ModelTrace, layout: Layout, recompute: str | N
     of the GEMMs and the attention kernel, as the trace measured them under the same op list.
     """
     recompute = recompute or layout.recompute
-    layer = trace.layer
+    layer, _ = activation_blocks(trace, layout, engine)
     tp = layout.tp
     seq_split = tp if layout.sp else 1
     if recompute == "full":
@@ -254,7 +293,7 @@ def head_activation_bytes(trace: ModelTrace, layout: Layout, engine: str | None 
     stage's output, the logits in the layout's dtype, until it runs that micro-batch's backward
     (measured: one more logits-sized buffer on the last stage)."""
     engine = engine or engine_for(layout)
-    head = trace.head
+    _, head = activation_blocks(trace, layout, engine)
     replicated = head.act_replicated_bytes / (layout.tp if layout.sp else 1)
     kept = (replicated + head.act_sharded_bytes / vocab_shards(layout, engine)) * layout.mbs
     if loss_runs_chunked(trace, layout, engine):
@@ -293,7 +332,8 @@ def head_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = 
     """One LM head weight gradient on this device (0 for a frozen head: LoRA, QLoRA)."""
     if layout.method != "full":
         return 0.0
-    return trace.vocab_size * trace.hidden_size * DTYPE_BYTES[layout.dtype] / vocab_shards(layout, engine)
+    engine = engine or engine_for(layout)
+    return trace.vocab_size * trace.hidden_size * backward_gradient_bytes(layout, engine) / vocab_shards(layout, engine)
 
 
 # A tied embedding's gradient arrives twice in one backward: the LM head's contribution waits in
@@ -324,7 +364,9 @@ def tied_embedding_gradient_copies(trace: ModelTrace, layout: Layout, engine: st
 
 def tied_embedding_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
     """Bytes of one copy of a tied embedding's gradient on this device."""
-    return trace.embedding.trainable_params * DTYPE_BYTES[layout.dtype] / vocab_shards(layout, engine)
+    engine = engine or engine_for(layout)
+    return (trace.embedding.trainable_params * backward_gradient_bytes(layout, engine)
+            / vocab_shards(layout, engine))
 
 
 def logits_fp32_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
@@ -343,5 +385,5 @@ def evaluation_peak_bytes(trace: ModelTrace, layout: Layout, batch: int, engine:
     if loss_runs_chunked(trace, layout, engine):
         tokens = min(tokens, LOSS_CHUNK_TOKENS)
     w = DTYPE_BYTES[layout.dtype]
-    layer = layer_activation_bytes(trace, layout, recompute="none") / layout.mbs * batch
+    layer = layer_activation_bytes(trace, layout, recompute="none", engine=engine) / layout.mbs * batch
     return per_token * tokens * (2 + (w / 4 if w != 4 else 0)) + layer

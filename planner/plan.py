@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from advisor.capabilities import config_shape, runnable_problem
+from advisor.capabilities import attention_implementation, config_shape, runnable_problem
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, PlannedLayout, StagePlan
 from advisor.profile import ClusterProfile
@@ -391,7 +391,8 @@ def make_plan(opts: PlanOptions) -> Plan:
                      else "its best layout happens to run here too"))
     plan = Plan(model=opts.model, hardware=hw, nodes=nodes, gpus_per_node=per_node, objective=opts.objective,  # type: ignore[arg-type]
                 min_compute_fraction=opts.min_compute_fraction, chosen=planned[0], alternatives=planned[1:],
-                task=opts.task, notes=notes, runnable_here=runnable_here)
+                task=opts.task, notes=notes, runnable_here=runnable_here,
+                attention=attention_implementation(hw.device_type))
     if opts.task:
         plan.stages = _plan_stages(opts, plan, hw, seq, batch, nodes)
     plan.solver = {"status": result.status, "seconds": time.perf_counter() - started, "shapes": result.shapes,

@@ -35,7 +35,8 @@ from typing import Any, Iterator, Literal
 from pydantic import BaseModel, Field
 
 from advisor.errors import UsageError
-from advisor.specs import DTYPE_BYTES, SELECTIVE_SAVED_OPS, ModelSpec
+from advisor.capabilities import precision
+from advisor.specs import DTYPE_BYTES, SELECTIVE_SAVED_OPS, Layout, ModelSpec
 from presets import cache_dir
 
 Attention = Literal["flash", "sdpa", "eager"]
@@ -65,6 +66,9 @@ class BlockTrace(BaseModel):
         0.0, description="outputs of SELECTIVE_SAVED_OPS outside TP regions (row-parallel GEMMs)")
     selective_sharded_bytes: float = Field(
         0.0, description="outputs of SELECTIVE_SAVED_OPS inside TP regions (column GEMMs, attention)")
+    cast_weight_bytes: float = Field(
+        0.0, description="16-bit copies of the fp32 weights that autocast casts (bf16-mixed), alive from their "
+                         "forward to their backward whatever the micro-batch size; not in the activations")
 
     @property
     def act_bytes(self) -> float:
@@ -72,6 +76,16 @@ class BlockTrace(BaseModel):
 
     def minus(self, other: "BlockTrace") -> "BlockTrace":
         return BlockTrace(**{k: getattr(self, k) - getattr(other, k) for k in BlockTrace.model_fields})
+
+
+class AutocastBlocks(BaseModel):
+    """A decoder layer and the head as bf16-mixed computes them on the engines that autocast (fp32
+    parameters, forward and loss under torch.autocast: advisor.capabilities `precision`): the residual
+    stream and the norms' inputs stay fp32, the GEMMs' outputs are 16-bit, and autocast keeps a 16-bit
+    copy of every weight it casts (`BlockTrace.cast_weight_bytes`)."""
+
+    layer: BlockTrace
+    head: BlockTrace
 
 
 class ModelTrace(BaseModel):
@@ -96,6 +110,9 @@ class ModelTrace(BaseModel):
     embedding: BlockTrace
     layer: BlockTrace
     head: BlockTrace
+    # the blocks as autocast runs them (16-bit full fine-tuning); `layer` and `head` are the 16-bit
+    # module's (DeepSpeed, FSDP2's gathered 16-bit weights), FLOPs and parameters alike in both
+    autocast: AutocastBlocks | None = None
     notes: list[str] = Field(default_factory=list)
 
     @property
@@ -200,6 +217,21 @@ def _one_unpacked_sequence() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
+def attention_model_flops(query_shape: Any, key_shape: Any, value_shape: Any) -> int:
+    """Model FLOPs of one attention forward from its shapes, (batch, heads, seq, head_dim) each:
+    the scores' and the output's matmuls, 2 b h_q s_q s_k (d_qk + d_v). Counted over the query
+    heads: with grouped-query attention (fewer key/value heads) every query head still multiplies
+    its own scores, the kernel only broadcasts the shared key/value heads. We count it ourselves
+    because torch's `sdpa_flop_count` asserted equal head counts up to torch 2.11, which stopped every
+    trace of a GQA model (Llama 3, Qwen2, Mistral) on the torch our floor admits."""
+    batch, query_heads, query_len, qk_dim = (int(d) for d in query_shape)
+    key_batch, kv_heads, key_len, key_dim = (int(d) for d in key_shape)
+    value_dim = int(value_shape[-1])
+    if key_batch != batch or key_dim != qk_dim or kv_heads < 1 or query_heads % kv_heads:
+        raise UsageError(f"attention shapes do not fit: query {tuple(query_shape)}, key {tuple(key_shape)}")
+    return 2 * batch * query_heads * query_len * key_len * (qk_dim + value_dim)
+
+
 def _count_cpu_attention_flops() -> None:
     """Teach `FlopCounterMode` the CPU fused attention kernel, which it does not count.
 
@@ -207,23 +239,23 @@ def _count_cpu_attention_flops() -> None:
     contract and SDPA on CPU (`_scaled_dot_product_flash_attention_for_cpu`) used to count zero
     attention FLOPs. We count model FLOPs as Narayanan et al. (2021) and the eager path do: the two
     s x s matmuls forward (full, not causal-halved) and twice that backward (the kernel's recomputed
-    scores are overhead, not model FLOPs; the fitted GEMM efficiency absorbs them).
+    scores are overhead, not model FLOPs; the fitted GEMM efficiency absorbs them). Set in the
+    registry directly, so that a torch release which registers its own formula for these kernels
+    cannot change what the trace counts.
     """
     import torch
-    from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_flop_count
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    if forward in flop_registry or forward.default in flop_registry:
-        return
+    def forward_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+        return attention_model_flops(query_shape, key_shape, value_shape)
 
-    @register_flop_formula(forward)
-    def _forward_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
-        return sdpa_flop_count(query_shape, key_shape, value_shape)
+    def backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+        return 2 * attention_model_flops(query_shape, key_shape, value_shape)
 
-    @register_flop_formula(backward)
-    def _backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs) -> int:
-        return 2 * sdpa_flop_count(query_shape, key_shape, value_shape)
+    kernels = ((torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, forward_flops),
+               (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward, backward_flops))
+    for packet, formula in kernels:
+        flop_registry[packet] = shape_wrapper(formula)  # the formulas read shapes, as torch's do
 
 
 def _register_flash() -> str:
@@ -325,6 +357,39 @@ def _selective_log(row: set[str], model: "torch.nn.Module") -> Any:
     return SelectiveLog()
 
 
+def _cast_log(log: _SavedTensorLog) -> Any:
+    """A dispatch mode that finds the 16-bit copies autocast makes of the parameters (one per weight
+    and forward: autocast caches them): it adds their storages to what `log` leaves out of the
+    activations, and their bytes up."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CastLog(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+                if StorageWeakRef(args[0].untyped_storage()) in log.param_storages:
+                    copy = StorageWeakRef(out.untyped_storage())
+                    if copy not in log.param_storages:
+                        log.param_storages.add(copy)
+                        self.bytes += out.untyped_storage().nbytes()
+            return out
+
+    return CastLog()
+
+
+def traced_under_autocast(dtype: str, method: str) -> bool:
+    """Whether a trace of `dtype` and `method` also traces the step as the engines that autocast run
+    it (advisor.capabilities `precision`): fp32 parameters, forward and loss under torch.autocast
+    (`AutocastBlocks`)."""
+    return dtype != "fp32" and precision(Layout(dtype=dtype, method=method), "plain").autocast  # type: ignore[arg-type]
+
+
 def _tp_names(cfg: dict[str, Any], hf_config: Any) -> tuple[set[str], set[str]]:
     plan = getattr(hf_config, "base_model_tp_plan", None) or {}
     column = set(_COLUMN_NAMES)
@@ -340,7 +405,7 @@ def _tp_names(cfg: dict[str, Any], hf_config: Any) -> tuple[set[str], set[str]]:
 
 def _trace_once(
     cfg: dict[str, Any], layers: int, seq: int, dtype: str, method: str, lora_rank: int,
-    attention: Attention, gpu_contracts: bool, packed: bool = False,
+    attention: Attention, gpu_contracts: bool, packed: bool = False, autocast: bool = False,
 ) -> tuple[BlockTrace, int, int]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -361,12 +426,15 @@ def _trace_once(
     _count_cpu_attention_flops()
     hf_config.use_cache = False
     torch_dtype = TORCH_DTYPES[dtype]
+    # bf16-mixed keeps fp32 parameters and computes under autocast, as the trainer runs it
+    compute = (torch.autocast("cpu", dtype=torch_dtype) if autocast  # type: ignore[attr-defined]
+               else contextlib.nullcontext())
     previous_default = torch.get_default_dtype()
     # Build on the meta device (no init work, no memory), add adapters there, then give the
     # parameters fake storage: building directly under FakeTensorMode is slower and breaks peft.
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.set_default_dtype(torch_dtype)
+        torch.set_default_dtype(torch.float32 if autocast else torch_dtype)
         try:
             model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_impl)
         finally:
@@ -392,9 +460,10 @@ def _trace_once(
         column, row = _tp_names(cfg, hf_config)
         handles = log.hooks_for(model, column, row)
         selective = _selective_log(row, model)
+        casts = _cast_log(log)
         ids = torch.zeros((1, seq), dtype=torch.long)
         with FlopCounterMode(display=False) as counter:
-            with torch.autograd.graph.saved_tensors_hooks(log.pack, lambda t: t), selective:
+            with torch.autograd.graph.saved_tensors_hooks(log.pack, lambda t: t), selective, casts, compute:
                 loss = model(input_ids=ids, labels=ids).loss
             fwd = counter.get_total_flops()
             if method in ("lora", "qlora") and trainable == 0:
@@ -407,6 +476,7 @@ def _trace_once(
         params=total, trainable_params=trainable, fwd_flops=float(fwd), bwd_flops=float(total_flops - fwd),
         act_replicated_bytes=log.replicated, act_sharded_bytes=log.sharded, act_scores_bytes=log.scores,
         selective_replicated_bytes=selective.replicated, selective_sharded_bytes=selective.sharded,
+        cast_weight_bytes=casts.bytes,
     )
     return block, total, trainable
 
@@ -448,10 +518,22 @@ def _trace_cached(
         notes.append("GPU kernels: FlashAttention saves no s x s matrix; dropout masks are 1 byte")
     if method == "qlora":
         notes.append("QLoRA traced as LoRA in bf16; the cost model stores frozen weights in 4-bit NF4")
+    autocast = None
+    if traced_under_autocast(dtype, method):
+        mixed_one, _, _ = _trace_once(cfg, 1, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
+                                      gpu_contracts, packed, autocast=True)
+        mixed_two, _, _ = _trace_once(cfg, 2, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
+                                      gpu_contracts, packed, autocast=True)
+        mixed_layer = mixed_two.minus(mixed_one)
+        mixed_head = mixed_one.minus(mixed_layer).minus(embedding)
+        # under autocast the residual stream (a layer's input, the final norm's) stays fp32
+        mixed_layer.input_bytes = mixed_head.input_bytes = seq * dims["hidden_size"] * 4
+        autocast = AutocastBlocks(layer=mixed_layer, head=mixed_head)
+        notes.append(f"{dtype}-mixed also traced: fp32 parameters, forward and loss under autocast")
     return ModelTrace(
         model=name, model_type=str(cfg.get("model_type")), seq=seq, dtype=dtype, method=method,
         lora_rank=lora_rank, attention=attention, params=params, trainable_params=trainable,
-        embedding=embedding, layer=layer, head=head, notes=notes, **dims,
+        embedding=embedding, layer=layer, head=head, autocast=autocast, notes=notes, **dims,
     )
 
 
@@ -499,7 +581,10 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "presets" / "traces"
 
 def _trace_key(versions: str, args: tuple) -> str:
     fmt = SDPA_TRACE_FORMAT if args[6] == "sdpa" else TRACE_FORMAT  # args[6]: the attention
-    return hashlib.sha256(json.dumps([fmt, versions, *args]).encode()).hexdigest()[:24]
+    # 16-bit full fine-tuning traces carry the blocks as autocast runs them since issue 28 (bf16 is
+    # bf16-mixed): keyed apart, so that a trace without them is never read again; the others keep their keys
+    mixed = ["mixed"] if traced_under_autocast(args[3], args[4]) else []  # args[3:5]: dtype, method
+    return hashlib.sha256(json.dumps([fmt, versions, *args, *mixed]).encode()).hexdigest()[:24]
 
 
 def _read_trace(path: Path) -> ModelTrace | None:

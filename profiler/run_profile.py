@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -40,7 +41,7 @@ from profiler.cluster_bench import bench_bisection, bench_node_pairs, pair_round
 from profiler.cluster_profile import cluster_notes, cluster_of, priced_at_slowest
 from profiler.inventory import cpu_cores, process_rss_gib, resolve_device, take_inventory, this_host
 from profiler.model_trace import architecture_dims
-from profiler.ranks import finish_rank, free_port, init_rank
+from profiler.ranks import finish_rank, free_port, init_device_and_group, init_rank, local_device
 from profiler.stragglers import DEFAULT_THRESHOLD
 
 
@@ -94,9 +95,12 @@ class Budget:
 
     @classmethod
     def of(cls, quick: bool, device_type: str) -> "Budget":
+        # a GPU's copy is 1 GiB even when quick: 64 MiB crosses its HBM in ~15 us, within the
+        # launch's own overhead; a CPU copies 64 MiB in ~10 ms
         if quick:
             sizes = [4 << 10, 256 << 10, 4 << 20, 32 << 20]
-            return cls(3.0, 0.6, 0.6, 1.0, 64 << 20, sizes, 3.0)
+            copy = (1 << 30) if device_type == "cuda" else (64 << 20)
+            return cls(3.0, 0.6, 0.6, 1.0, copy, sizes, 3.0)
         sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20, 128 << 20]
         copy = (1 << 30) if device_type == "cuda" else (256 << 20)
         return cls(12.0, 2.0, 2.0, 3.0, copy, sizes, 8.0)
@@ -117,6 +121,49 @@ def gemm_tokens(model: ModelSpec | None, quick: bool, device_type: str) -> int:
     return 256 if quick else 1024
 
 
+def attention_heads(dims: dict[str, int] | None, hidden: int) -> tuple[int, int]:
+    """Heads and head dim of the attention bench: the model's, else 128-wide heads over `hidden`.
+    Flash attention's kernels take head dims up to 256; the 512 of hidden // 8 on a GPU fell back to
+    an unfused path and read 3.8 GFLOP/s on an H200 (issue 28)."""
+    if dims:
+        return dims["num_heads"], dims["head_dim"]
+    return max(1, hidden // 128), 128
+
+
+def datasheet_tflops(device: Any) -> dict[str, float]:
+    """The datasheet's dense GEMM peaks of a known GPU (its preset's), above which no measured GEMM
+    runs: none for a CPU or an unknown GPU. fp32 only while TF32 is off (torch's default): TF32's
+    tensor cores run fp32 GEMMs far above the fp32 datasheet figure."""
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    name = torch.cuda.get_device_name(device).lower()
+    preset = next((p for key, p in _NETWORK_PRESETS if key in name), None)
+    if preset is None:
+        return {}
+    peaks = {dtype: tflops for dtype, tflops in load_hardware(preset).peak_tflops.items() if tflops > 0}
+    if torch.backends.cuda.matmul.allow_tf32:
+        peaks.pop("fp32", None)
+    return peaks
+
+
+def priced_tflops(gemm: dict[str, Any]) -> float:
+    """The rate a `bench_gemm` result prices: as measured, or, where it stayed above the datasheet's
+    peak (suspect), no more than that peak."""
+    if gemm.get("suspect") and gemm.get("datasheet_tflops"):
+        return min(gemm["tflops"], gemm["datasheet_tflops"])
+    return gemm["tflops"]
+
+
+def measured_gemm(shapes: list[hb.GemmShape], dtype: str, device: Any, budget_s: float, ceiling: float | None,
+                  shrink: bool = True) -> dict[str, Any]:
+    """`bench_gemm`, measured again where a shape ran above the datasheet's `ceiling`."""
+    result = hb.remeasured_once(partial(hb.bench_gemm, shapes, dtype, device, budget_s, shrink),
+                                partial(hb.impossible_gemm, datasheet_tflops=ceiling))
+    return {**result, "datasheet_tflops": ceiling} if ceiling else result
+
+
 # --------------------------------------------------------------------------------------------
 # one rank
 
@@ -128,9 +175,7 @@ def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, t
     import torch
 
     torch.set_num_threads(threads)
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if device_type == "cuda" else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = local_device(device_type)  # set up by the caller (`init_device_and_group`)
     budget = Budget.of(quick, device_type)
     out: dict[str, Any] = {"rss_gib": process_rss_gib()}
     if device.type == "cuda":
@@ -139,21 +184,27 @@ def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, t
     tokens = gemm_tokens(None, quick, device_type)
     # the decoder's GEMMs; the LM head's, whose rate changes with the vocabulary, are measured apart
     shapes = hb.model_gemm_shapes(dims, tokens, head=False) if dims else hb.square_gemm_shapes(device_type)
-    out["gemm"] = {}
+    # a GPU also measures its dense peak (8192^3) beside a model's shapes; not priced, a sanity anchor
+    peak_shapes = hb.square_gemm_shapes(device_type)[-1:] if dims and device.type != "cpu" else []
+    ceilings = datasheet_tflops(device)
+    out["gemm"], out["gemm_peak"] = {}, {}
     for dtype in gemm_dtypes(device_type):
         if hb.dtype_supported(dtype, device):
             budget_s = budget.gemm_s if dtype == "fp32" else budget.gemm_s / 2
-            out["gemm"][dtype] = hb.bench_gemm(shapes, dtype, device, budget_s)
+            out["gemm"][dtype] = measured_gemm(shapes, dtype, device, budget_s, ceilings.get(dtype))
+            if peak_shapes:
+                out["gemm_peak"][dtype] = measured_gemm(peak_shapes, dtype, device, budget_s / 4,
+                                                        ceilings.get(dtype), shrink=False)
         report(f"GEMM {dtype}")
     head_dtype = "fp32" if device_type == "cpu" else "bf16"
     if head_dtype in out["gemm"]:
         hidden = dims["hidden_size"] if dims else (1024 if device_type == "cpu" else 4096)
         out["head_gemm"] = hb.bench_head_gemms(hidden, tokens, hb.head_gemm_widths(device_type), head_dtype,
                                                device, budget.head_s, shapes)
-        heads = dims["num_heads"] if dims else 8
-        head_dim = dims["head_dim"] if dims else hidden // 8
-        out["attention"] = hb.bench_attention(heads, head_dim, hb.attention_seqs(device_type), max(tokens, 1024),
-                                              head_dtype, device, budget.head_s, shapes)
+        heads, head_dim = attention_heads(dims, hidden)
+        out["attention"] = hb.remeasured_once(
+            partial(hb.bench_attention, heads, head_dim, hb.attention_seqs(device_type), max(tokens, 1024),
+                    head_dtype, device, budget.head_s, shapes), hb.impossible_attention)
     report("LM head GEMMs and attention")
     out["memory"] = hb.bench_memory_bandwidth(device, budget.copy_bytes, budget.memory_s)
     if device.type == "cuda":
@@ -196,7 +247,7 @@ def rank_work(rank: int, setup: RankSetup, report: Callable[[str], None]) -> dic
     figures gathered on rank 0 (None elsewhere)."""
     raw = rank_benchmarks(rank, setup.world, setup.local_world, setup.device_type, setup.threads, setup.quick,
                           setup.dims, report, setup.timeout_s)
-    device = _rank_device(setup.device_type)
+    device = local_device(setup.device_type)
     if setup.nodes > 1:
         budget = Budget.of(setup.quick, setup.device_type)
         sizes = [budget.collective_sizes[0], budget.collective_sizes[-1]]
@@ -207,7 +258,7 @@ def rank_work(rank: int, setup: RankSetup, report: Callable[[str], None]) -> dic
         report("bisection (all-to-all)")
     local_rank = rank - setup.first_rank
     mine = {"rank": rank, "node": setup.node, "local_rank": local_rank,
-            "gemm": {dtype: g["tflops"] for dtype, g in raw["gemm"].items()}, "memory_gbs": raw["memory"]["gbs"],
+            "gemm": {dtype: priced_tflops(g) for dtype, g in raw["gemm"].items()}, "memory_gbs": raw["memory"]["gbs"],
             "node_pairs": raw.pop("node_pairs", []),
             "inventory": _node_inventory(setup, raw) if local_rank == 0 else None}
     ranks = [mine]
@@ -220,12 +271,6 @@ def rank_work(rank: int, setup: RankSetup, report: Callable[[str], None]) -> dic
         return None
     raw["ranks"] = ranks
     return raw
-
-
-def _rank_device(device_type: str) -> Any:
-    import torch
-
-    return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if device_type == "cuda" else "cpu")
 
 
 def _node_inventory(setup: RankSetup, raw: dict[str, Any]) -> dict[str, Any]:
@@ -242,7 +287,7 @@ def _forked_rank(local_rank: int, setup: RankSetup, queue: Any, out_dir: str) ->
     rank = setup.first_rank + local_rank
     init_rank(rank, setup.world, setup.port, distributed=setup.world > 1, threads=setup.threads,
               master_addr=setup.master_addr, local_rank=local_rank, local_world=setup.local_world,
-              backend="nccl" if setup.device_type == "cuda" else "gloo", timeout_s=setup.timeout_s)
+              device_type=setup.device_type, timeout_s=setup.timeout_s)
     report = (lambda what: queue.put(what)) if local_rank == 0 else (lambda what: None)
     result = rank_work(rank, setup, report)
     if result is not None:
@@ -319,10 +364,13 @@ def _collective_fit(raw: dict[str, Any], op: str, scope: str) -> dict[str, Any] 
 
 def measurements_of(raw: dict[str, Any]) -> list[Measurement]:
     out = []
-    for dtype, g in raw["gemm"].items():
-        repeats = sum(s["repeats"] for s in g["shapes"])
-        out.append(Measurement(name=f"gemm/{dtype}", value=g["tflops"], unit="TFLOP/s", repeats=repeats,
-                               stable=all(s["stable"] for s in g["shapes"]), shapes=g["shapes"]))
+    for kind in ("gemm", "gemm_peak"):
+        for dtype, g in raw.get(kind, {}).items():
+            repeats = sum(s["repeats"] for s in g["shapes"])
+            extra = {"datasheet_tflops": g["datasheet_tflops"]} if g.get("datasheet_tflops") else {}
+            out.append(Measurement(name=f"{kind}/{dtype}", value=g["tflops"], unit="TFLOP/s", repeats=repeats,
+                                   stable=all(s["stable"] for s in g["shapes"]), suspect=g.get("suspect"),
+                                   shapes=g["shapes"], **extra))
     m = raw["memory"]
     out.append(Measurement(name="memory_bandwidth", value=m["gbs"], unit="GB/s", median_s=m["median_s"],
                            repeats=m["repeats"], stable=m["stable"], bytes=m["bytes"]))
@@ -338,12 +386,13 @@ def measurements_of(raw: dict[str, Any]) -> list[Measurement]:
     attention = raw.get("attention")
     for seq, relative in zip(attention["seqs"], attention["relative"]) if attention else ():
         out.append(Measurement(name=f"attention/{attention['dtype']}/{seq}",
-                               value=relative * raw["gemm"][attention["dtype"]]["tflops"], unit="TFLOP/s",
-                               heads=attention["heads"], head_dim=attention["head_dim"]))
+                               value=relative * priced_tflops(raw["gemm"][attention["dtype"]]), unit="TFLOP/s",
+                               suspect=attention.get("suspect"), heads=attention["heads"],
+                               head_dim=attention["head_dim"]))
     head = raw.get("head_gemm")
     for width, relative in zip(head["widths"], head["relative"]) if head else ():
         out.append(Measurement(name=f"head_gemm/{head['dtype']}/{width}",
-                               value=relative * raw["gemm"][head["dtype"]]["tflops"], unit="TFLOP/s",
+                               value=relative * priced_tflops(raw["gemm"][head["dtype"]]), unit="TFLOP/s",
                                hidden=head["hidden"], tokens=head["tokens"]))
     for r in raw.get("collectives", []):
         key = f"{r['op']}/{r['ranks']}/{r['scope']}"
@@ -393,7 +442,7 @@ def hardware_from(raw: dict[str, Any], inventory: Inventory, name: str) -> Hardw
     fits gemm and memory_bandwidth to real steps. comm_overlap stays at 0 on CPU (gloo competes
     with compute for the same cores) and the preset's 0.5 on CUDA."""
     peaks = {d: 0.0 for d in ("bf16", "fp16", "fp32")}
-    peaks.update({d: g["tflops"] for d, g in raw["gemm"].items()})
+    peaks.update({d: priced_tflops(g) for d, g in raw["gemm"].items()})
     bandwidth = raw["memory"]["gbs"]
     intra = _collective_fit(raw, "all_reduce", "intra")
     inter = _collective_fit(raw, "all_reduce", "inter")
@@ -424,12 +473,24 @@ def hardware_from(raw: dict[str, Any], inventory: Inventory, name: str) -> Hardw
         head_gemm=SizeCurve(sizes=raw["head_gemm"]["widths"], relative=raw["head_gemm"]["relative"])
         if "head_gemm" in raw else None,
         attention=SizeCurve(sizes=raw["attention"]["seqs"], relative=raw["attention"]["relative"])
-        if "attention" in raw else None,
+        if "attention" in raw and not raw["attention"].get("suspect") else None,
         cpu_adam_by_tensor=SizeCurve(sizes=raw["adam_by_size"]["sizes"], relative=raw["adam_by_size"]["relative"])
         if "adam_by_size" in raw else None,
         efficiency=Efficiency(gemm=1.0, intra_node_collective=1.0, inter_node_collective=1.0,
                               memory_bandwidth=1.0, comm_overlap=0.5 if cuda else 0.0),
     )
+
+
+def suspect_notes(raw: dict[str, Any]) -> list[str]:
+    """What the inventory says of each suspect figure (hardware_bench.remeasured_once) and how the
+    hardware prices it instead."""
+    notes = [f"suspect gemm/{dtype}: {g['suspect']}; priced at no more than the datasheet"
+             for dtype, g in raw["gemm"].items() if g.get("suspect")]
+    notes += [f"suspect gemm_peak/{dtype}: {g['suspect']}" for dtype, g in raw.get("gemm_peak", {}).items()
+              if g.get("suspect")]
+    if raw.get("attention", {}).get("suspect"):
+        notes.append(f"suspect attention: {raw['attention']['suspect']}; attention priced at the GEMM rate")
+    return notes
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,6 +544,7 @@ def run_profile(opts: ProfileOptions, progress: Progress | None = None, step_run
                       master_addr="127.0.0.1", timeout_s=None, device_type=device_type, threads=threads,
                       quick=opts.quick, dims=dims)
     if device_type == "cuda":  # one GPU: no fork, benchmark in this process
+        init_device_and_group(device_type, distributed=False)
         raw = rank_work(0, setup, progress.step)
     else:
         if prepare_forks:
@@ -530,6 +592,7 @@ def _finish(opts: ProfileOptions, raw: dict[str, Any], device_type: str, nproc: 
     cluster = cluster_of(raw, opts.straggler_threshold)
     inventory.nodes = len(cluster.nodes)
     inventory.notes += cluster_notes(cluster)
+    inventory.notes += suspect_notes(raw)
     hardware = priced_at_slowest(hardware_from(raw, inventory, name=f"profile:{label}"), cluster)
     steps = None
     if step_runner is not None:
@@ -553,20 +616,13 @@ def _finish(opts: ProfileOptions, raw: dict[str, Any], device_type: str, nproc: 
 
 def _run_torchrun_rank(opts: ProfileOptions, device_type: str, dims: dict[str, int] | None, progress: Progress,
                        started: float) -> MeasuredProfile | None:
-    import datetime
-
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     threads = max(1, cpu_cores() // local_world)
-    if device_type == "cuda":
-        import torch
-
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     timeout_s = opts.cluster.timeout_s if opts.cluster else 600.0
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    init_device_and_group(device_type, timeout_s=timeout_s)
     node = rank // local_world
     setup = RankSetup(world=world, local_world=local_world, node=node, nodes=world // local_world,
                       first_rank=node * local_world, port=int(os.environ.get("MASTER_PORT", 0)),

@@ -93,15 +93,19 @@ def test_chunked_loss_peak_drops_as_priced(method: str, hidden: int, monkeypatch
 
 
 def test_the_declaration_chunks_where_the_engine_runs_it() -> None:
-    long = {"seq": 4096, "dtype": "bf16"}
+    # 8192 tokens: under bf16-mixed the plain and TP engines' head gradient is fp32 (autocast), and at
+    # 4096 tokens of a 4096-wide head its three copies (3 x 4096 x 4 bytes per vocabulary entry) equal
+    # HF's three fp32 logits (3 x 4096 x 4): no less held, HF's loss kept
+    long = {"seq": 8192, "dtype": "bf16"}
     assert chunked_loss(Layout(**long), "plain", "llama", 4096)
     assert chunked_loss(Layout(zero=3, dp=2, **long), "deepspeed", "qwen2", 4096)
     assert chunked_loss(Layout(tp=2, **long), "fsdp2", "llama", 4096)
     assert not chunked_loss(Layout(tp=2, sp=1, **long), "fsdp2", "llama", 4096)  # the head's input hook gathers shards
     assert not chunked_loss(Layout(pp=2, gas=2, **long), "pipeline", "llama", 4096)  # the schedule applies HF's loss
     assert not chunked_loss(Layout(**long), "plain", "gemma2", 4096)  # soft-capped logits: not HF's plain loss
-    # a short micro-batch of a wide trainable head: three head gradients (3 x 4096 x 2 bytes per vocabulary
-    # entry) would outweigh HF's three fp32 logits of 1024 tokens (3 x 1024 x 4); a frozen head has none
+    # a short micro-batch of a wide trainable head: three head gradients (3 x 4096 x 4 bytes per vocabulary
+    # entry, fp32 under autocast) would outweigh HF's three fp32 logits of 1024 tokens (3 x 1024 x 4); a
+    # frozen head has none
     assert not chunked_loss(Layout(seq=1024, dtype="bf16"), "plain", "llama", 4096)
     assert chunked_loss(Layout(seq=1024, dtype="bf16", method="lora"), "plain", "llama", 4096)
 

@@ -19,11 +19,16 @@ def test_the_gpu_check_runs_its_rows_through_the_trainers_timed_steps_on_cpu() -
     done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--cpu-smoke"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = sorted({line for line in done.stdout.splitlines() if line.startswith("| ") and " ms |" in line})
+    rows = sorted({line for line in done.stdout.splitlines()  # the layout table's rows: "| 1 | mbs=... |"
+                   if line.startswith("| ") and line[2:].split(" ")[0].isdigit() and " ms |" in line})
     assert len(rows) == len(gpu_check.SMOKE_LAYOUTS), done.stdout[-3000:]
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[2].endswith(" ms") and cells[3].endswith(" ms") and cells[4].endswith("%"), row
+    # plain torch's rates beside the profile's, and packed rows through the trainer's document kernel
+    assert any(line.startswith("| bf16 GEMM ") for line in done.stdout.splitlines()), done.stdout[-3000:]
+    packed = [line for line in done.stdout.splitlines() if line.startswith("| advisor_documents |")]
+    assert packed and float(packed[-1].strip("|").split("|")[-1]) < 1e-4, done.stdout[-3000:]
 
     # the GPU rows themselves: each a valid one-device layout the cost model prices for the 1B model
     from advisor.specs import ModelSpec, resolve_layout

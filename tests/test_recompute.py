@@ -143,3 +143,38 @@ def test_selective_recompute_matches_the_unsplit_model_on_every_engine(tmp_path,
     fields, choice = ENGINE_LAYOUTS[engine]
     losses = _train_forked(_plan(tmp_path, {**fields, "recompute": "selective"}, engine=choice), tmp_path / "run")
     assert losses == pytest.approx(unsplit_losses, abs=1e-5)
+
+
+@pytest.mark.parametrize("transformers_api", ["activation_checkpointing_enable", "gradient_checkpointing_enable"])
+def test_recompute_runs_on_both_transformers_names(transformers_api, monkeypatch) -> None:
+    # transformers 5.23 renamed gradient_checkpointing_enable; our floor (5.0) has only the old name.
+    from transformers import PreTrainedModel
+
+    from trainer.model import build_filled_model
+
+    # Each branch runs on whichever transformers is installed: the other name is simulated.
+    new_name = hasattr(PreTrainedModel, "activation_checkpointing_enable")
+    if transformers_api == "gradient_checkpointing_enable" and new_name:  # transformers < 5.23, our floor
+        renamed = PreTrainedModel.activation_checkpointing_enable
+        monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable")
+        monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable",
+                            lambda self, gradient_checkpointing_kwargs=None:
+                            renamed(self, activation_checkpointing_kwargs=gradient_checkpointing_kwargs))
+    elif transformers_api == "activation_checkpointing_enable" and not new_name:  # 5.23 and later
+        old = PreTrainedModel.gradient_checkpointing_enable
+        monkeypatch.setattr(PreTrainedModel, "activation_checkpointing_enable",
+                            lambda self, activation_checkpointing_kwargs=None:
+                            old(self, gradient_checkpointing_kwargs=activation_checkpointing_kwargs),
+                            raising=False)
+    spec = SPEC.model_copy(update={"hf_config": {**CONFIG, "num_hidden_layers": 2}})
+    layout = Layout(dtype="fp32", seq=64, recompute="full", recompute_layers=[1])
+    model = build_filled_model(spec, layout, seed=0).train()
+    layers = [m for m in model.modules() if m.__class__.__name__.endswith("DecoderLayer")]
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+    runs = []  # (layer, its activation function's calls); module hooks do not fire in a recompute
+    for index, layer in enumerate(layers):
+        act = layer.mlp.act_fn.forward
+        layer.mlp.act_fn.forward = lambda x, act=act, index=index: (runs.append(index), act(x))[1]
+    ids = _batch()[:2, :64]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert sorted(runs) == [0, 0, 1]  # backward re-ran the checkpointed layer, and only it

@@ -20,7 +20,7 @@ from planner.search import SearchSpace
 from presets import load_hardware, load_model
 from planner.feedback import (feed_back, observation, predict_step, refit, refit_checked,
                                relative_errors, rms, with_efficiency)
-from advisor.profile import HardwareProfile, HostFingerprint, Inventory, load_profile
+from advisor.profile import Feedback, HardwareProfile, HostFingerprint, Inventory, load_profile
 from trainer.verify import Trial, Verification, apply, choose, verify
 
 from test_trainer import make_plan_file  # the tiny model's plan file, shared with the trainer's tests
@@ -81,14 +81,16 @@ def test_adding_a_second_run_never_makes_the_combined_error_worse() -> None:
     assert max(map(abs, relative_errors(truth, fitted))) < 0.08
 
 
-def _profile(path, hardware) -> None:
+def _profile(path, hardware, history: list | None = None) -> None:
+    """A profile of a 2-core CPU (one thread per device) at `hardware`, holding `history` if given."""
     inventory = Inventory(device_type="cpu", backend="gloo", device_name="test cpu", devices_per_node=2,
                           device_memory_gib=8, device_reserved_gib=0.3, cpu_cores=2, threads_per_device=1,
                           host_memory_gib=16, host_memory_available_gib=12, intra_node_link="shared memory",
                           inter_node_link="none")
     fingerprint = HostFingerprint(hostname="test", cpu_model="test cpu", torch_version="x")
+    feedback = Feedback(observations=history) if history is not None else None
     HardwareProfile(created=dt.datetime.now(dt.timezone.utc), fingerprint=fingerprint, inventory=inventory,
-                    hardware=hardware).write(path)
+                    hardware=hardware, feedback=feedback).write(path)
 
 
 def test_two_runs_the_second_predicts_no_worse_and_the_profile_keeps_the_history(tmp_path, monkeypatch) -> None:

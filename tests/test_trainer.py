@@ -60,9 +60,9 @@ stages:
 
 
 def make_plan_file(root: Path, devices: int = 1, steps: int = 6, checkpoint_every: int | None = None,
-                   layout_fields: dict | None = None, repetitive: bool = False) -> Path:
+                   layout_fields: dict | None = None, repetitive: bool = False, config: dict = CONFIG) -> Path:
     task = load_task(str(write_task(root, steps, repetitive=repetitive)))
-    plan = make_plan(PlanOptions(model=ModelSpec(name="tiny", hf_config=CONFIG), hardware=load_hardware("cpu"),
+    plan = make_plan(PlanOptions(model=ModelSpec(name="tiny", hf_config=config), hardware=load_hardware("cpu"),
                                  gpus_per_node=devices, task=task, min_compute_fraction=0.0))
     if layout_fields:
         layout = plan.chosen.layout.model_copy(update=layout_fields)

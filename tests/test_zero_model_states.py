@@ -75,11 +75,12 @@ def test_qlora_stores_frozen_linear_weights_in_nf4() -> None:
 # per engine: what each of the trainer's engines keeps (advisor.capabilities.engine_for)
 
 
-def test_plain_engine_keeps_no_fp32_master_in_bf16() -> None:
-    # build_model casts the model to bf16 and AdamW steps those weights: moments in bf16, no master
+def test_plain_engine_keeps_fp32_weights_and_moments_in_bf16() -> None:
+    # bf16 is bf16-mixed (issue 28): fp32 weights (the master), fp32 gradients and AdamW moments,
+    # bf16 compute under autocast: the field's 16 bytes per parameter
     psi = 1e9
     states = model_state_bytes(psi, psi, Layout(dtype="bf16"), engine="plain")
-    assert (states.weights, states.gradients, states.optimizer) == (2 * psi, 2 * psi, 4 * psi)
+    assert (states.weights, states.gradients, states.optimizer) == (4 * psi, 4 * psi, 8 * psi)
     fp32 = model_state_bytes(psi, psi, Layout(dtype="fp32"), engine="plain")
     assert (fp32.weights, fp32.gradients, fp32.optimizer) == (4 * psi, 4 * psi, 8 * psi)
 

@@ -10,7 +10,6 @@ and names the plan's next layout (trainer/oom.py), the launcher starts the ranks
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
 import json
 import os
@@ -27,7 +26,7 @@ from advisor.errors import UsageError
 from advisor.plan_file import Plan, segment_of
 from advisor.specs import HardwareSpec
 from profiler.inventory import cpu_cores
-from profiler.ranks import free_port, slurm_topology
+from profiler.ranks import free_port, init_device_and_group, slurm_topology
 from trainer import checkpoint
 from trainer.loop import JsonLines, train
 from trainer.oom import pending_relaunch
@@ -169,12 +168,10 @@ def _cuda() -> bool:
 
 
 def _worker(plan: Plan, out: Path, resume: bool, options: TrainOptions, distributed: bool) -> dict:
+    # this rank's GPU (LOCAL_RANK) and group; a dead or stuck peer fails the collectives within the
+    # timeout instead of torch's 10-30 minutes
+    init_device_and_group(distributed=distributed, timeout_s=options.timeout_s)
     if distributed:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        # a dead or stuck peer fails the collectives within the timeout instead of torch's 10-30 minutes
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=options.timeout_s))
         options.show_progress = options.show_progress and dist.get_rank() == 0
     summary = train(plan, out, resume, options)  # on failure torchrun's agent stops the other ranks
     if distributed:

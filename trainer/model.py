@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from advisor.capabilities import DOCUMENT_ATTENTION, attention_implementation
 from advisor.specs import Layout, ModelSpec
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.adapters import apply_lora
+from trainer.attention import register_document_attention
 from trainer.engines.base import device
 from trainer.materialize import build_on_meta, materialize, pending_init
 from trainer.recompute import apply_recomputation
@@ -27,10 +29,16 @@ def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None 
     config = (AutoConfig.from_pretrained(weights, local_files_only=True) if weights
               else AutoConfig.for_model(**spec.hf_config))
     config.use_cache = False
-    model = build_on_meta(lambda: AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+    attention = attention_implementation(device().type)
+    if attention == DOCUMENT_ATTENTION:
+        register_document_attention()
+    model = build_on_meta(lambda: AutoModelForCausalLM.from_config(config, attn_implementation=attention,
                                                                    dtype=torch.float32), seed, weights)
-    if layout.dtype != "fp32" and layout.zero == 0:
-        model = model.to(TORCH_DTYPES[layout.dtype])  # DeepSpeed casts itself from its config
+    if layout.dtype != "fp32" and layout.zero == 0 and layout.method != "full":
+        # LoRA/QLoRA: the frozen base in 16 bits, peft's adapters in fp32 (advisor.capabilities
+        # `precision`: frozen16). Full fine-tuning keeps fp32 weights whatever the dtype: autocast or
+        # FSDP2's MixedPrecisionPolicy computes in 16 bits, DeepSpeed casts itself from its config.
+        model = model.to(TORCH_DTYPES[layout.dtype])
     if layout.recompute != "none":
         apply_recomputation(model, layout)
     if layout.method in ("lora", "qlora"):

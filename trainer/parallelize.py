@@ -3,7 +3,8 @@
 In torchtitan's order and spirit: one device mesh owns the degrees (``ParallelMesh``, built
 from ``advisor.specs.Layout``), then small ``apply_*`` functions each do one thing, applied in a
 fixed order by ``parallelize``: tensor parallelism (DTensor ``parallelize_module``), then
-sharded data parallelism (FSDP2 ``fully_shard``) or, without it, the cast to the compute dtype.
+sharded data parallelism (FSDP2 ``fully_shard``, gathering 16-bit weights from fp32 shards);
+without it the weights stay fp32 and the engine computes under autocast (``trainer.engines.base``).
 With ``sp``, sequence parallelism runs inside the tensor-parallel step (``apply_tensor_parallel``,
 ``apply_sequence_parallel_ends``). Activation checkpointing is applied when the model is built
 (``trainer.recompute``), since every engine, DeepSpeed's included, needs it. What these engines run is declared in
@@ -190,8 +191,8 @@ def apply_fsdp(module: torch.nn.Module, units: Iterable[torch.nn.Module], dp_mes
 
 
 def compute_dtype(module: torch.nn.Module, layout: Layout) -> torch.dtype | None:
-    """The dtype to compute in when the weights are still fp32 (ZeRO plans leave the cast to the
-    engine, as DeepSpeed does); None when they already are in the layout's dtype."""
+    """The dtype FSDP2 gathers the fp32 shards in (its MixedPrecisionPolicy's param_dtype, gradients
+    reduced in fp32: bf16-mixed); None when the weights already are in the layout's dtype."""
     wanted = TORCH_DTYPES[layout.dtype]
     current = next(module.parameters()).dtype
     return wanted if current != wanted else None
@@ -201,16 +202,15 @@ def parallelize(module: torch.nn.Module, mesh: ParallelMesh, layout: Layout, lay
                 fsdp_units: Callable[[], list[torch.nn.Module]], reshard_after_forward: bool) -> None:
     """The layout's degrees on `module` (a whole model or one pipeline stage), in torchtitan's
     order: tensor parallelism inside the decoder `layers()`, then FSDP2 over the data-parallel
-    sub-mesh with one shard group per unit of `fsdp_units()` (computing in the layout's dtype),
-    or, without data parallelism, a plain cast to that dtype. Both are asked for only when
-    needed: FSDP2 alone shards models that have no Llama-style layer container."""
+    sub-mesh with one shard group per unit of `fsdp_units()` (computing in the layout's dtype over
+    fp32 shards). Both are asked for only when needed: FSDP2 alone shards models that have no
+    Llama-style layer container."""
     if layout.tp > 1:
         apply_tensor_parallel(layers(), mesh.mesh["tp"], sequence_parallel=bool(layout.sp))
         if layout.sp:
             apply_sequence_parallel_ends(module, mesh.mesh["tp"])
-    dtype = compute_dtype(module, layout)
     if layout.dp > 1:
         apply_fsdp(module, fsdp_units(), mesh.mesh["dp"], reshard_after_forward=reshard_after_forward,
-                   param_dtype=dtype)
-    elif dtype is not None:
-        module.to(dtype)
+                   param_dtype=compute_dtype(module, layout))
+    # without FSDP2 the weights stay fp32 and the engine computes under autocast (advisor.capabilities
+    # `precision`): a cast of the module itself would leave AdamW bf16 weights and moments

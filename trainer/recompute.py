@@ -52,15 +52,25 @@ def apply_recomputation(model: torch.nn.Module, layout: Layout) -> None:
 
     transformers checkpoints every layer or none; the plan may recompute only some, so we flip the
     per-layer flag that its GradientCheckpointingLayer reads (the checkpoint function, and with it
-    the selective policy, is the same for every layer). `activation_checkpointing_enable` is
-    transformers 5's name for `gradient_checkpointing_enable`.
+    the selective policy, is the same for every layer).
     """
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs(layout.recompute))
+    enable_checkpointing(model, checkpoint_kwargs(layout.recompute))
     layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
               and m.__class__.__name__.endswith("DecoderLayer")]
     recomputed = recomputed_layer_indices(len(layers), layout)
     for index, layer in enumerate(layers):
         layer.gradient_checkpointing = index in recomputed
+
+
+def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """transformers' switch for checkpointing every decoder layer with `kwargs`: named
+    `activation_checkpointing_enable` from 5.23, `gradient_checkpointing_enable` before (our floor
+    is older; the old name still works in 5.23+, with a deprecation warning we avoid)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def recomputed_layer_indices(n_layers: int, layout: Layout) -> set[int]:

@@ -15,7 +15,6 @@ workers do (gloo on CPU, nccl on CUDA).
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import statistics
@@ -26,7 +25,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
-import torch.distributed as dist
 
 from advisor.capabilities import EngineChoice, check_runnable, config_shape
 from advisor.specs import Layout, ModelSpec
@@ -146,12 +144,9 @@ def _rank(rank: int, model: ModelSpec, layout: Layout, steps: int, port: int, ou
           engine: EngineChoice, meter_factory: Callable[[], Meter] | None) -> None:
     world = layout.devices
     distributed = world > 1 or select_backend(layout, engine) == "deepspeed"  # DeepSpeed needs a group of one
-    init_rank(rank, world, port, distributed=False, threads=threads)
-    if distributed:  # as `advisor train`'s workers join theirs (trainer/launch.py)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=TrainOptions().timeout_s))
+    # the device and group `advisor train`'s workers take (trainer/launch.py), with their timeout
+    init_rank(rank, world, port, distributed=distributed, threads=threads,
+              device_type="cuda" if torch.cuda.is_available() else "cpu", timeout_s=TrainOptions().timeout_s)
     meter = meter_factory() if meter_factory else None
     if meter is not None:
         meter.start()

@@ -1,4 +1,8 @@
-"""`advisor run`: profile, plan, verify, train, feed back and report in one command (advisor/cli/run_chain.py)."""
+"""`advisor run`: profile, plan, verify, train, feed back and report in one command (advisor/cli/run_chain.py).
+
+Exit 2, with one line and nothing trained, when the verification trials show that the cost model
+cannot price the chosen plan on this machine (planner/feedback.py MAX_PRICE_MISS); `--force` trains anyway.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
-from advisor.cli.common import console, exit_on_error
+from advisor.cli.common import console, err_console, exit_on_error
 from advisor.cli.progress import RunProgress
 from advisor.cli.quiet import log_path, quiet_console
 from advisor.cli.render import format_seconds, render_verification, stage_results_lines
@@ -25,6 +30,12 @@ def run_all(
                                      "(the first 2 warm up)"),
     feedback: bool = typer.Option(True, "--feedback/--no-feedback", help="refit the profile's efficiency "
                                   "factors to this run's measured steps"),
+    # the 3x is planner.feedback.MAX_PRICE_MISS (not imported here: it loads the fit's SciPy on every
+    # start of the CLI); tests/test_run_unpriceable.py holds the two together
+    force: bool = typer.Option(False, "--force", help="train even a plan the cost model cannot price here: by "
+                               "default, when the chosen plan's verification trial and its prediction after the "
+                               "refit to the trials differ by more than 3x either way, `run` says so in one line "
+                               "and stops with exit 2 before training"),
     out: Path = typer.Option(Path("runs/demo"), "--out", help="run directory"),
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (smoke runs)"),
     seed: int = typer.Option(0, "--seed"),
@@ -41,11 +52,16 @@ def run_all(
 
         options = RunOptions(model=model, task=task, hardware=hardware, out=out,
                              max_steps_per_stage=max_steps_per_stage, seed=seed, verify=verify,
-                             verify_steps=verify_steps, feedback=feedback)
+                             verify_steps=verify_steps, feedback=feedback, force=force)
         result = exit_on_error(lambda: _run(options, as_json))
         if as_json:  # stdout carries the JSON alone: everything else went to the log or to stderr
             print(json.dumps(result, default=str), file=terminal)
+            if result["refused"]:
+                raise typer.Exit(2)
             return
+    if result["refused"]:  # the cost model cannot price the plan here: one line, nothing trained
+        err_console.print(f"[red]error:[/red] {escape(result['refused'])}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
     summary = result["summary"] or {}
     for line in stage_results_lines(summary):
         console.print(f"[bold]advisor run[/bold]: {line}", highlight=False, soft_wrap=True)

@@ -7,6 +7,11 @@ of it younger than a week), plans `demo-tiny` on it, measures the top plans for 
 (trainer/verify.py) and trains the fastest measured, then feeds the measured steps back into the
 profile (profiler/feedback.py) and writes the run report.
 
+Before training it checks that the cost model can price the plan on this machine at all: the
+chosen plan's measured trial step against its prediction after the refit to the trials, within
+planner/feedback.py's MAX_PRICE_MISS either way (`can_price`). A plan it cannot price is not trained (`--force` trains
+it anyway): the run dir then holds `verify.json` and no more, and the profile is left as it was.
+
 Files it adds to the run dir: `verify.json` (predicted against measured per candidate) and
 `feedback.json` (the refit: factors and step-time error before and after); `events.jsonl` gets
 one `verify` event per candidate and one `feedback` event after training.
@@ -28,6 +33,7 @@ from advisor.cli.common import MIN_COMPUTE_FRACTION, stage_tokens
 from advisor.cli.compose import profile_this_machine
 from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
 from advisor.cli.progress import RunProgress, training_estimate_s
+from advisor.cli.render import format_seconds
 from advisor.capabilities import config_shape, runnable_problem
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
@@ -36,7 +42,8 @@ from advisor.task import TaskSpec
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from presets import cache_dir, load_hardware, load_model, load_task
-from planner.feedback import feed_back, observation
+from planner.feedback import (MAX_PRICE_MISS, can_price, feed_back, observation, predict_step, price_miss,
+                               refitted_hardware)
 from advisor.profile import FeedbackRound, fingerprint_mismatch, load_profile, looks_like_profile
 from profiler.inventory import this_host
 from profiler.ranks import free_port
@@ -85,6 +92,7 @@ class RunOptions:
     verify: int = DEFAULT_VERIFY
     verify_steps: int = DEFAULT_VERIFY_STEPS
     feedback: bool = True
+    force: bool = False  # train a plan the cost model cannot price (see `_pricing`)
 
 
 def _cached_profile_path() -> Path:
@@ -169,12 +177,21 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     candidates = [plan.chosen, *plan.alternatives][:max(1, opts.verify)]
     build_cpu_comm_op([p.layout for p in candidates], plan.engine, say)
     progress.expect(_estimate_s(plan, candidates if opts.verify else [], opts))
-    verification = None
+    verification = pricing = None
     if opts.verify > 0:
         with _timed(timings, "verify_s"):
             verification = verify(plan, opts.verify, out, steps=opts.verify_steps, say=say,
                                   watch=lambda trial, metrics: _trial_part(progress, trial, metrics))
-        plan = _take_verified(plan, verification, out, say, show_verification)
+            plan = _take_verified(plan, verification, out, show_verification)
+            pricing = _pricing(plan, verification, profile_path, out)
+        if pricing is not None and not pricing["priced"]:
+            if not opts.force:  # nothing more is written: no plan.yaml, no training, no feedback, no report
+                return {"run_dir": str(out), "plan": plan.chosen.layout.short(), "hardware_basis": basis,
+                        "verification": _verification_json(verification), "pricing": pricing,
+                        "refused": _unpriceable_line(pricing), "feedback": None, "summary": None, "report": None,
+                        "timings": timings, "seconds": time.perf_counter() - started}
+            say(f"--force: training although the plan cannot be priced here: {_miss_text(pricing)}")
+        say(f"verify: {verification.reason}; training {plan.chosen.layout.short()}")
     plan_path = out / "plan.yaml"
     plan.write(plan_path)
     with _timed(timings, "train_s"), progress.training(plan, opts.max_steps_per_stage, out / "metrics.jsonl"):
@@ -190,9 +207,43 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     _, document = run_report(out)
     report = document.write(out / "report", "run")[0]
     return {"run_dir": str(out), "plan": plan.chosen.layout.short(), "hardware_basis": basis,
-            "verification": _verification_json(verification), "feedback": round_.model_dump(mode="json")
-            if round_ else None, "summary": summary, "report": str(report) if report else None,
-            "timings": timings, "seconds": time.perf_counter() - started}
+            "verification": _verification_json(verification), "pricing": pricing, "refused": None,
+            "feedback": round_.model_dump(mode="json") if round_ else None, "summary": summary,
+            "report": str(report) if report else None, "timings": timings, "seconds": time.perf_counter() - started}
+
+
+def _pricing(plan: Plan, verification: Verification, profile_path: Path | None, out: Path) -> dict[str, Any] | None:
+    """The chosen plan's measured trial step against its prediction after the refit to this run's
+    trials (planner/feedback.py; nothing written: the profile is refitted after training), and whether
+    the cost model prices it (`can_price`). On a profile the refit is held by the profile's history; on a
+    preset it has the trials alone, so it refuses only misses that no factor within the fit's bounds
+    explains. None when the chosen plan's trial measured nothing."""
+    trial = next((t for t in verification.trials if t.rank == verification.chosen_rank), None)
+    if trial is None or not trial.measured_step_s:
+        return None
+    new = _observations(plan, verification, None, out, threads=0)
+    chosen = next((o for o in new if o.layout.short() == trial.layout), None)
+    if chosen is None:
+        return None
+    predicted = predict_step(chosen, refitted_hardware(profile_path, plan.hardware, new))
+    measured = trial.measured_step_s
+    return {"layout": trial.layout, "measured_step_s": measured, "predicted_step_s": predicted,
+            "predicted_before_refit_s": trial.predicted_step_s, "miss": price_miss(measured, predicted),
+            "max_miss": MAX_PRICE_MISS, "priced": can_price(measured, predicted)}
+
+
+def _miss_text(pricing: dict[str, Any]) -> str:
+    return (f"{pricing['layout']} measured {format_seconds(pricing['measured_step_s'])} a step, predicted "
+            f"{format_seconds(pricing['predicted_step_s'])} after the refit to the trials "
+            f"({format_seconds(pricing['predicted_before_refit_s'])} before it; {pricing['miss']:.3g}x off, "
+            f"over the {pricing['max_miss']:g}x limit)")
+
+
+def _unpriceable_line(pricing: dict[str, Any]) -> str:
+    """The one line `advisor run` stops with when the cost model cannot price its plan."""
+    return (f"cannot price the plan on this machine: {_miss_text(pricing)}; not training. Profile this machine "
+            "fully (`advisor profile`, without --quick) and rerun with --hardware profile.json, or rerun with "
+            "--force to train anyway")
 
 
 def _estimate_s(plan: Plan, trials: list, opts: RunOptions) -> float:
@@ -242,15 +293,13 @@ def _plan(model: ModelSpec, hardware: HardwareSpec, task: TaskSpec, opts: RunOpt
     return trainable_plan(plan, say)
 
 
-def _take_verified(plan: Plan, verification: Verification, out: Path, say: Callable[[str], None],
+def _take_verified(plan: Plan, verification: Verification, out: Path,
                    show_verification: Callable[[Any], None] | None) -> Plan:
     """Record and show the trials, and make the fastest measured the plan to train."""
     write_verification(out, verification)
     if show_verification:
         show_verification(verification)
-    plan = apply(plan, verification)
-    say(f"verify: {verification.reason}; training {plan.chosen.layout.short()}")
-    return plan
+    return apply(plan, verification)
 
 
 def _train(plan: Plan, plan_path: Path, opts: RunOptions) -> dict[str, Any] | None:

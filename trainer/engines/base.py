@@ -8,16 +8,19 @@ DeepSpeed ZeRO, the DTensor sharded engine (TP, FSDP2) or the pipeline.
 
 from __future__ import annotations
 
-import os
+import contextlib
+import functools
 from pathlib import Path
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
-from advisor.capabilities import EngineName, chunked_loss
+from advisor.capabilities import EngineName, chunked_loss, precision
 from advisor.specs import Layout
+from profiler.ranks import local_device
 from trainer.batch import MicroBatch, as_micro_batch
-from trainer.chunked_loss import install_chunked_loss
+from profiler.hardware_bench import TORCH_DTYPES
+from trainer.chunked_loss import causal_lm, install_chunked_loss
 from trainer.checkpoint import load_distributed, load_full_state, plain_state, save_distributed, universal_state
 
 
@@ -102,14 +105,13 @@ def fsdp_unsharded_gradients(module: torch.nn.Module) -> list[torch.Tensor | Non
 
 
 def device() -> torch.device:
-    """This rank's device: the GPU its launcher assigned (LOCAL_RANK), else the CPU.
+    """This rank's device: the GPU its launcher assigned (LOCAL_RANK), else the CPU; the one
+    `profiler.ranks.init_device_and_group` set up (`local_device`).
 
     LOCAL_RANK rather than ``torch.cuda.current_device()``: the current device is GPU 0 on every
     rank that has not called ``set_device``, while the launcher's assignment holds either way.
     """
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    return local_device()
 
 
 def use_declared_loss(model: torch.nn.Module, layout: Layout, engine: EngineName) -> None:
@@ -118,6 +120,32 @@ def use_declared_loss(model: torch.nn.Module, layout: Layout, engine: EngineName
     HF's loss over the whole logits."""
     if chunked_loss(layout, engine, model.config.model_type, int(model.config.hidden_size)):
         install_chunked_loss(model)
+
+
+def compute_context(layout: Layout, engine: EngineName) -> contextlib.AbstractContextManager[Any]:
+    """Where the declaration says `engine` autocasts `layout` (advisor.capabilities `precision`:
+    bf16-mixed without FSDP2 or DeepSpeed), ``torch.autocast`` in the layout's 16-bit dtype over the
+    fp32 weights; elsewhere nothing (fp32, or an engine that casts the weights itself)."""
+    if precision(layout, engine).autocast:
+        return torch.autocast(device().type, dtype=TORCH_DTYPES[layout.dtype])
+    return contextlib.nullcontext()
+
+
+def autocast_forward(model: torch.nn.Module, layout: Layout, engine: EngineName) -> None:
+    """Run `model`'s forward, and so the loss it computes from labels, under `compute_context`, as
+    accelerate wraps a model's forward: whatever calls it (DDP, evaluation, the timed steps) computes
+    as `advisor train` does, and backward runs outside autocast, as torch recommends."""
+    if not precision(layout, engine).autocast:
+        return
+    lm = causal_lm(model)
+    own_forward = lm.forward
+
+    @functools.wraps(own_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with compute_context(layout, engine):
+            return own_forward(*args, **kwargs)
+
+    lm.forward = forward
 
 
 def forward_backward(model: torch.nn.Module, batch: MicroBatch | torch.Tensor, gas: int) -> float:

@@ -10,16 +10,18 @@ parameter names do not depend on the split.
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from advisor.capabilities import precision
 from advisor.specs import Layout, chunk_layers
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.batch import MicroBatch, as_micro_batch, concat
-from trainer.engines.base import DTensorState, device
+from trainer.engines.base import DTensorState, compute_context, device
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
 from trainer.materialize import materialize, pending_init
 from trainer.parallelize import (ParallelMesh, check_parallel_layout, decoder_layers, parallelize,
@@ -61,8 +63,10 @@ class PipelineChunk(torch.nn.Module):
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         else:
-            mask = create_causal_mask(config=self._config[0], inputs_embeds=hidden, attention_mask=None, cache=None,
-                                      position_ids=position_ids)
+            # transformers renamed `past_key_values` to `cache` after 5.6, our floor
+            no_cache = {"cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values": None}
+            mask = create_causal_mask(config=self._config[0], inputs_embeds=hidden, attention_mask=None,
+                                      position_ids=position_ids, **no_cache)
         rotary = base.rotary_emb(hidden, position_ids)
         for layer in base.layers.values():
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
@@ -104,6 +108,12 @@ class PipelineForward(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, use_cache: bool | None = None) -> SimpleNamespace:
+        engine = self._engine[0]
+        with compute_context(engine.layout, "pipeline"):
+            return self._forward(input_ids, labels, position_ids)
+
+    def _forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
+                 position_ids: torch.Tensor | None) -> SimpleNamespace:
         engine = self._engine[0]
         group, index, pp = engine.pp_group, engine.stage_index, engine.layout.pp
         out = input_ids
@@ -196,7 +206,8 @@ class PipelineEngine(DTensorState):
                         reshard_after_forward=layout.zero == 3)
         for chunk in self.chunks:  # only this rank's chunks, and their local shards
             materialize(chunk, pending_init(model), device())
-        self.activation_dtype = TORCH_DTYPES[layout.dtype]
+        # the hidden states between stages: fp32 under autocast (the residual stream stays fp32)
+        self.activation_dtype = torch.float32 if precision(layout, "pipeline").autocast else TORCH_DTYPES[layout.dtype]
         self.module = model  # pruned to this rank's chunks: the parameters under their HF names
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, weight_decay)
@@ -236,7 +247,10 @@ class PipelineEngine(DTensorState):
         kwargs = {"position_ids": whole.position_ids} if whole.position_ids is not None else {}
         self._num_items = whole.num_items
         try:
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+            # bf16 without FSDP2: the whole step under one autocast, so that its micro-batches share one
+            # 16-bit copy of each weight (autocast's cache) instead of one per micro-batch in flight
+            with compute_context(self.layout, "pipeline"):
+                self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         finally:
             self._num_items = None  # evaluation (PipelineForward) takes each micro-batch's mean
         mean = torch.stack(losses).mean().detach().float() if self.is_last else torch.zeros((), device=device())

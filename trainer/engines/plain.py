@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from advisor.specs import Layout
 from trainer.batch import MicroBatch
 from trainer.checkpoint import load_distributed, saved_ranks, universal_state
-from trainer.engines.base import device, forward_backward, state_bytes, use_declared_loss
+from trainer.engines.base import autocast_forward, device, forward_backward, state_bytes, use_declared_loss
 from trainer.engines.optimizer import adamw, clip_replicated_grad_norm, optimizer_step
 from trainer.materialize import materialize, pending_init
 
@@ -23,14 +23,16 @@ DDP_SETTINGS: dict[str, Any] = {"bucket_cap_mb": 25, "gradient_as_bucket_view": 
 
 
 class PlainEngine:
-    """AdamW, optional clipping, and under DDP no_sync while accumulating (one all-reduce per
-    optimizer step). Replicas are identical, so rank 0 alone saves ``engine.pt``."""
+    """AdamW over fp32 weights (bf16 computes under autocast), optional clipping, and under DDP
+    no_sync while accumulating (one all-reduce per optimizer step). Replicas are identical, so
+    rank 0 alone saves ``engine.pt``."""
 
     def __init__(self, model: torch.nn.Module, layout: Layout, clip: float, weight_decay: float = 0.0):
         self.layout = layout
         self.clip = clip
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         use_declared_loss(model, layout, "plain")
+        autocast_forward(model, layout, "plain")  # bf16-mixed: fp32 weights and AdamW, bf16 compute
         materialize(model, pending_init(model), device())  # whole: every replica holds every weight
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, weight_decay, fused=True)

@@ -6,7 +6,7 @@ import torch
 
 from advisor.specs import Layout
 from trainer.batch import MicroBatch
-from trainer.engines.base import DTensorState, device, forward_backward, use_declared_loss
+from trainer.engines.base import DTensorState, autocast_forward, device, forward_backward, use_declared_loss
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step
 from trainer.materialize import materialize, pending_init
 from trainer.parallelize import (ParallelMesh, check_parallel_layout, decoder_layers, parallelize,
@@ -31,6 +31,7 @@ class ShardedEngine(DTensorState):
         parallelize(model, self.mesh, layout, layers=lambda: decoder_layers(model),
                     fsdp_units=lambda: shard_units(model), reshard_after_forward=layout.zero == 3)
         materialize(model, pending_init(model), device())  # only the local shards
+        autocast_forward(model, layout, "fsdp2")  # bf16 without FSDP2 (tp only): fp32 weights under autocast
         self.sharded = layout.dp > 1
         self.model = self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
