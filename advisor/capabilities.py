@@ -139,6 +139,15 @@ def precision(layout: Layout, engine: str) -> Precision:
     return Precision("autocast", 4, master=False)
 
 
+def autocast_kept_dtype(layout: Layout, engine: str) -> str:
+    """The dtype of what bf16-mixed keeps in fp32 where a 16-bit module holds the layout's dtype:
+    under autocast the residual stream (the fp32 embedding's output plus 16-bit GEMM outputs
+    promote to fp32; a pipeline's boundary activations) and a weight's gradient as backward makes it
+    (cast back to its fp32 parameter); the layout's dtype elsewhere (FSDP2 and DeepSpeed compute on
+    16-bit weights)."""
+    return "fp32" if precision(layout, engine).autocast else layout.dtype
+
+
 # The trainer's tensor-parallel plan (trainer/parallelize.py) of a Llama-style decoder layer:
 # Megatron's split (Shoeybi et al. 2019, section 3), the first linear of each block split by output
 # columns, the second by input rows. Unlike Megatron, which fuses q/k/v and gate/up into one GEMM
@@ -183,8 +192,8 @@ def chunked_loss_holds_less(layout: Layout, hidden_size: int, engine: str = "pla
     tokens = layout.mbs * layout.seq
     if tokens <= LOSS_CHUNK_TOKENS:
         return True  # one chunk: the same buffers
-    # the head's gradient as backward makes it: fp32 under autocast (cast back to the fp32 weight)
-    gradient_bytes = 4 if precision(layout, engine).autocast else DTYPE_BYTES[layout.dtype]
+    # the head's gradient as backward makes it (fp32 under autocast)
+    gradient_bytes = DTYPE_BYTES[autocast_kept_dtype(layout, engine)]
     head_gradient = hidden_size * gradient_bytes if layout.method == "full" else 0
     return max(3 * 4 * LOSS_CHUNK_TOKENS + head_gradient, 3 * head_gradient) < 3 * 4 * tokens
 

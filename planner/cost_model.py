@@ -34,6 +34,7 @@ from planner.memory import (
     MEGATRON,
     ZERO_REDUCE_BUCKET_ELEMS,
     ModelStates,
+    autocast_kept_bytes,
     autocast_weight_copy_bytes,
     fsdp_shards,
     gathered_parameter_bytes,
@@ -48,7 +49,6 @@ from planner.memory import (
     tied_embedding_gradient_bytes,
     tied_embedding_gradient_copies,
     model_state_bytes,
-    residual_bytes,
     stored_dtype_bytes,
 )
 from profiler.hardware_bench import GemmShape, linear_gemms
@@ -684,7 +684,7 @@ def _activation_comm(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, 
         # every chunk of a device has an input and an output boundary, but for the model's very first
         # chunk (on the first device) and very last (on the last): 2 vpp - 1 there, 2 vpp in between
         boundaries = 2 * layout.vpp - (1 if first else 0) - (1 if last else 0)
-        boundary = hidden_bytes / DTYPE_BYTES[layout.dtype] * residual_bytes(layout, engine)
+        boundary = hidden_bytes / DTYPE_BYTES[layout.dtype] * autocast_kept_bytes(layout, engine)
         send = collectives.send_recv_s(boundary / tp, hardware, placement.pp_spans_nodes)
         gather = 0.0 if layout.sp else collectives.all_gather_s(boundary, tp, hardware, placement.tp_spans_nodes)
         pp_comm = boundaries * (send + gather)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from advisor.capabilities import LOSS_CHUNK_TOKENS, chunked_loss, engine_for, precision
-from advisor.capabilities import fsdp_shards as capability_fsdp_shards
+from advisor.capabilities import LOSS_CHUNK_TOKENS, autocast_kept_dtype, chunked_loss, engine_for, precision
+from advisor.capabilities import fsdp_shards  # declared beside `precision`; the cost model reads it here
 from advisor.specs import DTYPE_BYTES, Layout
 from profiler.model_trace import BlockTrace, ModelTrace
 
@@ -77,35 +77,23 @@ def stored_dtype_bytes(layout: Layout, engine: str) -> int:
     return precision(layout, engine).weight_bytes
 
 
-def backward_gradient_bytes(layout: Layout, engine: str) -> int:
-    """Bytes per element of a trainable weight's gradient as backward produces it: under autocast the
-    16-bit GEMM gradient is cast to the fp32 parameter's dtype as it leaves the cast (the fp32 copy is
-    what autograd holds and accumulates); FSDP2 and DeepSpeed compute on 16-bit weights, whose
-    gradients are 16-bit until the engine reduces them."""
-    if engine != MEGATRON and precision(layout, engine).autocast:
-        return 4
-    return DTYPE_BYTES[layout.dtype]
+def autocasts(layout: Layout, engine: str) -> bool:
+    """Whether `engine` runs `layout` under autocast (advisor.capabilities `precision`); Megatron-LM,
+    priced for published runs, casts its module instead."""
+    return engine != MEGATRON and precision(layout, engine).autocast
 
 
-def residual_bytes(layout: Layout, engine: str) -> int:
-    """Bytes per element of the hidden states between decoder layers (a pipeline's boundary
-    activation): fp32 under autocast, where the fp32 embedding's output plus the 16-bit GEMM outputs
-    promote to fp32 along the residual stream; the layout's dtype elsewhere."""
-    if engine != MEGATRON and precision(layout, engine).autocast:
-        return 4
-    return DTYPE_BYTES[layout.dtype]
+def autocast_kept_bytes(layout: Layout, engine: str) -> int:
+    """Bytes per element of what autocast keeps in fp32 (advisor.capabilities `autocast_kept_dtype`):
+    the hidden states between decoder layers (a pipeline's boundary activation) and a trainable
+    weight's gradient as backward produces it; the layout's dtype where nothing autocasts."""
+    return DTYPE_BYTES[layout.dtype if engine == MEGATRON else autocast_kept_dtype(layout, engine)]
 
 
 def optimizer_bytes_per_param(layout: Layout, engine: str = "deepspeed") -> int:
     """Adam's two fp32 moments, plus the fp32 master copy where the engine keeps one
     (`master_weights`): K = 12 for DeepSpeed, 8 elsewhere (the weights it updates are fp32)."""
     return 12 if master_weights(layout, engine) else 8
-
-
-def fsdp_shards(layout: Layout, engine: str) -> bool:
-    """FSDP2 shards weights, gradients and optimizer states across the data-parallel replicas
-    whatever the ZeRO stage (ZeRO 1/2 only change when it reshards): advisor.capabilities."""
-    return capability_fsdp_shards(layout, engine)
 
 
 def model_state_bytes(
@@ -214,7 +202,7 @@ def activation_blocks(trace: ModelTrace, layout: Layout, engine: str | None = No
     residual stream and norm inputs, 16-bit GEMM outputs: advisor.capabilities `precision`) the
     trace's autocast blocks, else its 16-bit (or fp32) module's."""
     engine = engine or engine_for(layout)
-    if trace.autocast is not None and engine != MEGATRON and precision(layout, engine).autocast:
+    if trace.autocast is not None and autocasts(layout, engine):
         return trace.autocast.layer, trace.autocast.head
     return trace.layer, trace.head
 
@@ -226,7 +214,7 @@ def autocast_weight_copy_bytes(trace: ModelTrace, layout: Layout, engine: str, l
     whatever the recomputation too: at the end of forward, the loss's buffers beside them, the cache
     still holds every copy. The pipeline engine autocasts a whole step, so its micro-batches share
     one copy of each weight."""
-    if trace.autocast is None or engine == MEGATRON or not precision(layout, engine).autocast:
+    if trace.autocast is None or not autocasts(layout, engine):
         return 0.0
     copies = layers * trace.autocast.layer.cast_weight_bytes / layout.tp
     if last:
@@ -333,7 +321,7 @@ def head_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = 
     if layout.method != "full":
         return 0.0
     engine = engine or engine_for(layout)
-    return trace.vocab_size * trace.hidden_size * backward_gradient_bytes(layout, engine) / vocab_shards(layout, engine)
+    return trace.vocab_size * trace.hidden_size * autocast_kept_bytes(layout, engine) / vocab_shards(layout, engine)
 
 
 # A tied embedding's gradient arrives twice in one backward: the LM head's contribution waits in
@@ -365,7 +353,7 @@ def tied_embedding_gradient_copies(trace: ModelTrace, layout: Layout, engine: st
 def tied_embedding_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
     """Bytes of one copy of a tied embedding's gradient on this device."""
     engine = engine or engine_for(layout)
-    return (trace.embedding.trainable_params * backward_gradient_bytes(layout, engine)
+    return (trace.embedding.trainable_params * autocast_kept_bytes(layout, engine)
             / vocab_shards(layout, engine))
 
 

@@ -34,6 +34,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from profiler.model_trace import attention_model_flops
+
 # nccl-tests' bus-bandwidth definitions: bytes through each device's link per byte of buffer,
 # and latency steps of the ring, for a group of n ranks.
 RING_FACTORS: dict[str, Callable[[int], tuple[float, float]]] = {
@@ -475,8 +477,9 @@ def attention_seqs(device_type: str) -> list[int]:
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
     """Model FLOPs of one causal attention's forward and backward as the trace counts them
     (profiler.model_trace: the two s x s matmuls, full rather than causal-halved, and twice that
-    backward)."""
-    return 3 * 4.0 * batch * heads * seq * seq * head_dim
+    backward), from `attention_model_flops`, the trace's own count."""
+    shape = (batch, heads, seq, head_dim)
+    return 3.0 * attention_model_flops(shape, shape, shape)
 
 
 def bench_attention(heads: int, head_dim: int, seqs: list[int], tokens: int, dtype: str, device: torch.device,

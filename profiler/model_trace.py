@@ -486,6 +486,21 @@ def default_attention(device_type: str) -> Attention:
     return "flash" if device_type == "cuda" else "sdpa"
 
 
+def _layer_and_rest(cfg: dict[str, Any], seq: int, dtype: str, method: str, lora_rank: int, attention: str,
+                    gpu_contracts: bool, packed: bool, autocast: bool = False) -> tuple[BlockTrace, BlockTrace]:
+    """One decoder layer (a two-layer trace less a one-layer one) and the rest of the one-layer
+    model (embedding and head). The layer's `input_bytes` are its input hidden states, what a
+    full-recompute checkpoint keeps per layer: fp32 under autocast, where the residual stream stays
+    fp32, else the traced dtype."""
+    one, _, _ = _trace_once(cfg, 1, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
+                            gpu_contracts, packed, autocast=autocast)
+    two, _, _ = _trace_once(cfg, 2, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
+                            gpu_contracts, packed, autocast=autocast)
+    layer = two.minus(one)
+    layer.input_bytes = seq * architecture_dims(cfg)["hidden_size"] * (4 if autocast else DTYPE_BYTES[dtype])
+    return layer, one.minus(layer)
+
+
 @lru_cache(maxsize=256)
 def _trace_cached(
     name: str, cfg_key: str, seq: int, dtype: str, method: str, lora_rank: int, attention: str,
@@ -493,15 +508,8 @@ def _trace_cached(
 ) -> ModelTrace:
     cfg = json.loads(cfg_key)
     dims = architecture_dims(cfg)
-    one, _, _ = _trace_once(cfg, 1, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
-                            gpu_contracts, packed)
-    two, _, _ = _trace_once(cfg, 2, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
-                            gpu_contracts, packed)
-    layer = two.minus(one)
-    outer = one.minus(layer)
-    act_bytes = DTYPE_BYTES[dtype]
-    # The layer's input hidden states: what a full-recompute checkpoint keeps per layer.
-    layer.input_bytes = seq * dims["hidden_size"] * act_bytes
+    traced = (cfg, seq, dtype, method, lora_rank, attention, gpu_contracts, packed)
+    layer, outer = _layer_and_rest(*traced)
     # Split the outer part: the embedding keeps only token ids; everything else is the head
     # (final norm, lm_head, fp32 logits for the loss).
     embed_params = dims["vocab_size"] * dims["hidden_size"]
@@ -509,7 +517,7 @@ def _trace_cached(
     embedding = BlockTrace(params=embed_params, trainable_params=embed_params if method == "full" else 0)
     # Tied embeddings are counted once by parameters(), so the head keeps only its norm then.
     head = outer.minus(embedding)
-    head.input_bytes = seq * dims["hidden_size"] * act_bytes
+    head.input_bytes = layer.input_bytes  # the final norm's input: the residual stream
     layers = dims["num_layers"]
     params = layers * layer.params + outer.params
     trainable = layers * layer.trainable_params + outer.trainable_params
@@ -520,14 +528,9 @@ def _trace_cached(
         notes.append("QLoRA traced as LoRA in bf16; the cost model stores frozen weights in 4-bit NF4")
     autocast = None
     if traced_under_autocast(dtype, method):
-        mixed_one, _, _ = _trace_once(cfg, 1, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
-                                      gpu_contracts, packed, autocast=True)
-        mixed_two, _, _ = _trace_once(cfg, 2, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
-                                      gpu_contracts, packed, autocast=True)
-        mixed_layer = mixed_two.minus(mixed_one)
-        mixed_head = mixed_one.minus(mixed_layer).minus(embedding)
-        # under autocast the residual stream (a layer's input, the final norm's) stays fp32
-        mixed_layer.input_bytes = mixed_head.input_bytes = seq * dims["hidden_size"] * 4
+        mixed_layer, mixed_outer = _layer_and_rest(*traced, autocast=True)
+        mixed_head = mixed_outer.minus(embedding)
+        mixed_head.input_bytes = mixed_layer.input_bytes
         autocast = AutocastBlocks(layer=mixed_layer, head=mixed_head)
         notes.append(f"{dtype}-mixed also traced: fp32 parameters, forward and loss under autocast")
     return ModelTrace(

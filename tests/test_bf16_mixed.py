@@ -241,7 +241,7 @@ def _whole_change(out: Path, case: str, dtype: str) -> dict[str, torch.Tensor]:
     replicas and full tensors the same)."""
     whole: dict[str, torch.Tensor] = {}
     for rank in range(2):
-        whole.update(torch.load(out / f"{case}-{dtype}-rank{rank}.pt"))
+        whole.update(torch.load(out / f"{case}-{dtype}-rank{rank}.pt", weights_only=True))
     return whole
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from advisor.capabilities import precision
+from advisor.capabilities import autocast_kept_dtype
 from advisor.specs import Layout, chunk_layers
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.batch import MicroBatch, as_micro_batch, concat
@@ -207,7 +207,7 @@ class PipelineEngine(DTensorState):
         for chunk in self.chunks:  # only this rank's chunks, and their local shards
             materialize(chunk, pending_init(model), device())
         # the hidden states between stages: fp32 under autocast (the residual stream stays fp32)
-        self.activation_dtype = torch.float32 if precision(layout, "pipeline").autocast else TORCH_DTYPES[layout.dtype]
+        self.activation_dtype = TORCH_DTYPES[autocast_kept_dtype(layout, "pipeline")]
         self.module = model  # pruned to this rank's chunks: the parameters under their HF names
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, weight_decay)
