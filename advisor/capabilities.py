@@ -77,6 +77,44 @@ ENGINES: dict[EngineName, EngineCapability] = {
 }
 
 
+# The engine whose behaviour a price is for (`--engine` of estimate, plan and report capacity):
+# ours, what `advisor train` runs (the engine `engine_for` picks per layout), or one that produced
+# published runs, priced here and never run: Megatron-LM as Narayanan et al. 2021 ran it
+# (planner/megatron2021.py: its fused kernels counted one by one, 4 tensor-parallel all-reduces per
+# layer, fp16/bf16 module with an fp32 master in its optimizer, vocab-parallel embedding and head,
+# gradients reduced overlapped with backward).
+MEGATRON = "megatron"
+PRICED_ENGINES: dict[str, str] = {
+    "ours": "our engines, as advisor train runs the layout (plain/DDP, DeepSpeed, FSDP2, pipeline)",
+    "megatron": "Megatron-LM (fused kernels, 4 TP all-reduces per layer, fp32 master in the optimizer), priced only",
+}
+
+
+def cost_engine(priced: str, choice: str = "auto") -> str:
+    """What the cost model is asked to price for `--engine priced`: our engine choice, or a
+    published engine's name. One line and exit 2 for an unknown one."""
+    if priced not in PRICED_ENGINES:
+        raise UsageError(f"--engine {priced!r}: choose {', '.join(PRICED_ENGINES)}")
+    return choice if priced == "ours" else priced
+
+
+# The plain engine as it trained until issue 28: the module cast to 16 bits, Adam on the 16-bit
+# weights with no fp32 master, TF32 off. No longer run (a 16-bit dtype is mixed precision now);
+# priced only for the GPU evidence measured with it (docs/evidence/h200, tests/test_h200_evidence.py).
+PURE16_PLAIN = "plain-pure16"
+
+
+def runs_as(engine: str) -> EngineName:
+    """The engine whose capabilities `engine` has: itself, or the one a priced-only variant was."""
+    return "plain" if engine == PURE16_PLAIN else engine  # type: ignore[return-value]
+
+
+def tf32_gemms(engine: str) -> bool:
+    """Whether fp32 GEMMs on a GPU run on TF32 tensor cores: our engines' workers allow it on
+    Ampere and later (profiler.ranks `allow_tf32`); the pre-issue-28 trainer did not."""
+    return engine != PURE16_PLAIN
+
+
 PrecisionMode = Literal["fp32", "autocast", "fsdp", "deepspeed", "frozen16", "cast16"]
 
 
@@ -132,7 +170,7 @@ def precision(layout: Layout, engine: str) -> Precision:
         return Precision("fp32", 4, master=False)
     if layout.method != "full":
         return Precision("frozen16", 4, master=False)
-    if layout.dtype != "bf16":
+    if layout.dtype != "bf16" or engine == PURE16_PLAIN:
         return Precision("cast16", DTYPE_BYTES[layout.dtype], master=False)
     if fsdp_shards(layout, engine):
         return Precision("fsdp", 4, master=False)
@@ -177,8 +215,11 @@ def chunked_loss(layout: Layout, engine: EngineName, model_type: str, hidden_siz
     The pipeline engine's schedule takes the last stage's logits as its output and applies the loss
     outside the stage, so it keeps HF's loss. Sequence parallelism hands the LM head a
     sequence-sharded DTensor that its input hook gathers: chunking it would split that hook's input,
-    so sp keeps HF's loss too. Elsewhere it runs where it holds less (`chunked_loss_holds_less`)."""
-    runs = ENGINES[engine].chunked_loss and not layout.sp and model_type in CHUNKED_LOSS_MODEL_TYPES
+    so sp keeps HF's loss too. `loss=hf` asks for HF's loss (a user's own script runs it). Elsewhere
+    it runs where it holds less (`chunked_loss_holds_less`)."""
+    if layout.loss == "hf":
+        return False
+    runs = ENGINES[runs_as(engine)].chunked_loss and not layout.sp and model_type in CHUNKED_LOSS_MODEL_TYPES
     return runs and chunked_loss_holds_less(layout, hidden_size, engine)
 
 

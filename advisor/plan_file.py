@@ -73,6 +73,9 @@ class Plan(BaseModel):
     runnable_here: bool = Field(
         True, description="false: planned with --any-engine over every engine the cost model prices "
                           "(Megatron/NeMo layouts); `advisor train` refuses it")
+    priced_engine: str = Field(
+        "ours", description="whose behaviour the plan's figures price (advisor.capabilities PRICED_ENGINES): ours, "
+                            "or a published engine (megatron), planned for that engine and not runnable here")
 
     def stage_layouts(self) -> list[tuple[str | None, Layout]]:
         """What `advisor train` runs: each stage's name and layout, or (None, the chosen layout) for a

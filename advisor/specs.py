@@ -33,6 +33,10 @@ SELECTIVE_POLICY = (
     "selective = op-level activation checkpointing: keep matmul and attention outputs, recompute element-wise ops")
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Method = Literal["full", "lora", "qlora"]
+# The loss a run computes: "chunked" is what `advisor train` runs (trainer/chunked_loss.py wherever
+# advisor.capabilities `chunked_loss` allows it, HF's loss elsewhere); "hf" is transformers' own
+# `ForCausalLMLoss` over the whole logits, what a user's HF Trainer or accelerate script runs.
+LossKind = Literal["chunked", "hf"]
 
 # Every file a user writes or edits: unknown keys and non-finite numbers (`.nan`, `inf`, which pass
 # every `gt`/`le` bound) are refused; READ_CONFIG for parts that tolerate keys of newer writers.
@@ -127,6 +131,10 @@ class Efficiency(BaseModel):
     micro_batch_overhead_s: float = Field(
         0.0, ge=0, description="fixed time per micro-batch per stage (kernel launches, Python) that FLOPs miss"
     )
+    host_op_s: float = Field(
+        0.0, ge=0, le=0.01, description="host time per kernel an eager step launches (Python, autograd, dispatch, "
+        "launch): a GPU idles after each kernel shorter than it (planner/host_floor.py); 0: no floor (a CPU, "
+        "whose host is its device)")
     gemm_tokens_slope: float = Field(
         0.0, ge=-0.5, le=2, description="relative change of GEMM time per doubling of the tokens a micro-batch "
         "feeds each GEMM, from 256 on (a CPU's working set leaves its caches: > 0; fitted by calibration "
@@ -331,6 +339,9 @@ class Layout(BaseModel):
         None, description="decoder layers per pipeline stage (default: even, remainder on later stages)")
     recompute_layers: list[int] | None = Field(
         None, description="per stage, how many of its layers use `recompute` (default: all of them)")
+    loss: LossKind = Field(
+        "chunked", description="chunked: the trainer's chunked cross-entropy where it runs (HF's loss elsewhere); "
+        "hf: transformers' loss over the whole logits, as a user's own HF Trainer or accelerate script runs it")
 
     @property
     def devices(self) -> int:
@@ -386,11 +397,15 @@ class Layout(BaseModel):
             parts.append(f"offload={self.offload}")
         if self.method != "full":
             parts.append(f"method={self.method}")
+            if self.lora_rank != Layout.model_fields["lora_rank"].default:
+                parts.append(f"lora_rank={self.lora_rank}")
         parts += [f"dtype={self.dtype}", f"seq={self.seq}"]
         if self.stage_layers:
             parts.append("stage_layers=" + "/".join(map(str, self.stage_layers)))
         if self.recompute_layers:
             parts.append("recompute_layers=" + "/".join(map(str, self.recompute_layers)))
+        if self.loss != "chunked":
+            parts.append(f"loss={self.loss}")
         return ",".join(parts)
 
 
@@ -413,6 +428,8 @@ LAYOUT_KEYS_HELP: dict[str, str] = {
     "seq": "tokens per sequence (also --seq-len)",
     "stage_layers": "decoder layers per pipeline stage, '/'-separated, e.g. 19/20/21/20 (default: even)",
     "recompute_layers": "per stage, how many layers use `recompute`, e.g. 4/3/1/0 (default: all)",
+    "loss": ("chunked (default: what advisor train runs, the chunked cross-entropy where it can) | hf "
+             "(transformers' loss over the whole logits, as your own HF Trainer or accelerate script runs it)"),
 }
 
 
@@ -613,3 +630,6 @@ class Estimate(BaseModel):
     devices: int
     nodes: int
     notes: list[str] = Field(default_factory=list)
+    engine: str | None = Field(
+        None, description="the engine whose behaviour was priced: one of ours (plain, deepspeed, fsdp2, "
+                          "pipeline) or a published one (megatron); advisor.capabilities PRICED_ENGINES")

@@ -15,7 +15,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import planner.memory
 from advisor.specs import Layout, ModelSpec
 from planner.cost_model import stage_memory
 from presets import load_hardware
@@ -53,13 +52,9 @@ def measured(layout: Layout, config: dict, memory: TensorMemory, chunked: bool) 
 
 def predicted(layout: Layout, config: dict, chunked: bool) -> float:
     trace = trace_model(ModelSpec(name="loss", hf_config=config), layout.seq, layout.dtype, device_type="cpu")
-    runs_chunked = planner.memory.loss_runs_chunked
-    if not chunked:  # price HF's loss, as the pipeline engine and sequence parallelism run it
-        planner.memory.loss_runs_chunked = lambda *args, **kwargs: False  # type: ignore[assignment]
-    try:
-        stage = stage_memory(trace, layout, load_hardware("cpu"), 0, 1, 0, engine="plain")
-    finally:
-        planner.memory.loss_runs_chunked = runs_chunked
+    # HF's loss (`loss=hf`), as the pipeline engine, sequence parallelism and a user's own script run it
+    priced = layout if chunked else layout.model_copy(update={"loss": "hf"})
+    stage = stage_memory(trace, priced, load_hardware("cpu"), 0, 1, 0, engine="plain")
     return stage.activations + stage.transient
 
 

@@ -126,6 +126,39 @@ def reference_rates(hardware, device_type: str) -> list[str]:
             f"{profiled_gbs / copy_gbs:.2f} |"]
 
 
+def adapter_gemms(device_type: str, tokens: int = 8192, rank: int = 16) -> list[str]:
+    """LoRA's four adapter GEMMs of one TinyLlama projection (2048 in, 5632 out) over `tokens` tokens,
+    timed warm in fp32 (TF32 off and on) and bf16, beside the time their bytes take at the copy rate:
+    the H200 evidence's LoRA step took ~90 ms more than its priced traffic and launches, and the
+    weight-gradient GEMMs (a 2048 x 16 output over 8,192 tokens) are the suspect (issue 29)."""
+    import torch
+
+    if device_type != "cuda":
+        tokens = 256
+    shapes = {"A forward (T x in) @ (in x r)": ((tokens, 2048), (2048, rank)),
+              "B forward (T x r) @ (r x out)": ((tokens, rank), (rank, 5632)),
+              "A weight grad (r x T) @ (T x in)": ((rank, tokens), (tokens, 2048)),
+              "B weight grad (out x T) @ (T x r)": ((5632, tokens), (tokens, rank))}
+    src = torch.empty(2**28 // 4, device=device_type)
+    dst = torch.empty_like(src)
+    copy_rate = 2 * 2**28 / _warm_min_s(lambda: dst.copy_(src), device_type)
+    lines = ["| adapter GEMM | dtype | time | at the copy rate | ratio |", "|---|---|---|---|---|"]
+    for name, (a_shape, b_shape) in shapes.items():
+        for dtype, tf32 in ((torch.float32, False), (torch.float32, True), (torch.bfloat16, False)):
+            if device_type == "cuda":
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+            a = torch.randn(a_shape, device=device_type, dtype=dtype)
+            b = torch.randn(b_shape, device=device_type, dtype=dtype)
+            seconds = _warm_min_s(lambda: a @ b, device_type)
+            moved = (a.numel() + b.numel() + a_shape[0] * b_shape[1]) * a.element_size()
+            label = "tf32" if tf32 else str(dtype).removeprefix("torch.")
+            lines.append(f"| {name} | {label} | {seconds * 1e6:.0f} us | {moved / copy_rate * 1e6:.0f} us | "
+                         f"{seconds * copy_rate / moved:.1f} |")
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as the trainer's workers set it (profiler.ranks)
+    return lines
+
+
 def packed_rows(config: dict, seq: int, device_type: str) -> list[str]:
     """One forward and backward of `config` (fp32 weights, bf16 autocast on a GPU) over rows of 4
     packed documents, through the trainer's attention kernel and through SDPA under transformers'
@@ -264,6 +297,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         # computed here, after the rows' forked ranks: a CPU parent that ran OpenMP work hangs its forks
         lines += ["", *reference_rates(hardware, device_type)]
         rows += ["", *packed_rows(config, 128 if smoke else 4096, device_type)]
+        rows += ["", *adapter_gemms(device_type)]
         if not (smoke or args.no_run):
             rows += ["", *advisor_run(Path(tmp, "run"), device_type)]
     body = "\n".join(lines + [""] + rows) + (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from advisor.capabilities import COLUMN_PARALLEL, ENGINE_CHOICES, ROW_PARALLEL, engine_for
+from advisor.capabilities import COLUMN_PARALLEL, ENGINE_CHOICES, ROW_PARALLEL, engine_for, tf32_gemms
 from advisor.errors import UsageError
 from advisor.layout_rules import ModelShape, layout_problem, tp_crosses_nodes
 from advisor.specs import (
@@ -27,12 +27,13 @@ from advisor.specs import (
     TimeEstimate,
     layers_per_stage,
 )
-from planner import collectives, megatron2021
+from planner import collectives, host_floor, megatron2021
 from planner.memory import (
     ADAPTER_BYTES,
     HOST_MEMORY_USABLE,
     MEGATRON,
     ZERO_REDUCE_BUCKET_ELEMS,
+    activation_blocks,
     ModelStates,
     autocast_kept_bytes,
     autocast_weight_copy_bytes,
@@ -334,8 +335,13 @@ def stage_memory(
 
     # a gradient as the engine keeps it: fp32 where the weights are (autocast, FSDP2), 16-bit beside DeepSpeed's master
     grad_bytes = stored_dtype_bytes(layout, engine) if layout.method == "full" else ADAPTER_BYTES
-    deepspeed_buckets = engine == "deepspeed" and layout.dp > 1
-    buckets = zero_bucket_elems(trace, layout) * grad_bytes if deepspeed_buckets else 0.0
+    # DeepSpeed's gradient bucket (`setup_buckets`): across replicas; on a GPU, where our exported config
+    # sets `overlap_comm`, also ZeRO-2's at one replica (its gradient hooks partition whatever dp is), and
+    # ZeRO-1/2's doubled there, so that one bucket fills while the other is reduced or copied to the host
+    overlapped = hardware.device_type == "cuda"
+    deepspeed_buckets = engine == "deepspeed" and (layout.dp > 1 or (overlapped and layout.zero == 2))
+    doubled = overlapped and layout.zero < 3  # stage_1_and_2.py's double buffer; ZeRO-3 keeps one
+    buckets = zero_bucket_elems(trace, layout) * grad_bytes * (2 if doubled else 1) if deepspeed_buckets else 0.0
     root = params - layers * trace.layer.params / tp
     gathered = gathered_parameter_bytes(params, trace.layer.params / tp, root, layout, engine)
     gathered += autocast_weight_copy_bytes(trace, layout, engine, layers, last)  # 16-bit weights, like a gather
@@ -470,7 +476,9 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, hardware: HardwareSp
                          layers: int, recomputed: int, last: bool, vocab: int) -> tuple[float, float, float]:
     """(compute, useful compute, backward) seconds of one micro-batch on one stage; useful leaves
     out the recomputed forward (of layers, and of the head under the chunked loss). The head's FLOPs
-    split `vocab` ways (`vocab_shards`), the rest tp."""
+    split `vocab` ways (`vocab_shards`), the rest tp. On a GPU with a host floor, `_floored_compute`."""
+    if host_floor.has_floor(hardware, eager=engine != MEGATRON):
+        return _floored_compute(trace, layout, hardware, engine, rates, layers, recomputed, last, vocab)
     overhead_s = hardware.efficiency.micro_batch_overhead_s
     head_recompute_flops = loss_recompute_flops(trace, layout, engine)
     tp, mbs = layout.tp, layout.mbs
@@ -510,6 +518,60 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, hardware: HardwareSp
     if last:
         useful += slowdown * _head_gemm_extra_s(trace, layout, hardware, flop_rate, 0.0, vocab)
     return compute, useful, bwd_s
+
+
+def _dense_flops(trace: ModelTrace, layout: Layout, layers: int, recomputed: int, last: bool, vocab: int,
+                 head_recompute: float) -> tuple[float, float, float]:
+    """(all, fp32, adapter) GEMM and attention FLOPs of one sequence on one device of a stage, with
+    the forward of `recomputed` layers (full recomputation) and `head_recompute` (the chunked loss)
+    again: fp32 are those the trace saw computed in fp32 (`fp32_dense_flops`), adapter those of
+    LoRA's adapters (2 per adapter parameter and token forward, 4 backward)."""
+    layer, head = trace.layer, trace.head
+    again = recomputed if layout.recompute == "full" else 0
+    fwd_share = layer.fwd_flops / max(layer.fwd_flops + layer.bwd_flops, 1.0)
+    head_share = layout.tp / vocab if last else 0.0
+    passes = layers + again * fwd_share  # in units of a layer's forward and backward
+    flops = passes * (layer.fwd_flops + layer.bwd_flops) + (head.fwd_flops + head_recompute + head.bwd_flops) * head_share
+    fp32 = passes * layer.fp32_dense_flops + head.fp32_dense_flops * head_share
+    adapter = 2 * layer.trainable_params * trace.seq if layout.method in ("lora", "qlora") else 0.0
+    return flops, fp32, adapter * (3 * layers + again)
+
+
+def _floored_compute(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engine: str, rates: _Rates,
+                     layers: int, recomputed: int, last: bool, vocab: int) -> tuple[float, float, float]:
+    """`_micro_batch_compute` under the host floor (planner/host_floor.py): the dense kernels (GEMMs,
+    attention) priced by their FLOPs, fp32 ones at the fp32 rate (TF32 where the engine allows it)
+    and LoRA's skinny adapters by the bytes they move where that is slower; the memory-bound kernels
+    by the bytes the trace counted; each kind at least its kernels' launches."""
+    layer, head = activation_blocks(trace, layout, engine)
+    chunked = loss_runs_chunked(trace, layout, engine)
+    fp32_rate = hardware.efficiency.gemm * hardware.peak_flops(
+        "tf32" if tf32_gemms(engine) and hardware.supports("tf32") else "fp32")
+    per_seq = layout.mbs / layout.tp
+
+    def seconds(again: int, useful: bool) -> tuple[float, float]:
+        head_recompute = 0.0 if useful else loss_recompute_flops(trace, layout, engine)
+        flops, fp32, adapter = _dense_flops(trace, layout, layers, again, last, vocab, head_recompute)
+        adapter_fp32 = min(adapter, fp32)  # peft's adapters are fp32 beside a 16-bit base
+        dense = per_seq * ((flops - fp32 - (adapter - adapter_fp32)) / rates.flop + (fp32 - adapter_fp32) / fp32_rate)
+        skinny = per_seq * (layers + again) * layer.skinny_gemm_bytes / rates.byte
+        dense += max(per_seq * adapter_fp32 / fp32_rate, skinny) + per_seq * (adapter - adapter_fp32) / rates.adapter
+        dense += layout.mbs * _attention_extra_s(trace, layout, hardware, rates.flop, layers, again)
+        dense += _gemm_wave_extra_s(trace, layout, hardware, rates.flop, layers, again, last, vocab)
+        if last:
+            dense += _head_gemm_extra_s(trace, layout, hardware, rates.flop, head_recompute, vocab)
+        launches = host_floor.micro_batch_launches(layer, head, layout, layers, again, last, chunked, useful)
+        traffic = launches.traffic_bytes
+        if last and chunked and not useful:
+            every, kept = loss_elementwise_bytes(trace, layout, engine)
+            traffic += every - kept  # the chunks' recomputed forward
+        dense_s = host_floor.floored(rates.slowdown * dense, launches.dense_ops, hardware)
+        return dense_s + host_floor.floored(rates.slowdown * traffic / rates.byte, launches.small_ops, hardware), dense_s
+
+    compute, _ = seconds(recomputed, useful=False)
+    useful, _ = seconds(0, useful=True)
+    backward = layer.bwd_flops / max(layer.fwd_flops + layer.bwd_flops, 1.0) * useful
+    return compute, useful, backward
 
 
 def _head_gemm_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, rate: float,
@@ -796,6 +858,18 @@ def _optimizer_time(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, r
     return optimizer, offload
 
 
+def offload_exposed_s(layout: Layout, hardware: HardwareSpec, offload: float, updated_bytes: float,
+                      backward_s: float) -> float:
+    """The offload copies a step waits for. On a GPU, DeepSpeed copies each gradient bucket to the host
+    as backward produces it (`overlap_comm`, set in our exported config there): the gradients' way down
+    hides behind the last micro-batch's backward, as far as it lasts; the updated weights' way up follows
+    the host's Adam step and is waited for. A CPU's copies are its own work: all of them count."""
+    if hardware.device_type != "cuda" or layout.offload == "none":
+        return offload
+    down = updated_bytes / (hardware.host_to_device_gbs * 1e9)
+    return offload - down + max(0.0, down - backward_s)
+
+
 def stage_time(
     trace: ModelTrace, layout: Layout, hardware: HardwareSpec, placement: Placement, stage: int, layers: int,
     recomputed: int, engine: str = "auto",
@@ -819,6 +893,7 @@ def stage_time(
     dp_comm, window = _gradient_comm(layout, engine, hardware, placement, grad_bytes, params * w, bwd_s, compute)
     dp_comm *= rates.time_shared
     optimizer, offload = _optimizer_time(trace, layout, hardware, rates, params, trainable, engine, layers, stage)
+    offload = offload_exposed_s(layout, hardware, offload, trainable / optimizer_shards(layout, engine) * w, bwd_s)
     return StageTime(
         compute_mb=compute, useful_compute_mb=useful, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,
         dp_comm=dp_comm, dp_hidden_max=window, optimizer=optimizer, offload=offload,
@@ -919,7 +994,7 @@ def estimate_from_trace(trace: ModelTrace, layout: Layout, hardware: HardwareSpe
         # communication: it must not buy compliance with the rule.
         compute_fraction=min(gas * t.useful_compute_mb for t in times) / step,
         layout=layout, hardware=hardware.name, devices=layout.devices, nodes=placement.nodes,
-        notes=notes,
+        notes=notes, engine=engine,
     )
 
 

@@ -1,6 +1,10 @@
 """Launcher files for a plan: a DeepSpeed config and an accelerate config where those tools run the
 chosen layout as the trainer does, the torchrun command and a Slurm batch script. The bucket sizes
-are the ones the cost model assumed (`zero_bucket_elems`)."""
+are the ones the cost model assumed (`zero_bucket_elems`).
+
+deepspeed.json and accelerate.yaml are for the user's own training script (an HF Trainer, an
+accelerate loop), which computes transformers' loss over the whole logits rather than the trainer's
+chunked loss: the peak memory their comments carry is priced with `loss=hf` (`user_script_memory`)."""
 
 from __future__ import annotations
 
@@ -13,8 +17,9 @@ import yaml
 
 from advisor.capabilities import engine_for
 from advisor.plan_file import Plan
-from advisor.specs import Layout, ModelSpec, safe_name
-from planner.cost_model import zero_bucket_elems
+from advisor.specs import GiB, Layout, MemoryEstimate, ModelSpec, safe_name
+from planner.cost_model import engine_of, estimate_from_trace, zero_bucket_elems
+from planner.memory import logits_fp32_bytes
 from profiler.model_trace import trace_model
 
 MASTER_PORT = 29511  # not DeepSpeed's and accelerate's default 29500, which collide on shared hosts
@@ -88,6 +93,34 @@ def accelerate_config(plan: Plan, layout: Layout) -> dict | None:
             "fsdp_offload_params": False, "fsdp_activation_checkpointing": layout.recompute != "none",
             "fsdp_cpu_ram_efficient_loading": True}
     return config
+
+
+def user_script_memory(plan: Plan, layout: Layout) -> tuple[MemoryEstimate, float]:
+    """The per-device memory of `layout` as a user's own script runs it with the exported files:
+    transformers' `ForCausalLMLoss` over the whole logits (`loss=hf`), everything else priced as the
+    plan prices it (the plan's engine, rows as the planner prices them); and the bytes of one fp32
+    logits buffer on a device, which a script that holds the model's whole output through backward
+    keeps as well (measured: exactly one more buffer; HF Trainer keeps only the loss)."""
+    hf = layout.model_copy(update={"loss": "hf"})
+    trace = trace_model(plan.model, hf.seq, hf.dtype, hf.method, hf.lora_rank,  # type: ignore[arg-type]
+                        device_type=plan.hardware.device_type, packed=True)
+    memory = estimate_from_trace(trace, hf, plan.hardware, plan.engine).memory
+    return memory, logits_fp32_bytes(trace, hf, engine_of(hf, plan.engine))
+
+
+def memory_comment(plan: Plan, layout: Layout) -> list[str]:
+    """What deepspeed.json and accelerate.yaml say about memory: the peak of the user's own script
+    (`user_script_memory`), beside the plan's (the trainer's chunked loss)."""
+    memory, logits = user_script_memory(plan, layout)
+    verdict = "fits" if memory.fits else "does NOT fit: lower mbs, or train with advisor train"
+    return [
+        f"Peak memory per device with your own HF Trainer or accelerate script: {memory.peak / GiB:.2f} GiB of "
+        f"{memory.capacity / GiB:.2f} GiB ({verdict}).",
+        "Priced with loss=hf: transformers' loss over the whole logits, which such a script computes "
+        f"(the plan's figure, with advisor train's loss: {plan.chosen.estimate.memory.peak / GiB:.2f} GiB).",
+        "That is for a script that keeps only the output's .loss (as HF Trainer does); one that holds the whole "
+        f"output through backward keeps the logits too: up to {logits / GiB:.2f} GiB more.",
+    ]
 
 
 class Expanded(str):
@@ -181,13 +214,19 @@ def launcher_files(plan: Plan) -> tuple[dict[str, str | None], dict[str, str]]:
     engine = engine_for(layout, plan.engine)
     texts: dict[str, str | None] = {"plan.yaml": None}
     skipped = {}
+    accelerate = accelerate_config(plan, layout)
+    comment = memory_comment(plan, layout) if engine == "deepspeed" or accelerate is not None else []
     if engine == "deepspeed":
-        texts["deepspeed.json"] = json.dumps(deepspeed_config(plan, layout), indent=2) + "\n"
+        # JSON has no comments: DeepSpeed, accelerate and HF Trainer ignore a top-level key they do not know
+        config = {"comment": [f"Written by `advisor plan --export`: {layout.short()}", *comment],
+                  **deepspeed_config(plan, layout)}
+        texts["deepspeed.json"] = json.dumps(config, indent=2) + "\n"
     else:
         skipped["deepspeed.json"] = f"the {engine} engine runs this layout, not DeepSpeed"
-    accelerate = accelerate_config(plan, layout)
     if accelerate is not None:
-        texts["accelerate.yaml"] = yaml.safe_dump(accelerate, sort_keys=False)
+        header = [f"Written by `advisor plan --export`: {layout.short()}", *comment]
+        texts["accelerate.yaml"] = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(
+            accelerate, sort_keys=False)
     else:
         skipped["accelerate.yaml"] = (f"accelerate does not run tp={layout.tp}, pp={layout.pp} as the {engine} "
                                       "engine does; launch with torchrun.sh or slurm.sbatch")

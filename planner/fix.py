@@ -24,15 +24,22 @@ SHAPE_KEYS = ("dp", "tp", "pp", "vpp", "sp", "zero", "offload", "mbs", "gas")
 REQUEST_KEYS = ("method", "dtype", "seq")
 # Chosen per pipeline stage by the ILP, so not fixable as one value.
 SOLVER_KEYS = ("recompute", "recompute_layers", "stage_layers", "lora_rank")
+# Not planned: the planner prices the loss `advisor train` runs; a user's own script's is priced by
+# `advisor estimate --layout ...,loss=hf` and carried by the exported launcher files' comments.
+UNPLANNED_KEYS = ("loss",)
 
 
 def parse_fix(text: str) -> dict[str, Any]:
-    """`--fix`'s keys and values, refusing the ones the solver chooses per stage."""
+    """`--fix`'s keys and values, refusing the ones the solver chooses per stage and the loss."""
     fixed = parse_layout_string(text)
     chosen = [key for key in fixed if key in SOLVER_KEYS]
     if chosen:
         raise UsageError(f"--fix {', '.join(chosen)}: chosen per pipeline stage by the solver; fix "
                          f"{', '.join(SHAPE_KEYS + REQUEST_KEYS)}")
+    if any(key in fixed for key in UNPLANNED_KEYS):
+        raise UsageError("--fix loss: plans train with advisor train's loss; price your own script's loss with "
+                         "`advisor estimate --layout ...,loss=hf` (the exported deepspeed.json and accelerate.yaml "
+                         "carry that figure)")
     if not fixed:
         raise UsageError("--fix: give layout keys, e.g. --fix \"tp=8,zero=1\"")
     return fixed

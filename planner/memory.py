@@ -9,12 +9,10 @@ from dataclasses import dataclass
 
 from advisor.capabilities import LOSS_CHUNK_TOKENS, autocast_kept_dtype, chunked_loss, engine_for, precision
 from advisor.capabilities import fsdp_shards  # declared beside `precision`; the cost model reads it here
+from advisor.capabilities import MEGATRON  # a published engine, priced only (declared with ours)
 from advisor.specs import DTYPE_BYTES, Layout
-from profiler.model_trace import BlockTrace, ModelTrace
+from profiler.model_trace import NF4_BYTES_PER_PARAM, BlockTrace, ModelTrace
 
-# Bytes per parameter of a 4-bit NF4 weight with double quantisation (Dettmers et al. 2023,
-# QLoRA section 3): 4 bits + an 8-bit absmax per 64-weight block + an fp32 constant per 256 blocks.
-NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 # What bitsandbytes keeps once per quantised tensor besides its blocks, all fp32: the 16-value NF4
 # code book, the offset of the double-quantised absmax and the 256-value code of its 8-bit quantiser.
 NF4_TENSOR_BYTES = 4 * (16 + 1 + 256)
@@ -51,9 +49,6 @@ class ModelStates:
         return self.weights + self.gradients + self.optimizer
 
 
-# Not an engine of ours: Megatron-LM's, for pricing published Megatron runs (bench/megatron_table1.py):
-# fp32 master weights, a DDP all-reduce of the gradients, vocab-parallel embedding and head.
-MEGATRON = "megatron"
 
 
 def master_weights(layout: Layout, engine: str) -> bool:
@@ -91,9 +86,11 @@ def autocast_kept_bytes(layout: Layout, engine: str) -> int:
 
 
 def optimizer_bytes_per_param(layout: Layout, engine: str = "deepspeed") -> int:
-    """Adam's two fp32 moments, plus the fp32 master copy where the engine keeps one
-    (`master_weights`): K = 12 for DeepSpeed, 8 elsewhere (the weights it updates are fp32)."""
-    return 12 if master_weights(layout, engine) else 8
+    """Adam's two moments in the dtype of the weights it updates (torch keeps them so), plus the fp32
+    master copy where the engine keeps one (`master_weights`): K = 12 for DeepSpeed, 8 elsewhere
+    (the weights it updates are fp32); 4 where a module cast to 16 bits is updated directly
+    (`precision` cast16: the pre-issue-28 plain engine the GPU evidence was measured with)."""
+    return 12 if master_weights(layout, engine) else 2 * stored_dtype_bytes(layout, engine)
 
 
 def model_state_bytes(
@@ -237,12 +234,22 @@ def layer_activation_bytes(trace: ModelTrace, layout: Layout, recompute: str | N
     tp = layout.tp
     seq_split = tp if layout.sp else 1
     if recompute == "full":
-        return layer.input_bytes / seq_split * layout.mbs
+        return layer_input_bytes(trace, layout, engine) / seq_split * layout.mbs
     if recompute == "selective":
-        kept = (layer.input_bytes + layer.selective_replicated_bytes) / seq_split + layer.selective_sharded_bytes / tp
+        kept_input = layer_input_bytes(trace, layout, engine)
+        kept = (kept_input + layer.selective_replicated_bytes) / seq_split + layer.selective_sharded_bytes / tp
         return kept * layout.mbs
     replicated = layer.act_replicated_bytes / seq_split
     return (replicated + layer.act_sharded_bytes / tp) * layout.mbs
+
+
+def layer_input_bytes(trace: ModelTrace, layout: Layout, engine: str | None = None) -> float:
+    """A decoder layer's input hidden states for one sequence, in the residual stream's dtype: what a
+    checkpointed layer keeps (the trace's: fp32 under autocast and in QLoRA's up-cast model, whose
+    embedding and norms peft's `prepare_model_for_kbit_training` makes fp32 and whose `Linear4bit`s
+    return their input's dtype; measured with the CPU allocator counter, tests/test_hf_loss_memory.py)."""
+    layer, _ = activation_blocks(trace, layout, engine)
+    return layer.input_bytes
 
 
 def vocab_shards(layout: Layout, engine: str | None = None) -> int:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from advisor.capabilities import attention_implementation, config_shape, runnable_problem
+from advisor.capabilities import attention_implementation, config_shape, cost_engine, runnable_problem
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, PlannedLayout, StagePlan
 from advisor.profile import ClusterProfile
@@ -69,6 +69,9 @@ class PlanOptions:
     fix: dict[str, Any] = field(default_factory=dict)
     # `--any-engine`: plan over everything the cost model prices, not only what `advisor train` runs
     any_engine: bool = False
+    # `--engine`: whose behaviour is priced (advisor.capabilities PRICED_ENGINES); a published engine
+    # plans as --any-engine does, every layout priced as that engine runs it
+    priced_engine: str = "ours"
     # a cluster profile's per-device and per-link figures (the hardware prices its slowest), and the
     # devices (n1d0) or nodes (n1) `--exclude` leaves out of that pricing (planner/stragglers.py)
     cluster: ClusterProfile | None = None
@@ -138,7 +141,8 @@ def _request(opts: PlanOptions, devices: int, seq: int, batch: int, methods: tup
     space = SearchSpace(**{**opts.space.__dict__, "methods": methods,
                            "allow_cross_node_tp": opts.allow_cross_node_tp,
                            "fixed": {**opts.space.fixed, **_shape_fix(opts)},
-                           "runnable_only": opts.space.runnable_only and not opts.any_engine})
+                           "engine": cost_engine(opts.priced_engine, opts.space.engine),
+                           "runnable_only": _runnable_only(opts)})
     dtype = opts.dtype or hardware.default_dtype
     req = PlanRequest(model=opts.model, hardware=hardware, devices=devices, seq=seq, global_batch=batch,
                       dtype=dtype, space=space, min_compute_fraction=opts.min_compute_fraction,
@@ -146,6 +150,12 @@ def _request(opts: PlanOptions, devices: int, seq: int, batch: int, methods: tup
                       packed=True)  # the trainer packs documents into rows (trainer/stream.py), padding as one
     validate_request(req)
     return req
+
+
+def _runnable_only(opts: PlanOptions) -> bool:
+    """Whether the search keeps to what `advisor train` runs: not with --any-engine, nor when a
+    published engine is priced (`--engine megatron`)."""
+    return opts.space.runnable_only and not opts.any_engine and opts.priced_engine == "ours"
 
 
 def _shape_fix(opts: PlanOptions) -> dict[str, Any]:
@@ -169,7 +179,7 @@ def _check_fix(opts: PlanOptions, devices: int, hw: HardwareSpec, seq: int, batc
                methods: tuple[str, ...]) -> None:
     """Refuse a fix the trainer cannot run (or, with --any-engine, that no layout has), with the reason."""
     if opts.fix:
-        runnable = opts.space.runnable_only and not opts.any_engine
+        runnable = _runnable_only(opts)
         check_fix(opts.fix, model=opts.model, devices=devices, devices_per_node=hw.devices_per_node,
                   global_batch=batch, method=methods[0], dtype=opts.dtype or hw.default_dtype, seq=seq,
                   device_type=hw.device_type, engine=opts.space.engine, runnable_only=runnable,
@@ -384,14 +394,11 @@ def make_plan(opts: PlanOptions) -> Plan:
     notes += _assumed_network(hw, nodes) + _straggler_gains(opts, measured_hw, planned[0], seq, batch, methods)
     if opts.fix:
         notes.append(f"fixed by --fix: {describe(opts.fix)}")
-    runnable_here = opts.space.runnable_only and not opts.any_engine
-    if not runnable_here:
-        reason = _not_runnable_reason(planned, opts, hw)
-        notes.append("planned for any engine (--any-engine): " + (f"advisor train refuses it ({reason})" if reason
-                     else "its best layout happens to run here too"))
+    runnable_here = _runnable_only(opts)
+    notes += _engine_notes(opts, planned, hw)
     plan = Plan(model=opts.model, hardware=hw, nodes=nodes, gpus_per_node=per_node, objective=opts.objective,  # type: ignore[arg-type]
                 min_compute_fraction=opts.min_compute_fraction, chosen=planned[0], alternatives=planned[1:],
-                task=opts.task, notes=notes, runnable_here=runnable_here,
+                task=opts.task, notes=notes, runnable_here=runnable_here, priced_engine=opts.priced_engine,
                 attention=attention_implementation(hw.device_type))
     if opts.task:
         plan.stages = _plan_stages(opts, plan, hw, seq, batch, nodes)
@@ -417,6 +424,19 @@ def _fix_infeasible(opts: PlanOptions, result: SearchResult, devices: int, hw: H
     hint = (f"; without --fix: {unfixed.solutions[0].layout.short()}" if unfixed.solutions
             else "; nor does any layout without it")
     return f"--fix {fix}: {reason}{hint}"
+
+
+def _engine_notes(opts: PlanOptions, planned: list[PlannedLayout], hw: HardwareSpec) -> list[str]:
+    """What a plan for another engine than `advisor train`'s says: which engine priced it, or, with
+    --any-engine, whether the trainer runs its best layout."""
+    if opts.priced_engine != "ours":
+        return [f"priced as {opts.priced_engine} runs it (--engine {opts.priced_engine}), for that engine; "
+                "advisor train runs its own engines"]
+    if _runnable_only(opts):
+        return []
+    reason = _not_runnable_reason(planned, opts, hw)
+    return ["planned for any engine (--any-engine): " + (f"advisor train refuses it ({reason})" if reason
+            else "its best layout happens to run here too")]
 
 
 def _not_runnable_reason(planned: list[PlannedLayout], opts: PlanOptions, hw: HardwareSpec) -> str | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -69,6 +70,21 @@ class BlockTrace(BaseModel):
     cast_weight_bytes: float = Field(
         0.0, description="16-bit copies of the fp32 weights that autocast casts (bf16-mixed), alive from their "
                          "forward to their backward whatever the micro-batch size; not in the activations")
+    # What the host launches and what the memory-bound kernels move (`_kernel_log`), per sequence:
+    # a GPU runs ahead of its host only while a kernel outlasts a launch (planner/cost_model.py, host floor)
+    fwd_ops: float = Field(0.0, description="kernels launched in forward (views and metadata ops excluded)")
+    bwd_ops: float = Field(0.0, description="kernels launched in backward")
+    fwd_dense_ops: float = Field(0.0, description="of the forward's, GEMMs and attention kernels (priced by FLOPs)")
+    bwd_dense_ops: float = Field(0.0, description="of the backward's, GEMMs and attention kernels")
+    fwd_traffic_bytes: float = Field(
+        0.0, description="bytes read and written by the forward's memory-bound kernels (all but dense ones)")
+    bwd_traffic_bytes: float = Field(0.0, description="the same in backward")
+    skinny_gemm_bytes: float = Field(
+        0.0, description="bytes read and written by GEMMs with a side of at most SKINNY_GEMM_SIDE (LoRA's "
+                         "adapters): memory-bound, priced by bytes where that is slower than by FLOPs")
+    fp32_dense_flops: float = Field(
+        0.0, description="of the FLOPs (forward and backward), those of GEMMs and attention computed in fp32 "
+                         "(LoRA's adapters; QLoRA's up-cast LM head, and its attention on the fp32 residual)")
 
     @property
     def act_bytes(self) -> float:
@@ -383,6 +399,146 @@ def _cast_log(log: _SavedTensorLog) -> Any:
     return CastLog()
 
 
+# Bytes per parameter of a 4-bit NF4 weight with double quantisation (Dettmers et al. 2023,
+# QLoRA section 3): 4 bits + an 8-bit absmax per 64-weight block + an fp32 constant per 256 blocks.
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+NF4_DEQUANTIZE = "nf4_dequantize"
+
+
+@lru_cache(maxsize=1)
+def _nf4_linear() -> Any:
+    """bitsandbytes' 4-bit matmul as its autograd runs it (`bnb.matmul_4bit`, `MatMul4Bit`), for
+    the trace: the weight is dequantised to the compute dtype in forward, used and dropped, and
+    dequantised again in backward for the input's gradient; nothing of the input is saved (the
+    frozen weight needs no gradient). The dequantisation is one op (`advisor::nf4_dequantize`)
+    that `_kernel_log` prices as bitsandbytes' kernel moves it; the trace holds the weight in 16 bits."""
+    import torch
+
+    @torch.library.custom_op(f"advisor::{NF4_DEQUANTIZE}", mutates_args=(), schema="(Tensor weight) -> Tensor")
+    def dequantize(weight):  # type: ignore[no-untyped-def]
+        return weight.clone()
+
+    @dequantize.register_fake
+    def _(weight):  # type: ignore[no-untyped-def]
+        return torch.empty_like(weight)
+
+    class Nf4Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(weight)
+            return x @ dequantize(weight).t()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            (weight,) = ctx.saved_tensors
+            return grad @ dequantize(weight), None
+
+    return Nf4Linear
+
+
+def _as_qlora_runs(model: "torch.nn.Module", compute_dtype: "torch.dtype") -> None:
+    """Make a 16-bit model compute as the trainer's QLoRA recipe runs it (trainer/adapters.py):
+    every decoder linear a bitsandbytes `Linear4bit` (input cast to the compute dtype, the 4-bit
+    matmul, output cast back to the input's dtype), then peft's `prepare_model_for_kbit_training`,
+    which up-casts every other 16-bit parameter (embedding, norms, LM head) to fp32: the residual
+    stream, the norms, the attention on their outputs and the head then run in fp32."""
+    import torch
+
+    nf4 = _nf4_linear()
+    head = model.get_output_embeddings()
+
+    def quantized_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        out = nf4.apply(x.to(compute_dtype), module.weight)
+        if module.bias is not None:
+            out = out + module.bias.to(compute_dtype)
+        return out.to(x.dtype)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            module.forward = functools.partial(quantized_forward, module)
+    for name, param in model.named_parameters():
+        quantized = name.endswith(".weight") and isinstance(model.get_submodule(name[:-7]), torch.nn.Linear) \
+            and model.get_submodule(name[:-7]) is not head
+        if not quantized and param.dtype in (torch.float16, torch.bfloat16):
+            param.data = param.data.to(torch.float32)
+
+
+# Ops that launch no kernel: they only make a new view of existing storage (torch marks most with
+# `is_view`; these return fresh tensor objects over the same storage without the mark).
+_METADATA_OPS = frozenset({"_unsafe_view", "detach", "alias", "lift_fresh", "_reshape_alias", "set_",
+                           "_local_scalar_dense", "is_same_size", "resolve_conj", "resolve_neg"})
+_DENSE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "convolution", "convolution_backward"})
+# A GEMM with a side this narrow (LoRA's rank, a head's few columns) does a few FLOPs per byte it
+# moves: on every GPU it is bound by memory, not by its FLOPs.
+SKINNY_GEMM_SIDE = 64
+
+
+def _tensor_bytes(value: Any) -> float:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return float(sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor)))
+
+
+def _kernel_log() -> Any:
+    """A dispatch mode that counts what the host launches: every op but views and metadata ops is
+    one kernel launch (an eager step pays Python, autograd and dispatch for each); of them, GEMMs and
+    attention kernels are `dense` (priced by their FLOPs); every other kernel is memory-bound and
+    moves its inputs and outputs once (`traffic`). Forward and backward are told apart by `phase`."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class KernelLog(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.phase = "fwd"
+            self.ops = {"fwd": 0.0, "bwd": 0.0}
+            self.dense = {"fwd": 0.0, "bwd": 0.0}
+            self.traffic = {"fwd": 0.0, "bwd": 0.0}
+            self.skinny = 0.0
+            self.fp32_flops = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if func.is_view or name in _METADATA_OPS or func.namespace == "prim" or name.startswith("sym_"):
+                return out
+            self.ops[self.phase] += 1
+            moved = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
+            if name == NF4_DEQUANTIZE:  # reads the 4-bit blocks, writes the 16-bit weight (traced in 16 bits)
+                moved = _tensor_bytes(out) * (1 + NF4_BYTES_PER_PARAM / 2)
+            if name in _DENSE_OPS or "attention" in name:
+                self.dense[self.phase] += 1
+                self._dense(name, args, moved)
+            else:
+                self.traffic[self.phase] += moved
+            return out
+
+        def _dense(self, name: str, args: tuple, moved: float) -> None:
+            tensors = [t for t in args if isinstance(t, torch.Tensor)]
+            if "attention" in name:
+                qkv = tensors[1:4] if "backward" in name else tensors[:3]
+                if qkv[0].dtype == torch.float32:
+                    scale = 2 if "backward" in name else 1
+                    self.fp32_flops += scale * attention_model_flops(*(t.shape for t in qkv))
+                return
+            if name not in ("mm", "addmm", "bmm", "baddbmm"):
+                return
+            a, b = tensors[-2:]  # addmm/baddbmm: (bias, a, b)
+            if min(a.shape[-2:]) <= SKINNY_GEMM_SIDE or min(b.shape[-2:]) <= SKINNY_GEMM_SIDE:
+                self.skinny += moved
+            if a.dtype == torch.float32:
+                self.fp32_flops += 2 * a.numel() * b.shape[-1]
+
+        def fields(self) -> dict[str, float]:
+            return {"fwd_ops": self.ops["fwd"], "bwd_ops": self.ops["bwd"], "fwd_dense_ops": self.dense["fwd"],
+                    "bwd_dense_ops": self.dense["bwd"], "fwd_traffic_bytes": self.traffic["fwd"],
+                    "bwd_traffic_bytes": self.traffic["bwd"], "skinny_gemm_bytes": self.skinny,
+                    "fp32_dense_flops": self.fp32_flops}
+
+    return KernelLog()
+
+
 def traced_under_autocast(dtype: str, method: str) -> bool:
     """Whether a trace of `dtype` and `method` also traces the step as the engines that autocast run
     it (advisor.capabilities `precision`): fp32 parameters, forward and loss under torch.autocast
@@ -439,6 +595,8 @@ def _trace_once(
             model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_impl)
         finally:
             torch.set_default_dtype(previous_default)
+        if method == "qlora":
+            _as_qlora_runs(model, torch_dtype)
         if method in ("lora", "qlora"):
             from peft import LoraConfig, get_peft_model
 
@@ -461,13 +619,15 @@ def _trace_once(
         handles = log.hooks_for(model, column, row)
         selective = _selective_log(row, model)
         casts = _cast_log(log)
+        kernels = _kernel_log()
         ids = torch.zeros((1, seq), dtype=torch.long)
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False) as counter, kernels:
             with torch.autograd.graph.saved_tensors_hooks(log.pack, lambda t: t), selective, casts, compute:
                 loss = model(input_ids=ids, labels=ids).loss
             fwd = counter.get_total_flops()
             if method in ("lora", "qlora") and trainable == 0:
                 raise UsageError("LoRA found no linear layer to adapt in this architecture")
+            kernels.phase = "bwd"
             loss.backward()
             total_flops = counter.get_total_flops()
         for handle in handles + selective.handles:
@@ -476,7 +636,7 @@ def _trace_once(
         params=total, trainable_params=trainable, fwd_flops=float(fwd), bwd_flops=float(total_flops - fwd),
         act_replicated_bytes=log.replicated, act_sharded_bytes=log.sharded, act_scores_bytes=log.scores,
         selective_replicated_bytes=selective.replicated, selective_sharded_bytes=selective.sharded,
-        cast_weight_bytes=casts.bytes,
+        cast_weight_bytes=casts.bytes, **kernels.fields(),
     )
     return block, total, trainable
 
@@ -490,14 +650,16 @@ def _layer_and_rest(cfg: dict[str, Any], seq: int, dtype: str, method: str, lora
                     gpu_contracts: bool, packed: bool, autocast: bool = False) -> tuple[BlockTrace, BlockTrace]:
     """One decoder layer (a two-layer trace less a one-layer one) and the rest of the one-layer
     model (embedding and head). The layer's `input_bytes` are its input hidden states, what a
-    full-recompute checkpoint keeps per layer: fp32 under autocast, where the residual stream stays
-    fp32, else the traced dtype."""
+    full-recompute checkpoint keeps per layer: fp32 where the residual stream stays fp32 (autocast,
+    QLoRA's up-cast model), else the traced dtype."""
     one, _, _ = _trace_once(cfg, 1, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
                             gpu_contracts, packed, autocast=autocast)
     two, _, _ = _trace_once(cfg, 2, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
                             gpu_contracts, packed, autocast=autocast)
     layer = two.minus(one)
-    layer.input_bytes = seq * architecture_dims(cfg)["hidden_size"] * (4 if autocast else DTYPE_BYTES[dtype])
+    # the residual stream is fp32 under autocast and in QLoRA's up-cast model (`_as_qlora_runs`)
+    stream_fp32 = autocast or method == "qlora"
+    layer.input_bytes = seq * architecture_dims(cfg)["hidden_size"] * (4 if stream_fp32 else DTYPE_BYTES[dtype])
     return layer, one.minus(layer)
 
 
@@ -525,7 +687,7 @@ def _trace_cached(
     if gpu_contracts:
         notes.append("GPU kernels: FlashAttention saves no s x s matrix; dropout masks are 1 byte")
     if method == "qlora":
-        notes.append("QLoRA traced as LoRA in bf16; the cost model stores frozen weights in 4-bit NF4")
+        notes.append("QLoRA traced as it runs: 4-bit linears dequantised in forward and backward, the rest up-cast to fp32")
     autocast = None
     if traced_under_autocast(dtype, method):
         mixed_layer, mixed_outer = _layer_and_rest(*traced, autocast=True)
@@ -546,10 +708,10 @@ def _position_params(cfg: dict[str, Any], dims: dict[str, int]) -> int:
     return 0
 
 
-TRACE_FORMAT = 3  # 2: attention FLOPs of the fused CPU kernel counted; 3: what selective recomputation keeps; bump when what a trace records changes, to invalidate disk caches
+TRACE_FORMAT = 4  # 2: attention FLOPs of the fused CPU kernel counted; 3: what selective recomputation keeps; 4: kernels launched, memory-bound bytes, QLoRA as it runs; bump when what a trace records changes, to invalidate disk caches
 # SDPA traces (CPU) changed alone (4: one unpacked sequence, no mask, native GQA); the FlashAttention
 # contract of GPU traces never saved the mask, so their (shipped) traces stay valid
-SDPA_TRACE_FORMAT = 4
+SDPA_TRACE_FORMAT = 5  # 5: as TRACE_FORMAT 4
 
 
 def _cache_dir() -> Path:

@@ -132,8 +132,8 @@ def attention_heads(dims: dict[str, int] | None, hidden: int) -> tuple[int, int]
 
 def datasheet_tflops(device: Any) -> dict[str, float]:
     """The datasheet's dense GEMM peaks of a known GPU (its preset's), above which no measured GEMM
-    runs: none for a CPU or an unknown GPU. fp32 only while TF32 is off (torch's default): TF32's
-    tensor cores run fp32 GEMMs far above the fp32 datasheet figure."""
+    runs: none for a CPU or an unknown GPU. fp32's is the fp32 figure while TF32 is off (torch's
+    default), the TF32 tensor cores' where TF32 is on and the preset gives it, else none."""
     import torch
 
     if device.type != "cuda":
@@ -143,8 +143,11 @@ def datasheet_tflops(device: Any) -> dict[str, float]:
     if preset is None:
         return {}
     peaks = {dtype: tflops for dtype, tflops in load_hardware(preset).peak_tflops.items() if tflops > 0}
+    tf32 = peaks.pop("tf32", None)  # not a dtype the profile measures: the ceiling of fp32 GEMMs under TF32
     if torch.backends.cuda.matmul.allow_tf32:
         peaks.pop("fp32", None)
+        if tf32:
+            peaks["fp32"] = tf32
     return peaks
 
 

@@ -65,7 +65,7 @@ MEMORY = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 64, "interm
 
 
 @pytest.mark.parametrize("method, hidden", [("full", 64), ("lora", 64), ("full", 512)])
-def test_chunked_loss_peak_drops_as_priced(method: str, hidden: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunked_loss_peak_drops_as_priced(method: str, hidden: int) -> None:
     """hidden 64: one chunk's three fp32 logits set the loss's peak; hidden 512: the trainable head's
     gradient copies do (three at each chunk's accumulation), a frozen one has none."""
     memory = TensorMemory(torch.device("cpu"))
@@ -76,13 +76,13 @@ def test_chunked_loss_peak_drops_as_priced(method: str, hidden: int, monkeypatch
     chunked = measured_activation_peak(layout, memory, config, chunked=True)
     trace = trace_model(ModelSpec(name="logits", hf_config=config), layout.seq, "fp32", method=method, device_type="cpu")
 
-    def backward_start(engine: str) -> float:
-        stage = stage_memory(trace, layout, load_hardware("cpu"), 0, 1, 0, engine=engine)
+    def backward_start(loss: str) -> float:
+        stage = stage_memory(trace, layout.model_copy(update={"loss": loss}), load_hardware("cpu"), 0, 1, 0,
+                             engine="plain")
         return stage.activations + stage.transient
 
-    predicted_chunked = backward_start("plain")
-    monkeypatch.setattr("planner.memory.loss_runs_chunked", lambda *args, **kwargs: False)
-    predicted_hf = backward_start("plain")
+    predicted_chunked = backward_start("chunked")
+    predicted_hf = backward_start("hf")
     chunk_fp32 = LOSS_CHUNK_TOKENS * MEMORY["vocab_size"] * 4
     head_gradient = MEMORY["vocab_size"] * hidden * 4 if method == "full" else 0
     assert hf > 2.9 * 8 * chunk_fp32  # HF: three fp32 buffers of the whole logits
@@ -108,6 +108,10 @@ def test_the_declaration_chunks_where_the_engine_runs_it() -> None:
     # frozen head has none
     assert not chunked_loss(Layout(seq=1024, dtype="bf16"), "plain", "llama", 4096)
     assert chunked_loss(Layout(seq=1024, dtype="bf16", method="lora"), "plain", "llama", 4096)
+    # loss=hf: transformers' loss, as a user's own script runs it, on every engine
+    for engine, layout in [("plain", Layout(**long)), ("deepspeed", Layout(zero=3, dp=2, **long)),
+                           ("fsdp2", Layout(tp=2, **long))]:
+        assert not chunked_loss(layout.model_copy(update={"loss": "hf"}), engine, "llama", 4096)
 
 
 def test_the_chunked_head_runs_its_forward_twice_in_the_time() -> None:
@@ -128,4 +132,19 @@ def test_the_plain_engine_trains_on_the_chunked_loss() -> None:
     ids, labels = _batch()
     loss = engine.micro_step(MicroBatch(ids, labels))
     assert engine.model(input_ids=ids, labels=labels).logits is None  # the chunked forward ran
+    assert loss == pytest.approx(float(reference(input_ids=ids, labels=labels).loss), abs=1e-6)
+
+
+def test_the_plain_engine_trains_on_hfs_loss_where_the_layout_asks_for_it() -> None:
+    from trainer.batch import MicroBatch
+    from trainer.engines import make_engine
+    from trainer.model import build_model
+
+    layout = Layout(seq=40, dtype="fp32", loss="hf")
+    spec = ModelSpec(name="small", hf_config=SMALL)
+    reference = build_filled_model(spec, layout, seed=0)
+    engine = make_engine(build_model(spec, layout, seed=0), layout, None, clip=0.0)
+    ids, labels = _batch()
+    loss = engine.micro_step(MicroBatch(ids, labels))
+    assert engine.model(input_ids=ids, labels=labels).logits is not None  # HF's forward: the whole logits
     assert loss == pytest.approx(float(reference(input_ids=ids, labels=labels).loss), abs=1e-6)

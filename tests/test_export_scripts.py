@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from advisor.capabilities import engine_for
 from advisor.cli import app
 from advisor.plan_file import load_plan
-from advisor.specs import ModelSpec
-from planner.export import export
+from advisor.specs import Layout, ModelSpec
+from planner.export import deepspeed_config, export
 from planner.plan import PlanOptions, make_plan
 from presets import load_hardware, load_model, load_task
 from trainer import checkpoint
@@ -80,7 +80,9 @@ def llama3_8b_plan(top_k: int = 5):
 def with_layout(plan, engine: str = "auto", **fields):
     """The plan with its chosen layout changed, as `advisor plan` could have chosen it."""
     plan = plan.model_copy(deep=True, update={"engine": engine})
-    plan.chosen.layout = plan.chosen.layout.model_copy(update={"stage_layers": None, **fields})
+    chosen = plan.chosen.layout.model_dump()
+    plan.chosen.layout = Layout.model_validate(  # a valid layout: the pipeline's split and interleaving go with pp
+        {**chosen, "stage_layers": None, "recompute_layers": None, "vpp": 1, **fields})
     return plan
 
 
@@ -150,6 +152,31 @@ def test_accelerate_yaml_names_the_engine_that_runs_the_layout(tmp_path, engine,
     if kind == "FSDP":
         fsdp = config["fsdp_config"]
         assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] == (fields["zero"] == 3)
+
+
+@pytest.mark.parametrize("engine,fields", [("auto", dict(dp=16, tp=1, pp=1, zero=2, mbs=2, gas=8)),
+                                           ("auto", dict(dp=16, tp=1, pp=1, zero=0, mbs=4, gas=4))])
+def test_the_exported_files_carry_the_peak_of_a_users_own_script_priced_with_hfs_loss(tmp_path, engine,
+                                                                                      fields) -> None:
+    """A user's HF Trainer or accelerate script computes transformers' loss over the whole logits
+    (128k vocabulary, 4096 tokens a sequence): that is the figure the files carry, beside the plan's."""
+    from planner.cost_model import estimate
+
+    plan = with_layout(llama3_8b_plan(top_k=1), engine, **fields)
+    layout = plan.chosen.layout
+    config = accelerate_file(tmp_path, plan)
+    user = estimate(plan.model, plan.hardware, layout.model_copy(update={"loss": "hf"}), engine=engine, packed=True)
+    trainers = estimate(plan.model, plan.hardware, layout, engine=engine, packed=True)
+    assert user.memory.peak > trainers.memory.peak  # three fp32 logits of the micro-batch, not of a chunk
+    figure = f"{user.memory.peak / 2**30:.2f} GiB of {user.memory.capacity / 2**30:.2f} GiB"
+    header = [line for line in (tmp_path / "accelerate.yaml").read_text().splitlines() if line.startswith("#")]
+    assert any(figure in line for line in header) and any("loss=hf" in line for line in header)
+    assert config["distributed_type"] in ("DEEPSPEED", "MULTI_GPU")  # the comments leave the config as it was
+    if config["distributed_type"] == "DEEPSPEED":
+        written = json.loads((tmp_path / "deepspeed.json").read_text())
+        comment = written["comment"]
+        assert any(figure in line for line in comment) and any("loss=hf" in line for line in comment)
+        assert {k: v for k, v in written.items() if k != "comment"} == deepspeed_config(plan, layout)
 
 
 def test_tp_and_pp_layouts_get_no_deepspeed_or_accelerate_file_and_the_cli_says_why(tmp_path) -> None:

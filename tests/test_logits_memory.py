@@ -30,12 +30,11 @@ def measured_activation_peak(layout: Layout, memory: TensorMemory, config: dict 
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_loss_buffers_priced_as_measured(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """HF's loss over the whole logits, as the engines that keep it run it (pipeline, sequence
-    parallelism; the chunked loss: tests/test_chunked_loss.py)."""
-    monkeypatch.setattr("planner.memory.loss_runs_chunked", lambda *args, **kwargs: False)
+def test_loss_buffers_priced_as_measured(dtype: str) -> None:
+    """HF's loss over the whole logits (`loss=hf`), as the engines that keep it run it (pipeline,
+    sequence parallelism) and a user's own script does (the chunked loss: tests/test_chunked_loss.py)."""
     memory = TensorMemory(torch.device("cpu"))
-    layout = Layout(mbs=4, seq=256, dtype=dtype)
+    layout = Layout(mbs=4, seq=256, dtype=dtype, loss="hf")
     measured = measured_activation_peak(layout, memory)
     trace = trace_model(ModelSpec(name="logits", hf_config=CONFIG), layout.seq, dtype, device_type="cpu")
     stage = stage_memory(trace, layout, load_hardware("cpu"), 0, 1, 0, engine="plain")

@@ -62,6 +62,7 @@ def test_fix_the_trainer_does_not_run_is_refused_with_the_declarations_line() ->
     ("mbs=3", "mbs=3 does not divide the global batch of 512"),
     ("tp=8,zero=1", "zero=1 with dp=1 shards nothing"),
     ("recompute=full", "chosen per pipeline stage by the solver"),
+    ("loss=hf", "--fix loss: plans train with advisor train's loss"),
     ("dtype=fp8", "--fix dtype=fp8: dtype: Input should be 'bf16', 'fp16' or 'fp32'"),
 ])
 def test_impossible_fix_says_which_rule_binds(fix: str, reason: str) -> None:

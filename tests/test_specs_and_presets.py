@@ -17,6 +17,23 @@ def test_layout_string_round_trips_through_short_form() -> None:
     assert Layout(**parse_layout_string(layout.short())) == layout
 
 
+@pytest.mark.parametrize("text", [
+    "dp=1,mbs=4,seq=512,loss=hf",  # transformers' loss, as a user's own script runs it
+    "dp=2,zero=2,offload=optimizer,method=lora,lora_rank=8,recompute=full,recompute_layers=3,loss=hf",
+    "dp=1,tp=2,pp=2,stage_layers=5/7,method=full,loss=chunked",
+])
+def test_every_key_round_trips_through_the_short_form(text: str) -> None:
+    layout = Layout(**parse_layout_string(text))
+    assert Layout(**parse_layout_string(layout.short())) == layout
+    assert ("loss=hf" in layout.short()) == (layout.loss == "hf")  # the default stays unsaid
+
+
+def test_the_loss_key_defaults_to_the_trainers_own_and_names_its_choices() -> None:
+    assert Layout().loss == "chunked" and resolve_layout("mbs=2", 8, load_hardware("a100-80g")).loss == "chunked"
+    with pytest.raises(UsageError, match=re.escape("loss: must be one of 'chunked' or 'hf'")):
+        resolve_layout("loss=liger", 8, load_hardware("a100-80g"))
+
+
 @pytest.mark.parametrize(
     "text,message",
     [

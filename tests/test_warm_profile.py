@@ -248,7 +248,9 @@ def test_a_known_gpus_ceiling_is_its_datasheet_and_fp32s_only_without_tf32(monke
     cuda = torch.device("cuda", 0)
     assert rp.datasheet_tflops(cuda) == {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}  # presets/hardware/h200
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert "fp32" not in rp.datasheet_tflops(cuda) and rp.datasheet_tflops(cuda)["bf16"] == 989.4
+    assert rp.datasheet_tflops(cuda) == {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}  # TF32's tensor cores
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert "fp32" not in rp.datasheet_tflops(cuda)  # a preset without TF32's figure: no fp32 ceiling
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
     assert rp.datasheet_tflops(cuda) == {}  # unknown: nothing is impossible
     assert rp.datasheet_tflops(CPU) == {}

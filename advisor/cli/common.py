@@ -24,6 +24,12 @@ LAYOUT_HELP = "Layout keys (comma-separated key=value; left-out keys take defaul
 )
 
 
+# `--engine` of estimate, plan and report capacity: whose behaviour is priced
+PRICED_ENGINE_HELP = ("the engine whose behaviour is priced: ours (default: what `advisor train` runs) or megatron "
+                      "(Megatron-LM, as the published runs it produced were made: fused kernels, 4 TP all-reduces "
+                      "per layer, fp32 master in the optimizer); priced only, never run here")
+
+
 def exit_on_error(action: Callable[[], Any]) -> Any:
     """Run `action`; turn user errors into one clear line and exit code 2."""
     try:

@@ -6,8 +6,8 @@ from typing import Optional
 
 import typer
 
-from advisor.capabilities import config_shape, runnable_problem
-from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, exit_on_error
+from advisor.capabilities import MEGATRON, config_shape, cost_engine, runnable_problem
+from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, exit_on_error
 from advisor.cli.render import render_estimate
 from advisor.errors import UsageError
 from advisor.specs import Estimate, check_number, check_seq_fits, parse_layout_string, resolve_layout
@@ -33,11 +33,12 @@ def estimate(
     packed: bool = typer.Option(
         False, "--packed", help="rows pack several documents, as `advisor train` packs its data: priced with "
                                 "the document mask and the expanded key/value heads that SDPA then keeps"),
+    engine: str = typer.Option("ours", "--engine", help=PRICED_ENGINE_HELP),
     as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object (the contract)"),
 ) -> None:
     exit_on_error(lambda: check_number(min_compute_fraction, "--min-compute-fraction", ge=0, le=1))
     result: Estimate = exit_on_error(
-        lambda: estimate_layout(model, hardware, layout, nodes, gpus_per_node, seq_len, attention, packed))
+        lambda: estimate_layout(model, hardware, layout, nodes, gpus_per_node, seq_len, attention, packed, engine))
     if as_json:
         print(result.model_dump_json())
         return
@@ -45,8 +46,10 @@ def estimate(
 
 
 def estimate_layout(model: str, hardware: str, layout: str, nodes: int | None, gpus_per_node: int | None,
-                    seq_len: int | None, attention: str | None, packed: bool = False) -> Estimate:
-    """Resolve the presets and the layout on its device count, then ask the cost model."""
+                    seq_len: int | None, attention: str | None, packed: bool = False, engine: str = "ours") -> Estimate:
+    """Resolve the presets and the layout on its device count, then ask the cost model to price it
+    as `engine` (advisor.capabilities PRICED_ENGINES) runs it."""
+    priced = cost_engine(engine)
     hw = load_hardware(hardware)
     spec = load_model(model)
     if attention not in (None, "flash", "sdpa", "eager"):
@@ -62,7 +65,10 @@ def estimate_layout(model: str, hardware: str, layout: str, nodes: int | None, g
     lay = resolve_layout(layout, devices, hw, seq_len)
     if seq_len is not None or "seq" in given:  # the default 2048 is not the user's choice
         check_seq_fits(spec, lay.seq, "--seq-len" if seq_len is not None else "layout seq")
-    result = run_estimate(spec, hw, lay, attention=attention, packed=packed)
+    result = run_estimate(spec, hw, lay, attention=attention, packed=packed, engine=priced)
+    if priced == MEGATRON:
+        result.notes.append("priced as Megatron-LM runs it (--engine megatron), not as advisor train would")
+        return result
     problem = runnable_problem(lay, config_shape(spec.hf_config), hw.device_type)
     if problem:  # priced all the same: users of other engines estimate too, but they are told
         result.notes.append(f"advisor train does not run this layout: {problem}")

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import typer
 
 from advisor.profile import load_profile, looks_like_profile
-from advisor.cli.common import MIN_COMPUTE_FRACTION, console, exit_on_error, stage_tokens
+from advisor.cli.common import MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, console, exit_on_error, stage_tokens
 from advisor.cli.render import render_plan
 from presets import load_task
 from planner.export import export
@@ -52,6 +52,7 @@ def plan(
     any_engine: bool = typer.Option(
         False, "--any-engine", help="plan over every layout the cost model prices (Megatron/NeMo-style sp, "
         "interleaving...), not only what `advisor train` runs; the plan is marked not runnable here"),
+    engine: str = typer.Option("ours", "--engine", help=PRICED_ENGINE_HELP + "; megatron plans as --any-engine"),
     out: Optional[Path] = typer.Option(None, "--out", help="write plan.yaml for `advisor train`"),
     export_dir: Optional[Path] = typer.Option(
         None, "--export", help="write deepspeed.json, accelerate.yaml, torchrun.sh, slurm.sbatch there"),
@@ -71,7 +72,7 @@ def plan(
             objective=objective, deadline_s=parse_duration(deadline) if deadline else None, tokens=tokens,
             price_per_gpu_hour=price, min_compute_fraction=min_compute_fraction, top_k=top, mtbf_hours=mtbf_hours,
             per_stage_devices=per_stage_devices, allow_cross_node_tp=allow_cross_node_tp, attention=attention,
-            fix=parse_fix(fix) if fix is not None else {}, any_engine=any_engine,
+            fix=parse_fix(fix) if fix is not None else {}, any_engine=any_engine, priced_engine=engine,
             cluster=profile_cluster(hardware), exclude=parse_exclude(exclude),
         )
         result = make_plan(opts)
@@ -82,7 +83,7 @@ def plan(
         print(json.dumps(plan_json(result)))
         return
     render_plan(result)
-    if not result.runnable_here:
+    if not result.runnable_here and result.priced_engine == "ours":
         console.print("[yellow]planned for any engine (--any-engine): marked runnable_here: false, for "
                       "Megatron-LM, NeMo or DeepSpeed (--export); `advisor train` refuses the layouts it does not "
                       "run[/yellow]")
