@@ -13,6 +13,8 @@ context parallelism).
 
 from __future__ import annotations
 
+import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -102,6 +104,8 @@ def price(row: PublishedRun) -> Priced:
         return Priced(row, published, None, None, "fp8 GEMMs are not priced")
     if row.cp > 1:
         return Priced(row, published, None, None, "context parallelism is not priced")
+    if row.off_preset:
+        return Priced(row, published, None, None, f"no preset for its card: {row.off_preset}")
     if published is None:
         return Priced(row, None, None, None, "no throughput the bench can compare without the source's FLOP count")
     engine = MEGATRON if row.engine in MEGATRON_ENGINES else "fsdp2"
@@ -133,8 +137,29 @@ def summary(priced: list[Priced]) -> str:
             f"worst {100 * max(errors):.1f}%")
 
 
+def error_bands(priced: list[Priced]) -> dict[str, dict[str, float]]:
+    """Per priced engine (ours: the FSDP rows; megatron: the Megatron-LM rows), how far its prices
+    fall from published throughput: rows, median and 90th-percentile |error| (what `advisor report
+    capacity` shows as its error band, presets/findings/published_runs.json)."""
+    bands = {}
+    for engine in ("ours", "megatron"):
+        errors = sorted(abs(p.error) for p in priced if p.error is not None
+                        and (p.row.engine in MEGATRON_ENGINES) == (engine == "megatron"))
+        if errors:
+            p90 = errors[min(len(errors) - 1, math.ceil(0.9 * len(errors)) - 1)]
+            bands[engine] = {"rows": len(errors), "median": statistics.median(errors), "p90": p90}
+    return bands
+
+
+def write_bands(priced: list[Priced]) -> None:
+    path = ROOT / "presets" / "findings" / "published_runs.json"
+    path.write_text(json.dumps({"engines": error_bands(priced), "command": "python -m bench.published_bench"},
+                               indent=2) + "\n")
+
+
 def main() -> None:
     priced = [price(row) for row in ROWS]
+    write_bands(priced)
     lines = table(priced)
     print("\n".join(lines))
     print(summary(priced))

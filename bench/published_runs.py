@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from typing import Any
 
 GPUS = ("a100-40g", "a100-80g", "h100-80g", "h200-141g")
+# Cards a row names in its notes that its `gpu` preset only approximates
+OFF_PRESET_CARDS = {"Grand Teton H100": "a 500 W H100 with 96 GB HBM2e (Grand Teton), not the 700 W H100 SXM of h100-80g"}
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp8")
 
@@ -118,6 +120,11 @@ class PublishedRun:
             (self.heads % self.kv_heads == 0, "heads not a multiple of kv_heads"),
             (any(m is not None for m in metrics), "no metric"),
         ]
+
+    @property
+    def off_preset(self) -> str:
+        """Why no preset is the card this row ran on ("" where `gpu` is it)."""
+        return next((why for card, why in OFF_PRESET_CARDS.items() if card in self.notes), "")
 
     @property
     def gas(self) -> int:

@@ -130,6 +130,18 @@ def task_finding(name: str) -> str | None:
     return finding if isinstance(finding, str) and finding else None
 
 
+def pricing_band(engine: str) -> dict[str, float] | None:
+    """How far the cost model's throughput for `engine` (ours, megatron) fell from published runs:
+    rows, median and 90th-percentile |error| (bench/published_bench.py writes
+    presets/findings/published_runs.json); None where no bench has written one."""
+    path = PRESETS_DIR / "findings" / "published_runs.json"
+    try:
+        band = json.loads(path.read_text())["engines"][engine]
+        return {key: float(band[key]) for key in ("rows", "median", "p90")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def load_task(ref: str) -> TaskSpec:
     """A task preset name (e.g. `demo`) or a path to a task YAML. A preset with generated data reads
     it from its cache folder (`generated_data_dir`), whether or not it is written yet."""

@@ -23,6 +23,7 @@ from advisor.specs import MIN_COMPUTE_FRACTION, GiB, Estimate, HardwareSpec, Lay
 from advisor.task import TaskSpec
 from planner.time_to_train import RESTART_S, FailureOverhead, checkpoint_write_s, time_to_train
 from planner.plan import InfeasiblePlan, PlanOptions, default_global_batch, make_plan
+from presets import pricing_band
 
 _PLAN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanOptions)}
 MTBF_HOURS = float(_PLAN_DEFAULTS["mtbf_hours"])  # per node, the planner's assumption
@@ -51,6 +52,8 @@ class CapacityRequest:
     restart_s: float = RESTART_S
     min_compute_fraction: float = MIN_COMPUTE_FRACTION
     command: str = ""
+    # `--engine`: whose behaviour is priced (advisor.capabilities PRICED_ENGINES)
+    priced_engine: str = "ours"
 
     def __post_init__(self) -> None:
         if (self.tokens is None) == (self.task is None):
@@ -199,6 +202,10 @@ class CapacityReport:
     scaling: list[Scaling]
     recommendation: Recommendation
     seconds: float
+    # how far this engine's prices fell from published runs (presets.pricing_band), and, for our
+    # engines, the recommended job as Megatron-LM would run it (`engine_comparison`)
+    error_band: dict[str, float] | None = None
+    against_megatron: EngineComparison | None = None
 
     def option(self, key: str) -> Option:
         return next(o for o in self.options if o.key == key)
@@ -217,6 +224,8 @@ class CapacityReport:
                         for s in self.scaling],
             "recommended": rec.option.key if rec.option else None,
             "recommendation": rec.text, "main_risk": rec.main_risk,
+            "engine": req.priced_engine, "error_band": self.error_band,
+            "against_megatron": dataclasses.asdict(self.against_megatron) if self.against_megatron else None,
             "seconds": self.seconds,
         }
 
@@ -250,7 +259,8 @@ def plan_option(req: CapacityRequest, hw: HardwareSpec, gpus: int, method: str) 
                        stage_tokens=req.stage_tokens,
                        seq=req.seq_len, global_batch=req.batch, method=method, tokens=req.tokens,
                        min_compute_fraction=req.min_compute_fraction, top_k=1, mtbf_hours=req.mtbf_hours,
-                       checkpoint_write_gbs=req.checkpoint_write_gbs, restart_s=req.restart_s)
+                       checkpoint_write_gbs=req.checkpoint_write_gbs, restart_s=req.restart_s,
+                       priced_engine=req.priced_engine)
     try:
         plan = make_plan(opts)
     except InfeasiblePlan as exc:
@@ -458,8 +468,58 @@ def capacity_report(req: CapacityRequest, progress: Callable[[Option], None] | N
                     jobs: int | None = None) -> CapacityReport:
     started = time.perf_counter()
     options = plan_options(req, progress, jobs)
+    recommendation = recommend(options, req)
+    comparison = engine_comparison(req, recommendation.option) if req.priced_engine == "ours" else None
     return CapacityReport(request=req, options=options, scaling=scaling_curves(options),
-                          recommendation=recommend(options, req), seconds=time.perf_counter() - started)
+                          recommendation=recommendation, seconds=time.perf_counter() - started,
+                          error_band=pricing_band(req.priced_engine), against_megatron=comparison)
+
+
+@dataclass
+class EngineComparison:
+    """The recommended job planned for Megatron-LM too: how much faster it would run, and the part
+    of the step that differs most (`why`)."""
+
+    ours_tokens_per_s: float
+    megatron_tokens_per_s: float
+    slower: float  # our engines' shortfall: 1 - ours / megatron (negative: ours is faster)
+    why: str
+
+
+# The parts of a step the comparison names, as the cost model splits it (TimeEstimate)
+_STEP_PARTS = {"compute_s": "computation (kernels, recomputation)", "tp_comm_s": "tensor-parallel collectives",
+               "pp_comm_s": "pipeline transfers", "bubble_s": "the pipeline bubble",
+               "dp_exposed_s": "data-parallel/ZeRO collectives not hidden behind compute",
+               "optimizer_s": "the optimizer step"}
+SLOWER_THAN_MEGATRON = 0.10  # the report says how much and why beyond this
+
+
+def _step_parts(est: Estimate) -> dict[str, float]:
+    """Seconds per token of each part of a step (`_STEP_PARTS`)."""
+    t = est.time
+    seconds = {"compute_s": t.compute_s, "tp_comm_s": t.tp_comm_s, "pp_comm_s": t.pp_comm_s, "bubble_s": t.bubble_s,
+               "dp_exposed_s": max(0.0, t.comm_exposed_s - t.tp_comm_s - t.pp_comm_s), "optimizer_s": t.optimizer_s}
+    return {part: value / est.layout.tokens_per_step for part, value in seconds.items()}
+
+
+def engine_comparison(req: CapacityRequest, option: Option | None) -> EngineComparison | None:
+    """The recommended option planned as Megatron-LM would run it (its own best layout for the same
+    GPUs, method and batch); None where there is nothing to compare or Megatron finds no plan."""
+    if option is None or option.estimate is None:
+        return None
+    hw = next(h for h in req.hardware if h.name == option.hardware)
+    megatron = plan_option(dataclasses.replace(req, priced_engine="megatron"), hw, option.gpus, option.method)
+    if megatron.estimate is None:
+        return None
+    ours, theirs = option.estimate, megatron.estimate
+    slower = 1 - ours.throughput.tokens_per_s / theirs.throughput.tokens_per_s
+    mine, megatrons = _step_parts(ours), _step_parts(theirs)
+    part = max(mine, key=lambda p: mine[p] - megatrons[p])
+    share = (mine[part] - megatrons[part]) * ours.layout.tokens_per_step / ours.time.step_s
+    layouts = ("the same layout" if ours.layout == theirs.layout
+               else f"ours {ours.layout.short()}, Megatron-LM's {theirs.layout.short()}")
+    why = f"{_STEP_PARTS[part]}, {share:.0%} of our step beyond Megatron-LM's ({layouts})"
+    return EngineComparison(ours.throughput.tokens_per_s, theirs.throughput.tokens_per_s, slower, why)
 
 
 def parse_prices(text: str | None, hardware: list[HardwareSpec]) -> dict[str, float]:

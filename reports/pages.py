@@ -9,7 +9,7 @@ import math
 from advisor.specs import GiB
 from reports import charts
 from reports.capacity import (CHECKPOINT_WRITE_GBS, COST_SLACK, METHOD_WORDS, SCALING_EFFICIENCY_RULE,
-                              CapacityReport)
+                              SLOWER_THAN_MEGATRON, CapacityReport, Option)
 from reports.document import Document, Table, format_number, num, pct, text
 
 PLANNING_MARGIN = 0.05  # the planner keeps peaks under (1 - margin) x usable memory (PlanOptions)
@@ -24,6 +24,20 @@ def _tokens(n: float) -> str:
         if n >= scale:
             return f"{n / scale:,.3g}{unit}"
     return f"{n:,.0f}"
+
+
+def _accuracy_text(report: CapacityReport, option: Option) -> str:
+    """Which engine the figures price and how far that engine's prices fell from published runs."""
+    engine = report.request.priced_engine
+    who = ("our engines, as `advisor train` runs the layout" if engine == "ours"
+           else f"{engine} (--engine {engine}), as that engine runs it")
+    band = report.error_band
+    if not band:
+        return f"Priced for {who}; no published-runs bench has measured this engine's accuracy."
+    low, high = option.gpu_hours * (1 - band["p90"]), option.gpu_hours * (1 + band["p90"])
+    return (f"Priced for {who}. Against {band['rows']:.0f} published GPU runs (bench/published_bench.py), this "
+            f"engine's throughput was within {band['p90']:.0%} for 90% of them (median {band['median']:.0%}): "
+            f"read the GPU-hours as {low:,.0f} to {high:,.0f}.")
 
 
 def capacity_document(report: CapacityReport) -> Document:
@@ -65,6 +79,12 @@ def capacity_document(report: CapacityReport) -> Document:
             [text("layout"), text(f"`{o.layout.short()}`", wrap=True)],
         ]
         doc.table(Table(["the recommended option", o.label], rows, id="chosen"))
+        doc.p(_accuracy_text(report, o), id="error-band")
+        if report.against_megatron and report.against_megatron.slower > SLOWER_THAN_MEGATRON:
+            c = report.against_megatron
+            doc.callout(f"Our engines run this job {c.slower:.0%} slower than Megatron-LM would "
+                        f"({c.ours_tokens_per_s:,.0f} against {c.megatron_tokens_per_s:,.0f} tokens/s); the "
+                        f"largest difference is {c.why}.", id="against-megatron", kind="risk")
 
     # -- every option --------------------------------------------------------------------------
     doc.h2("Options that fit", id="options-heading")

@@ -212,6 +212,14 @@ def render_capacity(report, written: list[Path]) -> None:
     console.print(table)
     console.print(f"[bold]recommendation[/bold]: {report.recommendation.text}", highlight=False)
     console.print(f"[bold]main risk[/bold]: {report.recommendation.main_risk}", highlight=False)
+    band, engine = report.error_band, report.request.priced_engine
+    if band:
+        console.print(f"[bold]accuracy[/bold]: priced for {engine}; within {band['p90']:.0%} of published runs' "
+                      f"throughput for 90% of {band['rows']:.0f} (median {band['median']:.0%})", highlight=False)
+    comparison = report.against_megatron
+    if comparison and comparison.slower > 0.10:
+        console.print(f"[bold]against Megatron-LM[/bold]: ours {comparison.slower:.0%} slower; {comparison.why}",
+                      highlight=False)
     for path in written[:2]:
         console.print(f"wrote {path}")
     console.print(f"wrote {len(written) - 2} charts in {written[0].parent / 'charts'}", style="dim")

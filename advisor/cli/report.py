@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from advisor.cli.common import console, err_console, exit_on_error, stage_tokens
+from advisor.capabilities import cost_engine
+from advisor.cli.common import PRICED_ENGINE_HELP, console, err_console, exit_on_error, stage_tokens
 from advisor.cli.render import render_capacity
 from advisor.specs import check_number
 from presets import load_task
@@ -40,6 +41,8 @@ def report_capacity(
                                                "(default: the planner's 2000)"),
     restart_minutes: float = typer.Option(10.0, "--restart-minutes", help="time to restart after a failure (assumed)"),
     jobs: Optional[int] = typer.Option(None, "--jobs", min=1, help="planner processes (default: CPU cores)"),
+    engine: str = typer.Option("ours", "--engine", help=PRICED_ENGINE_HELP + "; ours also plans the recommended "
+                               "job for Megatron-LM and says by how much and why ours is slower, beyond 10%"),
     out: Path = typer.Option(Path("capacity-report"), "--out", help="folder for capacity.html, capacity.md, charts/"),
     as_json: bool = typer.Option(False, "--json", help="print the table of options as one JSON object"),
 ) -> None:
@@ -63,7 +66,9 @@ def report_capacity(
             f"--hardware {hardware}", f"--gpus {gpus}", f"--method {method}"] + [
             f"{flag} {value}" for flag, value in (("--price-per-gpu-hour", price), ("--deadline", deadline),
                                                   ("--seq-len", seq_len), ("--global-batch", global_batch),
-                                                  ("--mtbf-hours", mtbf_hours)) if value is not None]
+                                                  ("--mtbf-hours", mtbf_hours)) if value is not None] + (
+            [f"--engine {engine}"] if engine != "ours" else [])
+        cost_engine(engine)  # one line and exit 2 for an unknown engine
         extra = {"mtbf_hours": mtbf_hours} if mtbf_hours is not None else {}
         spec_task = load_task(task) if task else None
         req = CapacityRequest(
@@ -71,7 +76,7 @@ def report_capacity(
             methods=[m.strip() for m in method.split(",") if m.strip()], tokens=tokens, task=spec_task,
             stage_tokens=stage_tokens(spec_task), seq=seq_len, global_batch=global_batch,
             prices=prices, deadline_s=parse_duration(deadline) if deadline else None,
-            restart_s=restart_minutes * 60, command=" ".join(command), **extra)
+            restart_s=restart_minutes * 60, command=" ".join(command), priced_engine=engine, **extra)
         total = len(hws) * len(req.gpu_counts) * len(req.methods)
         # no refresh thread: planner workers are forked, and a fork should not copy a running thread
         with Progress(TextColumn("planning"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
