@@ -84,10 +84,33 @@ ENGINES: dict[EngineName, EngineCapability] = {
 # layer, fp16/bf16 module with an fp32 master in its optimizer, vocab-parallel embedding and head,
 # gradients reduced overlapped with backward).
 MEGATRON = "megatron"
+# PyTorch FSDP as llm-foundry (mixed precision PURE) and IBM's fms-fsdp (bfSixteen) ran their published
+# runs: weights gathered and gradients reduced in bf16, where our FSDP2 engine reduces in fp32;
+# otherwise priced as our FSDP2 engine.
+FSDP_BF16 = "fsdp-bf16"
 PRICED_ENGINES: dict[str, str] = {
     "ours": "our engines, as advisor train runs the layout (plain/DDP, DeepSpeed, FSDP2, pipeline)",
     "megatron": "Megatron-LM (fused kernels, 4 TP all-reduces per layer, fp32 master in the optimizer), priced only",
+    "fsdp": "PyTorch FSDP with bf16 reductions, as llm-foundry and fms-fsdp run it, priced only",
 }
+_COST_ENGINES = {"megatron": MEGATRON, "fsdp": FSDP_BF16}
+# What a published engine's runs choose from, where that is less than every layout the cost model
+# prices (the planner's search space keys): FSDP's published runs shard data parallelism alone.
+PRICED_ENGINE_LIMITS: dict[str, dict[str, tuple]] = {
+    "fsdp": {"tp_degrees": (1,), "pp_degrees": (1,), "offloads": ("none",), "sequence_parallel": (False,)},
+}
+
+
+def priced_engine_problem(priced: str, layout: Layout) -> str | None:
+    """Why `--engine priced` cannot price `layout` (None: it can)."""
+    limits = PRICED_ENGINE_LIMITS.get(priced, {})
+    given = {"tp_degrees": layout.tp, "pp_degrees": layout.pp, "offloads": layout.offload,
+             "sequence_parallel": layout.sp}
+    broken = [key for key, allowed in limits.items() if given[key] not in allowed]
+    if not broken:
+        return None
+    return (f"--engine {priced} prices data-parallel sharding only (tp=1, pp=1, no offload); the layout asks "
+            f"for tp={layout.tp}, pp={layout.pp}, offload={layout.offload}")
 
 
 def cost_engine(priced: str, choice: str = "auto") -> str:
@@ -95,7 +118,7 @@ def cost_engine(priced: str, choice: str = "auto") -> str:
     published engine's name. One line and exit 2 for an unknown one."""
     if priced not in PRICED_ENGINES:
         raise UsageError(f"--engine {priced!r}: choose {', '.join(PRICED_ENGINES)}")
-    return choice if priced == "ours" else priced
+    return choice if priced == "ours" else _COST_ENGINES[priced]
 
 
 # The plain engine as it trained until issue 28: the module cast to 16 bits, Adam on the 16-bit
@@ -105,8 +128,9 @@ PURE16_PLAIN = "plain-pure16"
 
 
 def runs_as(engine: str) -> EngineName:
-    """The engine whose capabilities `engine` has: itself, or the one a priced-only variant was."""
-    return "plain" if engine == PURE16_PLAIN else engine  # type: ignore[return-value]
+    """The engine of ours whose behaviour `engine` has: itself, or the one a priced-only variant
+    is priced as (the pre-issue-28 plain engine; published FSDP as our FSDP2)."""
+    return {PURE16_PLAIN: "plain", FSDP_BF16: "fsdp2"}.get(engine, engine)  # type: ignore[return-value]
 
 
 def tf32_gemms(engine: str) -> bool:
@@ -154,7 +178,7 @@ class Precision:
 def fsdp_shards(layout: Layout, engine: str) -> bool:
     """FSDP2 shards weights, gradients and optimizer states across the data-parallel replicas
     whatever the ZeRO stage (ZeRO 1/2 only change when it reshards)."""
-    return engine in ("fsdp2", "pipeline") and layout.dp > 1
+    return runs_as(engine) in ("fsdp2", "pipeline") and layout.dp > 1
 
 
 def precision(layout: Layout, engine: str) -> Precision:

@@ -4,8 +4,8 @@
 Each row is compared on throughput per GPU, which needs no FLOP convention: tokens per second per GPU
 where the source printed it, else its seconds per step, else (Narayanan et al. 2021) the step its
 TFLOP/s imply through the paper's own equation (3). Megatron-LM rows (2021, Megatron-Core, Megatron-
-DeepSpeed) are priced as `--engine megatron`; FSDP rows (llm-foundry, fms-fsdp, torchtitan) as our
-FSDP2 engine. Rows the cost model cannot price are listed as skipped with the reason (fp8 GEMMs,
+DeepSpeed) are priced as `--engine megatron`; llm-foundry's and fms-fsdp's FSDP rows as `--engine fsdp`
+(bf16 reductions), torchtitan's as our FSDP2 engine (fp32 reductions, as both run them). Rows the cost model cannot price are listed as skipped with the reason (fp8 GEMMs,
 context parallelism).
 
     python -m bench.published_bench            # prints the table, writes its section of docs/benchmarks.md
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from advisor.capabilities import MEGATRON  # noqa: E402
+from advisor.capabilities import FSDP_BF16, MEGATRON  # noqa: E402
 from advisor.specs import HardwareSpec, Layout, ModelSpec  # noqa: E402
 from bench.published_runs import ROWS, PublishedRun  # noqa: E402
 from planner.cost_model import estimate  # noqa: E402
@@ -108,7 +108,7 @@ def price(row: PublishedRun) -> Priced:
         return Priced(row, published, None, None, f"no preset for its card: {row.off_preset}")
     if published is None:
         return Priced(row, None, None, None, "no throughput the bench can compare without the source's FLOP count")
-    engine = MEGATRON if row.engine in MEGATRON_ENGINES else "fsdp2"
+    engine = MEGATRON if row.engine in MEGATRON_ENGINES else FSDP_BF16 if row.engine == "pytorch-fsdp" else "fsdp2"
     attention = "eager" if row.source == "narayanan2021" else None
     est = estimate(row_model(row), _hardware(row), row_layout(row), attention=attention, engine=engine)
     return Priced(row, published, est.throughput.tokens_per_s / row.gpus, est.memory.peak / 2**30)
@@ -138,11 +138,12 @@ def summary(priced: list[Priced]) -> str:
 
 
 def error_bands(priced: list[Priced]) -> dict[str, dict[str, float]]:
-    """Per priced engine (ours: the FSDP rows; megatron: the Megatron-LM rows), how far its prices
-    fall from published throughput: rows, median and 90th-percentile |error| (what `advisor report
-    capacity` shows as its error band, presets/findings/published_runs.json)."""
+    """Per priced engine, how far its prices fall from published throughput: rows, median and
+    90th-percentile |error| (what `advisor report capacity` shows as its error band,
+    presets/findings/published_runs.json). Megatron-LM's rows for `megatron`; the FSDP rows, priced
+    by the cost model's FSDP2 terms (bf16 or fp32 reductions as each ran), for `ours` and `fsdp`."""
     bands = {}
-    for engine in ("ours", "megatron"):
+    for engine in ("ours", "fsdp", "megatron"):
         errors = sorted(abs(p.error) for p in priced if p.error is not None
                         and (p.row.engine in MEGATRON_ENGINES) == (engine == "megatron"))
         if errors:
@@ -167,8 +168,10 @@ def main() -> None:
 
     write_section("published_bench", "Published runs, priced (no device)", "python -m bench.published_bench",
                   "\n".join(lines) + "\n\n" + summary(priced) + ". Throughput per GPU compared (tokens/s, or what "
-                  "the source's step time or TFLOP/s imply); Megatron-LM rows priced as `--engine megatron`, FSDP "
-                  "rows as our FSDP2 engine. Sources and each row's address: bench/published_runs.py.")
+                  "the source's step time or TFLOP/s imply); Megatron-LM rows priced as `--engine megatron`, "
+                  "llm-foundry's and fms-fsdp's as `--engine fsdp` (bf16 reductions), torchtitan's as our FSDP2 engine. "
+                  "Rows on cards no preset is, in fp8 or with context parallelism are listed, not priced. Sources "
+                  "and each row's address: bench/published_runs.py.")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from advisor.capabilities import COLUMN_PARALLEL, ENGINE_CHOICES, ROW_PARALLEL, engine_for, tf32_gemms
+from advisor.capabilities import COLUMN_PARALLEL, ENGINE_CHOICES, FSDP_BF16, ROW_PARALLEL, engine_for, runs_as, tf32_gemms
 from advisor.errors import UsageError
 from advisor.layout_rules import ModelShape, layout_problem, tp_crosses_nodes
 from advisor.specs import (
@@ -763,7 +763,7 @@ def _gradient_comm(layout: Layout, engine: str, hardware: HardwareSpec, placemen
         # FSDP2 all-gathers each unit's weights for every micro-batch's forward (and again for its
         # backward when it reshards after forward: ZeRO-3 outside a pipeline), and reduce-scatters
         # the gradients every micro-batch from ZeRO-2 on, else once at the accumulation boundary.
-        gathers = 2 if layout.zero == 3 and engine == "fsdp2" else 1
+        gathers = 2 if layout.zero == 3 and runs_as(engine) == "fsdp2" else 1
         per_mb = gathers * collectives.all_gather_s(weight_bytes, dp, hardware, spans)
         reduces = gas if layout.zero >= 2 else 1
         dp_comm = gas * per_mb + reduces * collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
@@ -792,6 +792,8 @@ def gradient_comm_bytes(layout: Layout, engine: str, trainable: float) -> float:
     master: `stored_dtype_bytes`); LoRA's adapters are fp32."""
     if layout.method != "full":
         return trainable * ADAPTER_BYTES
+    if engine == FSDP_BF16:  # published FSDP runs reduce in bf16 (advisor.capabilities FSDP_BF16)
+        return trainable * DTYPE_BYTES["bf16"]
     return trainable * stored_dtype_bytes(layout, engine)
 
 
@@ -842,7 +844,7 @@ def _optimizer_time(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, r
         # streams at the profile's copy rate (measured: the plain engine's clip over gqa-50k's 37M
         # gradients took 11 ms, 3 passes at 40 GB/s, where the fitted element-wise rate prices 55)
         bandwidth = hardware.memory_bandwidth_gbs * 1e9
-        clip = rates.slowdown * CLIP_PASSES.get(engine, 0) * gradient_comm_bytes(layout, engine, updated) / bandwidth
+        clip = rates.slowdown * CLIP_PASSES.get(runs_as(engine), 0) * gradient_comm_bytes(layout, engine, updated) / bandwidth
         if hardware.device_type == "cpu":
             # the device is the host: the profile's own measured AdamW rate (the single-tensor
             # AdamW that plain torch and DeepSpeed's torch_adam run on a CPU, at the device's threads),

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from advisor.capabilities import LOSS_CHUNK_TOKENS, autocast_kept_dtype, chunked_loss, engine_for, precision
 from advisor.capabilities import fsdp_shards  # declared beside `precision`; the cost model reads it here
-from advisor.capabilities import MEGATRON  # a published engine, priced only (declared with ours)
+from advisor.capabilities import MEGATRON, runs_as  # published engines, priced only (declared with ours)
 from advisor.specs import DTYPE_BYTES, Layout
 from profiler.model_trace import NF4_BYTES_PER_PARAM, BlockTrace, ModelTrace
 
@@ -170,7 +170,7 @@ def gathered_parameter_bytes(params: float, layer_params: float, root_params: fl
         return max(min(params, ZERO3_MAX_LIVE_PARAMETERS), ZERO3_PREFETCH_LAYERS * layer_params) * w
     if not fsdp_shards(layout, engine):
         return 0.0
-    if layout.zero == 3 and engine == "fsdp2":
+    if layout.zero == 3 and runs_as(engine) == "fsdp2":
         return (root_params + ZERO3_PREFETCH_LAYERS * layer_params) * w
     return params * w
 
@@ -258,7 +258,7 @@ def vocab_shards(layout: Layout, engine: str | None = None) -> int:
     the decoder layers only and keep these whole on every TP rank (trainer/parallelize.py
     apply_tensor_parallel), so every rank computes the full logits and loss."""
     engine = engine or engine_for(layout)
-    return 1 if engine in ("fsdp2", "pipeline") else layout.tp
+    return 1 if runs_as(engine) in ("fsdp2", "pipeline") else layout.tp
 
 
 def loss_runs_chunked(trace: ModelTrace, layout: Layout, engine: str | None = None) -> bool:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from advisor.capabilities import attention_implementation, config_shape, cost_engine, runnable_problem
+from advisor.capabilities import PRICED_ENGINE_LIMITS, attention_implementation, config_shape, cost_engine, runnable_problem
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, PlannedLayout, StagePlan
 from advisor.profile import ClusterProfile
@@ -142,7 +142,7 @@ def _request(opts: PlanOptions, devices: int, seq: int, batch: int, methods: tup
                            "allow_cross_node_tp": opts.allow_cross_node_tp,
                            "fixed": {**opts.space.fixed, **_shape_fix(opts)},
                            "engine": cost_engine(opts.priced_engine, opts.space.engine),
-                           "runnable_only": _runnable_only(opts)})
+                           "runnable_only": _runnable_only(opts), **PRICED_ENGINE_LIMITS.get(opts.priced_engine, {})})
     dtype = opts.dtype or hardware.default_dtype
     req = PlanRequest(model=opts.model, hardware=hardware, devices=devices, seq=seq, global_batch=batch,
                       dtype=dtype, space=space, min_compute_fraction=opts.min_compute_fraction,

@@ -13,6 +13,8 @@ The shapes are ones the benches and presets never used. Run with `-s` for the ta
 
 from __future__ import annotations
 
+import gc
+
 import json
 import statistics
 from dataclasses import dataclass
@@ -112,7 +114,10 @@ def qlora_model(row: Row, folder: Path) -> torch.nn.Module:
 
 def measured_peak(row: Row, method: str, folder: Path, memory: TensorMemory) -> int:
     """Tensor bytes at the peak of `STEPS` plain training steps, above what was live before the model
-    was built (its construction's own transients left out)."""
+    was built (its construction's own transients left out). Earlier tests' garbage is collected first:
+    freed in the middle of the steps, it would lower the peak above `before` (in the full suite the
+    recomputed QLoRA row read 3 MiB, 4%, low)."""
+    gc.collect()
     before = memory.live()
     model = full_model(row) if method == "full" else qlora_model(row, folder)
     model.train()

@@ -25,9 +25,10 @@ LAYOUT_HELP = "Layout keys (comma-separated key=value; left-out keys take defaul
 
 
 # `--engine` of estimate, plan and report capacity: whose behaviour is priced
-PRICED_ENGINE_HELP = ("the engine whose behaviour is priced: ours (default: what `advisor train` runs) or megatron "
+PRICED_ENGINE_HELP = ("the engine whose behaviour is priced: ours (default: what `advisor train` runs), megatron "
                       "(Megatron-LM, as the published runs it produced were made: fused kernels, 4 TP all-reduces "
-                      "per layer, fp32 master in the optimizer); priced only, never run here")
+                      "per layer, fp32 master in the optimizer) or fsdp (PyTorch FSDP with bf16 reductions, as "
+                      "llm-foundry and fms-fsdp run it; data parallelism only); priced only, never run here")
 
 
 def exit_on_error(action: Callable[[], Any]) -> Any:

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from advisor.capabilities import MEGATRON, config_shape, cost_engine, runnable_problem
+from advisor.capabilities import config_shape, cost_engine, priced_engine_problem, runnable_problem
 from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, exit_on_error
 from advisor.cli.render import render_estimate
 from advisor.errors import UsageError
@@ -65,9 +65,12 @@ def estimate_layout(model: str, hardware: str, layout: str, nodes: int | None, g
     lay = resolve_layout(layout, devices, hw, seq_len)
     if seq_len is not None or "seq" in given:  # the default 2048 is not the user's choice
         check_seq_fits(spec, lay.seq, "--seq-len" if seq_len is not None else "layout seq")
+    problem = priced_engine_problem(engine, lay)
+    if problem:
+        raise UsageError(problem)
     result = run_estimate(spec, hw, lay, attention=attention, packed=packed, engine=priced)
-    if priced == MEGATRON:
-        result.notes.append("priced as Megatron-LM runs it (--engine megatron), not as advisor train would")
+    if engine != "ours":
+        result.notes.append(f"priced as {engine} runs it (--engine {engine}), not as advisor train would")
         return result
     problem = runnable_problem(lay, config_shape(spec.hf_config), hw.device_type)
     if problem:  # priced all the same: users of other engines estimate too, but they are told
