@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from advisor.capabilities import FSDP_BF16, MEGATRON  # noqa: E402
 from advisor.specs import HardwareSpec, Layout, ModelSpec  # noqa: E402
 from bench.published_runs import ROWS, PublishedRun  # noqa: E402
+from megatron_table1 import megatron_2021, paper_flops_per_iteration  # noqa: E402
 from planner.cost_model import estimate  # noqa: E402
 from presets import load_hardware  # noqa: E402
 
@@ -83,18 +84,16 @@ def published_tokens_s(row: PublishedRun) -> float | None:
     tokens = row.gbs * row.seq / row.gpus
     if row.step_s is not None:
         return tokens / row.step_s
-    if row.tflops_per_gpu is not None and row.source == "narayanan2021":
-        h, s, layers, v = row.hidden, row.seq, row.layers, row.vocab  # equation (3), per iteration
-        flops = 96 * row.gbs * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
+    if row.tflops_per_gpu is not None and row.source == "narayanan2021":  # the paper's equation (3)
+        flops = paper_flops_per_iteration(row.gbs, row.seq, row.layers, row.hidden, row.vocab)
         return tokens / (flops / (row.tflops_per_gpu * 1e12 * row.gpus))
     return None
 
 
 def _hardware(row: PublishedRun) -> HardwareSpec:
     hardware = load_hardware(row.gpu)
-    if row.source == "narayanan2021" and "local" in row.notes:
-        # Megatron's own DDP all-reduces after the last backward: nothing hidden (bench/megatron_table1.py)
-        return hardware.model_copy(update={"efficiency": hardware.efficiency.model_copy(update={"comm_overlap": 0.0})})
+    if row.source == "narayanan2021":  # the row's DDP, as bench/megatron_table1.py prices Table 1
+        return megatron_2021(hardware, "local" if "local" in row.notes else "torch")
     return hardware
 
 
