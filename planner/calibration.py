@@ -68,6 +68,13 @@ FACTORS = tuple(UNKNOWNS)
 # profiles of one machine fitted 0.86 and 2.0 with equal residuals, and held-out models with
 # another balance of GEMMs and element-wise work paid for it (bench/accuracy.py: median 8.6% -> 5.3%).
 MEASURED = {"gemm": 1.0}
+# Not fitted on a GPU, where each is a CPU's effect or measured apart: the tokens a GEMM is fed move a
+# GPU's rate through its waves (priced from the tile grid) and the profile's GEMM shapes, not through
+# caches; a GPU's devices share no cores (no contention); the per-micro-batch host time is the host
+# floor, measured per op (profiler/host_ops.py). Fitted there too, the slope traded off against the
+# memory-bound time across the host floor's kinks (a 1.1B Llama's bf16 steps at known factors: the
+# memory factor came back 0.675 for 0.6, the slope 0.023 for 0).
+NOT_FITTED_ON_GPU = ("gemm_tokens_slope", "node_contention", "micro_batch_overhead_s")
 
 
 def unknowns_of(eff: Efficiency) -> dict[str, float]:
@@ -119,18 +126,18 @@ def decompose(trace: ModelTrace, layout: Layout, hardware: HardwareSpec) -> Term
     return Terms(base, slopes, reference)
 
 
-def fit_factors(terms: list[Terms], measured_s: list[float]) -> dict[str, float]:
+def fit_factors(terms: list[Terms], measured_s: list[float], fixed: tuple[str, ...] = ()) -> dict[str, float]:
     """One bounded least-squares solve of relative errors, min sum((t_i(u) / m_i - 1)^2).
 
     Returns the Efficiency fields the measured layouts determine (memory_bandwidth, adapter_gemm,
     micro_batch_overhead_s, node_contention, gemm_tokens_slope, intra_node_collective,
     tp_collective_wait_s; gemm is `MEASURED`); an unknown no layout depends on (no LoRA layout, one
-    device only) is left out, so it keeps its value."""
+    device only) or named in `fixed` is left out, so it keeps its value."""
     if len(terms) != len(measured_s) or not terms:
         raise ValueError("need one measured time per layout")
     m = np.array(measured_s, dtype=float)
-    names = [n for n in FACTORS
-             if n not in MEASURED and max(abs(t.slopes[n]) / mi for t, mi in zip(terms, m)) > 1e-9]
+    names = [n for n in FACTORS if n not in MEASURED and n not in fixed
+             and max(abs(t.slopes[n]) / mi for t, mi in zip(terms, m)) > 1e-9]
     slopes = np.array([[t.slopes[n] for n in names] for t in terms]) / m[:, None]
     offset = np.array([t.base_s - sum(t.slopes[n] * t.reference[n] for n in names) for t in terms]) / m
     lower = np.array([UNKNOWNS[n][2][0] for n in names])
@@ -147,10 +154,11 @@ def fit_to_steps(cases: list[tuple[ModelTrace, Layout]], measured_s: list[float]
     """The factors that best explain the measured steps of (trace, layout) cases on the real cost
     model: `fit_factors` re-linearised at each estimate until the factors settle."""
     factors: dict[str, float] = {}
+    gpu = hardware.device_type == "cuda"
     current = with_factors(hardware, **MEASURED)
     for _ in range(iterations):
         terms = [decompose(trace, layout, current) for trace, layout in cases]
-        new = {**MEASURED, **fit_factors(terms, measured_s)}
+        new = {**MEASURED, **fit_factors(terms, measured_s, NOT_FITTED_ON_GPU if gpu else ())}
         settled = factors and all(abs(new[k] - factors.get(k, float("inf"))) <= 1e-9 * max(1.0, abs(new[k]))
                                   for k in new)
         factors = new

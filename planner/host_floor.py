@@ -3,7 +3,7 @@
 Our engines run HF's modules eagerly: for every kernel the host pays Python, autograd, the
 dispatcher and the launch (`Efficiency.host_op_s`, measured by `advisor profile`). The GPU runs
 ahead of the host only while a kernel outlasts a launch. A decoder layer of a 1-2B model launches
-about 120 kernels forward and backward (the trace counts them, `profiler.model_trace._kernel_log`),
+about 120 kernels forward and backward (the trace counts them, `profiler.model_trace.kernel_log`),
 of which some 20 are GEMMs or attention: those outlast a launch and the host runs ahead during them;
 the others are element-wise kernels of a few microseconds, after each of which the GPU waits for the
 next launch. So the two kinds are priced apart, each as the larger of its device time and its host

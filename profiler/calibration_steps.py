@@ -19,11 +19,18 @@ cannot tell the two apart (at mbs 2 alone the fit read 47% contention where two 
 computing at once measured 3-9%, and `advisor run`'s demo step at mbs 8 was priced 36% slow).
 Eleven steps for seven fitted factors (planner/calibration.py): the fit is over-determined, so one
 noisy step cannot move a factor alone.
+
+On a GPU the same layouts run in bf16 (fp32 master weights, bf16 autocast: what `dtype=bf16` trains
+as) at twice the sequence: a GPU's narrow steps are bound by the host's launches, which the profile
+measured apart (profiler/host_ops.py), so the steps weigh the memory-bound kernels and the adapters
+against a measured floor. A layout that runs out of the device's memory (the step runner returns
+None: two decoder layers of a 405B model at full width with their embedding and head hold about
+170 GB of states) is left out of the fit, and what ran is what the fit uses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from advisor.capabilities import config_shape, runnable_problem
@@ -38,9 +45,11 @@ WARMUP_STEPS = 3
 
 class StepRunner(Protocol):
     """Runs `steps` optimizer steps of `layout` on `model` for real and returns the median step's
-    seconds after `warmup` (the trainer's timed steps: `advisor train`'s engine and step code)."""
+    seconds after `warmup` (the trainer's timed steps: `advisor train`'s engine and step code), or
+    None when the layout ran out of the device's memory."""
 
-    def __call__(self, model: ModelSpec, layout: Layout, *, steps: int, threads: int, warmup: int) -> float: ...
+    def __call__(self, model: ModelSpec, layout: Layout, *, steps: int, threads: int,
+                 warmup: int) -> float | None: ...
 
 
 @dataclass
@@ -51,8 +60,9 @@ class CalibrationSteps:
     small: ModelSpec  # the cut of it that ran
     threads: int
     steps: int
-    layouts: list[Layout]
+    layouts: list[Layout]  # those that ran (a layout out of the device's memory is left out)
     measured_s: list[float]
+    out_of_memory: list[Layout] = field(default_factory=list)
 
 
 def calibration_model(model: ModelSpec, layers: int = CALIBRATION_LAYERS) -> ModelSpec:
@@ -63,23 +73,30 @@ def calibration_model(model: ModelSpec, layers: int = CALIBRATION_LAYERS) -> Mod
     return ModelSpec(name=f"{model.name}[{cfg[key]} layers]", hf_config=cfg, source=model.source)
 
 
-def fit_layouts(seq: int, devices: int, max_seq: int | None = None, shape: ModelShape | None = None) -> list[Layout]:
+def calibration_dtype(device_type: str) -> str:
+    """fp32 on a CPU (what it trains in); bf16 on a GPU (fp32 master weights, bf16 compute)."""
+    return "fp32" if device_type == "cpu" else "bf16"
+
+
+def fit_layouts(seq: int, devices: int, max_seq: int | None = None, shape: ModelShape | None = None,
+                device_type: str = "cpu") -> list[Layout]:
     """What calibration runs (see the module docstring); the last ones on two devices when the
     node has them, tensor parallel where the model's `shape` splits in two (every shape, unset)."""
+    dtype = calibration_dtype(device_type)
     layouts = [
-        Layout(mbs=1, seq=seq, dtype="fp32"),
-        Layout(mbs=2, seq=seq, dtype="fp32"),
-        Layout(mbs=4, seq=seq, dtype="fp32"),
-        Layout(mbs=8, seq=seq, dtype="fp32"),
-        Layout(mbs=1, gas=2, seq=seq, dtype="fp32"),
-        Layout(mbs=1, seq=min(2 * seq, max_seq or 2 * seq), dtype="fp32"),
-        Layout(mbs=2, seq=seq, dtype="fp32", recompute="full"),
-        Layout(mbs=2, seq=seq, dtype="fp32", method="lora"),
+        Layout(mbs=1, seq=seq, dtype=dtype),
+        Layout(mbs=2, seq=seq, dtype=dtype),
+        Layout(mbs=4, seq=seq, dtype=dtype),
+        Layout(mbs=8, seq=seq, dtype=dtype),
+        Layout(mbs=1, gas=2, seq=seq, dtype=dtype),
+        Layout(mbs=1, seq=min(2 * seq, max_seq or 2 * seq), dtype=dtype),
+        Layout(mbs=2, seq=seq, dtype=dtype, recompute="full"),
+        Layout(mbs=2, seq=seq, dtype=dtype, method="lora"),
     ]
     if devices >= 2:
-        layouts += [Layout(dp=2, mbs=1, seq=seq, dtype="fp32"), Layout(dp=2, mbs=8, seq=seq, dtype="fp32")]
-        tensor_parallel = Layout(tp=2, mbs=2, seq=seq, dtype="fp32")
-        if shape is None or runnable_problem(tensor_parallel, shape, "cpu") is None:
+        layouts += [Layout(dp=2, mbs=1, seq=seq, dtype=dtype), Layout(dp=2, mbs=8, seq=seq, dtype=dtype)]
+        tensor_parallel = Layout(tp=2, mbs=2, seq=seq, dtype=dtype)
+        if shape is None or runnable_problem(tensor_parallel, shape, device_type) is None:
             layouts.append(tensor_parallel)
     return layouts
 
@@ -88,22 +105,30 @@ def max_seq(model: ModelSpec) -> int:
     return int(model.hf_config.get("max_position_embeddings") or model.hf_config.get("n_positions") or 2048)
 
 
-def calibration_seq(model: ModelSpec, quick: bool) -> int:
-    return min(max_seq(model), 256 if quick else 512)
+def calibration_seq(model: ModelSpec, quick: bool, device_type: str = "cpu") -> int:
+    seq = 256 if quick else 512
+    return min(max_seq(model), seq if device_type == "cpu" else 2 * seq)
 
 
 def measure_calibration_steps(
     model: ModelSpec, devices: int, threads: int, quick: bool, step_runner: StepRunner, steps: int | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, device_type: str = "cpu",
 ) -> CalibrationSteps:
-    """Run the fit layouts for real (CPU, fp32, ranks of `threads` threads) on the cut model."""
+    """Run the fit layouts for real on the cut model (a CPU: fp32, ranks of `threads` threads; a GPU:
+    bf16 at twice the sequence), leaving out the layouts that run out of memory."""
     small = calibration_model(model)
-    layouts = fit_layouts(calibration_seq(model, quick), devices, max_seq(model), config_shape(small.hf_config))
+    layouts = fit_layouts(calibration_seq(model, quick, device_type), devices, max_seq(model),
+                          config_shape(small.hf_config), device_type)
     steps = steps or (7 if quick else 12)
-    measured = []
+    ran, measured, out_of_memory = [], [], []
     for layout in layouts:
         if progress:
             progress(f"calibration {layout.short()}")
-        measured.append(step_runner(small, layout, steps=steps, threads=threads, warmup=WARMUP_STEPS))
-    return CalibrationSteps(model=model.name, small=small, threads=threads, steps=steps, layouts=layouts,
-                            measured_s=measured)
+        seconds = step_runner(small, layout, steps=steps, threads=threads, warmup=WARMUP_STEPS)
+        if seconds is None:
+            out_of_memory.append(layout)
+        else:
+            ran.append(layout)
+            measured.append(seconds)
+    return CalibrationSteps(model=model.name, small=small, threads=threads, steps=steps, layouts=ran,
+                            measured_s=measured, out_of_memory=out_of_memory)

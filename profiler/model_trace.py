@@ -70,7 +70,7 @@ class BlockTrace(BaseModel):
     cast_weight_bytes: float = Field(
         0.0, description="16-bit copies of the fp32 weights that autocast casts (bf16-mixed), alive from their "
                          "forward to their backward whatever the micro-batch size; not in the activations")
-    # What the host launches and what the memory-bound kernels move (`_kernel_log`), per sequence:
+    # What the host launches and what the memory-bound kernels move (`kernel_log`), per sequence:
     # a GPU runs ahead of its host only while a kernel outlasts a launch (planner/cost_model.py, host floor)
     fwd_ops: float = Field(0.0, description="kernels launched in forward (views and metadata ops excluded)")
     bwd_ops: float = Field(0.0, description="kernels launched in backward")
@@ -411,7 +411,7 @@ def _nf4_linear() -> Any:
     the trace: the weight is dequantised to the compute dtype in forward, used and dropped, and
     dequantised again in backward for the input's gradient; nothing of the input is saved (the
     frozen weight needs no gradient). The dequantisation is one op (`advisor::nf4_dequantize`)
-    that `_kernel_log` prices as bitsandbytes' kernel moves it; the trace holds the weight in 16 bits."""
+    that `kernel_log` prices as bitsandbytes' kernel moves it; the trace holds the weight in 16 bits."""
     import torch
 
     @torch.library.custom_op(f"advisor::{NF4_DEQUANTIZE}", mutates_args=(), schema="(Tensor weight) -> Tensor")
@@ -480,7 +480,7 @@ def _tensor_bytes(value: Any) -> float:
     return float(sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor)))
 
 
-def _kernel_log() -> Any:
+def kernel_log() -> Any:
     """A dispatch mode that counts what the host launches: every op but views and metadata ops is
     one kernel launch (an eager step pays Python, autograd and dispatch for each); of them, GEMMs and
     attention kernels are `dense` (priced by their FLOPs); every other kernel is memory-bound and
@@ -619,7 +619,7 @@ def _trace_once(
         handles = log.hooks_for(model, column, row)
         selective = _selective_log(row, model)
         casts = _cast_log(log)
-        kernels = _kernel_log()
+        kernels = kernel_log()
         ids = torch.zeros((1, seq), dtype=torch.long)
         with FlopCounterMode(display=False) as counter, kernels:
             with torch.autograd.graph.saved_tensors_hooks(log.pack, lambda t: t), selective, casts, compute:

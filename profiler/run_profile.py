@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from advisor.errors import UsageError
-from advisor.profile import HardwareProfile, Inventory, Measurement, NodeInventory
+from advisor.profile import HardwareProfile, Inventory, Measurement, NodeInventory, load_profile
 from advisor.specs import COLLECTIVE_OPS, Efficiency, HardwareSpec, LinkFigures, ModelSpec, SizeCurve
 from presets import load_hardware, load_model
 from profiler import hardware_bench as hb
@@ -39,6 +39,7 @@ from profiler.calibration_steps import CalibrationSteps, StepRunner, fit_layouts
 from profiler.cluster import ClusterOptions, meet
 from profiler.cluster_bench import bench_bisection, bench_node_pairs, pair_rounds
 from profiler.cluster_profile import cluster_notes, cluster_of, priced_at_slowest
+from profiler.host_ops import bench_host_op
 from profiler.inventory import cpu_cores, process_rss_gib, resolve_device, take_inventory, this_host
 from profiler.model_trace import architecture_dims
 from profiler.ranks import finish_rank, free_port, init_device_and_group, init_rank, local_device
@@ -92,6 +93,7 @@ class Budget:
     copy_bytes: int
     collective_sizes: list[int] = field(default_factory=list)
     head_s: float = 3.0
+    host_s: float = 1.5  # the host's time per op (profiler/host_ops.py)
 
     @classmethod
     def of(cls, quick: bool, device_type: str) -> "Budget":
@@ -100,10 +102,10 @@ class Budget:
         if quick:
             sizes = [4 << 10, 256 << 10, 4 << 20, 32 << 20]
             copy = (1 << 30) if device_type == "cuda" else (64 << 20)
-            return cls(3.0, 0.6, 0.6, 1.0, copy, sizes, 3.0)
+            return cls(3.0, 0.6, 0.6, 1.0, copy, sizes, 3.0, 0.5)
         sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20, 128 << 20]
         copy = (1 << 30) if device_type == "cuda" else (256 << 20)
-        return cls(12.0, 2.0, 2.0, 3.0, copy, sizes, 8.0)
+        return cls(12.0, 2.0, 2.0, 3.0, copy, sizes, 8.0, 1.5)
 
 
 # Work units of the progress bar, per part.
@@ -212,11 +214,14 @@ def rank_benchmarks(rank: int, world: int, local_world: int, device_type: str, t
     out["memory"] = hb.bench_memory_bandwidth(device, budget.copy_bytes, budget.memory_s)
     if device.type == "cuda":
         out["host_device"] = hb.bench_host_device(device, 256 << 20, budget.memory_s)
-    report("memory bandwidth")
+    out["host_op"] = bench_host_op(device, budget.host_s)
+    report("memory bandwidth and host time per op")
     adam_shapes = hb.model_param_shapes(dims, 2) if dims else [(4_000_000,)]
     out["adam"] = hb.bench_cpu_adam(adam_shapes, budget.adam_s)
     out["adam_by_size"] = hb.bench_cpu_adam_by_size(hb.ADAM_TENSOR_SIZES, budget.adam_s,
                                                     out["adam"]["params_per_s"])
+    if device.type == "cuda":  # where our DeepSpeed engine offloads to DeepSpeed's own host Adam
+        out["deepspeed_adam"] = hb.bench_deepspeed_cpu_adam(adam_shapes, budget.adam_s)
     report("CPU optimizer step")
     if world > 1:
         # across nodes the quick budget doubles: multi-node plans rest on the inter-node fit, and a
@@ -383,6 +388,15 @@ def measurements_of(raw: dict[str, Any]) -> list[Measurement]:
     a = raw["adam"]
     out.append(Measurement(name="cpu_adam", value=a["params_per_s"], unit="params/s", median_s=a["median_s"],
                            repeats=a["repeats"], stable=a["stable"], params=a["params"], tensors=a["tensors"]))
+    ds = raw.get("deepspeed_adam")
+    if ds and "error" not in ds:
+        out.append(Measurement(name="deepspeed_cpu_adam", value=ds["params_per_s"], unit="params/s",
+                               median_s=ds["median_s"], repeats=ds["repeats"], stable=ds["stable"],
+                               params=ds["params"], tensors=ds["tensors"]))
+    host = raw.get("host_op")
+    if host:
+        out.append(Measurement(name="host_op", value=host["host_op_s"] * 1e6, unit="us/op", median_s=host["median_s"],
+                               repeats=host["repeats"], stable=host["stable"], ops=host["ops"]))
     by_size = raw.get("adam_by_size", {"sizes": [], "relative": []})
     for size, relative in zip(by_size["sizes"], by_size["relative"]):
         out.append(Measurement(name=f"cpu_adam/tensor_{size}", value=relative * a["params_per_s"], unit="params/s"))
@@ -472,16 +486,31 @@ def hardware_from(raw: dict[str, Any], inventory: Inventory, name: str) -> Hardw
         cpu_cores=None if cuda else inventory.cpu_cores,
         host_memory_gib=inventory.host_memory_gib,
         host_to_device_gbs=h2d,
-        cpu_adam_params_per_s=raw["adam"]["params_per_s"],
+        cpu_adam_params_per_s=offload_adam(raw)["params_per_s"],
         head_gemm=SizeCurve(sizes=raw["head_gemm"]["widths"], relative=raw["head_gemm"]["relative"])
         if "head_gemm" in raw else None,
         attention=SizeCurve(sizes=raw["attention"]["seqs"], relative=raw["attention"]["relative"])
         if "attention" in raw and not raw["attention"].get("suspect") else None,
         cpu_adam_by_tensor=SizeCurve(sizes=raw["adam_by_size"]["sizes"], relative=raw["adam_by_size"]["relative"])
-        if "adam_by_size" in raw else None,
+        if "adam_by_size" in raw and offload_adam(raw) is raw["adam"] else None,
         efficiency=Efficiency(gemm=1.0, intra_node_collective=1.0, inter_node_collective=1.0,
-                              memory_bandwidth=1.0, comm_overlap=0.5 if cuda else 0.0),
+                              memory_bandwidth=1.0, comm_overlap=0.5 if cuda else 0.0,
+                              host_op_s=min(raw["host_op"]["host_op_s"], HOST_OP_CAP_S)
+                              if cuda and "host_op" in raw else 0.0),
     )
+
+
+# The schema's bound on a host's time per op (Efficiency.host_op_s): beyond it a GPU step would be
+# priced as a host's alone; a figure above it is kept in the measurements and priced at the bound.
+HOST_OP_CAP_S = 0.01
+
+
+def offload_adam(raw: dict[str, Any]) -> dict[str, Any]:
+    """The host Adam that optimizer offload runs, as measured: DeepSpeed's own (`DeepSpeedCPUAdam`)
+    where the profile measured it (a GPU machine whose DeepSpeed op loads), else torch's AdamW, which
+    a CPU's DeepSpeed engine runs (`torch_adam`) and plain CPU training too."""
+    ds = raw.get("deepspeed_adam")
+    return ds if ds and "error" not in ds else raw["adam"]
 
 
 def suspect_notes(raw: dict[str, Any]) -> list[str]:
@@ -491,6 +520,10 @@ def suspect_notes(raw: dict[str, Any]) -> list[str]:
              for dtype, g in raw["gemm"].items() if g.get("suspect")]
     notes += [f"suspect gemm_peak/{dtype}: {g['suspect']}" for dtype, g in raw.get("gemm_peak", {}).items()
               if g.get("suspect")]
+    ds = raw.get("deepspeed_adam")
+    if ds and "error" in ds:
+        notes.append(f"DeepSpeed's CPU Adam did not load ({ds['error']}); optimizer offload priced at torch's "
+                     "AdamW rate, which runs about 10x slower")
     if raw.get("attention", {}).get("suspect"):
         notes.append(f"suspect attention: {raw['attention']['suspect']}; attention priced at the GEMM rate")
     return notes
@@ -534,11 +567,11 @@ def run_profile(opts: ProfileOptions, progress: Progress | None = None, step_run
         raise UsageError(f"--nproc must be at least 1 (got {nproc})")
     if opts.cluster is not None:
         return _run_cluster_node(opts, opts.cluster, device_type, nproc, dims, progress, started)
+    calibrating = opts.calibrate and opts.model is not None and step_runner is not None
     if device_type == "cuda" and nproc > 1:
         _relaunch_under_torchrun(opts, nproc)
-        return None
+        return _calibrated_after_torchrun(opts, nproc, step_runner, progress) if calibrating else None
     threads = max(1, cpu_cores() // nproc)
-    calibrating = opts.calibrate and opts.model is not None and device_type == "cpu" and step_runner is not None
     total = progress_total(len(gemm_dtypes(device_type)), _collective_units(nproc, nproc),
                            len(fit_layouts(256, nproc)) if calibrating else 0)
     progress.total(total)
@@ -601,12 +634,12 @@ def _finish(opts: ProfileOptions, raw: dict[str, Any], device_type: str, nproc: 
     if step_runner is not None:
         assert opts.model is not None
         steps = measure_calibration_steps(opts.model, hardware.devices_per_node, threads, opts.quick, step_runner,
-                                          progress=progress.step)
+                                          progress=progress.step, device_type=device_type)
+        inventory.notes += calibration_notes(steps)
+        steps = steps if steps.layouts else None
     elif opts.model is None:
         inventory.notes.append("no --model: GEMM shapes are square and no calibration ran "
                                "(efficiency factors 1.0 of the measured rates)")
-    elif device_type == "cuda":
-        inventory.notes.append("calibration steps run on CPU only for now; on CUDA see bench/gpu_check.py")
     names = [inventory.device_name] * nproc
     profile = HardwareProfile(
         created=dt.datetime.now(dt.timezone.utc), quick=opts.quick, fingerprint=this_host(names),
@@ -615,6 +648,14 @@ def _finish(opts: ProfileOptions, raw: dict[str, Any], device_type: str, nproc: 
     )
     progress.step("done")
     return MeasuredProfile(profile, steps)
+
+
+def calibration_notes(steps: CalibrationSteps) -> list[str]:
+    if not steps.out_of_memory:
+        return []
+    left_out = ", ".join(layout.short() for layout in steps.out_of_memory)
+    fitted = "the fit uses the others" if steps.layouts else "no calibration ran (efficiency factors 1.0)"
+    return [f"calibration steps out of the device's memory, left out: {left_out}; {fitted}"]
 
 
 def _run_torchrun_rank(opts: ProfileOptions, device_type: str, dims: dict[str, int] | None, progress: Progress,
@@ -640,11 +681,28 @@ def _run_torchrun_rank(opts: ProfileOptions, device_type: str, dims: dict[str, i
     return measured
 
 
+def _calibrated_after_torchrun(opts: ProfileOptions, nproc: int, step_runner: StepRunner | None,
+                               progress: Progress) -> MeasuredProfile | None:
+    """The profile the torchrun job wrote, with the calibration steps run afterwards from this process
+    (the step runner starts its own ranks on the node's GPUs; the job's ranks have none to run)."""
+    assert opts.model is not None and step_runner is not None
+    progress.total(len(fit_layouts(256, nproc)))
+    profile = load_profile(_torchrun_out(opts))
+    steps = measure_calibration_steps(opts.model, nproc, 1, opts.quick, step_runner, progress=progress.step,
+                                      device_type="cuda")
+    profile.inventory.notes += calibration_notes(steps)
+    return MeasuredProfile(profile, steps if steps.layouts else None)
+
+
+def _torchrun_out(opts: ProfileOptions) -> Path:
+    return Path(opts.out or "profile.json")
+
+
 def _relaunch_under_torchrun(opts: ProfileOptions, nproc: int) -> None:
     import subprocess
 
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "profiler.run_profile", "--out", str(opts.out or "profile.json"), "--device", "cuda"]
+            "-m", "profiler.run_profile", "--out", str(_torchrun_out(opts)), "--device", "cuda"]
     if opts.quick:
         args.append("--quick")
     if opts.model is not None:

@@ -13,12 +13,19 @@ from advisor.profile import HardwareProfile
 from advisor.specs import Layout, ModelSpec
 from planner.calibration import calibrate
 from profiler.run_profile import ProfileOptions, run_profile
+from trainer.oom import is_oom
 from trainer.timed_steps import prepare_forks, time_layout
 
 
-def time_layout_steps(model: ModelSpec, layout: Layout, *, steps: int, threads: int, warmup: int) -> float:
-    """The profiler's step runner: the median step of `advisor train`'s engine for `layout`."""
-    return time_layout(model, layout, steps=steps, warmup=warmup, threads=threads).step_s
+def time_layout_steps(model: ModelSpec, layout: Layout, *, steps: int, threads: int, warmup: int) -> float | None:
+    """The profiler's step runner: the median step of `advisor train`'s engine for `layout`; None when
+    it ran out of the device's memory (a rank's error, re-raised by the launcher, says so)."""
+    try:
+        return time_layout(model, layout, steps=steps, warmup=warmup, threads=threads).step_s
+    except Exception as exc:  # torch.multiprocessing re-raises a rank's error as its own type, text kept
+        if is_oom(exc) or "out of memory" in str(exc).lower():
+            return None
+        raise
 
 
 def profile_this_machine(opts: ProfileOptions, progress: Any = None) -> HardwareProfile | None:

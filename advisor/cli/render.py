@@ -136,6 +136,10 @@ def render_profile(result, out: Path) -> None:
             table.add_row(m.name.replace("_", " "), f"{m.value:,.1f} GB/s", str(m.repeats))
         elif m.name == "cpu_adam":
             table.add_row("CPU AdamW step", f"{m.value / 1e6:,.0f} M params/s", str(m.repeats))
+        elif m.name == "deepspeed_cpu_adam":
+            table.add_row("DeepSpeed CPU Adam (offload)", f"{m.value / 1e6:,.0f} M params/s", str(m.repeats))
+        elif m.name == "host_op":
+            table.add_row("host time per launched op", f"{m.value:,.1f} µs", str(m.repeats))
         elif m.name.startswith("cpu_adam/tensor_"):
             table.add_row(f"  tensors of {int(m.name.split('_')[-1]):,} params", f"{m.value / 1e6:,.0f} M params/s", "")
         elif m.name.startswith("attention/"):
