@@ -52,7 +52,7 @@ from planner.memory import (
     model_state_bytes,
     stored_dtype_bytes,
 )
-from profiler.hardware_bench import GemmShape, linear_gemms
+from profiler.gemm_shapes import GemmShape, linear_gemms
 from profiler.model_trace import ModelTrace, trace_model
 
 # Bytes an Adam update moves per parameter with a fused kernel: read weight, grad, m, v (and the

@@ -109,3 +109,18 @@ def test_import_linter_layers_contract_holds_and_covers_every_spec_module() -> N
                            "--no-cache"], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_planner_and_the_capacity_report_load_no_torch() -> None:
+    """A pure planner (issue 30): importing every planner module and the capacity report leaves torch
+    unloaded, so `advisor report capacity --jobs N` plans in N forked processes (reports/capacity.py
+    forks only while torch is not loaded: its thread pools do not survive a fork)."""
+    planner_modules = sorted(p.stem for p in (ROOT / "planner").glob("*.py") if p.stem != "__init__")
+    code = ("import sys, importlib\n"
+            f"for name in {planner_modules!r}:\n"
+            "    importlib.import_module('planner.' + name)\n"
+            "import reports.capacity\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert len(planner_modules) >= 10
+    assert result.stdout.strip() == "[]", result.stdout[:400]
