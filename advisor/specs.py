@@ -574,7 +574,7 @@ def resolve_layout(
 
 
 # ------------------------------------------------------------------------------------------------
-# estimate results (the JSON contract of `advisor estimate`, see shared/ARCHITECTURE.md)
+# estimate results (the JSON contract of `advisor estimate`, see docs/architecture.md)
 
 
 class ModelSize(BaseModel):

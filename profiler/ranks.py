@@ -1,7 +1,7 @@
 """Ranks on this machine: fork launching, per-rank set-up and the exit-crash-safe teardown.
 
 Ranks are forked from a parent that has already imported torch, transformers and DeepSpeed, on gloo
-with a free port: 0.4 s for 2 ranks instead of ~6 s with torchrun (shared/NOTES-cpu-stack.md, "Time").
+with a free port: 0.4 s for 2 ranks instead of ~6 s with torchrun (docs/notes-cpu-stack.md, "Time").
 The profiler's collective benchmarks and the trainer's timed steps both start ranks this way.
 
 Every rank, however it was started (forked here, or by torchrun for `advisor train` and the

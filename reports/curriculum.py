@@ -309,7 +309,7 @@ def _in_parallel(jobs: list[tuple], workers: int, gpus: int):
 
 def _worker_init(devices, workers: int, gpus: int) -> None:
     """A comparison worker: its own GPU where there are several, else its share of the CPU cores
-    (oversubscribed OpenMP threads run several times slower: shared/NOTES-cpu-stack.md)."""
+    (oversubscribed OpenMP threads run several times slower: docs/notes-cpu-stack.md)."""
     index = devices.get()
     if gpus >= workers:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(index)

@@ -1,6 +1,6 @@
 """The run report: what a training run did against what its plan predicted.
 
-Reads a run dir as the contract in shared/ARCHITECTURE.md describes it (plan.yaml, metrics.jsonl,
+Reads a run dir as the contract in docs/architecture.md describes it (plan.yaml, metrics.jsonl,
 events.jsonl, checkpoints/, summary.json) and tolerates any optional piece missing: a run that
 crashed has no summary, a hand-made dir may have only metrics. A torn last line of a JSON-lines
 file (a crash mid-write) is skipped and reported, not fatal.

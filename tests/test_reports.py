@@ -5,7 +5,7 @@ Capacity: every figure on the page is compared with the planner's own output for
 below from its definition (Young's interval, failures = wall-clock hours x nodes / MTBF). The page
 is loaded in headless Chromium: no errors, no network requests, every chart decoded.
 
-Run: a synthetic run dir written here by the run-dir contract (shared/ARCHITECTURE.md), whose
+Run: a synthetic run dir written here by the run-dir contract (docs/architecture.md), whose
 every number is known, so the page's figures can be checked against the values written.
 """
 

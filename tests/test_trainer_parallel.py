@@ -3,7 +3,7 @@ same global batch, exact resume from their DCP checkpoints, and one-line errors 
 cannot split.
 
 Ranks are forked from this process after it has imported and built the model code once
-(shared/NOTES-cpu-stack.md, "Time"); each rank runs the real staged loop (`trainer.loop.train`).
+(docs/notes-cpu-stack.md, "Time"); each rank runs the real staged loop (`trainer.loop.train`).
 """
 
 import os

@@ -176,7 +176,7 @@ def _worker(plan: Plan, out: Path, resume: bool, options: TrainOptions, distribu
     summary = train(plan, out, resume, options)  # on failure torchrun's agent stops the other ranks
     if distributed:
         # gloo's worker threads can crash the interpreter at exit when collectives are still
-        # referenced (shared/NOTES-cpu-stack.md): drop owners, collect, barrier, destroy
+        # referenced (docs/notes-cpu-stack.md): drop owners, collect, barrier, destroy
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()

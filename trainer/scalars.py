@@ -34,7 +34,7 @@ class ScalarLog:
 
     def _write(self, values: dict[str, float], step: int) -> None:
         """One event holding all values: a fifth of the cost of one add_scalar call per value,
-        which matters on the per-step path (shared/NOTES: small models are overhead-bound)."""
+        which matters on the per-step path (docs/notes-cpu-stack.md: small models are overhead-bound)."""
         writer = self._open()
         if writer is not None and values:
             from tensorboard.compat.proto.summary_pb2 import Summary

@@ -9,7 +9,7 @@ task's stream (the time and memory of a step do not depend on which tokens it re
 
 Ranks are forked from this process (profiler/ranks.py) after it has imported the model code and
 DeepSpeed: 0.4 s for two ranks instead of seconds of torchrun and imports per trial
-(shared/NOTES-cpu-stack.md, "Time"). Each rank joins its process group as `advisor train`'s
+(docs/notes-cpu-stack.md, "Time"). Each rank joins its process group as `advisor train`'s
 workers do (gloo on CPU, nccl on CUDA).
 """
 

@@ -35,7 +35,7 @@ class PipelineChunk(torch.nn.Module):
     whatever the split.
 
     Attention runs without a mask, which HF's sdpa path turns into a causal kernel
-    (shared/NOTES-cpu-stack.md, trap 5: eager would not be causal), unless the rows are packed: the
+    (docs/notes-cpu-stack.md, trap 5: eager would not be causal), unless the rows are packed: the
     schedule hands every stage the micro-batch's position ids (a keyword argument of `step` reaches
     all stages), from which HF's own mask builder makes the per-document causal mask the whole
     model would (`trainer/batch.py`).
