@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from advisor.engine_traits import FSDP_BF16, MEGATRON, PURE16_PLAIN, TRAITS, EngineName, runs_as, traits
 from advisor.errors import UsageError
 from advisor.layout_rules import ModelShape, layout_problem
 from advisor.specs import DTYPE_BYTES, Layout
 
-EngineName = Literal["plain", "deepspeed", "fsdp2", "pipeline"]
+__all__ = ["FSDP_BF16", "MEGATRON", "PURE16_PLAIN", "EngineName", "runs_as", "traits"]  # declared beside
+
 EngineChoice = Literal["auto", "deepspeed", "fsdp2"]
 ENGINE_CHOICES: tuple[str, ...] = ("auto", "deepspeed", "fsdp2")
 
@@ -79,15 +81,8 @@ ENGINES: dict[EngineName, EngineCapability] = {
 
 # The engine whose behaviour a price is for (`--engine` of estimate, plan and report capacity):
 # ours, what `advisor train` runs (the engine `engine_for` picks per layout), or one that produced
-# published runs, priced here and never run: Megatron-LM as Narayanan et al. 2021 ran it
-# (planner/megatron2021.py: its fused kernels counted one by one, 4 tensor-parallel all-reduces per
-# layer, fp16/bf16 module with an fp32 master in its optimizer, vocab-parallel embedding and head,
-# gradients reduced overlapped with backward).
-MEGATRON = "megatron"
-# PyTorch FSDP as llm-foundry (mixed precision PURE) and IBM's fms-fsdp (bfSixteen) ran their published
-# runs: weights gathered and gradients reduced in bf16, where our FSDP2 engine reduces in fp32;
-# otherwise priced as our FSDP2 engine.
-FSDP_BF16 = "fsdp-bf16"
+# published runs, priced here and never run (advisor.engine_traits: MEGATRON, FSDP_BF16).
+OURS = "ours"
 PRICED_ENGINES: dict[str, str] = {
     "ours": "our engines, as advisor train runs the layout (plain/DDP, DeepSpeed, FSDP2, pipeline)",
     "megatron": "Megatron-LM (fused kernels, 4 TP all-reduces per layer, fp32 master in the optimizer), priced only",
@@ -118,28 +113,21 @@ def cost_engine(priced: str, choice: str = "auto") -> str:
     published engine's name. One line and exit 2 for an unknown one."""
     if priced not in PRICED_ENGINES:
         raise UsageError(f"--engine {priced!r}: choose {', '.join(PRICED_ENGINES)}")
-    return choice if priced == "ours" else _COST_ENGINES[priced]
+    return choice if prices_ours(priced) else _COST_ENGINES[priced]
 
 
-# The plain engine as it trained until issue 28: the module cast to 16 bits, Adam on the 16-bit
-# weights with no fp32 master, TF32 off. No longer run (a 16-bit dtype is mixed precision now);
-# priced only for the GPU evidence measured with it (docs/evidence/h200, tests/test_h200_evidence.py).
-PURE16_PLAIN = "plain-pure16"
-
-
-def runs_as(engine: str) -> EngineName:
-    """The engine of ours whose behaviour `engine` has: itself, or the one a priced-only variant
-    is priced as (the pre-issue-28 plain engine; published FSDP as our FSDP2)."""
-    return {PURE16_PLAIN: "plain", FSDP_BF16: "fsdp2"}.get(engine, engine)  # type: ignore[return-value]
+def prices_ours(priced: str) -> bool:
+    """Whether `--engine priced` prices the engines `advisor train` runs (not a published one)."""
+    return priced == OURS
 
 
 def tf32_gemms(engine: str) -> bool:
     """Whether fp32 GEMMs on a GPU run on TF32 tensor cores: our engines' workers allow it on
     Ampere and later (profiler.ranks `allow_tf32`); the pre-issue-28 trainer did not."""
-    return engine != PURE16_PLAIN
+    return engine not in TRAITS or traits(engine).tf32
 
 
-PrecisionMode = Literal["fp32", "autocast", "fsdp", "deepspeed", "frozen16", "cast16"]
+PrecisionMode = Literal["fp32", "autocast", "fsdp", "deepspeed", "master16", "frozen16", "cast16"]
 
 
 @dataclass(frozen=True)
@@ -161,7 +149,9 @@ class Precision:
     - ``frozen16`` (LoRA, QLoRA without DeepSpeed): the frozen base in 16 bits, the adapters, their
       gradients and moments in fp32: no update is small against a 16-bit weight;
     - ``cast16``: fp16 outside DeepSpeed, which no other engine runs (no loss scaling there,
-      `engine_problem`): the module cast to fp16, priced as pure 16-bit for published tables.
+      `engine_problem`): the module cast to fp16, priced as pure 16-bit for published tables;
+    - ``master16``: Megatron-LM, priced only: its module in the layout's dtype, an fp32 master copy
+      in its optimizer, whatever the dtype.
     """
 
     mode: PrecisionMode
@@ -178,12 +168,14 @@ class Precision:
 def fsdp_shards(layout: Layout, engine: str) -> bool:
     """FSDP2 shards weights, gradients and optimizer states across the data-parallel replicas
     whatever the ZeRO stage (ZeRO 1/2 only change when it reshards)."""
-    return runs_as(engine) in ("fsdp2", "pipeline") and layout.dp > 1
+    return engine in TRAITS and traits(engine).shards_replicas and layout.dp > 1
 
 
 def precision(layout: Layout, engine: str) -> Precision:
     """How `layout.dtype` runs on `engine` (see `Precision`): the one rule both the trainer and the
     cost model read."""
+    if engine == MEGATRON:
+        return Precision("master16", DTYPE_BYTES[layout.dtype], master=True)
     if engine == "deepspeed":
         if layout.dtype == "fp32":
             # stage 3 reuses an fp32 partition as its master (stage3.py, _create_fp32_partitions);

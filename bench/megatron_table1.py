@@ -27,7 +27,7 @@ from advisor.specs import Estimate, HardwareSpec, Layout, ModelSpec  # noqa: E40
 from megatron_schedule import replay  # noqa: E402
 from planner import cost_model, megatron2021  # noqa: E402
 from planner.cost_model import Placement, default_split, estimate, stage_time, step_seconds  # noqa: E402
-from planner.memory import MEGATRON  # noqa: E402
+from advisor.engine_traits import MEGATRON  # noqa: E402
 from presets import load_hardware  # noqa: E402
 from profiler.model_trace import trace_model  # noqa: E402
 

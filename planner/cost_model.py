@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from advisor.capabilities import COLUMN_PARALLEL, ENGINE_CHOICES, FSDP_BF16, ROW_PARALLEL, engine_for, runs_as, tf32_gemms
+from advisor.capabilities import COLUMN_PARALLEL, ENGINE_CHOICES, ROW_PARALLEL, engine_for, tf32_gemms
+from advisor.engine_traits import traits
 from advisor.errors import UsageError
 from advisor.layout_rules import ModelShape, layout_problem, tp_crosses_nodes
 from advisor.specs import (
@@ -31,7 +32,6 @@ from planner import collectives, host_floor, megatron2021
 from planner.memory import (
     ADAPTER_BYTES,
     HOST_MEMORY_USABLE,
-    MEGATRON,
     ZERO_REDUCE_BUCKET_ELEMS,
     activation_blocks,
     ModelStates,
@@ -58,12 +58,6 @@ from profiler.model_trace import ModelTrace, trace_model
 # Bytes an Adam update moves per parameter with a fused kernel: read weight, grad, m, v (and the
 # fp32 master), write them back (PyTorch's fused AdamW and DeepSpeed's FusedAdam stream each once).
 ADAM_BYTES_PER_PARAM_FUSED = 28
-# Passes over a rank's gradients that the step's norm and clipping make (the trainer clips at 1.0
-# unless told otherwise, trainer/options.py): torch's clip_grad_norm_ reads them once for the norm
-# and scales them in place (read, write); the sharded engines' norm squares each gradient into a
-# temporary first (write, read again: trainer/engines/optimizer.py grad_norm_squared); DeepSpeed
-# reads its partition for the norm and scales it.
-CLIP_PASSES = {"plain": 3, "fsdp2": 5, "pipeline": 5, "deepspeed": 3}
 # Memory-bound kernels (norms, activations, softmax, dropout, residual adds) read and write about
 # as many bytes as the activations they save; each saved byte is written in forward and read in
 # backward, and their gradients are written and read once more.
@@ -188,11 +182,11 @@ def _resident_gradients(layout: Layout, engine: str, gradients: float, params: f
         if layout.gas == 1:
             return 0.0
         return gradients if layout.zero >= 2 else params * stored_dtype_bytes(layout, engine)
-    if engine == "plain" and layout.dp > 1:
+    if traits(engine).ddp_buckets and layout.dp > 1:
         # DDP's buckets persist; gradients accumulated under no_sync after a zero_grad(set_to_none)
         # are fresh tensors beside them, not views into them (measured: twice the gradients, gas 2)
         return gradients * (2 if layout.gas > 1 else 1)
-    if layout.gas > 1 or layout.zero == 3 or (engine == MEGATRON and layout.dp > 1):
+    if layout.gas > 1 or layout.zero == 3 or (traits(engine).persistent_gradients and layout.dp > 1):
         return gradients  # Megatron-LM's DDP keeps persistent gradient buffers
     return 0.0
 
@@ -230,7 +224,7 @@ def _optimizer_temporaries(trace: ModelTrace, layout: Layout, hardware: Hardware
     (DeepSpeed hands it one flat fp32 partition, so the whole partition)."""
     if hardware.device_type == "cuda" or layout.offload != "none":
         return 0.0
-    if engine == "deepspeed":
+    if traits(engine).flat_partition:
         return 2 * 4 * trainable / layout.dp
     if layout.method != "full":
         return 2 * 4 * trace.hidden_size * layout.lora_rank
@@ -339,7 +333,7 @@ def stage_memory(
     # sets `overlap_comm`, also ZeRO-2's at one replica (its gradient hooks partition whatever dp is), and
     # ZeRO-1/2's doubled there, so that one bucket fills while the other is reduced or copied to the host
     overlapped = hardware.device_type == "cuda"
-    deepspeed_buckets = engine == "deepspeed" and (layout.dp > 1 or (overlapped and layout.zero == 2))
+    deepspeed_buckets = traits(engine).flat_partition and (layout.dp > 1 or (overlapped and layout.zero == 2))
     doubled = overlapped and layout.zero < 3  # stage_1_and_2.py's double buffer; ZeRO-3 keeps one
     buckets = zero_bucket_elems(trace, layout) * grad_bytes * (2 if doubled else 1) if deepspeed_buckets else 0.0
     root = params - layers * trace.layer.params / tp
@@ -477,7 +471,7 @@ def _micro_batch_compute(trace: ModelTrace, layout: Layout, hardware: HardwareSp
     """(compute, useful compute, backward) seconds of one micro-batch on one stage; useful leaves
     out the recomputed forward (of layers, and of the head under the chunked loss). The head's FLOPs
     split `vocab` ways (`vocab_shards`), the rest tp. On a GPU with a host floor, `_floored_compute`."""
-    if host_floor.has_floor(hardware, eager=engine != MEGATRON):
+    if host_floor.has_floor(hardware, eager=traits(engine).eager):
         return _floored_compute(trace, layout, hardware, engine, rates, layers, recomputed, last, vocab)
     overhead_s = hardware.efficiency.micro_batch_overhead_s
     head_recompute_flops = loss_recompute_flops(trace, layout, engine)
@@ -601,7 +595,7 @@ def _elementwise_bytes(trace: ModelTrace, layout: Layout, engine: str, layers: i
     """(all, without recomputation) bytes one micro-batch's memory-bound kernels move on one stage.
     Megatron-LM's 2021 layer is counted kernel by kernel (planner/megatron2021.py); for the engines
     we run, about `ELEMENTWISE_PASSES` x the activations a layer saves."""
-    if engine == MEGATRON:
+    if not traits(engine).eager:  # Megatron-LM 2021's fused layer
         fwd, bwd = megatron2021.layer_elementwise_bytes(trace, layout)
         again = recomputed * fwd if layout.recompute == "full" else 0.0
         return layers * (fwd + bwd) + again, layers * (fwd + bwd)
@@ -721,7 +715,7 @@ def tp_collectives(layout: Layout, engine: str, layers: int, recomputed: int, fi
     checkpoint, full or selective) stops as soon as backward has what it needs, so it skips each
     layer's last collective. Counted by tests/test_collectives_as_run.py on the engine itself."""
     again = recomputed if layout.recompute != "none" else 0
-    if engine == MEGATRON:
+    if not traits(engine).eager:  # Megatron-LM's fused q/k/v and gate/up: 4 all-reduces per layer
         return {"all_reduce": 4 * layers + 2 * again + first + last}
     if layout.sp:
         return {"all_gather": 4 * layers + 2 * again + first + last, "reduce_scatter": 4 * layers + again}
@@ -763,14 +757,14 @@ def _gradient_comm(layout: Layout, engine: str, hardware: HardwareSpec, placemen
         # FSDP2 all-gathers each unit's weights for every micro-batch's forward (and again for its
         # backward when it reshards after forward: ZeRO-3 outside a pipeline), and reduce-scatters
         # the gradients every micro-batch from ZeRO-2 on, else once at the accumulation boundary.
-        gathers = 2 if layout.zero == 3 and runs_as(engine) == "fsdp2" else 1
+        gathers = 2 if layout.zero == 3 and traits(engine).reshards_after_forward else 1
         per_mb = gathers * collectives.all_gather_s(weight_bytes, dp, hardware, spans)
         reduces = gas if layout.zero >= 2 else 1
         dp_comm = gas * per_mb + reduces * collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
         return dp_comm, gas * compute
     if layout.zero <= 1:  # one all-reduce after the last micro-batch, overlapped with its backward
         dp_comm = collectives.all_reduce_s(grad_bytes, dp, hardware, spans)
-        if layout.zero == 1 and engine == "deepspeed":  # and, as under ZeRO-2, DeepSpeed all-gathers
+        if layout.zero == 1 and traits(engine).gathers_after_step:  # and, as under ZeRO-2, DeepSpeed all-gathers
             # the weight partitions its ranks updated after the step (counted on gloo: the whole
             # weights, beside an all-reduce of the whole gradients; tests/test_collectives_as_run.py)
             dp_comm += collectives.all_gather_s(weight_bytes, dp, hardware, spans)
@@ -792,8 +786,9 @@ def gradient_comm_bytes(layout: Layout, engine: str, trainable: float) -> float:
     master: `stored_dtype_bytes`); LoRA's adapters are fp32."""
     if layout.method != "full":
         return trainable * ADAPTER_BYTES
-    if engine == FSDP_BF16:  # published FSDP runs reduce in bf16 (advisor.capabilities FSDP_BF16)
-        return trainable * DTYPE_BYTES["bf16"]
+    reduce_dtype = traits(engine).reduce_dtype  # published FSDP runs reduce in bf16
+    if reduce_dtype:
+        return trainable * DTYPE_BYTES[reduce_dtype]
     return trainable * stored_dtype_bytes(layout, engine)
 
 
@@ -811,7 +806,7 @@ def optimizer_tensors(trace: ModelTrace, layout: Layout, engine: str, layers: in
     (a LoRA adapter's two factors each)."""
     trainable = device_params(trace, layout, engine, layers, stage)[1]
     shards = optimizer_shards(layout, engine)
-    if engine == "deepspeed":  # one stage: its partition is the whole model's share, whatever `layers` is
+    if traits(engine).flat_partition:  # one stage: its partition is the whole model's share, whatever `layers` is
         # (the planner reads this term as affine in the stage's layers)
         whole = device_params(trace, layout, engine, trace.num_layers, stage)[1] / shards
         return [(trainable / shards, whole)]
@@ -828,7 +823,7 @@ def _cpu_adam_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engin
     size where it measured that (`HardwareSpec.cpu_adam_by_tensor`: an embedding's states leave the
     caches that a decoder layer's fit in)."""
     base, curve = hardware.cpu_adam_params_per_s, hardware.cpu_adam_by_tensor
-    if curve is None or engine == MEGATRON:
+    if curve is None or not traits(engine).eager:  # Megatron-LM's fused Adam: no per-tensor curve
         return updated / base
     return sum(count / (base * curve.at(size)) for count, size in
                optimizer_tensors(trace, layout, engine, layers, stage) if count > 0)
@@ -844,13 +839,13 @@ def _optimizer_time(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, r
         # streams at the profile's copy rate (measured: the plain engine's clip over gqa-50k's 37M
         # gradients took 11 ms, 3 passes at 40 GB/s, where the fitted element-wise rate prices 55)
         bandwidth = hardware.memory_bandwidth_gbs * 1e9
-        clip = rates.slowdown * CLIP_PASSES.get(runs_as(engine), 0) * gradient_comm_bytes(layout, engine, updated) / bandwidth
+        clip = rates.slowdown * traits(engine).clip_passes * gradient_comm_bytes(layout, engine, updated) / bandwidth
         if hardware.device_type == "cpu":
             # the device is the host: the profile's own measured AdamW rate (the single-tensor
             # AdamW that plain torch and DeepSpeed's torch_adam run on a CPU, at the device's threads),
             # not memory traffic at the fitted element-wise rate, which traded off against compute
             return clip + rates.slowdown * _cpu_adam_s(trace, layout, hardware, engine, layers, stage, updated), 0.0
-        per_param = megatron2021.ADAM_BYTES_PER_PARAM if engine == MEGATRON else ADAM_BYTES_PER_PARAM_FUSED
+        per_param = ADAM_BYTES_PER_PARAM_FUSED if traits(engine).eager else megatron2021.ADAM_BYTES_PER_PARAM
         return clip + rates.slowdown * updated * per_param / rates.byte, 0.0
     optimizer = _cpu_adam_s(trace, layout, hardware, engine, layers, stage, updated)
     h2d = hardware.host_to_device_gbs * 1e9
@@ -887,7 +882,7 @@ def stage_time(
     # two pairs of 4 ranks on 2 cores ran each collective 1.3-2.1x as long as one pair did)
     tp_comm, pp_comm = tp_comm * rates.time_shared, pp_comm * rates.time_shared
     params, trainable, _ = device_params(trace, layout, engine, layers, stage)
-    if engine == MEGATRON:  # autograd sums each micro-batch's gradients into `.grad`
+    if traits(engine).persistent_gradients:  # Megatron-LM sums each micro-batch's gradients into its buffers
         accumulate = rates.slowdown * megatron2021.gradient_accumulation_bytes(layout, trainable) / rates.byte
         compute, useful = compute + accumulate, useful + accumulate
     w = DTYPE_BYTES[layout.dtype]

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from advisor.capabilities import engine_for
+from advisor.engine_traits import traits
 from advisor.plan_file import Plan
 from advisor.specs import GiB, Layout, MemoryEstimate, ModelSpec, safe_name
 from planner.cost_model import engine_of, estimate_from_trace, zero_bucket_elems
@@ -66,12 +67,12 @@ def accelerate_config(plan: Plan, layout: Layout) -> dict | None:
     None where accelerate would run something else: its tensor and pipeline parallelism is not the
     DTensor plan and torch.distributed.pipelining schedule the trainer runs and the cost model prices,
     so a file for those layouts would launch an unpriced layout."""
-    engine = engine_for(layout, plan.engine)
-    if engine == "pipeline" or layout.tp > 1:
+    engine = traits(engine_for(layout, plan.engine))
+    if engine.accelerate_type is None or layout.tp > 1:
         return None
     cpu = plan.hardware.device_type == "cpu"
     several = "MULTI_CPU" if cpu else "MULTI_GPU"
-    kind = {"deepspeed": "DEEPSPEED", "fsdp2": "FSDP"}.get(engine, several if layout.devices > 1 else "NO")
+    kind = engine.accelerate_type or (several if layout.devices > 1 else "NO")
     config: dict = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": kind,
@@ -82,9 +83,9 @@ def accelerate_config(plan: Plan, layout: Layout) -> dict | None:
         "mixed_precision": "no" if layout.dtype == "fp32" else layout.dtype,
         "use_cpu": cpu,
     }
-    if engine == "deepspeed":
+    if engine.deepspeed:
         config["deepspeed_config"] = {"deepspeed_config_file": "deepspeed.json"}
-    if engine == "fsdp2":  # as trainer/engines/sharded.py runs it: ZeRO-3 reshards after forward, 1/2 keep.
+    if engine.shards_replicas:  # as trainer/engines/sharded.py runs it: ZeRO-3 reshards after forward, 1/2 keep.
         # accelerate checkpoints every layer or none: a plan that recomputes some layers gets every one
         # (never more memory than planned; the step is slower than priced)
         config["fsdp_config"] = {
@@ -215,8 +216,9 @@ def launcher_files(plan: Plan) -> tuple[dict[str, str | None], dict[str, str]]:
     texts: dict[str, str | None] = {"plan.yaml": None}
     skipped = {}
     accelerate = accelerate_config(plan, layout)
-    comment = memory_comment(plan, layout) if engine == "deepspeed" or accelerate is not None else []
-    if engine == "deepspeed":
+    deepspeed = traits(engine).deepspeed
+    comment = memory_comment(plan, layout) if deepspeed or accelerate is not None else []
+    if deepspeed:
         # JSON has no comments: DeepSpeed, accelerate and HF Trainer ignore a top-level key they do not know
         config = {"comment": [f"Written by `advisor plan --export`: {layout.short()}", *comment],
                   **deepspeed_config(plan, layout)}

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from advisor.capabilities import LOSS_CHUNK_TOKENS, autocast_kept_dtype, chunked_loss, engine_for, precision
 from advisor.capabilities import fsdp_shards  # declared beside `precision`; the cost model reads it here
-from advisor.capabilities import MEGATRON, runs_as  # published engines, priced only (declared with ours)
+from advisor.engine_traits import traits  # how each engine keeps its state, declared once
 from advisor.specs import DTYPE_BYTES, Layout
 from profiler.model_trace import NF4_BYTES_PER_PARAM, BlockTrace, ModelTrace
 
@@ -57,8 +57,6 @@ def master_weights(layout: Layout, engine: str) -> bool:
     ZeRO paper, section 3.1: K = 12), and so does Megatron-LM. The other engines keep the weights
     they update in fp32 and compute in 16 bits through autocast or FSDP2's MixedPrecisionPolicy:
     the fp32 weights are the master, there is no separate copy."""
-    if engine == MEGATRON:
-        return True
     return precision(layout, engine).master
 
 
@@ -67,22 +65,20 @@ def stored_dtype_bytes(layout: Layout, engine: str) -> int:
     wherever the weights are the optimizer's master (fp32 layouts, bf16-mixed through autocast or
     FSDP2), the layout's 16-bit dtype where DeepSpeed keeps a 16-bit module beside its fp32 master
     (advisor.capabilities `precision`)."""
-    if engine == MEGATRON:
-        return DTYPE_BYTES[layout.dtype]
     return precision(layout, engine).weight_bytes
 
 
 def autocasts(layout: Layout, engine: str) -> bool:
     """Whether `engine` runs `layout` under autocast (advisor.capabilities `precision`); Megatron-LM,
     priced for published runs, casts its module instead."""
-    return engine != MEGATRON and precision(layout, engine).autocast
+    return precision(layout, engine).autocast
 
 
 def autocast_kept_bytes(layout: Layout, engine: str) -> int:
     """Bytes per element of what autocast keeps in fp32 (advisor.capabilities `autocast_kept_dtype`):
     the hidden states between decoder layers (a pipeline's boundary activation) and a trainable
     weight's gradient as backward produces it; the layout's dtype where nothing autocasts."""
-    return DTYPE_BYTES[layout.dtype if engine == MEGATRON else autocast_kept_dtype(layout, engine)]
+    return DTYPE_BYTES[autocast_kept_dtype(layout, engine)]
 
 
 def optimizer_bytes_per_param(layout: Layout, engine: str = "deepspeed") -> int:
@@ -164,13 +160,13 @@ def gathered_parameter_bytes(params: float, layer_params: float, root_params: fl
     head) stays gathered, since backward needs it first.
     """
     w = DTYPE_BYTES[layout.dtype]
-    if engine == "deepspeed":
+    if traits(engine).flat_partition:
         if layout.zero < 3:
             return 0.0
         return max(min(params, ZERO3_MAX_LIVE_PARAMETERS), ZERO3_PREFETCH_LAYERS * layer_params) * w
     if not fsdp_shards(layout, engine):
         return 0.0
-    if layout.zero == 3 and runs_as(engine) == "fsdp2":
+    if layout.zero == 3 and traits(engine).reshards_after_forward:
         return (root_params + ZERO3_PREFETCH_LAYERS * layer_params) * w
     return params * w
 
@@ -258,14 +254,14 @@ def vocab_shards(layout: Layout, engine: str | None = None) -> int:
     the decoder layers only and keep these whole on every TP rank (trainer/parallelize.py
     apply_tensor_parallel), so every rank computes the full logits and loss."""
     engine = engine or engine_for(layout)
-    return 1 if runs_as(engine) in ("fsdp2", "pipeline") else layout.tp
+    return layout.tp if traits(engine).vocab_parallel else 1
 
 
 def loss_runs_chunked(trace: ModelTrace, layout: Layout, engine: str | None = None) -> bool:
     """Whether the trainer computes this layout's loss chunk by chunk (advisor.capabilities
     `chunked_loss`, trainer/chunked_loss.py) rather than through HF's loss over the whole logits."""
     engine = engine or engine_for(layout)
-    return engine != MEGATRON and chunked_loss(layout, engine,  # type: ignore[arg-type]
+    return traits(engine).eager and chunked_loss(layout, engine,  # type: ignore[arg-type]
                                                trace.model_type, trace.hidden_size)
 
 
@@ -293,7 +289,7 @@ def head_activation_bytes(trace: ModelTrace, layout: Layout, engine: str | None 
     kept = (replicated + head.act_sharded_bytes / vocab_shards(layout, engine)) * layout.mbs
     if loss_runs_chunked(trace, layout, engine):
         kept -= logits_fp32_bytes(trace, layout, engine)  # the trace ran HF's loss: its saved log-softmax
-    if engine == "pipeline":
+    if traits(engine).pipeline_schedule:
         kept += logits_fp32_bytes(trace, layout, engine) * DTYPE_BYTES[layout.dtype] / 4
     return kept
 
@@ -351,7 +347,7 @@ def tied_embedding_gradient_copies(trace: ModelTrace, layout: Layout, engine: st
     (LoRA) or sharded."""
     engine = engine or engine_for(layout)
     tied = trace.head.params < trace.vocab_size * trace.hidden_size
-    whole_grads = engine in ("plain", "deepspeed") and layout.zero < 3
+    whole_grads = traits(engine).whole_gradients and layout.zero < 3
     if not tied or layout.pp > 1 or layout.method != "full" or not whole_grads:
         return 0
     return TIED_GRADIENT_COPIES_CHUNKED if loss_chunks(trace, layout, engine) > 1 else TIED_GRADIENT_COPIES

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from advisor.capabilities import PRICED_ENGINE_LIMITS, attention_implementation, config_shape, cost_engine, runnable_problem
+from advisor.capabilities import PRICED_ENGINE_LIMITS, attention_implementation, config_shape, cost_engine, runnable_problem, prices_ours
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, PlannedLayout, StagePlan
 from advisor.profile import ClusterProfile
@@ -155,7 +155,7 @@ def _request(opts: PlanOptions, devices: int, seq: int, batch: int, methods: tup
 def _runnable_only(opts: PlanOptions) -> bool:
     """Whether the search keeps to what `advisor train` runs: not with --any-engine, nor when a
     published engine is priced (`--engine megatron`)."""
-    return opts.space.runnable_only and not opts.any_engine and opts.priced_engine == "ours"
+    return opts.space.runnable_only and not opts.any_engine and prices_ours(opts.priced_engine)
 
 
 def _shape_fix(opts: PlanOptions) -> dict[str, Any]:
@@ -429,7 +429,7 @@ def _fix_infeasible(opts: PlanOptions, result: SearchResult, devices: int, hw: H
 def _engine_notes(opts: PlanOptions, planned: list[PlannedLayout], hw: HardwareSpec) -> list[str]:
     """What a plan for another engine than `advisor train`'s says: which engine priced it, or, with
     --any-engine, whether the trainer runs its best layout."""
-    if opts.priced_engine != "ours":
+    if not prices_ours(opts.priced_engine):
         return [f"priced as {opts.priced_engine} runs it (--engine {opts.priced_engine}), for that engine; "
                 "advisor train runs its own engines"]
     if _runnable_only(opts):

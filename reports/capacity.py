@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from multiprocessing import get_context
 from typing import Any, Callable
 
+from advisor.capabilities import prices_ours
 from advisor.errors import UsageError
 from advisor.specs import MIN_COMPUTE_FRACTION, GiB, Estimate, HardwareSpec, Layout, ModelSpec
 from advisor.task import TaskSpec
@@ -469,7 +470,7 @@ def capacity_report(req: CapacityRequest, progress: Callable[[Option], None] | N
     started = time.perf_counter()
     options = plan_options(req, progress, jobs)
     recommendation = recommend(options, req)
-    comparison = engine_comparison(req, recommendation.option) if req.priced_engine == "ours" else None
+    comparison = engine_comparison(req, recommendation.option) if prices_ours(req.priced_engine) else None
     return CapacityReport(request=req, options=options, scaling=scaling_curves(options),
                           recommendation=recommendation, seconds=time.perf_counter() - started,
                           error_band=pricing_band(req.priced_engine), against_megatron=comparison)

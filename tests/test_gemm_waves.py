@@ -10,7 +10,7 @@ from advisor.specs import Layout, ModelSpec
 from conftest import gpt_config
 from planner import megatron2021
 from planner.cost_model import Placement, stage_time, wave_efficiency
-from planner.memory import MEGATRON
+from advisor.engine_traits import MEGATRON
 from presets import load_hardware
 from profiler.model_trace import trace_model
 

@@ -124,3 +124,54 @@ def test_the_planner_and_the_capacity_report_load_no_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert len(planner_modules) >= 10
     assert result.stdout.strip() == "[]", result.stdout[:400]
+
+
+ENGINE_DECLARATION = {"advisor/capabilities.py", "advisor/engine_traits.py"}
+
+
+def _engine_name_comparisons(path: Path) -> list[str]:
+    """Comparisons of a value with an engine's name (a literal, or the declaration's constants)."""
+    from advisor.capabilities import PRICED_ENGINES
+    from advisor.engine_traits import TRAITS
+
+    names = set(TRAITS) | set(PRICED_ENGINES)
+    constants = {"MEGATRON", "FSDP_BF16", "PURE16_PLAIN", "OURS"}
+    source = path.read_text()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        if any(isinstance(o, ast.Attribute) and o.attr == "modules" for o in operands):
+            continue  # `"deepspeed" in sys.modules`: a module, not an engine
+        literals = set()
+        for o in operands:
+            elements = o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o]
+            literals |= {e.value for e in elements if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            literals |= {e.id for e in elements if isinstance(e, ast.Name) and e.id in constants}
+        if literals & (names | constants):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.get_source_segment(source, node)}")
+    return found
+
+
+def test_no_code_outside_the_declaration_compares_an_engines_name() -> None:
+    """Engine knowledge is declared once (issue 30): the cost model, the memory model, the exports, the
+    dry run, the trainer and the CLI read an engine's traits (advisor/engine_traits.py) or its
+    capabilities (advisor/capabilities.py), never its name."""
+    found = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if str(path.relative_to(ROOT)) not in ENGINE_DECLARATION:
+                found += _engine_name_comparisons(path)
+    assert not found, "\n".join(found)
+
+
+def test_the_engine_name_check_sees_each_kind_of_comparison(tmp_path: Path) -> None:
+    probe = ROOT / "tests" / "_engine_name_probe.py"  # under ROOT: the check reports paths relative to it
+    probe.write_text('if engine == "deepspeed" or e in ("fsdp2", "pipeline") or x != MEGATRON or "ours" == p:\n'
+                     '    pass\nif "deepspeed" in sys.modules or device == "cuda":\n    pass\n')
+    try:
+        # four comparisons of engine names on line 1; a module's name and a device's on line 3 are not
+        assert [line.split()[0] for line in _engine_name_comparisons(probe)] == ["tests/_engine_name_probe.py:1"] * 4
+    finally:
+        probe.unlink()

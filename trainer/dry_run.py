@@ -25,6 +25,7 @@ from typing import Any, Iterable
 import torch
 
 from advisor.capabilities import COLUMN_PARALLEL, ROW_PARALLEL, check_runnable, config_shape, engine_for
+from advisor.engine_traits import traits
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
 from advisor.specs import Layout, ModelSpec, layers_per_stage
@@ -97,7 +98,7 @@ def dry_run(plan: Plan) -> list[LayoutCheck]:
                 models[key] = meta_model(plan.model, layout)
             model = models[key]
             engine = engine_for(layout, plan.engine)
-            if engine in ("fsdp2", "pipeline"):
+            if traits(engine).dtensor:
                 check_parallel_layout(model, layout)
             split = layers_per_stage(shape.num_layers, layout)
         except UsageError as exc:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from advisor.errors import UsageError
+from advisor.engine_traits import traits
 from advisor.capabilities import EngineChoice
 from advisor.plan_file import Plan, StagePlan, load_plan, segment_of
 from advisor.specs import Layout, ModelSpec
@@ -193,7 +194,7 @@ def build_engine(model: ModelSpec, layout: Layout, device_type: str, engine: Eng
     (trainer/timed_steps.py: calibration, verification trials, benches) build theirs here too."""
     built = build_model(model, layout, options.seed, options.weights)  # on meta: the engine fills its shards
     ds_config = None
-    if select_backend(layout, engine) == "deepspeed":
+    if traits(select_backend(layout, engine)).deepspeed:
         ds_config = model_deepspeed_config(model, device_type, layout)
     return make_engine(built, layout, ds_config, options.clip, engine)
 

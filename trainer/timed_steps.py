@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 from advisor.capabilities import EngineChoice, check_runnable, config_shape
+from advisor.engine_traits import traits
 from advisor.specs import Layout, ModelSpec
 from profiler.ranks import finish_rank, free_port, init_rank, launch
 from trainer.batch import MicroBatch
@@ -132,7 +133,7 @@ def prepare_forks(layouts: list[Layout], engine: EngineChoice = "auto") -> None:
     from peft import get_peft_model  # noqa: F401  deferred: seconds of imports the forks inherit
     from transformers import AutoModelForCausalLM  # noqa: F401  deferred, as above
 
-    if any(select_backend(layout, engine) == "deepspeed" for layout in layouts):
+    if any(traits(select_backend(layout, engine)).deepspeed for layout in layouts):
         import_deepspeed()
         if not torch.cuda.is_available():
             from deepspeed.comm.torch import build_shm_op  # deferred: DeepSpeed is imported just above
@@ -143,7 +144,7 @@ def prepare_forks(layouts: list[Layout], engine: EngineChoice = "auto") -> None:
 def _rank(rank: int, model: ModelSpec, layout: Layout, steps: int, port: int, out_dir: str, threads: int | None,
           engine: EngineChoice, meter_factory: Callable[[], Meter] | None) -> None:
     world = layout.devices
-    distributed = world > 1 or select_backend(layout, engine) == "deepspeed"  # DeepSpeed needs a group of one
+    distributed = world > 1 or traits(select_backend(layout, engine)).deepspeed  # DeepSpeed needs a group of one
     # the device and group `advisor train`'s workers take (trainer/launch.py), with their timeout
     init_rank(rank, world, port, distributed=distributed, threads=threads,
               device_type="cuda" if torch.cuda.is_available() else "cpu", timeout_s=TrainOptions().timeout_s)

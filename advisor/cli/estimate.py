@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from advisor.capabilities import config_shape, cost_engine, priced_engine_problem, runnable_problem
+from advisor.capabilities import config_shape, cost_engine, priced_engine_problem, runnable_problem, prices_ours
 from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, exit_on_error
 from advisor.cli.render import render_estimate
 from advisor.errors import UsageError
@@ -69,7 +69,7 @@ def estimate_layout(model: str, hardware: str, layout: str, nodes: int | None, g
     if problem:
         raise UsageError(problem)
     result = run_estimate(spec, hw, lay, attention=attention, packed=packed, engine=priced)
-    if engine != "ours":
+    if not prices_ours(engine):
         result.notes.append(f"priced as {engine} runs it (--engine {engine}), not as advisor train would")
         return result
     problem = runnable_problem(lay, config_shape(spec.hf_config), hw.device_type)

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 import torch
 
 from advisor.errors import UsageError
+from advisor.engine_traits import traits
 from advisor.profile import cpu_model_name
 from advisor.specs import Layout
 from presets import cache_dir
@@ -63,6 +64,6 @@ def build_cpu_comm_op(layouts: Iterable[Layout], engine: str, say: Callable[[str
 
 def _through_deepspeed(layout: Layout, engine: str) -> bool:
     try:
-        return select_backend(layout, engine) == "deepspeed"  # type: ignore[arg-type]
+        return traits(select_backend(layout, engine)).deepspeed  # type: ignore[arg-type]
     except UsageError:  # a layout the engine refuses fails on its own, later, with this error
         return False

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import typer
 
+from advisor.capabilities import prices_ours
 from advisor.profile import load_profile, looks_like_profile
 from advisor.cli.common import MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, console, exit_on_error, stage_tokens
 from advisor.cli.render import render_plan
@@ -83,7 +84,7 @@ def plan(
         print(json.dumps(plan_json(result)))
         return
     render_plan(result)
-    if not result.runnable_here and result.priced_engine == "ours":
+    if not result.runnable_here and prices_ours(result.priced_engine):
         console.print("[yellow]planned for any engine (--any-engine): marked runnable_here: false, for "
                       "Megatron-LM, NeMo or DeepSpeed (--export); `advisor train` refuses the layouts it does not "
                       "run[/yellow]")

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from advisor.capabilities import cost_engine
+from advisor.capabilities import cost_engine, prices_ours
 from advisor.cli.common import PRICED_ENGINE_HELP, console, err_console, exit_on_error, stage_tokens
 from advisor.cli.render import render_capacity
 from advisor.specs import check_number
@@ -67,7 +67,7 @@ def report_capacity(
             f"{flag} {value}" for flag, value in (("--price-per-gpu-hour", price), ("--deadline", deadline),
                                                   ("--seq-len", seq_len), ("--global-batch", global_batch),
                                                   ("--mtbf-hours", mtbf_hours)) if value is not None] + (
-            [f"--engine {engine}"] if engine != "ours" else [])
+            [f"--engine {engine}"] if not prices_ours(engine) else [])
         cost_engine(engine)  # one line and exit 2 for an unknown engine
         extra = {"mtbf_hours": mtbf_hours} if mtbf_hours is not None else {}
         spec_task = load_task(task) if task else None

@@ -17,7 +17,7 @@ from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.cli.quiet import log_path, quiet_console
 from advisor.cli.render import format_seconds, stage_results_lines
 from advisor.errors import UsageError
-from advisor.capabilities import config_shape, runnable_problem
+from advisor.capabilities import config_shape, runnable_problem, ENGINE_CHOICES
 from advisor.plan_file import Plan, load_plan
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.options import TrainOptions
@@ -186,8 +186,8 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None,
 def _runnable(plan: Plan, engine: str | None) -> Plan:
     """--engine applied; a plan made with --any-engine refused unless each of its layouts runs here."""
     if engine is not None:
-        if engine not in ("auto", "deepspeed", "fsdp2"):
-            raise UsageError(f"--engine {engine}: choose auto, deepspeed or fsdp2")
+        if engine not in ENGINE_CHOICES:
+            raise UsageError(f"--engine {engine}: choose {', '.join(ENGINE_CHOICES)}")
         plan = plan.model_copy(update={"engine": engine})
     if not plan.runnable_here:
         shape = config_shape(plan.model.hf_config)

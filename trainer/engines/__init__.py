@@ -9,11 +9,12 @@ choice of which one runs a layout.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from advisor.capabilities import EngineChoice, EngineName, check_runnable, engine_for, config_shape
+from advisor.engine_traits import traits
 from advisor.errors import UsageError
 from advisor.specs import Layout
 from trainer.engines.base import Engine, device
@@ -35,12 +36,13 @@ def make_engine(model: torch.nn.Module, layout: Layout, deepspeed_config: dict[s
     needed only when DeepSpeed runs."""
     check_runnable(layout, config_shape(model.config), device().type, engine)
     backend = select_backend(layout, engine)
-    if backend == "pipeline":
-        return PipelineEngine(model, layout, clip)
-    if backend == "fsdp2":
-        return ShardedEngine(model, layout, clip)
-    if backend == "deepspeed":
+    if traits(backend).deepspeed:
         if deepspeed_config is None:
             raise UsageError("DeepSpeed runs this layout and needs the planner's exported config")
         return DeepSpeedEngine(model, layout, deepspeed_config, clip)
-    return PlainEngine(model, layout, clip)
+    return _RUNTIME[backend](model, layout, clip)
+
+
+# The runtime class of each engine the declaration names (DeepSpeed's also takes its config).
+_RUNTIME: dict[str, Callable[[torch.nn.Module, Layout, float], Engine]] = {
+    "plain": PlainEngine, "fsdp2": ShardedEngine, "pipeline": PipelineEngine}
