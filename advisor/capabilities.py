@@ -207,7 +207,7 @@ def autocast_kept_dtype(layout: Layout, engine: str) -> str:
 # columns, the second by input rows. Unlike Megatron, which fuses q/k/v and gate/up into one GEMM
 # each, every HF projection is its own column-parallel module, so without sequence parallelism
 # each all-reduces its input gradient on its own: 5 all-reduces backward per layer, 2 forward
-# (counted by the cost model, `planner.cost_model.tp_collectives`).
+# (counted by the cost model, `planner.comm_time.tp_collectives`).
 COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 # The norms that sequence parallelism runs on sequence shards (Korthikanti et al. 2022, section 4.2).

@@ -25,7 +25,7 @@ from paper_tables import MEGATRON_SEQ_LEN, MEGATRON_TABLE1, MEGATRON_VOCAB  # no
 
 from advisor.specs import Estimate, HardwareSpec, Layout, ModelSpec  # noqa: E402
 from megatron_schedule import replay  # noqa: E402
-from planner import cost_model, megatron2021  # noqa: E402
+from planner import compute_time, megatron2021, optimizer_step  # noqa: E402
 from planner.cost_model import Placement, default_split, estimate, stage_time, step_seconds  # noqa: E402
 from advisor.engine_traits import MEGATRON  # noqa: E402
 from presets import load_hardware  # noqa: E402
@@ -86,7 +86,7 @@ def cumulative_terms(preset: HardwareSpec) -> list[tuple[str, list[float]]]:
     were found: every later term switched off (with unittest.mock, around the cost model's own
     functions) for the earlier lines. The last line is the model as it stands."""
     without_waves = preset.model_copy(update={"sm_count": None, "gemm_tile": None})
-    generic_elementwise = cost_model._elementwise_bytes
+    generic_elementwise = compute_time.elementwise_bytes
 
     def as_our_engines(trace, layout, engine, layers, recomputed):  # the ELEMENTWISE_PASSES estimate
         return generic_elementwise(trace, layout, "plain", layers, recomputed)
@@ -96,9 +96,9 @@ def cumulative_terms(preset: HardwareSpec) -> list[tuple[str, list[float]]]:
         return [predicted_tflops(r, hardware)[1] / r["tflops_per_gpu"] - 1 for r in rows]
 
     no_accumulation = mock.patch.object(megatron2021, "gradient_accumulation_bytes", lambda layout, trainable: 0.0)
-    fused_adam_only = mock.patch.object(megatron2021, "ADAM_BYTES_PER_PARAM", cost_model.ADAM_BYTES_PER_PARAM_FUSED)
+    fused_adam_only = mock.patch.object(megatron2021, "ADAM_BYTES_PER_PARAM", optimizer_step.ADAM_BYTES_PER_PARAM_FUSED)
     lines = []
-    with mock.patch.object(cost_model, "_elementwise_bytes", as_our_engines), no_accumulation, fused_adam_only:
+    with mock.patch.object(compute_time, "elementwise_bytes", as_our_engines), no_accumulation, fused_adam_only:
         lines.append(("before (every row's DDP priced without overlap)", errors(without_waves, ddp_as_run=False)))
         lines.append(("+ DDP as run_table_1.sh ran it (PyTorch DDP, overlapped, for 1.7B-18.4B)",
                       errors(without_waves)))

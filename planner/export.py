@@ -19,7 +19,8 @@ from advisor.capabilities import engine_for
 from advisor.engine_traits import traits
 from advisor.plan_file import Plan
 from advisor.specs import GiB, Layout, MemoryEstimate, ModelSpec, safe_name
-from planner.cost_model import engine_of, estimate_from_trace, zero_bucket_elems
+from planner.cost_model import engine_of, estimate_from_trace
+from planner.stage_memory import zero_bucket_elems
 from planner.memory import logits_fp32_bytes
 from profiler.model_trace import trace_model
 

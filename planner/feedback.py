@@ -236,7 +236,3 @@ def feed_back(profile_path: Path, new: list[Observation], run_dir: str | None = 
         + (" (refit kept out: it did not lower the error)" if result.kept_old else "")
         + (f"; this run's own error before the refit {100 * new_error:.1f}%" if new_error is not None else ""))
     return round_
-
-
-def feedback_summary(round_: FeedbackRound | None) -> dict[str, Any] | None:
-    return round_.model_dump(mode="json") if round_ else None

@@ -8,7 +8,7 @@ of which some 20 are GEMMs or attention: those outlast a launch and the host run
 the others are element-wise kernels of a few microseconds, after each of which the GPU waits for the
 next launch. So the two kinds are priced apart, each as the larger of its device time and its host
 time: the dense kernels by their FLOPs, the memory-bound ones by the bytes they move, which the
-trace counts op by op (the engines' element-wise rule of thumb, `cost_model.ELEMENTWISE_PASSES`, is
+trace counts op by op (the engines' element-wise rule of thumb, `compute_time.ELEMENTWISE_PASSES`, is
 what a CPU profile is calibrated on, so a CPU keeps it).
 
 A CPU has no floor: its host is its device, and the calibrated `micro_batch_overhead_s` holds what

@@ -21,8 +21,6 @@ NF4_TENSOR_BYTES = 4 * (16 + 1 + 256)
 QLORA_UNQUANTIZED_BYTES = 4
 # peft keeps LoRA adapters in fp32 by default (`autocast_adapter_dtype=True`), whatever the base.
 ADAPTER_BYTES = 4
-# Gradient bucket sizes that our exported DeepSpeed/DDP configs set (trainer and planner share them).
-DDP_BUCKET_BYTES = 25 * 2**20
 ZERO_REDUCE_BUCKET_ELEMS = 50_000_000
 ZERO3_PREFETCH_LAYERS = 2  # the layer being computed plus the one being all-gathered ahead
 # DeepSpeed ZeRO-3 defaults our exported config keeps: a gathered parameter is released only when its
@@ -47,8 +45,6 @@ class ModelStates:
     @property
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer
-
-
 
 
 def master_weights(layout: Layout, engine: str) -> bool:
@@ -364,17 +360,3 @@ def logits_fp32_bytes(trace: ModelTrace, layout: Layout, engine: str | None = No
     """One micro-batch's logits in fp32 on one device (`vocab_shards`): the unit of the loss's
     buffers."""
     return layout.mbs * trace.seq * trace.vocab_size * 4 / vocab_shards(layout, engine)
-
-
-def evaluation_peak_bytes(trace: ModelTrace, layout: Layout, batch: int, engine: str | None = None) -> float:
-    """What evaluating `batch` sequences under no_grad adds to the model states: the logits in the
-    layout's dtype, their fp32 up-cast and the log-softmax (fp32 logits are not copied), plus one
-    layer's working set. Measured: 2.0 (fp32) and 2.5 (bf16) fp32 logits buffers. The chunked loss
-    holds those of one chunk (`LOSS_CHUNK_TOKENS`) beside the final hidden states."""
-    per_token = logits_fp32_bytes(trace, layout, engine) / (layout.mbs * trace.seq)
-    tokens = batch * trace.seq
-    if loss_runs_chunked(trace, layout, engine):
-        tokens = min(tokens, LOSS_CHUNK_TOKENS)
-    w = DTYPE_BYTES[layout.dtype]
-    layer = layer_activation_bytes(trace, layout, recompute="none", engine=engine) / layout.mbs * batch
-    return per_token * tokens * (2 + (w / 4 if w != 4 else 0)) + layer

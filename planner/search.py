@@ -9,7 +9,7 @@ The decision splits in two, because its two halves have different structure:
   cannot run, and order the rest by a valid lower bound on the step time;
 * for one shape, the *layer-to-stage split* and *how many layers of each stage recompute* are an
   integer linear program: every memory and time term of a pipeline stage is affine in its layer
-  count n_s and recomputed count k_s (see `cost_model.StageMemory`), so the ILP
+  count n_s and recomputed count k_s (see `stage_memory.StageMemory`), so the ILP
       min  (gas + (pp - 1)/vpp) T + D + O
       s.t. sum_s n_s = L,  0 <= k_s <= n_s,  k_s <= L r_s  (r_s binary: the stage recomputes)
            memory_s(n_s, k_s) <= capacity (both peak moments, both transient cases)
@@ -41,7 +41,6 @@ from advisor.layout_rules import layout_problem, pipeline_problem, tensor_parall
 from advisor.specs import MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, HardwareSpec, Layout, ModelSpec
 from planner.cost_model import (
     Placement,
-    StageMemory,
     StageTime,
     estimate_from_trace,
     model_shape,
@@ -49,6 +48,7 @@ from planner.cost_model import (
     stage_time,
 )
 from planner.memory import micro_batches_in_flight
+from planner.stage_memory import StageMemory
 from profiler.model_trace import ModelTrace, trace_model
 
 RECOMPUTE_MODES = ("selective", "full")

@@ -6,7 +6,8 @@ import torch
 
 from advisor.capabilities import LOSS_CHUNK_TOKENS, chunked_loss
 from advisor.specs import Layout, ModelSpec
-from planner.cost_model import loss_recompute_flops, stage_memory
+from planner.compute_time import loss_recompute_flops
+from planner.stage_memory import stage_memory
 from presets import load_hardware
 from profiler.model_trace import trace_model
 from profiler.tensor_memory import TensorMemory

@@ -1,12 +1,12 @@
 """The collectives the cost model prices are the ones the trainer's engines run, counted on 2 ranks.
 
 Tensor parallelism: one micro-batch of the sharded engine, its process group's collectives counted
-with torch.profiler, against `planner.cost_model.tp_collectives`. The process group's own ops are
+with torch.profiler, against `planner.comm_time.tp_collectives`. The process group's own ops are
 counted, not the functional collectives above them: under selective recomputation torch's
 caching dispatch mode records a functional call twice (33 all-reduces where gloo ran 24).
 
 DeepSpeed ZeRO-1: after its step each rank all-gathers the weight partitions the others updated,
-the whole model's weights, as the cost model's data-parallel term prices (`_gradient_comm`)."""
+the whole model's weights, as the cost model's data-parallel term prices (`gradient_comm`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import pytest
 
 from advisor.specs import Layout, ModelSpec
 from planner import collectives
-from planner.cost_model import estimate_from_trace, tp_collectives
+from planner.comm_time import tp_collectives
+from planner.cost_model import estimate_from_trace
 from presets import load_hardware
 from profiler.model_trace import trace_model
 from test_trainer import CONFIG

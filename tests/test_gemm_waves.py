@@ -1,4 +1,4 @@
-"""Tile and wave quantization of GEMMs (planner.cost_model.wave_efficiency) against hand counts of
+"""Tile and wave quantization of GEMMs (planner.compute_time.wave_efficiency) against hand counts of
 256x128 tiles over the A100's 108 SMs, and the Megatron-2021 engine's element-wise traffic."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pydantic import ValidationError
 from advisor.specs import Layout, ModelSpec
 from conftest import gpt_config
 from planner import megatron2021
-from planner.cost_model import Placement, stage_time, wave_efficiency
+from planner.compute_time import wave_efficiency
+from planner.cost_model import Placement, stage_time
 from advisor.engine_traits import MEGATRON
 from presets import load_hardware
 from profiler.model_trace import trace_model

@@ -5,7 +5,9 @@ from the trace's own FLOPs and parameter counts."""
 import pytest
 
 from advisor.specs import Layout, ModelSpec, SizeCurve
-from planner.cost_model import estimate_from_trace, loss_recompute_flops, optimizer_tensors
+from planner.compute_time import loss_recompute_flops
+from planner.cost_model import estimate_from_trace
+from planner.optimizer_step import optimizer_tensors
 from presets import load_hardware
 from profiler.hardware_bench import bench_cpu_adam_by_size, bench_head_gemms, linear_gemms
 from profiler.model_trace import trace_model
@@ -95,7 +97,7 @@ def test_the_attention_kernels_measured_rate_prices_exactly_its_counted_flops(re
 def test_the_gemm_slope_over_tokens_holds_only_where_calibration_measured_it() -> None:
     """Fitted over 256-2048 tokens per micro-batch (mbs 1 to 8 at seq 256), the slope is not
     carried beyond them: 4096 and 8192 tokens are priced as 2048, 128 as 256."""
-    from planner.cost_model import gemm_tokens_factor
+    from planner.compute_time import gemm_tokens_factor
 
     cpu = load_hardware("cpu")
     cpu = cpu.model_copy(update={"efficiency": cpu.efficiency.model_copy(update={"gemm_tokens_slope": -0.1})})

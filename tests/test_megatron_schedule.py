@@ -27,7 +27,7 @@ def test_a_tiny_interleaved_schedule_sends_what_a_hand_count_gives() -> None:
 
 @pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 3, 8), (4, 1, 6), (3, 2, 9)])
 def test_the_priced_message_count_per_micro_batch_is_the_schedules(p, v, m) -> None:
-    # what _activation_comm charges each device per micro-batch: 2v boundaries, less the model's ends
+    # what activation_comm charges each device per micro-batch: 2v boundaries, less the model's ends
     priced = [2 * v - (d == 0) - (d == p - 1) for d in range(p)]
     assert [n / m for n in messages_sent(p, v, m)] == priced
 

@@ -136,7 +136,7 @@ class PipelineForward(torch.nn.Module):
 
 def _sharded_stage_class(zero: int) -> type:
     """`PipelineStage` with ZeRO-2/3 as the cost model prices them (planner/cost_model.py
-    `_gradient_comm`, planner/memory.py `model_state_bytes`): gradients reduce-scattered after
+    `gradient_comm`, planner/memory.py `model_state_bytes`): gradients reduce-scattered after
     every micro-batch's backward (each rank keeps 1/dp of them), and under ZeRO-3 the weights
     resharded after it too, so that they are gathered for every micro-batch's forward and
     backward. torch's stage instead keeps whole gradients and gathered weights until the step's
