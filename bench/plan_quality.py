@@ -85,16 +85,7 @@ def key(layout) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=4, help="steps per layout in the exhaustive trial")
-    parser.add_argument("--runs", type=int, default=2, help="`advisor run`s (the second tests the feedback)")
-    parser.add_argument("--verify", type=int, default=3)
-    parser.add_argument("--steps-per-stage", type=int, default=4, help="training steps per stage in each run")
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
-    args = parser.parse_args()
-    from presets import load_model
-    from trainer.timed_steps import time_layout
-
+    args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="plan_quality_"))
     cache = work / "cache"
     loads = [load_average()]
@@ -104,16 +95,8 @@ def main() -> None:
     profile = Path(runs[0][0]["hardware_basis"])
 
     layouts = search_space(profile)
-    measured: dict[str, float] = {}
-    rows = []
     started = time.perf_counter()
-    for layout in layouts:
-        if key(layout) in measured:
-            continue
-        step_s = time_layout(load_model("demo-tiny"), layout, steps=args.steps, threads=1, warmup=2).step_s
-        measured[key(layout)] = step_s
-        rows.append((layout, step_s, load_average()))
-        print(f"  {layout.short()}: {step_s:.3f} s (load {rows[-1][2]})", flush=True)
+    measured, rows = measure_every_layout(layouts, args.steps)
     exhaustive_s = time.perf_counter() - started
     loads.append(load_average())
     for i in range(1, args.runs):
@@ -124,40 +107,7 @@ def main() -> None:
     tokens_per_step = layouts[0].tokens_per_step
     best_key = min(measured, key=measured.get)
     best_tps = tokens_per_step / measured[best_key]
-
-    def tps_of(layout_text: str) -> tuple[float | None, str]:
-        from advisor.specs import Layout, parse_layout_string
-
-        layout = Layout(**parse_layout_string(layout_text))
-        step = measured.get(key(layout))
-        return (tokens_per_step / step if step else None), layout.short()
-
-    table = ["| # | layout (dp=2, demo-tiny, fp32, seq 256, global batch 16) | measured step | "
-             "tokens/s | of best | load |", "|---|---|---|---|---|---|"]
-    for i, (layout, step, load) in enumerate(sorted(rows, key=lambda r: r[1]), 1):
-        table.append(f"| {i} | zero={layout.zero},mbs={layout.mbs},gas={layout.gas},recompute={layout.recompute} | "
-                     f"{step:.2f} s | {tokens_per_step / step:,.0f} | "
-                     f"{100 * tokens_per_step / step / best_tps:.0f}% | {load} |")
-    run_table = ["| run | seconds | profile | plan | verify | train | planner's #1 | of best | trained (after verify) | "
-                 "of best | trials' step error before feedback (RMS) | after refit |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    ratios = []
-    for i, (result, seconds) in enumerate(runs, 1):
-        timings = result["timings"]
-        trials = result["verification"]["trials"] if result["verification"] else []
-        first = trials[0]["layout"] if trials else result["plan"]
-        first_tps, _ = tps_of(first)
-        trained_tps, _ = tps_of(result["plan"])
-        ratio_first = first_tps / best_tps if first_tps else float("nan")
-        ratio = trained_tps / best_tps if trained_tps else float("nan")
-        ratios.append(ratio)
-        fb = result.get("feedback") or {}
-        run_table.append(
-            f"| {i} | {seconds:.0f} | {timings.get('profile_s', 0):.0f} | {timings.get('plan_s', 0):.1f} | "
-            f"{timings.get('verify_s', 0):.0f} | {timings.get('train_s', 0):.0f} | {_short(first)} | "
-            f"{100 * ratio_first:.0f}% | {_short(result['plan'])} | {100 * ratio:.0f}% | "
-            f"{100 * fb.get('new_error_before', float('nan')):.1f}% | "
-            f"{100 * fb.get('error_after', float('nan')):.1f}% (over {fb.get('used', 0)} observations) |")
+    run_table, ratios = runs_table(runs, measured, tokens_per_step, best_tps)
     decision_s = [r["timings"].get("profile_s", 0) + r["timings"].get("plan_s", 0) + r["timings"].get("verify_s", 0)
                   for r, _ in runs]
     summary = (
@@ -173,11 +123,85 @@ def main() -> None:
         f"before, between and after: {', '.join(loads)} on 2 cores shared with other jobs: absolute "
         "times are noisy; rerun on a quiet machine."
     )
-    body = "\n".join(run_table) + "\n\nEvery layout of the search space, measured:\n\n" + "\n".join(table) + summary
+    body = ("\n".join(run_table) + "\n\nEvery layout of the search space, measured:\n\n"
+            + "\n".join(layouts_table(rows, tokens_per_step, best_tps)) + summary)
     print(body)
     if not args.no_write:
         write_section("plan_quality", "Plan quality: `advisor run`'s choice against every layout measured "
                       "(demo-tiny, 2 ranks, this CPU)", "python -m bench.plan_quality", body)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps per layout in the exhaustive trial")
+    parser.add_argument("--runs", type=int, default=2, help="`advisor run`s (the second tests the feedback)")
+    parser.add_argument("--verify", type=int, default=3)
+    parser.add_argument("--steps-per-stage", type=int, default=4, help="training steps per stage in each run")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    return parser.parse_args()
+
+
+def measure_every_layout(layouts: list, steps: int) -> tuple[dict[str, float], list[tuple]]:
+    """Each distinct layout's measured step time, and (layout, step time, load average) in the order measured."""
+    from presets import load_model
+    from trainer.timed_steps import time_layout
+
+    measured: dict[str, float] = {}
+    rows = []
+    for layout in layouts:
+        if key(layout) in measured:
+            continue
+        step_s = time_layout(load_model("demo-tiny"), layout, steps=steps, threads=1, warmup=2).step_s
+        measured[key(layout)] = step_s
+        rows.append((layout, step_s, load_average()))
+        print(f"  {layout.short()}: {step_s:.3f} s (load {rows[-1][2]})", flush=True)
+    return measured, rows
+
+
+def measured_tokens_per_s(layout_text: str, measured: dict[str, float], tokens_per_step: int) -> float | None:
+    """The measured tokens/s of a layout `advisor run` printed; None if the trial did not measure it."""
+    from advisor.specs import Layout, parse_layout_string
+
+    layout = Layout(**parse_layout_string(layout_text))
+    step = measured.get(key(layout))
+    return tokens_per_step / step if step else None
+
+
+def runs_table(runs: list[tuple[dict, float]], measured: dict[str, float], tokens_per_step: int,
+               best_tps: float) -> tuple[list[str], list[float]]:
+    """The Markdown table of each `advisor run`, and the trained layout's share of the best measured."""
+    run_table = ["| run | seconds | profile | plan | verify | train | planner's #1 | of best | trained (after verify) | "
+                 "of best | trials' step error before feedback (RMS) | after refit |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for i, (result, seconds) in enumerate(runs, 1):
+        timings = result["timings"]
+        trials = result["verification"]["trials"] if result["verification"] else []
+        first = trials[0]["layout"] if trials else result["plan"]
+        first_tps = measured_tokens_per_s(first, measured, tokens_per_step)
+        trained_tps = measured_tokens_per_s(result["plan"], measured, tokens_per_step)
+        ratio_first = first_tps / best_tps if first_tps else float("nan")
+        ratio = trained_tps / best_tps if trained_tps else float("nan")
+        ratios.append(ratio)
+        fb = result.get("feedback") or {}
+        run_table.append(
+            f"| {i} | {seconds:.0f} | {timings.get('profile_s', 0):.0f} | {timings.get('plan_s', 0):.1f} | "
+            f"{timings.get('verify_s', 0):.0f} | {timings.get('train_s', 0):.0f} | {_short(first)} | "
+            f"{100 * ratio_first:.0f}% | {_short(result['plan'])} | {100 * ratio:.0f}% | "
+            f"{100 * fb.get('new_error_before', float('nan')):.1f}% | "
+            f"{100 * fb.get('error_after', float('nan')):.1f}% (over {fb.get('used', 0)} observations) |")
+    return run_table, ratios
+
+
+def layouts_table(rows: list[tuple], tokens_per_step: int, best_tps: float) -> list[str]:
+    """The Markdown table of every layout measured, fastest first."""
+    table = ["| # | layout (dp=2, demo-tiny, fp32, seq 256, global batch 16) | measured step | "
+             "tokens/s | of best | load |", "|---|---|---|---|---|---|"]
+    for i, (layout, step, load) in enumerate(sorted(rows, key=lambda r: r[1]), 1):
+        table.append(f"| {i} | zero={layout.zero},mbs={layout.mbs},gas={layout.gas},recompute={layout.recompute} | "
+                     f"{step:.2f} s | {tokens_per_step / step:,.0f} | "
+                     f"{100 * tokens_per_step / step / best_tps:.0f}% | {load} |")
+    return table
 
 
 def _short(text: str) -> str:

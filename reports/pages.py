@@ -9,8 +9,8 @@ import math
 from advisor.specs import GiB
 from reports import charts
 from reports.capacity import (CHECKPOINT_WRITE_GBS, COST_SLACK, METHOD_WORDS, SCALING_EFFICIENCY_RULE,
-                              SLOWER_THAN_MEGATRON, CapacityReport, Option)
-from reports.document import Document, Table, format_number, num, pct, text
+                              SLOWER_THAN_MEGATRON, CapacityReport, CapacityRequest, Option)
+from reports.document import Cell, Document, Table, format_number, num, pct, text
 
 PLANNING_MARGIN = 0.05  # the planner keeps peaks under (1 - margin) x usable memory (PlanOptions)
 
@@ -41,7 +41,8 @@ def _accuracy_text(report: CapacityReport, option: Option) -> str:
 
 
 def capacity_document(report: CapacityReport) -> Document:
-    req, rec = report.request, report.recommendation
+    """The page a manager decides from: the decision first, then the evidence behind it."""
+    req = report.request
     fitting = [o for o in report.options if o.fits and math.isfinite(o.wall_s)]
     stuck = [o for o in report.options if o.fits and not math.isfinite(o.wall_s)]
     refused = [o for o in report.options if not o.fits]
@@ -50,67 +51,73 @@ def capacity_document(report: CapacityReport) -> Document:
     doc = Document(f"Capacity plan: {req.model.name}, {work}",
                    f"{len(report.options)} options ({len(req.hardware)} hardware x {len(set(req.gpu_counts))} GPU "
                    f"counts x {len(req.methods)} methods), planned in {report.seconds:.1f} s")
-    chosen = rec.option.key if rec.option else None
+    _recommendation_section(doc, report)
+    _options_section(doc, report, fitting)
+    _refused_section(doc, refused, stuck)
+    _scaling_section(doc, report)
+    if len(req.methods) > 1:
+        _methods_section(doc, report, fitting)
+    _assumptions_section(doc, req, work, tokens)
+    if req.command:
+        doc.h2("Reproduce")
+        doc.code(req.command)
+    return doc
 
-    # -- the decision first ----------------------------------------------------------------------
+
+def _recommendation_section(doc: Document, report: CapacityReport) -> None:
+    """The decision first: the recommendation, its risks, the chosen option's figures."""
+    rec = report.recommendation
     doc.h2("Recommendation", id="recommendation-heading")
     doc.callout(rec.text, id="recommendation")
     doc.callout(f"Main risk: {rec.main_risk}.", id="main-risk", kind="risk")
     if rec.other_risks:
         doc.p("Other risks:")
         doc.bullets(rec.other_risks, id="other-risks")
-    if rec.option:
-        o = rec.option
-        assert o.overhead is not None and o.layout is not None
-        k = o.key
-        rows = [
-            [text("wall-clock time (days)"), num(o.wall_days, f"{k}:wall_days")],
-            [text("wall-clock time (hours)"), num(o.wall_s / 3600, f"{k}:wall_hours")],
-            [text("GPU-hours"), num(o.gpu_hours, f"{k}:gpu_hours")],
-            [text("cost ($)"), num(o.cost, f"{k}:cost") if o.cost is not None else text("no price given")],
-            [text("throughput (tokens/s)"), num(o.tokens_per_s, f"{k}:tokens_per_s")],
-            [text("MFU"), pct(o.mfu, f"{k}:mfu")],
-            [text("peak memory per GPU (GiB)"), num(o.peak_bytes / GiB, f"{k}:peak_gib")],
-            [text("memory headroom"), pct(o.headroom, f"{k}:headroom")],
-            [text("checkpoint every (hours)"), num(o.overhead.interval_s / 3600, f"{k}:checkpoint_interval_h")],
-            [text("checkpoint overhead"), pct(o.overhead.checkpoint_fraction, f"{k}:checkpoint_overhead")],
-            [text("expected failures"), num(o.overhead.failures, f"{k}:failures")],
-            [text("failure overhead"), pct(o.overhead.failure_fraction, f"{k}:failure_overhead")],
-            [text("layout"), text(f"`{o.layout.short()}`", wrap=True)],
-        ]
-        doc.table(Table(["the recommended option", o.label], rows, id="chosen"))
-        doc.p(_accuracy_text(report, o), id="error-band")
-        if report.against_megatron and report.against_megatron.slower > SLOWER_THAN_MEGATRON:
-            c = report.against_megatron
-            doc.callout(f"Our engines run this job {c.slower:.0%} slower than Megatron-LM would "
-                        f"({c.ours_tokens_per_s:,.0f} against {c.megatron_tokens_per_s:,.0f} tokens/s); the "
-                        f"largest difference is {c.why}.", id="against-megatron", kind="risk")
+    if not rec.option:
+        return
+    doc.table(_chosen_table(rec.option))
+    doc.p(_accuracy_text(report, rec.option), id="error-band")
+    if report.against_megatron and report.against_megatron.slower > SLOWER_THAN_MEGATRON:
+        c = report.against_megatron
+        doc.callout(f"Our engines run this job {c.slower:.0%} slower than Megatron-LM would "
+                    f"({c.ours_tokens_per_s:,.0f} against {c.megatron_tokens_per_s:,.0f} tokens/s); the "
+                    f"largest difference is {c.why}.", id="against-megatron", kind="risk")
 
-    # -- every option --------------------------------------------------------------------------
+
+def _chosen_table(o: Option) -> Table:
+    assert o.overhead is not None and o.layout is not None
+    k = o.key
+    rows = [
+        [text("wall-clock time (days)"), num(o.wall_days, f"{k}:wall_days")],
+        [text("wall-clock time (hours)"), num(o.wall_s / 3600, f"{k}:wall_hours")],
+        [text("GPU-hours"), num(o.gpu_hours, f"{k}:gpu_hours")],
+        [text("cost ($)"), num(o.cost, f"{k}:cost") if o.cost is not None else text("no price given")],
+        [text("throughput (tokens/s)"), num(o.tokens_per_s, f"{k}:tokens_per_s")],
+        [text("MFU"), pct(o.mfu, f"{k}:mfu")],
+        [text("peak memory per GPU (GiB)"), num(o.peak_bytes / GiB, f"{k}:peak_gib")],
+        [text("memory headroom"), pct(o.headroom, f"{k}:headroom")],
+        [text("checkpoint every (hours)"), num(o.overhead.interval_s / 3600, f"{k}:checkpoint_interval_h")],
+        [text("checkpoint overhead"), pct(o.overhead.checkpoint_fraction, f"{k}:checkpoint_overhead")],
+        [text("expected failures"), num(o.overhead.failures, f"{k}:failures")],
+        [text("failure overhead"), pct(o.overhead.failure_fraction, f"{k}:failure_overhead")],
+        [text("layout"), text(f"`{o.layout.short()}`", wrap=True)],
+    ]
+    return Table(["the recommended option", o.label], rows, id="chosen")
+
+
+def _options_section(doc: Document, report: CapacityReport, fitting: list[Option]) -> None:
+    """Every option that fits: its figures, its layout, and the charts that compare them."""
+    req = report.request
+    chosen = report.recommendation.option.key if report.recommendation.option else None
     doc.h2("Options that fit", id="options-heading")
     priced = any(o.cost is not None for o in fitting)
     headers = ["hardware", "GPUs", "nodes", "method", "days", "GPU-hours"] + (["cost ($)"] if priced else []) + [
         "tokens/s", "MFU", "peak GiB", "headroom", "ckpt", "failures", "fail. overhead", "compute rule"] + (
         ["deadline"] if req.deadline_s else [])
-    rows, classes = [], []
-    for o in fitting:
-        assert o.overhead is not None and o.estimate is not None
-        k = o.key
-        row = [text(o.hardware), num(o.gpus, f"{k}:gpus"), num(o.nodes, f"{k}:nodes"), text(o.method),
-               num(o.wall_days, f"{k}:wall_days"), num(o.gpu_hours, f"{k}:gpu_hours")]
-        if priced:
-            row.append(num(o.cost, f"{k}:cost") if o.cost is not None else text("-"))
-        row += [num(o.tokens_per_s, f"{k}:tokens_per_s"), pct(o.mfu, f"{k}:mfu"),
-                num(o.peak_bytes / GiB, f"{k}:peak_gib"), pct(o.headroom, f"{k}:headroom"),
-                pct(o.overhead.checkpoint_fraction, f"{k}:checkpoint_overhead"),
-                num(o.overhead.failures, f"{k}:failures"),
-                pct(o.overhead.failure_fraction, f"{k}:failure_overhead"),
-                text("met" if o.meets_compute_rule else f"{100 * o.estimate.compute_fraction:.0f}% < "
-                     f"{100 * req.min_compute_fraction:.0f}%")]
-        if req.deadline_s:
-            row.append(text("met" if o.meets_deadline else "missed"))
-        rows.append(row)
-        classes.append("chosen" if k == chosen else ("bad" if req.deadline_s and not o.meets_deadline else ""))
+    rows = [_option_row(o, req, priced) for o in fitting]
+    # the recommended row reads as chosen even where it misses the deadline
+    classes = ["chosen" if o.key == chosen else ("bad" if req.deadline_s and not o.meets_deadline else "")
+               for o in fitting]
     doc.table(Table(headers, rows, id="options", row_classes=classes,
                     caption="days and GPU-hours include checkpoint writes and expected failures; "
                             "ckpt and fail. overhead are shares of the pure training time"))
@@ -126,18 +133,44 @@ def capacity_document(report: CapacityReport) -> Document:
                "Predicted peak memory per GPU as a share of usable memory; the dashed line is the planner's "
                f"limit ({100 * (1 - PLANNING_MARGIN):.0f}%).")
 
-    doc.h2("Options that do not fit", id="refused-heading")
-    if refused or stuck:
-        rows = [[text(o.hardware), num(o.gpus), text(o.method), text(o.why_not, wide=True),
-                 text("; ".join(o.fixes) or "-", wide=True)] for o in refused]
-        rows += [[text(o.hardware), num(o.gpus), text(o.method),
-                  text("fits, but failures would come faster than the job progresses", wide=True), text("-")]
-                 for o in stuck]
-        doc.table(Table(["hardware", "GPUs", "method", "why", "the planner's nearest changes"], rows, id="refused"))
-    else:
-        doc.p("Every option fits.", id="refused")
 
-    # -- scaling -------------------------------------------------------------------------------
+def _option_row(o: Option, req: CapacityRequest, priced: bool) -> list[Cell]:
+    """One fitting option's row of the options table (cost and deadline columns only when asked)."""
+    assert o.overhead is not None and o.estimate is not None
+    k = o.key
+    row = [text(o.hardware), num(o.gpus, f"{k}:gpus"), num(o.nodes, f"{k}:nodes"), text(o.method),
+           num(o.wall_days, f"{k}:wall_days"), num(o.gpu_hours, f"{k}:gpu_hours")]
+    if priced:
+        row.append(num(o.cost, f"{k}:cost") if o.cost is not None else text("-"))
+    row += [num(o.tokens_per_s, f"{k}:tokens_per_s"), pct(o.mfu, f"{k}:mfu"),
+            num(o.peak_bytes / GiB, f"{k}:peak_gib"), pct(o.headroom, f"{k}:headroom"),
+            pct(o.overhead.checkpoint_fraction, f"{k}:checkpoint_overhead"),
+            num(o.overhead.failures, f"{k}:failures"),
+            pct(o.overhead.failure_fraction, f"{k}:failure_overhead"),
+            text("met" if o.meets_compute_rule else f"{100 * o.estimate.compute_fraction:.0f}% < "
+                 f"{100 * req.min_compute_fraction:.0f}%")]
+    if req.deadline_s:
+        row.append(text("met" if o.meets_deadline else "missed"))
+    return row
+
+
+def _refused_section(doc: Document, refused: list[Option], stuck: list[Option]) -> None:
+    """Options the planner refused (with its reason and nearest fixes), and those that never finish."""
+    doc.h2("Options that do not fit", id="refused-heading")
+    if not (refused or stuck):
+        doc.p("Every option fits.", id="refused")
+        return
+    rows = [[text(o.hardware), num(o.gpus), text(o.method), text(o.why_not, wide=True),
+             text("; ".join(o.fixes) or "-", wide=True)] for o in refused]
+    rows += [[text(o.hardware), num(o.gpus), text(o.method),
+              text("fits, but failures would come faster than the job progresses", wide=True), text("-")]
+             for o in stuck]
+    doc.table(Table(["hardware", "GPUs", "method", "why", "the planner's nearest changes"], rows, id="refused"))
+
+
+def _scaling_section(doc: Document, report: CapacityReport) -> None:
+    """Throughput against the linear ideal per hardware and method, and each curve's knee."""
+    req = report.request
     doc.h2("Scaling against ideal", id="scaling-heading")
     doc.p(f"Scaling efficiency at n GPUs = (tokens/s per GPU at n) / (tokens/s per GPU at the smallest count that "
           f"fits). The knee is the largest GPU count whose efficiency, and that of every tested count below it, "
@@ -165,37 +198,43 @@ def capacity_document(report: CapacityReport) -> Document:
                    "Predicted throughput against GPUs with the linear ideal from the smallest fitting count; "
                    "the ring marks the knee.")
 
-    # -- methods -------------------------------------------------------------------------------
-    if len(req.methods) > 1:
-        doc.h2("Full fine-tuning against LoRA", id="methods-heading")
-        base, others = req.methods[0], req.methods[1:]
-        rows = []
-        for hw in req.hardware:
-            for gpus in sorted(set(req.gpu_counts)):
-                by = {o.method: o for o in fitting if o.hardware == hw.name and o.gpus == gpus}
-                for other in others:
-                    a, b = by.get(base), by.get(other)
-                    if a is None and b is None:
-                        continue
-                    saving = (1 - b.gpu_hours / a.gpu_hours) if a and b else None
-                    share = (b.estimate.model.trainable_params / b.estimate.model.params) if b and b.estimate else None
-                    rows.append([text(hw.name), num(gpus), text(f"{base} vs {other}"),
-                                 num(a.wall_days, f"{a.key}:wall_days") if a else text("does not fit"),
-                                 num(a.gpu_hours, f"{a.key}:gpu_hours") if a else text("-"),
-                                 num(b.wall_days, f"{b.key}:wall_days") if b else text("does not fit"),
-                                 num(b.gpu_hours, f"{b.key}:gpu_hours") if b else text("-"),
-                                 pct(saving, f"{hw.name}/{gpus}/{other}:saving_vs_{base}") if saving is not None
-                                 else text("-"),
-                                 pct(share, f"{b.key}:trainable_share", 2) if share is not None else text("-")])
-        doc.table(Table(["hardware", "GPUs", "methods", f"{base} days", f"{base} GPU-h", "other days",
-                         "other GPU-h", "GPU-hours saved", "weights trained"], rows, id="methods"))
-        doc.p(f"{METHOD_WORDS.get(others[0], others[0])} trains small adapters and keeps the base weights frozen: it "
-              "needs far less memory and optimizer state, and usually a little less time per token, but it can "
-              "learn less than full fine-tuning; the report cannot judge quality, only cost.")
-        doc.figure("methods", charts.method_chart(report.options, req.methods),
-                   "GPU-hours of each method for every hardware and GPU count.")
 
-    # -- basis -----------------------------------------------------------------------------------
+def _methods_section(doc: Document, report: CapacityReport, fitting: list[Option]) -> None:
+    """The first method against each other one, per hardware and GPU count (only with two or more)."""
+    req = report.request
+    doc.h2("Full fine-tuning against LoRA", id="methods-heading")
+    base, others = req.methods[0], req.methods[1:]
+    rows = []
+    for hw in req.hardware:
+        for gpus in sorted(set(req.gpu_counts)):
+            by = {o.method: o for o in fitting if o.hardware == hw.name and o.gpus == gpus}
+            for other in others:
+                if by.get(base) is not None or by.get(other) is not None:  # a row only where one of them fits
+                    rows.append(_method_row(hw.name, gpus, base, other, by.get(base), by.get(other)))
+    doc.table(Table(["hardware", "GPUs", "methods", f"{base} days", f"{base} GPU-h", "other days",
+                     "other GPU-h", "GPU-hours saved", "weights trained"], rows, id="methods"))
+    doc.p(f"{METHOD_WORDS.get(others[0], others[0])} trains small adapters and keeps the base weights frozen: it "
+          "needs far less memory and optimizer state, and usually a little less time per token, but it can "
+          "learn less than full fine-tuning; the report cannot judge quality, only cost.")
+    doc.figure("methods", charts.method_chart(report.options, req.methods),
+               "GPU-hours of each method for every hardware and GPU count.")
+
+
+def _method_row(hw: str, gpus: int, base: str, other: str, a: Option | None, b: Option | None) -> list[Cell]:
+    """`base` (a) against `other` (b) on one hardware and GPU count; either may not fit."""
+    saving = (1 - b.gpu_hours / a.gpu_hours) if a and b else None
+    share = (b.estimate.model.trainable_params / b.estimate.model.params) if b and b.estimate else None
+    return [text(hw), num(gpus), text(f"{base} vs {other}"),
+            num(a.wall_days, f"{a.key}:wall_days") if a else text("does not fit"),
+            num(a.gpu_hours, f"{a.key}:gpu_hours") if a else text("-"),
+            num(b.wall_days, f"{b.key}:wall_days") if b else text("does not fit"),
+            num(b.gpu_hours, f"{b.key}:gpu_hours") if b else text("-"),
+            pct(saving, f"{hw}/{gpus}/{other}:saving_vs_{base}") if saving is not None else text("-"),
+            pct(share, f"{b.key}:trainable_share", 2) if share is not None else text("-")]
+
+
+def _assumptions_section(doc: Document, req: CapacityRequest, work: str, tokens: float) -> None:
+    """Every assumption the figures rest on, and where each input came from."""
     doc.h2("Assumptions and basis", id="assumptions")
     basis = []
     for hw in req.hardware:
@@ -213,6 +252,17 @@ def capacity_document(report: CapacityReport) -> Document:
         f"Each option's plan is the planner's best layout (`advisor plan --method M --nodes N --gpus-per-node G "
         f"--seq-len {req.seq_len} --global-batch {req.batch}`): throughput at steady state, memory under "
         f"{100 * (1 - PLANNING_MARGIN):.0f}% of usable device memory.",
+        *_overhead_assumptions(req),
+        "Not included: evaluation passes, data preparation, queueing before the job starts.",
+    ]
+    if req.deadline_s:
+        items.append(f"Deadline: {format_number(req.deadline_s / 86400)} days.")
+    doc.bullets(items, id="assumption-list")
+
+
+def _overhead_assumptions(req: CapacityRequest) -> list[str]:
+    """The assumed failure, checkpoint, compute, price and recommendation rules, as the page states them."""
+    return [
         f"Failures: MTBF {req.mtbf_hours:,.0f} hours per node (assumed; large fleets report one failure per 1-3 "
         f"thousand node-hours); expected failures = wall-clock hours x nodes / MTBF; each loses half a checkpoint "
         f"interval of work plus a restart of {req.restart_s / 60:.0f} minutes (assumed: re-queue, reload, rebuild "
@@ -228,14 +278,4 @@ def capacity_document(report: CapacityReport) -> Document:
         f"Recommendation rule: within the deadline, the fastest option of the first method in --method "
         f"({', '.join(req.methods)}) that costs at most {100 * (COST_SLACK - 1):.0f}% more than the cheapest "
         "(the same 80% rule applied to money).",
-        "Not included: evaluation passes, data preparation, queueing before the job starts.",
     ]
-    if req.deadline_s:
-        items.append(f"Deadline: {format_number(req.deadline_s / 86400)} days.")
-    doc.bullets(items, id="assumption-list")
-    if req.command:
-        doc.h2("Reproduce")
-        doc.code(req.command)
-    return doc
-
-

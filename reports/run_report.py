@@ -198,10 +198,37 @@ def _stage_at(step: Any, metrics: list[dict[str, Any]]) -> str | None:
 
 def analyse(data: RunData) -> RunAnalysis:
     summary = data.summary or {}
+    metrics = sorted(data.metrics, key=lambda m: m["step"])
+    comparisons = _comparisons(data, summary, metrics)
+    events = data.events
+    spikes = [e for e in events if "spike" in _event_kind(e)]
+    rollbacks = [e for e in events if "rollback" in _event_kind(e)]
+    checkpoint_events = [e for e in events if _event_kind(e) == "checkpoint"]
+    _give_rollbacks_a_stage(events, spikes, rollbacks, metrics)  # before the stages count them
+    evals = _evals(events, summary)
+    exact_match, epochs = _stage_results(events, summary)
+    planned = {s.name: s.steps for s in data.plan.stages} if data.plan else {}
+    stages = [_stage_result(name, metrics, planned.get(name), spikes, rollbacks, checkpoint_events)
+              for name in _stage_names(data)]
+    finished = summary.get("finished") if isinstance(summary.get("finished"), bool) else None
+    if finished is None and data.plan and data.plan.stages and stages:
+        ends = {str(e.get("stage")) for e in events if _event_kind(e) == "stage_end"}
+        finished = all(s.name in ends for s in data.plan.stages) if ends else None
+    steps = int(summary["steps"]) if isinstance(summary.get("steps"), int) else (
+        int(metrics[-1]["step"]) if metrics else 0)
+    note = summary.get("exact_match_note") or next(
+        (e["exact_match_note"] for e in events if _event_kind(e) == "eval" and e.get("exact_match_note")), None)
+    return RunAnalysis(data=data, comparisons=comparisons, stages=stages, spikes=spikes, rollbacks=rollbacks,
+                       checkpoint_events=checkpoint_events, evals=evals, finished=finished, steps=steps,
+                       exact_match=exact_match, exact_match_note=note, epochs=epochs)
+
+
+def _comparisons(data: RunData, summary: dict[str, Any], metrics: list[dict[str, Any]]) -> list[Comparison]:
+    """Peak memory, step time and throughput: summary.json's prediction (else the plan's estimate)
+    against summary.json's measurement (else the median of metrics.jsonl)."""
     predicted = summary.get("predicted") if isinstance(summary.get("predicted"), dict) else {}
     measured = summary.get("measured") if isinstance(summary.get("measured"), dict) else {}
     plan_est = data.plan.chosen.estimate if data.plan else None
-    metrics = sorted(data.metrics, key=lambda m: m["step"])
 
     def pick(source: dict[str, Any], key: str) -> float | None:
         value = source.get(key)
@@ -215,7 +242,7 @@ def analyse(data: RunData) -> RunAnalysis:
     meas_step = pick(measured, "step_s")
     meas_tps = pick(measured, "tokens_per_s")
     from_metrics = "median of metrics.jsonl"
-    comparisons = [
+    return [
         Comparison("peak memory", "peak_bytes", "GiB per device", pred_peak, pick(measured, "peak_bytes"),
                    str(measured.get("peak_source") or "")),
         Comparison("step time", "step_s", "s", pred_step,
@@ -226,12 +253,12 @@ def analyse(data: RunData) -> RunAnalysis:
                    "summary.json" if meas_tps is not None else (from_metrics if tps else "")),
     ]
 
-    events = data.events
-    spikes = [e for e in events if "spike" in _event_kind(e)]
-    rollbacks = [e for e in events if "rollback" in _event_kind(e)]
-    checkpoint_events = [e for e in events if _event_kind(e) == "checkpoint"]
-    # the trainer's rollback names the checkpoint it returns to, not the stage: it belongs to the
-    # spike that caused it (the checkpoint may be the previous stage's last one), else to its step
+
+def _give_rollbacks_a_stage(events: list[dict[str, Any]], spikes: list[dict[str, Any]],
+                            rollbacks: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> None:
+    """The trainer's rollback names the checkpoint it returns to, not the stage: it belongs to the
+    spike that caused it (the checkpoint may be the previous stage's last one), else to its step.
+    Sets the stage on the rollback events in place."""
     last_spike_stage = None
     for e in events:
         if e in spikes:
@@ -239,6 +266,9 @@ def analyse(data: RunData) -> RunAnalysis:
         elif e in rollbacks and e.get("stage") is None:
             e["stage"] = last_spike_stage if last_spike_stage is not None else _stage_at(e.get("step"), metrics)
 
+
+def _evals(events: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """After stage -> skill -> eval loss: the eval events, else summary.json's per-stage eval."""
     evals: dict[str, dict[str, float]] = {}
     for e in events:
         if _event_kind(e) == "eval" and isinstance(e.get("losses"), dict) and e.get("stage") is not None:
@@ -247,36 +277,24 @@ def analyse(data: RunData) -> RunAnalysis:
         if isinstance(s, dict) and s.get("name") and isinstance(s.get("eval"), dict) and s["eval"]:
             evals.setdefault(str(s["name"]), {str(k): float(v) for k, v in s["eval"].items()
                                                if isinstance(v, (int, float))})
+    return evals
 
-    exact_match, epochs = _stage_results(events, summary)
 
-    planned = {s.name: s.steps for s in data.plan.stages} if data.plan else {}
-    stages = []
-    for name in _stage_names(data):
-        rows = [m for m in metrics if str(m.get("stage")) == name]
-        losses = _finite([m.get("loss") for m in rows])
-        lrs = _finite([m.get("lr") for m in rows])
-        stage_tps = _finite([m.get("tokens_per_s") for m in rows])
-        stages.append(StageResult(
-            name=name, planned_steps=planned.get(name), steps=len(rows),
-            first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
-            min_loss=min(losses) if losses else None, peak_lr=max(lrs) if lrs else None,
-            final_lr=lrs[-1] if lrs else None, tokens_per_s=statistics.median(stage_tps) if stage_tps else None,
-            spikes=sum(1 for e in spikes if str(e.get("stage")) == name),
-            rollbacks=sum(1 for e in rollbacks if str(e.get("stage")) == name),
-            checkpoints=sum(1 for e in checkpoint_events if str(e.get("stage")) == name)))
-
-    finished = summary.get("finished") if isinstance(summary.get("finished"), bool) else None
-    if finished is None and data.plan and data.plan.stages and stages:
-        ends = {str(e.get("stage")) for e in events if _event_kind(e) == "stage_end"}
-        finished = all(s.name in ends for s in data.plan.stages) if ends else None
-    steps = int(summary["steps"]) if isinstance(summary.get("steps"), int) else (
-        int(metrics[-1]["step"]) if metrics else 0)
-    note = summary.get("exact_match_note") or next(
-        (e["exact_match_note"] for e in events if _event_kind(e) == "eval" and e.get("exact_match_note")), None)
-    return RunAnalysis(data=data, comparisons=comparisons, stages=stages, spikes=spikes, rollbacks=rollbacks,
-                       checkpoint_events=checkpoint_events, evals=evals, finished=finished, steps=steps,
-                       exact_match=exact_match, exact_match_note=note, epochs=epochs)
+def _stage_result(name: str, metrics: list[dict[str, Any]], planned_steps: int | None, spikes: list[dict[str, Any]],
+                  rollbacks: list[dict[str, Any]], checkpoint_events: list[dict[str, Any]]) -> StageResult:
+    """One stage's figures from its logged steps, and its share of the spikes, rollbacks and checkpoints."""
+    rows = [m for m in metrics if str(m.get("stage")) == name]
+    losses = _finite([m.get("loss") for m in rows])
+    lrs = _finite([m.get("lr") for m in rows])
+    stage_tps = _finite([m.get("tokens_per_s") for m in rows])
+    return StageResult(
+        name=name, planned_steps=planned_steps, steps=len(rows),
+        first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
+        min_loss=min(losses) if losses else None, peak_lr=max(lrs) if lrs else None,
+        final_lr=lrs[-1] if lrs else None, tokens_per_s=statistics.median(stage_tps) if stage_tps else None,
+        spikes=sum(1 for e in spikes if str(e.get("stage")) == name),
+        rollbacks=sum(1 for e in rollbacks if str(e.get("stage")) == name),
+        checkpoints=sum(1 for e in checkpoint_events if str(e.get("stage")) == name))
 
 
 def _stage_results(events: list[dict[str, Any]], summary: dict[str, Any]) -> tuple[dict, dict]:
@@ -364,18 +382,30 @@ def _verdict(a: RunAnalysis) -> str:
 
 
 def run_document(a: RunAnalysis) -> Document:
+    """The page an engineer checks after a run, one section after another."""
     data = a.data
-    plan = data.plan
     raw_model = (data.plan_raw or {}).get("model")
-    title_model = plan.model.name if plan else (raw_model.get("name", "?") if isinstance(raw_model, dict) else "?")
+    title_model = (data.plan.model.name if data.plan
+                   else (raw_model.get("name", "?") if isinstance(raw_model, dict) else "?"))
     doc = Document(f"Run report: {data.run_dir.name}",
                    f"{title_model}; run dir {data.run_dir}")
     doc.h2("Summary", id="summary-heading")
     doc.callout(_verdict(a), id="verdict")
     if data.warnings:
         doc.bullets([f"warning: {w}" for w in data.warnings], id="warnings")
+    _comparison_section(doc, a)
+    _verification_section(doc, data)
+    _stages_section(doc, a)
+    _spikes_section(doc, a)
+    _checkpoints_section(doc, a)
+    _eval_section(doc, a)
+    _exact_match_section(doc, a)
+    _plan_section(doc, data)
+    return doc
 
-    # -- predicted against measured --------------------------------------------------------------
+
+def _comparison_section(doc: Document, a: RunAnalysis) -> None:
+    """Predicted against measured peak memory, step time and throughput, and where each measurement came from."""
     doc.h2("Predicted against measured", id="comparison-heading")
     rows = []
     for c in a.comparisons:
@@ -391,9 +421,9 @@ def run_document(a: RunAnalysis) -> Document:
             [(f"{c.name} ({c.unit})", _scaled(c, c.predicted), _scaled(c, c.measured)) for c in a.comparisons]),
             "Predicted and measured peak memory, step time and throughput.")
 
-    _verification_section(doc, data)
 
-    # -- stages ----------------------------------------------------------------------------------
+def _stages_section(doc: Document, a: RunAnalysis) -> None:
+    """Each stage's figures, and the loss and learning-rate curves over every logged step."""
     doc.h2("Loss and learning rate per stage", id="stages-heading")
     if a.stages:
         rows = []
@@ -407,7 +437,14 @@ def run_document(a: RunAnalysis) -> Document:
                          num(s.checkpoints, f"{k}:checkpoints")])
         doc.table(Table(["stage", "planned steps", "steps", "first loss", "final loss", "min loss", "peak lr",
                          "final lr", "tokens/s", "spikes", "rollbacks", "checkpoints"], rows, id="stages"))
-    metrics = sorted(data.metrics, key=lambda m: m["step"])
+    metrics = sorted(a.data.metrics, key=lambda m: m["step"])
+    _curves(doc, a, metrics)
+    if not metrics:
+        doc.p("No metrics.jsonl: the run logged no optimizer step.", id="no-metrics")
+
+
+def _curves(doc: Document, a: RunAnalysis, metrics: list[dict[str, Any]]) -> None:
+    """The loss chart (with the rejected spikes and the rollbacks) and the learning-rate chart."""
     with_loss = [m for m in metrics if isinstance(m.get("loss"), (int, float))]
     if with_loss:
         spikes = [(int(e["step"]), float(e["loss"])) for e in a.spikes
@@ -422,27 +459,30 @@ def run_document(a: RunAnalysis) -> Document:
         doc.figure("lr", charts.lr_chart([int(m["step"]) for m in with_lr], [float(m["lr"]) for m in with_lr],
                                          [str(m.get("stage")) for m in with_lr]),
                    "Learning rate per optimizer step.")
-    if not metrics:
-        doc.p("No metrics.jsonl: the run logged no optimizer step.", id="no-metrics")
 
-    # -- spikes and rollbacks --------------------------------------------------------------------
+
+def _spikes_section(doc: Document, a: RunAnalysis) -> None:
+    """Every rejected spike and rollback, in the order they happened."""
     doc.h2("Spikes and rollbacks", id="spikes-heading")
-    if a.spikes or a.rollbacks:
-        rows = []
-        for e in (e for e in data.events if e in a.spikes or e in a.rollbacks):  # in the order they happened
-            kind = _event_kind(e)
-            detail = (str(e.get("reason") or "") if kind == "spike" else
-                      f"to {e.get('to', '?')}" + (f", skipped data {e['skipped']}" if e.get("skipped") else "")
-                      + (f", lr x {e['lr_scale']:g}" if isinstance(e.get("lr_scale"), (int, float)) else ""))
-            rows.append([text(kind), num(e.get("step")), text(str(e.get("stage") or "-")),
-                         num(e.get("loss")) if isinstance(e.get("loss"), (int, float)) else text("-"),
-                         num(e.get("grad_norm")) if isinstance(e.get("grad_norm"), (int, float)) else text("-"),
-                         text(detail or "-", wide=True)])
-        doc.table(Table(["event", "step", "stage", "loss", "grad norm", "detail"], rows, id="spikes"))
-    else:
+    if not (a.spikes or a.rollbacks):
         doc.p("No loss spikes, no rollbacks.", id="spikes")
+        return
+    rows = []
+    for e in (e for e in a.data.events if e in a.spikes or e in a.rollbacks):  # in the order they happened
+        kind = _event_kind(e)
+        detail = (str(e.get("reason") or "") if kind == "spike" else
+                  f"to {e.get('to', '?')}" + (f", skipped data {e['skipped']}" if e.get("skipped") else "")
+                  + (f", lr x {e['lr_scale']:g}" if isinstance(e.get("lr_scale"), (int, float)) else ""))
+        rows.append([text(kind), num(e.get("step")), text(str(e.get("stage") or "-")),
+                     num(e.get("loss")) if isinstance(e.get("loss"), (int, float)) else text("-"),
+                     num(e.get("grad_norm")) if isinstance(e.get("grad_norm"), (int, float)) else text("-"),
+                     text(detail or "-", wide=True)])
+    doc.table(Table(["event", "step", "stage", "loss", "grad norm", "detail"], rows, id="spikes"))
 
-    # -- checkpoints -----------------------------------------------------------------------------
+
+def _checkpoints_section(doc: Document, a: RunAnalysis) -> None:
+    """The checkpoints the run wrote (events.jsonl) and those still on disk (checkpoints/)."""
+    data = a.data
     doc.h2("Checkpoints", id="checkpoints-heading")
     on_disk = dict(data.checkpoints)
     if a.checkpoint_events:
@@ -461,59 +501,68 @@ def run_document(a: RunAnalysis) -> Document:
     elif not a.checkpoint_events:
         doc.p("No checkpoints recorded.", id="checkpoints")
 
-    # -- evaluation --------------------------------------------------------------------------------
-    doc.h2("Per-skill evaluation", id="eval-heading")
-    if a.evals:
-        skills = list(dict.fromkeys(skill for losses in a.evals.values() for skill in losses))
-        after = list(a.evals)
-        rows = [[text(f"after {stage}")] + [num(a.evals[stage].get(skill), f"eval:{stage}:{skill}")
-                                            for skill in skills] for stage in after]
-        doc.table(Table(["eval loss"] + skills, rows, id="eval",
-                        caption="rows: when the evaluation ran; columns: the skill (stage) whose held-out data "
-                                "it used"))
-        forgetting = []
-        for skill in skills:
-            seen = [(stage, a.evals[stage][skill]) for stage in after if skill in a.evals[stage]]
-            if len(seen) > 1:
-                best_stage, best = min(seen, key=lambda x: x[1])
-                last_stage, last = seen[-1]
-                if last > best * 1.02:
-                    forgetting.append(f"{skill}: eval loss rose from {format_number(best)} (after {best_stage}) to "
-                                      f"{format_number(last)} (after {last_stage}): forgetting")
-        doc.bullets(forgetting, id="forgetting")
-        doc.figure("eval", charts.eval_chart(after, skills, {(st, sk): v for st, d in a.evals.items()
-                                                           for sk, v in d.items()}),
-                   "Eval loss of each skill after each stage; a bar that grows in later stages is forgetting.")
-    else:
-        doc.p("No evaluation results in events.jsonl or summary.json.", id="eval")
-    _exact_match_section(doc, a)
 
-    # -- the plan that ran -----------------------------------------------------------------------
+def _eval_section(doc: Document, a: RunAnalysis) -> None:
+    """Eval loss of each skill after each stage, and the skills whose loss rose again (forgetting)."""
+    doc.h2("Per-skill evaluation", id="eval-heading")
+    if not a.evals:
+        doc.p("No evaluation results in events.jsonl or summary.json.", id="eval")
+        return
+    skills = list(dict.fromkeys(skill for losses in a.evals.values() for skill in losses))
+    after = list(a.evals)
+    rows = [[text(f"after {stage}")] + [num(a.evals[stage].get(skill), f"eval:{stage}:{skill}")
+                                        for skill in skills] for stage in after]
+    doc.table(Table(["eval loss"] + skills, rows, id="eval",
+                    caption="rows: when the evaluation ran; columns: the skill (stage) whose held-out data "
+                            "it used"))
+    doc.bullets(_forgetting(a.evals, skills, after), id="forgetting")
+    doc.figure("eval", charts.eval_chart(after, skills, {(st, sk): v for st, d in a.evals.items()
+                                                       for sk, v in d.items()}),
+               "Eval loss of each skill after each stage; a bar that grows in later stages is forgetting.")
+
+
+def _forgetting(evals: dict[str, dict[str, float]], skills: list[str], after: list[str]) -> list[str]:
+    """Skills whose last eval loss is more than 2% above their best one."""
+    forgetting = []
+    for skill in skills:
+        seen = [(stage, evals[stage][skill]) for stage in after if skill in evals[stage]]
+        if len(seen) > 1:
+            best_stage, best = min(seen, key=lambda x: x[1])
+            last_stage, last = seen[-1]
+            if last > best * 1.02:
+                forgetting.append(f"{skill}: eval loss rose from {format_number(best)} (after {best_stage}) to "
+                                  f"{format_number(last)} (after {last_stage}): forgetting")
+    return forgetting
+
+
+def _plan_section(doc: Document, data: RunData) -> None:
+    """The plan that ran: model, hardware, layout and stages, or what an unreadable plan.yaml holds."""
     doc.h2("The plan that ran", id="plan-heading")
-    if plan:
-        est = plan.chosen.estimate
-        doc.table(Table(["", "plan.yaml"], [
-            [text("model"), text(f"{plan.model.name} ({_count(est.model.params)} parameters, "
-                                 f"{_count(est.model.trainable_params)} trainable)", wrap=True)],
-            [text("hardware"), text(f"{plan.nodes} x {plan.gpus_per_node} {plan.hardware.name} "
-                                    f"({plan.hardware.source})")],
-            [text("layout"), text(f"`{plan.chosen.layout.short()}`", wide=True)],
-            [text("why"), text(plan.chosen.why, wide=True)],
-            [text("task"), text(plan.task.name if plan.task else "-")],
-        ], id="plan"))
-        if plan.stages:
-            rows = [[text(s.name), text(s.method), num(s.devices), num(s.tokens), num(s.steps),
-                     num(s.step_s), num(s.checkpoint_every_steps), pct(s.overhead_fraction),
-                     text("; ".join(s.flags) or "-", wrap=True)] for s in plan.stages]
-            doc.table(Table(["stage", "method", "devices", "tokens", "steps", "step s", "ckpt every", "overhead",
-                             "flags"], rows, id="plan-stages"))
-        doc.bullets([f"note: {n}" for n in plan.notes])
-    elif data.plan_raw:
-        doc.p("plan.yaml could not be read as a plan of this version; its layout: "
-              f"`{json.dumps((data.plan_raw.get('chosen') or {}).get('layout', {}))}`", id="plan")
-    else:
-        doc.p("No plan.yaml in the run dir.", id="plan")
-    return doc
+    plan = data.plan
+    if not plan:
+        if data.plan_raw:
+            doc.p("plan.yaml could not be read as a plan of this version; its layout: "
+                  f"`{json.dumps((data.plan_raw.get('chosen') or {}).get('layout', {}))}`", id="plan")
+        else:
+            doc.p("No plan.yaml in the run dir.", id="plan")
+        return
+    est = plan.chosen.estimate
+    doc.table(Table(["", "plan.yaml"], [
+        [text("model"), text(f"{plan.model.name} ({_count(est.model.params)} parameters, "
+                             f"{_count(est.model.trainable_params)} trainable)", wrap=True)],
+        [text("hardware"), text(f"{plan.nodes} x {plan.gpus_per_node} {plan.hardware.name} "
+                                f"({plan.hardware.source})")],
+        [text("layout"), text(f"`{plan.chosen.layout.short()}`", wide=True)],
+        [text("why"), text(plan.chosen.why, wide=True)],
+        [text("task"), text(plan.task.name if plan.task else "-")],
+    ], id="plan"))
+    if plan.stages:
+        rows = [[text(s.name), text(s.method), num(s.devices), num(s.tokens), num(s.steps),
+                 num(s.step_s), num(s.checkpoint_every_steps), pct(s.overhead_fraction),
+                 text("; ".join(s.flags) or "-", wrap=True)] for s in plan.stages]
+        doc.table(Table(["stage", "method", "devices", "tokens", "steps", "step s", "ckpt every", "overhead",
+                         "flags"], rows, id="plan-stages"))
+    doc.bullets([f"note: {n}" for n in plan.notes])
 
 
 def _verification_section(doc: Document, data: RunData) -> None:
