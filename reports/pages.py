@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from advisor.capabilities import prices_ours
 from advisor.specs import GiB
 from reports import charts
 from reports.capacity import (CHECKPOINT_WRITE_GBS, COST_SLACK, METHOD_WORDS, SCALING_EFFICIENCY_RULE,
@@ -13,10 +14,6 @@ from reports.capacity import (CHECKPOINT_WRITE_GBS, COST_SLACK, METHOD_WORDS, SC
 from reports.document import Cell, Document, Table, format_number, num, pct, text
 
 PLANNING_MARGIN = 0.05  # the planner keeps peaks under (1 - margin) x usable memory (PlanOptions)
-
-
-def _days(seconds: float) -> float:
-    return seconds / 86400
 
 
 def _tokens(n: float) -> str:
@@ -29,7 +26,7 @@ def _tokens(n: float) -> str:
 def _accuracy_text(report: CapacityReport, option: Option) -> str:
     """Which engine the figures price and how far that engine's prices fell from published runs."""
     engine = report.request.priced_engine
-    who = ("our engines, as `advisor train` runs the layout" if engine == "ours"
+    who = ("our engines, as `advisor train` runs the layout" if prices_ours(engine)
            else f"{engine} (--engine {engine}), as that engine runs it")
     band = report.error_band
     if not band:
