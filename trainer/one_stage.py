@@ -4,9 +4,11 @@ The launching process turns such a plan into an ordinary one-stage plan (a task 
 reads PATH, sized here) and writes it into the run directory as the run's plan.yaml; the workers and
 a later `--resume` then run it like any other plan, through the loop's one data path.
 
-PATH is a file, glob or folder of jsonl, parquet or text (read through the task's source, as any
-task's raw data; its row format, trainer/data/formats.py, detected from the first rows' fields and
-written into the run's plan), or an `advisor data prepare` folder (its train shards, all stages together, read
+PATH is a file (a JSON array, JSON lines, parquet, arrow, CSV or text, told from its content), a
+glob or folder of such files (told from their extensions), or a `datasets` `save_to_disk` folder,
+read through the task's source as any task's raw data (trainer/data/sources.py; its row format,
+trainer/data/formats.py, detected from the first rows' fields and written into the run's plan); or
+an `advisor data prepare` folder (its train shards, all stages together, read
 as length-bucketed micro-batches). The stage's length: `--steps`, else `--tokens` (rounded up to
 whole optimizer steps of the plan's global batch), else one pass over the data: the tokens of the
 full sequences PATH packs into at the plan's sequence length, or of the prepared train shards.
@@ -26,30 +28,34 @@ from planner.granularity import plan_stage
 from planner.plan import PlanOptions
 from trainer.corpus import load_source, source_format, tokenizer_for
 from trainer.data.manifest import MANIFEST_NAME, read_manifest, task_fingerprint
+from trainer.data.sniff import is_saved_dataset
 from trainer.data.sources import EXTENSIONS
 
-FORMATS = ("jsonl", "parquet", "text")
+FORMATS = ("jsonl", "parquet", "text", "arrow", "csv")
+TASK_FILE_TYPES = ("jsonl", "parquet", "text", "arrow")  # what a task's `file_type` can name; others are detected
 STAGE_NAME = "train"
 CACHE = "data_cache"
 PREPARED_VIEW = "prepared"  # the run dir's one-stage view of an `advisor data prepare` folder  # the run dir's cache of packed sequences, which the loop reads too (trainer/loop.py)
 
 
-def data_format(path: str) -> str:
-    """jsonl, parquet or text, from the files' extensions: a file (text unless its extension says
-    otherwise), or a folder or glob of one kind of file."""
+def data_format(path: str) -> str | None:
+    """The source's file type for a folder or glob of one kind of file, from their extensions; None
+    where the reader tells it from the content (a single file, a `save_to_disk` folder) or from
+    the extensions itself (CSV files)."""
     given = Path(path)
+    if given.is_file() or is_saved_dataset(given):
+        return None
     if given.is_dir():
         files = [f for f in given.rglob("*") if f.is_file()]
     else:
         files = [Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file()]
     kinds = {fmt for f in files for fmt in FORMATS if f.name.endswith(EXTENSIONS[fmt])}
-    if given.is_file():
-        return next(iter(kinds), "text")
     if not kinds:
         raise UsageError(f"--data {path}: no {'/'.join(e for f in FORMATS for e in EXTENSIONS[f])} files there")
     if len(kinds) > 1:
         raise UsageError(f"--data {path} mixes {' and '.join(sorted(kinds))} files: point it at one kind")
-    return kinds.pop()
+    kind = kinds.pop()
+    return kind if kind in TASK_FILE_TYPES else None
 
 
 def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,

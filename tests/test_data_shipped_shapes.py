@@ -1,0 +1,262 @@
+"""Data as LLaMA-Factory and Axolotl users have it: JSON arrays, tool calls, files named for
+another kind. Each file here is written in a tool's shipped shape; its rows are read, rendered and
+labelled, and the labels compared with ones rebuilt from the rendered conversation text of
+`tokenizer.apply_chat_template` (the answers located in the text, not by the renderer's prefix
+method)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from advisor.errors import UsageError
+from advisor.task import DataSource, TaskSpec
+from trainer.batch import IGNORE
+from trainer.corpus import load_rows, tokenizer_for
+from trainer.data import json_array
+from trainer.data.formats import render_example, source_format
+from trainer.data.sources import file_type_of, read_rows
+
+# A ChatML template that shows tools and tool calls (written for these tests)
+TEMPLATE = (  # no whitespace control: the template string has no newlines of its own to strip
+    "{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for call in m.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ANSWER = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>\n)", re.S)
+
+ALPACA = [  # alpaca_en_demo.json's shape
+    {"instruction": "Name a primary colour.", "input": "", "output": "Red."},
+    {"instruction": "Reverse the word.", "input": "stressed", "output": "desserts"},
+    {"instruction": "And now?", "input": "", "output": "Blue.", "system": "Be brief.",
+     "history": [["Name a colour.", "Green."]]},
+]
+WEATHER_TOOL = {"name": "get_weather", "description": "Weather of a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+GLAIVE = [  # glaive_toolcall_en_demo.json's shape: tools as a JSON string, function_call/observation turns
+    {"conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": json.dumps({"temp": 21})},
+        {"from": "gpt", "value": "It is 21 degrees in Paris."}],
+     "tools": json.dumps([WEATHER_TOOL])},
+    {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}], "tools": "[]",
+     "system": "You help."},
+]
+OPENAI = [  # OpenAI fine-tuning rows: tool_calls with string arguments, tool messages, content parts
+    {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "You help "}, {"type": "text", "text": "briefly."}]},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Minus three."}]}],
+     "tools": [{"type": "function", "function": WEATHER_TOOL}]},
+]
+
+
+def _tokenizer(folder: Path):
+    """One token per byte, plus ChatML's markers as special tokens (259 ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    inner = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    inner.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("chatml")
+    _tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _truth(hf, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """Ids of the rendered conversation and labels that train exactly each assistant block's text
+    after its header, through its <|im_end|> and newline, located in the rendered string."""
+    text = hf.apply_chat_template(messages, tools=tools, tokenize=False)
+    encoded = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans = [match.span(1) for match in ANSWER.finditer(text)]
+    labels = [token if any(a <= start and end <= b for a, b in spans) else IGNORE
+              for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"])]
+    return encoded["input_ids"], labels
+
+
+def _source(tmp_path: Path, name: str, tokenizer_dir: Path, **fields) -> tuple[TaskSpec, DataSource]:
+    task = TaskSpec.model_validate({"name": "t", "base_dir": str(tmp_path), "data": {"tokenizer": str(tokenizer_dir)},
+                                    "stages": [{"name": "s", "tokens": 10, "sources": [{"path": name, **fields}]}]})
+    return task, task.stages[0].sources[0]
+
+
+def _rendered(tmp_path: Path, source: DataSource, tokenizer) -> tuple[str, list[tuple[list[int], list[int]]]]:
+    """The detected format and each row rendered, read as the trainer reads the source."""
+    format = source_format(source, tmp_path)
+    file_type = file_type_of(tmp_path, source)
+    rows = read_rows(tmp_path / source.path, file_type)
+    return format, [render_example(row, format, tokenizer, source.field_names()) for row in rows]
+
+
+def _check_packed(tmp_path, task, source, tokenizer, expected: list[tuple[list[int], list[int]]]) -> None:
+    """The packed rows train exactly the answers' tokens (labels shifted: a row's first never counts)."""
+    packed = load_rows(source, task, tokenizer, 512, None)
+    trained = sorted(int(t) for t in packed.labels[:, 1:][packed.labels[:, 1:] != IGNORE])
+    assert trained == sorted(t for _, labels in expected for t in labels if t != IGNORE)
+
+
+def test_an_alpaca_json_array_file_trains_its_outputs(tmp_path, tokenizer_dir, hf) -> None:
+    (tmp_path / "alpaca_en_demo.json").write_text(json.dumps(ALPACA, indent=2))
+    task, source = _source(tmp_path, "alpaca_en_demo.json", tokenizer_dir)
+    tokenizer = tokenizer_for(task, "tiny", 512)
+    format, documents = _rendered(tmp_path, source, tokenizer)
+    assert format == "alpaca" and file_type_of(tmp_path, source) == "json"
+    expected = [_truth(hf, [{"role": "user", "content": "Name a primary colour."},
+                            {"role": "assistant", "content": "Red."}]),
+                _truth(hf, [{"role": "user", "content": "Reverse the word.\n\nstressed"},
+                            {"role": "assistant", "content": "desserts"}]),
+                _truth(hf, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+                            {"role": "assistant", "content": "Green."}, {"role": "user", "content": "And now?"},
+                            {"role": "assistant", "content": "Blue."}])]
+    assert documents == expected
+    assert hf.decode([t for t in expected[2][1] if t != IGNORE]) == "Green.<|im_end|>\nBlue.<|im_end|>\n"
+    _check_packed(tmp_path, task, source, tokenizer, expected)
+
+
+def test_a_sharegpt_array_with_tool_calls_and_a_tools_column_trains_the_calls_and_answers(
+        tmp_path, tokenizer_dir, hf) -> None:
+    (tmp_path / "glaive_toolcall_en_demo.json").write_text(json.dumps(GLAIVE, indent=2))
+    task, source = _source(tmp_path, "glaive_toolcall_en_demo.json", tokenizer_dir)
+    tokenizer = tokenizer_for(task, "tiny", 512)
+    format, documents = _rendered(tmp_path, source, tokenizer)
+    tools = [{"type": "function", "function": WEATHER_TOOL}]
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    expected = [_truth(hf, [{"role": "user", "content": "Weather in Paris?"},
+                            {"role": "assistant", "content": "", "tool_calls": [call]},
+                            {"role": "tool", "content": '{"temp": 21}'},
+                            {"role": "assistant", "content": "It is 21 degrees in Paris."}], tools),
+                _truth(hf, [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": "Hello!"}])]
+    assert format == "sharegpt" and documents == expected
+    trained = hf.decode([t for t in expected[0][1] if t != IGNORE])
+    assert trained == ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>\n'
+                       "It is 21 degrees in Paris.<|im_end|>\n")
+    assert '"description": "Weather of a city"' in hf.decode(expected[0][0])  # the tools are shown, not trained
+    _check_packed(tmp_path, task, source, tokenizer, expected)
+
+
+def test_openai_messages_with_tool_calls_and_text_parts_train_the_calls_and_answers(
+        tmp_path, tokenizer_dir, hf) -> None:
+    (tmp_path / "tools.jsonl").write_text("".join(json.dumps(row) + "\n" for row in OPENAI))
+    task, source = _source(tmp_path, "tools.jsonl", tokenizer_dir)
+    tokenizer = tokenizer_for(task, "tiny", 512)
+    format, documents = _rendered(tmp_path, source, tokenizer)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    expected = [_truth(hf, [{"role": "system", "content": "You help briefly."},
+                            {"role": "user", "content": "Weather in Oslo?"},
+                            {"role": "assistant", "content": "", "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": "call_1", "content": "-3"},
+                            {"role": "assistant", "content": "Minus three."}], OPENAI[0]["tools"])]
+    assert format == "chat" and documents == expected
+    assert hf.decode([t for t in expected[0][1] if t != IGNORE]) == (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call><|im_end|>\nMinus three.<|im_end|>\n')
+
+
+@pytest.mark.parametrize("row,column", [
+    ({"messages": [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "A cat."}],
+      "images": ["cat.png"]}, "field 'images' holds media"),
+    ({"conversations": [{"from": "human", "value": "<video>Say?"}, {"from": "gpt", "value": "Hi"}],
+      "videos": ["a.mp4"]}, "field 'videos' holds media"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What?"},
+                                                {"type": "image_url", "image_url": {"url": "x.png"}}]},
+                   {"role": "assistant", "content": "A cat."}]}, "'content' has a image_url part"),
+])
+def test_rows_with_images_audio_or_video_are_refused_in_one_line_naming_the_column(
+        tmp_path, tokenizer_dir, row, column) -> None:
+    (tmp_path / "mm.json").write_text(json.dumps([row]))
+    task, source = _source(tmp_path, "mm.json", tokenizer_dir)
+    with pytest.raises(UsageError) as error:
+        load_rows(source, task, tokenizer_for(task, "tiny", 512), 64, None)
+    assert f"{tmp_path / 'mm.json'}, row 1: " in str(error.value) and column in str(error.value)
+    assert "text-only" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_template_that_ignores_tools_is_refused(tmp_path) -> None:
+    plain = _tokenizer(tmp_path / "tok")
+    plain.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    with pytest.raises(UsageError, match="chat template ignores `tools`"):
+        render_example(GLAIVE[0], "sharegpt", plain)
+
+
+# -- files told by their content -----------------------------------------------------------------
+
+
+def _write_every_kind(folder: Path, rows: list[dict]) -> dict[str, Path]:
+    """The same rows as a JSON array, JSON lines, parquet and CSV under misleading names, and a
+    `save_to_disk` folder."""
+    import datasets
+
+    kinds = {"json": folder / "array.jsonl", "jsonl": folder / "lines.json", "parquet": folder / "table.json",
+             "csv": folder / "table.csv", "hf_disk": folder / "saved"}
+    kinds["json"].write_text("\n" + json.dumps(rows, indent=1))
+    kinds["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), kinds["parquet"])
+    datasets.Dataset.from_list(rows).to_csv(kinds["csv"], index=False)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(kinds["hf_disk"]))
+    return kinds
+
+
+def test_files_are_read_by_their_content_not_their_name(tmp_path) -> None:
+    rows = [{"instruction": f"say {i}", "input": "", "output": f"{i}"} for i in range(5)]
+    for kind, path in _write_every_kind(tmp_path, rows).items():
+        source = DataSource(path=str(path))
+        assert file_type_of(tmp_path, source) == kind
+        assert list(read_rows(path, file_type_of(tmp_path, source))) == rows, kind
+    prose = tmp_path / "notes.md"
+    prose.write_text("Plain words.\n\nA second paragraph.\n")
+    assert list(read_rows(prose, file_type_of(tmp_path, DataSource(path=str(prose))))) == [
+        {"text": "Plain words."}, {"text": "A second paragraph.\n"}]
+    broken = tmp_path / "broken.jsonl"  # named JSON lines, first line damaged: an error, not text to train on
+    broken.write_text('"text": "a"}\n')
+    with pytest.raises(UsageError, match=rf"{re.escape(str(broken))}, line 1: not valid JSON"):
+        list(read_rows(broken, file_type_of(tmp_path, DataSource(path=str(broken)))))
+
+
+def test_a_json_array_streams_across_chunks_and_names_the_line_of_a_bad_row(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(json_array, "CHUNK_CHARS", 7)  # every row spans several reads
+    rows = [{"text": "é" * i, "n": [i, {"deep": "]["}]} for i in range(30)]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows, indent=2))
+    assert list(json_array.read_json_array(path)) == rows
+    lines = json.dumps(rows[:3], indent=2).splitlines()
+    path.write_text("\n".join(lines[:-2] + ['  },', '  {"text": oops}', ']']))  # a fourth row, not JSON
+    with pytest.raises(UsageError, match=rf"{re.escape(str(path))}, line {len(lines)}: not valid JSON"):
+        list(json_array.read_json_array(path))
+    path.write_text('[{"text": "a"}, {"text": "b"')
+    with pytest.raises(UsageError, match="not valid JSON in the array"):
+        list(json_array.read_json_array(path))
+    path.write_text('[{"text": "a"}, 3]')
+    with pytest.raises(UsageError, match="row 2: expected a JSON object, got int"):
+        list(json_array.read_json_array(path))
