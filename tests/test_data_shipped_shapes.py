@@ -260,3 +260,56 @@ def test_a_json_array_streams_across_chunks_and_names_the_line_of_a_bad_row(tmp_
     path.write_text('[{"text": "a"}, 3]')
     with pytest.raises(UsageError, match="row 2: expected a JSON object, got int"):
         list(json_array.read_json_array(path))
+
+
+# -- through the CLI -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_advisor_train_data_json_trains_a_tool_call_array_on_its_answers(tmp_path, hf) -> None:
+    """`advisor train --data glaive.json` of a tiny model for 2 steps, from a --weights folder whose
+    tokenizer has the tool-calling template; the packed rows it trained on hold exactly the answers'
+    tokens (function calls included) that the rebuilt labels hold."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+    from presets import load_model
+
+    weights = tmp_path / "weights"
+    config = dict(load_model("demo-tiny").hf_config)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(weights)
+    _tokenizer(weights)
+    data = tmp_path / "glaive_toolcall_en_demo.json"
+    data.write_text(json.dumps(GLAIVE * 8, indent=2))
+    plan = tmp_path / "plan.yaml"
+    made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                                    "--seq-len", "512", "--global-batch", "2", "--top", "1", "--out", str(plan)])
+    assert made.exit_code == 0, made.output
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(run), "--data",
+                           str(data), "--weights", str(weights), "--steps", "2"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all(np.isfinite(m["loss"]) for m in metrics)
+    assert yaml.safe_load((run / "plan.yaml").read_text())["task"]["stages"][0]["sources"][0]["format"] == "sharegpt"
+    (cached,) = (run / "data_cache").glob("*.npz")
+    with np.load(cached) as packed:
+        labels = packed["labels"]
+    trained = sorted(int(t) for t in labels[:, 1:][labels[:, 1:] != IGNORE])
+    tools = [{"type": "function", "function": WEATHER_TOOL}]
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    truth = [_truth(hf, [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "content": '{"temp": 21}'},
+                         {"role": "assistant", "content": "It is 21 degrees in Paris."}], tools),
+             _truth(hf, [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello!"}])] * 8
+    assert trained == sorted(t for _, row_labels in truth for t in row_labels if t != IGNORE)
