@@ -20,7 +20,7 @@ from trainer.batch import IGNORE
 from trainer.corpus import load_rows, tokenizer_for
 from trainer.data import json_array
 from trainer.data.formats import render_example, source_format
-from trainer.data.sources import file_type_of, read_rows
+from trainer.data.sources import expand_source_path, file_type_of, read_rows
 
 # A ChatML template that shows tools and tool calls (written for these tests)
 TEMPLATE = (  # no whitespace control: the template string has no newlines of its own to strip
@@ -116,7 +116,7 @@ def _rendered(tmp_path: Path, source: DataSource, tokenizer) -> tuple[str, list[
     """The detected format and each row rendered, read as the trainer reads the source."""
     format = source_format(source, tmp_path)
     file_type = file_type_of(tmp_path, source)
-    rows = read_rows(tmp_path / source.path, file_type)
+    rows = [row for path in expand_source_path(tmp_path, source.path, file_type) for row in read_rows(path, file_type)]
     return format, [render_example(row, format, tokenizer, source.field_names()) for row in rows]
 
 
@@ -313,3 +313,81 @@ def test_advisor_train_data_json_trains_a_tool_call_array_on_its_answers(tmp_pat
              _truth(hf, [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi"},
                          {"role": "assistant", "content": "Hello!"}])] * 8
     assert trained == sorted(t for _, row_labels in truth for t in row_labels if t != IGNORE)
+
+
+# -- LLaMA-Factory's registry ----------------------------------------------------------------------
+
+
+REGISTRY = {
+    "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"},
+    "glaive_toolcall_en_demo": {"file_name": "glaive_toolcall_en_demo.json", "formatting": "sharegpt",
+                                "columns": {"messages": "conversations", "tools": "tools"}},
+    "qa_custom": {"file_name": "qa", "columns": {"prompt": "question", "response": "answer", "history": "earlier",
+                                                 "system": "persona"}},
+    "openai_like": {"file_name": "openai_like.jsonl", "formatting": "sharegpt",
+                    "columns": {"messages": "messages"},
+                    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                             "assistant_tag": "assistant", "system_tag": "system"}},
+    "mllm_demo": {"file_name": "mllm_demo.json", "formatting": "sharegpt",
+                  "columns": {"messages": "messages", "images": "images"}},
+    "from_hub": {"hf_hub_url": "someone/somedata"},
+    "pairs": {"file_name": "alpaca_en_demo.json", "ranking": True,
+              "columns": {"prompt": "instruction", "chosen": "chosen", "rejected": "rejected"}},
+}
+
+
+def test_a_llama_factory_registry_reads_its_datasets_as_it_ships(tmp_path, tokenizer_dir, hf) -> None:
+    from trainer.data.registry import registry_sources
+
+    data = tmp_path / "data"
+    (data / "qa").mkdir(parents=True)
+    (data / "dataset_info.json").write_text(json.dumps(REGISTRY, indent=2))
+    (data / "alpaca_en_demo.json").write_text(json.dumps(ALPACA[:2]))
+    (data / "glaive_toolcall_en_demo.json").write_text(json.dumps(GLAIVE[:1]))
+    (data / "qa" / "part-0.json").write_text(json.dumps(
+        {"question": "And blue?", "answer": "Sky.", "earlier": [["Red?", "Fire."]], "persona": "Poet."}) + "\n")
+    (data / "openai_like.jsonl").write_text(json.dumps({"messages": [
+        {"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."}]}) + "\n")
+    names = ["alpaca_en_demo", "glaive_toolcall_en_demo", "qa_custom", "openai_like"]
+    sources = registry_sources(data, names)
+    assert [s.format for s in sources] == ["alpaca", "sharegpt", "alpaca", "sharegpt"]
+    task = TaskSpec.model_validate({"name": "t", "base_dir": str(tmp_path), "data": {"tokenizer": str(tokenizer_dir)},
+                                    "stages": [{"name": "s", "tokens": 10,
+                                                "sources": [s.model_dump() for s in sources]}]})
+    tokenizer = tokenizer_for(task, "tiny", 512)
+    tools = [{"type": "function", "function": WEATHER_TOOL}]
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    expected = {
+        "alpaca_en_demo": [_truth(hf, [{"role": "user", "content": "Name a primary colour."},
+                                       {"role": "assistant", "content": "Red."}]),
+                           _truth(hf, [{"role": "user", "content": "Reverse the word.\n\nstressed"},
+                                       {"role": "assistant", "content": "desserts"}])],
+        "glaive_toolcall_en_demo": [_truth(hf, [{"role": "user", "content": "Weather in Paris?"},
+                                                {"role": "assistant", "content": "", "tool_calls": [call]},
+                                                {"role": "tool", "content": '{"temp": 21}'},
+                                                {"role": "assistant", "content": "It is 21 degrees in Paris."}], tools)],
+        "qa_custom": [_truth(hf, [{"role": "system", "content": "Poet."}, {"role": "user", "content": "Red?"},
+                                  {"role": "assistant", "content": "Fire."}, {"role": "user", "content": "And blue?"},
+                                  {"role": "assistant", "content": "Sky."}])],
+        "openai_like": [_truth(hf, [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+                                    {"role": "assistant", "content": "Hello."}])],
+    }
+    for name, source in zip(names, task.stages[0].sources):
+        format, documents = _rendered(tmp_path, source, tokenizer)
+        assert documents == expected[name], name
+
+
+@pytest.mark.parametrize("name,message", [
+    ("mllm_demo", "dataset 'mllm_demo' has an images column ('images'): training here is text-only"),
+    ("from_hub", "dataset 'from_hub' is fetched by LLaMA-Factory (hf_hub_url); nothing is downloaded here"),
+    ("pairs", "dataset 'pairs' is preference data"),
+    ("missing", "dataset 'missing' is not in"),
+])
+def test_registry_entries_this_trainer_cannot_honour_are_refused_in_one_line(tmp_path, name, message) -> None:
+    from trainer.data.registry import registry_sources
+
+    (tmp_path / "dataset_info.json").write_text(json.dumps(REGISTRY))
+    (tmp_path / "mllm_demo.json").write_text("[]")
+    with pytest.raises(UsageError, match=re.escape(message)):
+        registry_sources(tmp_path / "dataset_info.json", [name])

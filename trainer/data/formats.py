@@ -44,7 +44,7 @@ DEFAULT_FIELDS: dict[str, dict[str, str]] = {
     "prompt_completion": {"prompt": "prompt", "completion": "completion"},
     "chat": {"messages": "messages", "role": "role", "content": "content", "tools": "tools"},
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system",
-               "history": "history"},
+               "history": "history", "tools": "tools"},
     "sharegpt": {"conversations": "conversations", "from": "from", "value": "value", "system": "system",
                  "tools": "tools", "user_tag": "human", "assistant_tag": "gpt", "system_tag": "system",
                  "function_tag": "function_call", "observation_tag": "observation"},
