@@ -391,3 +391,14 @@ def test_registry_entries_this_trainer_cannot_honour_are_refused_in_one_line(tmp
     (tmp_path / "mllm_demo.json").write_text("[]")
     with pytest.raises(UsageError, match=re.escape(message)):
         registry_sources(tmp_path / "dataset_info.json", [name])
+
+
+def test_data_prepare_reads_text_rows_of_every_kind_in_batches(tmp_path) -> None:
+    """`advisor data prepare` reads sources in batches (`read_batches`): the same rows whatever the kind."""
+    from trainer.data.sources import read_batches
+
+    texts = [f"document number {i}" for i in range(7)]
+    for kind, path in _write_every_kind(tmp_path, [{"text": t} for t in texts]).items():
+        batches = list(read_batches(path, file_type_of(tmp_path, DataSource(path=str(path))), "text", batch_size=3))
+        assert [t for b in batches for t in b.texts] == texts, kind
+        assert [b.first_row for b in batches] == [sum(len(x) for x in batches[:i]) for i in range(len(batches))]
