@@ -402,3 +402,15 @@ def test_data_prepare_reads_text_rows_of_every_kind_in_batches(tmp_path) -> None
         batches = list(read_batches(path, file_type_of(tmp_path, DataSource(path=str(path))), "text", batch_size=3))
         assert [t for b in batches for t in b.texts] == texts, kind
         assert [b.first_row for b in batches] == [sum(len(x) for x in batches[:i]) for i in range(len(batches))]
+
+
+def test_a_file_that_is_one_json_object_over_several_lines_is_explained(tmp_path) -> None:
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"version": 1, "data": ALPACA}, indent=2))
+    with pytest.raises(UsageError, match="one JSON object spread over several lines, not JSON lines; its rows seem "
+                                         "to be the list under 'data'"):
+        list(read_rows(wrapped, file_type_of(tmp_path, DataSource(path=str(wrapped)))))
+    pretty = tmp_path / "pretty.jsonl"
+    pretty.write_text(json.dumps(ALPACA[0], indent=2))
+    with pytest.raises(UsageError, match="write one object per line"):
+        list(read_rows(pretty, file_type_of(tmp_path, DataSource(path=str(pretty)))))

@@ -92,3 +92,26 @@ def read_json_array(path: Path) -> Iterator[dict[str, Any]]:
             yield row
         if reader.next_char():
             raise UsageError(f"{reader.where()}: more data after the JSON array's closing ']'")
+
+
+class JsonArrayColumns:
+    """A JSON array file iterated as `datasets` iterates one: batches of columns, a field missing
+    from a row read as None (what `advisor data prepare` reads, trainer/data/sources.py)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def iter(self, batch_size: int) -> Iterator[dict[str, list[Any]]]:
+        rows: list[dict[str, Any]] = []
+        for row in read_json_array(self.path):
+            rows.append(row)
+            if len(rows) == batch_size:
+                yield _columns(rows)
+                rows = []
+        if rows:
+            yield _columns(rows)
+
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    names = list(dict.fromkeys(name for row in rows for name in row))
+    return {name: [row.get(name) for row in rows] for name in names}

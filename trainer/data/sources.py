@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from advisor.errors import UsageError
-from trainer.data.json_array import read_json_array
+from trainer.data.json_array import JsonArrayColumns, read_json_array
 from trainer.data.sniff import is_saved_dataset, json_layout, sniff_file_type
 
 EXTENSIONS = {"jsonl": (".jsonl", ".json"), "json": (".json", ".jsonl"), "parquet": (".parquet",),
               "text": (".txt", ".text"), "arrow": (".arrow",), "csv": (".csv",)}
 _BUILDER = {"jsonl": "json", "json": "json", "parquet": "parquet", "text": "text", "arrow": "arrow", "csv": "csv"}
+_HINT_BYTES = 64 << 20  # a damaged JSON file up to this size is read whole to explain the error
 SAVED_DATASET = "hf_disk"  # a `save_to_disk` folder: read whole by `datasets.load_from_disk`
 
 
@@ -145,8 +146,10 @@ def _dataset_rows(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
 
 
 def _dataset_stream(path: Path, fmt: str, **kwargs: Any) -> Any:
-    """The file or saved folder as a `datasets` dataset that iterates in batches: streamed from a
+    """The file or saved folder as a dataset that iterates in batches of columns: streamed from a
     file, memory-mapped from a `save_to_disk` folder (its `train` split, or its only one)."""
+    if fmt in ("json", "jsonl") and json_layout(path) == "array":
+        return JsonArrayColumns(path)  # streamed here: `datasets` would load the whole array
     datasets = _quiet_datasets()
     if fmt == "csv":  # every cell is text, an empty one too: no numbers or nulls guessed from the values
         with open(path, encoding="utf-8-sig", newline="") as f:
@@ -258,9 +261,26 @@ def _diagnose(path: Path, fmt: str) -> str | None:
                 try:
                     value = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    return f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno})"
+                    return _one_object_hint(path) or f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno})"
                 if not isinstance(value, dict):
                     return f"{path}, line {number}: expected a JSON object, got {type(value).__name__}"
     except OSError as exc:
         return f"cannot read {path}: {exc.strerror or exc}"
     return None
+
+
+def _one_object_hint(path: Path) -> str | None:
+    """What to say of a file that is one JSON object over several lines rather than JSON lines (a
+    pretty-printed row, or rows under a key): read whole, only to explain the error, when small."""
+    try:
+        if Path(path).stat().st_size > _HINT_BYTES:
+            return None
+        value = json.loads(Path(path).read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    keys = [k for k, v in value.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)]
+    fix = (f"its rows seem to be the list under '{keys[0]}': write that list as the file (a JSON array) or as "
+           "JSON lines" if keys else "write one object per line (JSON lines) or a JSON array of objects")
+    return f"{path}: one JSON object spread over several lines, not JSON lines; {fix}"
