@@ -257,6 +257,9 @@ def test_a_json_array_streams_across_chunks_and_names_the_line_of_a_bad_row(tmp_
     path.write_text('[{"text": "a"}, {"text": "b"')
     with pytest.raises(UsageError, match="not valid JSON in the array"):
         list(json_array.read_json_array(path))
+    path.write_text('[{"text": "a"},\n')
+    with pytest.raises(UsageError, match="the JSON array is not closed"):
+        list(json_array.read_json_array(path))
     path.write_text('[{"text": "a"}, 3]')
     with pytest.raises(UsageError, match="row 2: expected a JSON object, got int"):
         list(json_array.read_json_array(path))

@@ -9,6 +9,7 @@ refused rather than buffered without bound. Errors name the file and the line.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import IO, Any, Iterator
 
@@ -16,7 +17,7 @@ from advisor.errors import UsageError
 
 CHUNK_CHARS = 1 << 20
 MAX_ROW_CHARS = 256 << 20  # one row bigger than this is not training data
-_WHITESPACE = " \t\r\n"
+_WHITESPACE = re.compile(r"[ \t\r\n]*")  # JSON's white space
 
 
 class _ArrayReader:
@@ -40,8 +41,7 @@ class _ArrayReader:
     def next_char(self) -> str:
         """The next character that is not white space (not consumed); '' at the end of the file."""
         while True:
-            while self.pos < len(self.buffer) and self.buffer[self.pos] in _WHITESPACE:
-                self.pos += 1
+            self.pos = _WHITESPACE.match(self.buffer, self.pos).end()  # type: ignore[union-attr]
             if self.pos < len(self.buffer) or not self.more():
                 return self.buffer[self.pos:self.pos + 1]
 
@@ -82,8 +82,8 @@ def read_json_array(path: Path) -> Iterator[dict[str, Any]]:
                 if char != ",":
                     raise UsageError(f"{reader.where()}: expected ',' or ']' after row {number} of the array")
                 reader.pos += 1
-                reader.next_char()
-            if not reader.next_char():
+                char = reader.next_char()
+            if not char:
                 raise UsageError(f"{path}: the JSON array is not closed (the file ends after row {number})")
             row = reader.value()
             number += 1
