@@ -52,6 +52,17 @@ GLAIVE = [  # glaive_toolcall_en_demo.json's shape: tools as a JSON string, func
     {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}], "tools": "[]",
      "system": "You help."},
 ]
+# GLAIVE's rows as the OpenAI-style messages and tools a template takes, written out by hand
+GLAIVE_TOOLS = [{"type": "function", "function": WEATHER_TOOL}]
+GLAIVE_MESSAGES = [
+    [{"role": "user", "content": "Weather in Paris?"},
+     {"role": "assistant", "content": "",
+      "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+     {"role": "tool", "content": '{"temp": 21}'},
+     {"role": "assistant", "content": "It is 21 degrees in Paris."}],
+    [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}],
+]
 OPENAI = [  # OpenAI fine-tuning rows: tool_calls with string arguments, tool messages, content parts
     {"messages": [
         {"role": "system", "content": [{"type": "text", "text": "You help "}, {"type": "text", "text": "briefly."}]},
@@ -151,14 +162,7 @@ def test_a_sharegpt_array_with_tool_calls_and_a_tools_column_trains_the_calls_an
     task, source = _source(tmp_path, "glaive_toolcall_en_demo.json", tokenizer_dir)
     tokenizer = tokenizer_for(task, "tiny", 512)
     format, documents = _rendered(tmp_path, source, tokenizer)
-    tools = [{"type": "function", "function": WEATHER_TOOL}]
-    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-    expected = [_truth(hf, [{"role": "user", "content": "Weather in Paris?"},
-                            {"role": "assistant", "content": "", "tool_calls": [call]},
-                            {"role": "tool", "content": '{"temp": 21}'},
-                            {"role": "assistant", "content": "It is 21 degrees in Paris."}], tools),
-                _truth(hf, [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi"},
-                            {"role": "assistant", "content": "Hello!"}])]
+    expected = [_truth(hf, GLAIVE_MESSAGES[0], GLAIVE_TOOLS), _truth(hf, GLAIVE_MESSAGES[1])]
     assert format == "sharegpt" and documents == expected
     trained = hf.decode([t for t in expected[0][1] if t != IGNORE])
     assert trained == ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>\n'
@@ -181,7 +185,8 @@ def test_openai_messages_with_tool_calls_and_text_parts_train_the_calls_and_answ
                             {"role": "assistant", "content": "Minus three."}], OPENAI[0]["tools"])]
     assert format == "chat" and documents == expected
     assert hf.decode([t for t in expected[0][1] if t != IGNORE]) == (
-        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call><|im_end|>\nMinus three.<|im_end|>\n')
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call><|im_end|>\n'
+        "Minus three.<|im_end|>\n")
 
 
 @pytest.mark.parametrize("row,column", [
@@ -307,14 +312,7 @@ def test_advisor_train_data_json_trains_a_tool_call_array_on_its_answers(tmp_pat
     with np.load(cached) as packed:
         labels = packed["labels"]
     trained = sorted(int(t) for t in labels[:, 1:][labels[:, 1:] != IGNORE])
-    tools = [{"type": "function", "function": WEATHER_TOOL}]
-    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-    truth = [_truth(hf, [{"role": "user", "content": "Weather in Paris?"},
-                         {"role": "assistant", "content": "", "tool_calls": [call]},
-                         {"role": "tool", "content": '{"temp": 21}'},
-                         {"role": "assistant", "content": "It is 21 degrees in Paris."}], tools),
-             _truth(hf, [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi"},
-                         {"role": "assistant", "content": "Hello!"}])] * 8
+    truth = [_truth(hf, GLAIVE_MESSAGES[0], GLAIVE_TOOLS), _truth(hf, GLAIVE_MESSAGES[1])] * 8
     assert trained == sorted(t for _, row_labels in truth for t in row_labels if t != IGNORE)
 
 
@@ -359,17 +357,12 @@ def test_a_llama_factory_registry_reads_its_datasets_as_it_ships(tmp_path, token
                                     "stages": [{"name": "s", "tokens": 10,
                                                 "sources": [s.model_dump() for s in sources]}]})
     tokenizer = tokenizer_for(task, "tiny", 512)
-    tools = [{"type": "function", "function": WEATHER_TOOL}]
-    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     expected = {
         "alpaca_en_demo": [_truth(hf, [{"role": "user", "content": "Name a primary colour."},
                                        {"role": "assistant", "content": "Red."}]),
                            _truth(hf, [{"role": "user", "content": "Reverse the word.\n\nstressed"},
                                        {"role": "assistant", "content": "desserts"}])],
-        "glaive_toolcall_en_demo": [_truth(hf, [{"role": "user", "content": "Weather in Paris?"},
-                                                {"role": "assistant", "content": "", "tool_calls": [call]},
-                                                {"role": "tool", "content": '{"temp": 21}'},
-                                                {"role": "assistant", "content": "It is 21 degrees in Paris."}], tools)],
+        "glaive_toolcall_en_demo": [_truth(hf, GLAIVE_MESSAGES[0], GLAIVE_TOOLS)],
         "qa_custom": [_truth(hf, [{"role": "system", "content": "Poet."}, {"role": "user", "content": "Red?"},
                                   {"role": "assistant", "content": "Fire."}, {"role": "user", "content": "And blue?"},
                                   {"role": "assistant", "content": "Sky."}])],
@@ -377,7 +370,7 @@ def test_a_llama_factory_registry_reads_its_datasets_as_it_ships(tmp_path, token
                                     {"role": "assistant", "content": "Hello."}])],
     }
     for name, source in zip(names, task.stages[0].sources):
-        format, documents = _rendered(tmp_path, source, tokenizer)
+        _, documents = _rendered(tmp_path, source, tokenizer)
         assert documents == expected[name], name
 
 

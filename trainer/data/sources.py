@@ -261,7 +261,8 @@ def _diagnose(path: Path, fmt: str) -> str | None:
                 try:
                     value = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    return _one_object_hint(path) or f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno})"
+                    return _one_object_hint(path) or (f"{path}, line {number}: not valid JSON ({exc.msg} at "
+                                                      f"column {exc.colno})")
                 if not isinstance(value, dict):
                     return f"{path}, line {number}: expected a JSON object, got {type(value).__name__}"
     except OSError as exc:
