@@ -211,8 +211,12 @@ def test_rows_with_images_audio_or_video_are_refused_in_one_line_naming_the_colu
 def test_a_template_that_ignores_tools_is_refused(tmp_path) -> None:
     plain = _tokenizer(tmp_path / "tok")
     plain.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-    with pytest.raises(UsageError, match="chat template ignores `tools`"):
-        render_example(GLAIVE[0], "sharegpt", plain)
+    plain.save_pretrained(tmp_path / "plain")
+    (tmp_path / "glaive.json").write_text(json.dumps(GLAIVE))
+    task, source = _source(tmp_path, "glaive.json", tmp_path / "plain")
+    with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'glaive.json'}, row 1: the tokenizer's chat template "
+                                                   "ignores `tools`")):
+        load_rows(source, task, tokenizer_for(task, "tiny", 512), 512, None)
 
 
 # -- files told by their content -----------------------------------------------------------------
@@ -410,3 +414,28 @@ def test_a_file_that_is_one_json_object_over_several_lines_is_explained(tmp_path
     pretty.write_text(json.dumps(ALPACA[0], indent=2))
     with pytest.raises(UsageError, match="write one object per line"):
         list(read_rows(pretty, file_type_of(tmp_path, DataSource(path=str(pretty)))))
+
+
+def test_axolotl_conversations_with_role_and_content_keys_read_as_sharegpt(hf) -> None:
+    row = {"conversations": [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi"},
+                             {"role": "assistant", "content": "Hello!"}]}
+    assert render_example(row, "sharegpt", hf) == _truth(hf, GLAIVE_MESSAGES[1])
+
+
+def test_a_row_the_chat_template_raises_on_is_refused_naming_the_row(tmp_path, tokenizer_dir) -> None:
+    from transformers import AutoTokenizer
+
+    strict = AutoTokenizer.from_pretrained(tokenizer_dir)
+    strict.chat_template = ("{% for m in messages %}{% if m.tool_calls and m.tool_calls | length > 1 %}"
+                            "{{ raise_exception('one tool call per turn') }}{% endif %}{{ m.content }}{% endfor %}")
+    strict.save_pretrained(tmp_path / "strict")
+    two_calls = {"messages": [{"role": "user", "content": "Both?"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "a", "arguments": "{}"}},
+        {"type": "function", "function": {"name": "b", "arguments": "{}"}}]}]}
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"messages": GLAIVE_MESSAGES[1]}) + "\n" +
+                                         json.dumps(two_calls) + "\n")
+    task, source = _source(tmp_path, "rows.jsonl", tmp_path / "strict")
+    with pytest.raises(UsageError) as error:
+        load_rows(source, task, tokenizer_for(task, "tiny", 512), 512, None)
+    assert str(error.value).startswith(f"{tmp_path / 'rows.jsonl'}, line 2 (row 2): the chat template of ")
+    assert "refuses this row: one tool call per turn (chat format)" in str(error.value)

@@ -96,8 +96,13 @@ class HFRowTokenizer:
         if not self.has_chat_template():
             raise UsageError(f"tokenizer {self.name} has no chat template: chat data needs one "
                              "(`chat_template` in its tokenizer_config.json or a chat_template.jinja)")
-        ids = self.hf.apply_chat_template(messages, tools=tools, tokenize=True,
-                                          add_generation_prompt=add_generation_prompt, return_dict=False)
+        from jinja2 import TemplateError
+
+        try:
+            ids = self.hf.apply_chat_template(messages, tools=tools, tokenize=True,
+                                              add_generation_prompt=add_generation_prompt, return_dict=False)
+        except TemplateError as exc:  # templates raise on rows they do not take (several tool calls, roles out of order)
+            raise BadRow(f"the chat template of {self.name} refuses this row: {exc}") from None
         return [int(i) for i in ids]
 
 
@@ -275,14 +280,14 @@ def _history(row: dict[str, Any], name: str) -> Messages:
 
 def _check_template_shows_tools(messages: Messages, tok: RowTokenizer, tools: Tools, ids: list[int]) -> None:
     """A template that drops the tools or the calls would train answers to functions the model never
-    saw, or calls as empty turns: refused rather than trained silently wrong."""
+    saw, or calls as empty turns: refused (naming the first such row) rather than trained silently wrong."""
     if tools and tok.chat(messages, add_generation_prompt=False) == ids:
-        raise UsageError("the tokenizer's chat template ignores `tools` (the rows list functions): use a template "
+        raise BadRow("the tokenizer's chat template ignores `tools` (the rows list functions): use a template "
                          "that renders them, e.g. the model family's own tool-calling template")
     if any("tool_calls" in m for m in messages):
         bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
         if tok.chat(bare, add_generation_prompt=False, tools=tools) == ids:
-            raise UsageError("the tokenizer's chat template ignores assistant `tool_calls` (the rows call functions): "
+            raise BadRow("the tokenizer's chat template ignores assistant `tool_calls` (the rows call functions): "
                              "use a template that renders them")
 
 

@@ -138,8 +138,7 @@ def sharegpt_messages(turns: Any, names: dict[str, str]) -> list[dict[str, Any]]
     messages = []
     for number, turn in enumerate(turns, 1):
         where = f"'{field}' turn {number}"
-        message = chat_message(turn, where, names["from"], names["value"]) if isinstance(turn, dict) else \
-            chat_message(turn, where)
+        message = chat_message(turn, where, *_turn_keys(turn, names))
         role = roles.get(message["role"])
         if role is None:
             raise BadRow(f"'{field}' has a turn from '{message['role']}' (known: {', '.join(roles)})")
@@ -149,6 +148,14 @@ def sharegpt_messages(turns: Any, names: dict[str, str]) -> list[dict[str, Any]]
         else:
             messages.append({**message, "role": role})
     return messages
+
+
+def _turn_keys(turn: Any, names: dict[str, str]) -> tuple[str, str]:
+    """The keys of a turn's role and content: the source's (`from`/`value` by default), or OpenAI's
+    `role`/`content` for a turn that has those instead (Axolotl's conversations often do)."""
+    if isinstance(turn, dict) and names["from"] not in turn and "role" in turn:
+        return "role", "content"
+    return names["from"], names["value"]
 
 
 def _calls_in(value: str, where: str) -> list[dict[str, Any]]:
