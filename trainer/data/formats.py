@@ -101,7 +101,7 @@ class HFRowTokenizer:
         try:
             ids = self.hf.apply_chat_template(messages, tools=tools, tokenize=True,
                                               add_generation_prompt=add_generation_prompt, return_dict=False)
-        except TemplateError as exc:  # templates raise on rows they do not take (several tool calls, roles out of order)
+        except TemplateError as exc:  # templates raise on rows they do not take (several calls, roles out of order)
             raise BadRow(f"the chat template of {self.name} refuses this row: {exc}") from None
         return [int(i) for i in ids]
 
