@@ -439,3 +439,34 @@ def test_a_row_the_chat_template_raises_on_is_refused_naming_the_row(tmp_path, t
         load_rows(source, task, tokenizer_for(task, "tiny", 512), 512, None)
     assert str(error.value).startswith(f"{tmp_path / 'rows.jsonl'}, line 2 (row 2): the chat template of ")
     assert "refuses this row: one tool call per turn (chat format)" in str(error.value)
+
+
+def test_a_one_stage_plan_reads_registry_datasets_concatenated(tmp_path, tokenizer_dir) -> None:
+    """What `advisor train --data data/dataset_info.json --dataset a --dataset b` would call: one stage
+    over both datasets, each weighed by the sequences it packs into (LLaMA-Factory concatenates)."""
+    from advisor.plan_file import load_plan
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+    from trainer.one_stage import one_stage_plan
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dataset_info.json").write_text(json.dumps(REGISTRY))
+    (data / "alpaca_en_demo.json").write_text(json.dumps(ALPACA[:2] * 30))
+    (data / "glaive_toolcall_en_demo.json").write_text(json.dumps(GLAIVE * 5))
+    plan = tmp_path / "plan.yaml"
+    made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                                    "--seq-len", "512", "--global-batch", "2", "--top", "1", "--out", str(plan)])
+    assert made.exit_code == 0, made.output
+    one_stage, _ = one_stage_plan(load_plan(plan), str(data), tmp_path / "run", None, None, weights=str(tokenizer_dir),
+                                  datasets=["alpaca_en_demo", "glaive_toolcall_en_demo"])
+    sources = one_stage.task.stages[0].sources
+    assert [(Path(s.path).name, s.format) for s in sources] == [("alpaca_en_demo.json", "alpaca"),
+                                                                  ("glaive_toolcall_en_demo.json", "sharegpt")]
+    task = one_stage.task.model_copy(update={"data": one_stage.task.data.model_copy(
+        update={"tokenizer": str(tokenizer_dir)})})
+    tokenizer = tokenizer_for(task, "tiny", 512)
+    counts = [len(load_rows(s, task, tokenizer, 512, None)) for s in sources]
+    assert [s.weight for s in sources] == [float(n) for n in counts] and counts[0] != counts[1]
+    assert one_stage.stages[0].steps == -(-sum(counts) * 512 // (512 * 2))  # one pass, in whole steps

@@ -180,8 +180,9 @@ def load_rows(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Pa
     (`pack_stream`); the supervised formats keep examples whole, several to a row (`pack_examples`).
     Every engine keeps packed documents apart (their position ids)."""
     base = Path(task.base_dir)
-    key = hashlib.sha256(json.dumps([source.model_dump(mode="json"), str(base), seq, tokenizer.name,
-                                     _files_stamp(source, base)]).encode())
+    # a source's mixture weight does not change its rows: a reweighted source reads the same cache
+    key = hashlib.sha256(json.dumps([source.model_dump(mode="json", exclude={"weight"}), str(base), seq,
+                                     tokenizer.name, _files_stamp(source, base)]).encode())
     cached = cache / f"{key.hexdigest()[:20]}.npz" if cache else None
     if cached and cached.is_file():
         with np.load(cached) as saved:
