@@ -223,8 +223,8 @@ def test_a_template_that_ignores_tools_is_refused(tmp_path) -> None:
 
 
 def _write_every_kind(folder: Path, rows: list[dict]) -> dict[str, Path]:
-    """The same rows as a JSON array, JSON lines, parquet and CSV under misleading names, and a
-    `save_to_disk` folder."""
+    """The same rows as a JSON array, JSON lines, parquet, CSV and arrow under misleading or no
+    extensions, and a `save_to_disk` folder."""
     import datasets
 
     kinds = {"json": folder / "array.jsonl", "jsonl": folder / "lines.json", "parquet": folder / "table.json",
@@ -234,6 +234,9 @@ def _write_every_kind(folder: Path, rows: list[dict]) -> dict[str, Path]:
     pq.write_table(pa.Table.from_pylist(rows), kinds["parquet"])
     datasets.Dataset.from_list(rows).to_csv(kinds["csv"], index=False)
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(kinds["hf_disk"]))
+    (arrow,) = (kinds["hf_disk"] / "train").glob("*.arrow")  # an Arrow IPC stream
+    kinds["arrow"] = folder / "table.bin"
+    kinds["arrow"].write_bytes(arrow.read_bytes())
     return kinds
 
 

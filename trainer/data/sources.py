@@ -28,7 +28,7 @@ EXTENSIONS = {"jsonl": (".jsonl", ".json"), "json": (".json", ".jsonl"), "parque
               "text": (".txt", ".text"), "arrow": (".arrow",), "csv": (".csv",)}
 _BUILDER = {"jsonl": "json", "json": "json", "parquet": "parquet", "text": "text", "arrow": "arrow", "csv": "csv"}
 _HINT_BYTES = 64 << 20  # a damaged JSON file up to this size is read whole to explain the error
-SAVED_DATASET = "hf_disk"  # a `save_to_disk` folder: read whole by `datasets.load_from_disk`
+SAVED_DATASET = "hf_disk"  # a `save_to_disk` folder: memory-mapped by `datasets.load_from_disk`
 
 
 @dataclass
