@@ -20,10 +20,10 @@ are refused: training is text-only.
 Field names can be overridden per source (``fields: {prompt: question}``). The loss is on the
 answers only: prompt, system and user tokens carry label -100, assistant and completion tokens (and
 the end-of-turn or end-of-text token that closes them) carry their own id; an assistant turn that
-calls a function is an answer too. A chat is rendered
-incrementally: the tokens of an assistant turn are those the template adds between the conversation
-before it (through the generation prompt) and the conversation through it, so they are exactly what
-the template makes of that turn, end-of-turn token included.
+calls a function is an answer too. A chat is rendered incrementally: the tokens of an assistant
+turn are those the template adds between the conversation before it (through the generation
+prompt) and the conversation through it, so they are exactly what the template makes of that
+turn, end-of-turn token included.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
 }
 Messages = list[dict[str, Any]]
 Tools = list[dict[str, Any]] | None
+
 
 class RowTokenizer(Protocol):
     """What rendering needs of a tokenizer (trainer/corpus.py's tokenizers have it; a transformers
@@ -280,15 +281,15 @@ def _history(row: dict[str, Any], name: str) -> Messages:
 
 def _check_template_shows_tools(messages: Messages, tok: RowTokenizer, tools: Tools, ids: list[int]) -> None:
     """A template that drops the tools or the calls would train answers to functions the model never
-    saw, or calls as empty turns: refused (naming the first such row) rather than trained silently wrong."""
+    saw, or calls as empty turns: refused (naming the first such row) rather than trained wrong."""
     if tools and tok.chat(messages, add_generation_prompt=False) == ids:
         raise BadRow("the tokenizer's chat template ignores `tools` (the rows list functions): use a template "
-                         "that renders them, e.g. the model family's own tool-calling template")
+                     "that renders them, e.g. the model family's own tool-calling template")
     if any("tool_calls" in m for m in messages):
         bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
         if tok.chat(bare, add_generation_prompt=False, tools=tools) == ids:
             raise BadRow("the tokenizer's chat template ignores assistant `tool_calls` (the rows call functions): "
-                             "use a template that renders them")
+                         "use a template that renders them")
 
 
 def _render_chat(messages: Messages, tok: RowTokenizer, tools: Tools = None) -> tuple[list[int], list[int]]:
