@@ -1,10 +1,11 @@
 """Turn a stage's data sources into rows of token ids, labels and positions (cached in the run dir).
 
-Each row of a source is rendered in its row format (trainer/data/formats.py: text, prompt_completion,
-chat, alpaca, sharegpt; detected from the first rows' fields when the task does not say) into token
-ids with a label per token, then packed into rows of the plan's sequence length with position ids
-that restart per document (trainer/stream.py `pack_stream` for text, `pack_examples` for the
-supervised formats).
+Each row of a source (a JSON array or JSON lines, parquet, arrow, CSV, text or a `save_to_disk`
+folder: trainer/data/sources.py) is rendered in its row format (trainer/data/formats.py: text,
+prompt_completion, chat, alpaca, sharegpt; detected from the first rows' fields when the task does
+not say) into token ids with a label per token, then packed into rows of the plan's sequence length
+with position ids that restart per document (trainer/stream.py `pack_stream` for text,
+`pack_examples` for the supervised formats).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from advisor.errors import UsageError
 from advisor.task import DataSource, StageSpec, TaskSpec
 from trainer.data.demo_corpus import generate_command
 from trainer.data.formats import BadRow, HFRowTokenizer, prompt_and_answer, render_example, source_format
+from trainer.data.messages import refuse_media
 from trainer.data.sources import expand_source_path, file_type_of, read_rows, row_location
 from trainer.data.tokenizer import TextTokenizer, load_tokenizer, resolve_tokenizer_path
 from trainer.stream import Packed, Source, pack_examples, pack_stream
@@ -43,7 +45,7 @@ class ByteTokenizer:
     def has_chat_template(self) -> bool:
         return False
 
-    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         raise UsageError("chat data needs a tokenizer with a chat template: set `data: {tokenizer: FOLDER}` in the "
                          "task or train from --weights FOLDER holding one (there is none for this model)")
 
@@ -78,8 +80,8 @@ class FileTokenizer:
     def has_chat_template(self) -> bool:
         return self._templates.has_chat_template()
 
-    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        return self._templates.chat(messages, add_generation_prompt)
+    def chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+        return self._templates.chat(messages, add_generation_prompt, tools)
 
 
 def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int, weights: str | None = None):
@@ -127,6 +129,10 @@ def _documents(source: DataSource, base: Path, format: str, tokenizer) -> list[t
             texts, field = [], "text" if file_type == "text" else names["text"]
             for number, row in enumerate(rows):
                 text = row.get(field)
+                try:
+                    refuse_media(row)
+                except BadRow as exc:
+                    raise UsageError(f"{row_location(path, file_type, number)}: {exc} ({format} format)") from None
                 if not isinstance(text, str):  # missing, null, a number: a bad row, never the string "None"
                     raise UsageError(f"{row_location(path, file_type, number)}: field '{field}' is missing "
                                      "or not a string")
@@ -174,8 +180,9 @@ def load_rows(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Pa
     (`pack_stream`); the supervised formats keep examples whole, several to a row (`pack_examples`).
     Every engine keeps packed documents apart (their position ids)."""
     base = Path(task.base_dir)
-    key = hashlib.sha256(json.dumps([source.model_dump(mode="json"), str(base), seq, tokenizer.name,
-                                     _files_stamp(source, base)]).encode())
+    # a source's mixture weight does not change its rows: a reweighted source reads the same cache
+    key = hashlib.sha256(json.dumps([source.model_dump(mode="json", exclude={"weight"}), str(base), seq,
+                                     tokenizer.name, _files_stamp(source, base)]).encode())
     cached = cache / f"{key.hexdigest()[:20]}.npz" if cache else None
     if cached and cached.is_file():
         with np.load(cached) as saved:

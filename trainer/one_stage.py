@@ -4,10 +4,13 @@ The launching process turns such a plan into an ordinary one-stage plan (a task 
 reads PATH, sized here) and writes it into the run directory as the run's plan.yaml; the workers and
 a later `--resume` then run it like any other plan, through the loop's one data path.
 
-PATH is a file, glob or folder of jsonl, parquet or text (read through the task's source, as any
-task's raw data; its row format, trainer/data/formats.py, detected from the first rows' fields and
-written into the run's plan), or an `advisor data prepare` folder (its train shards, all stages together, read
-as length-bucketed micro-batches). The stage's length: `--steps`, else `--tokens` (rounded up to
+PATH is a file (a JSON array, JSON lines, parquet, arrow, CSV or text, told from its content), a
+glob or folder of such files (told from their extensions), or a `datasets` `save_to_disk` folder,
+read through the task's source as any task's raw data (trainer/data/sources.py; its row format,
+trainer/data/formats.py, detected from the first rows' fields and written into the run's plan); or
+an `advisor data prepare` folder (its train shards, all stages together, read
+as length-bucketed micro-batches); or, with dataset names, LLaMA-Factory's `dataset_info.json`
+whose named datasets the stage reads concatenated. The stage's length: `--steps`, else `--tokens` (rounded up to
 whole optimizer steps of the plan's global batch), else one pass over the data: the tokens of the
 full sequences PATH packs into at the plan's sequence length, or of the prepared train shards.
 """
@@ -26,50 +29,53 @@ from planner.granularity import plan_stage
 from planner.plan import PlanOptions
 from trainer.corpus import load_source, source_format, tokenizer_for
 from trainer.data.manifest import MANIFEST_NAME, read_manifest, task_fingerprint
+from trainer.data.registry import registry_sources
+from trainer.data.sniff import is_saved_dataset
 from trainer.data.sources import EXTENSIONS
 
-FORMATS = ("jsonl", "parquet", "text")
+FORMATS = ("jsonl", "parquet", "text", "arrow", "csv")
+TASK_FILE_TYPES = ("jsonl", "parquet", "text", "arrow")  # what a task's `file_type` can name; others are detected
 STAGE_NAME = "train"
 CACHE = "data_cache"
 PREPARED_VIEW = "prepared"  # the run dir's one-stage view of an `advisor data prepare` folder  # the run dir's cache of packed sequences, which the loop reads too (trainer/loop.py)
 
 
-def data_format(path: str) -> str:
-    """jsonl, parquet or text, from the files' extensions: a file (text unless its extension says
-    otherwise), or a folder or glob of one kind of file."""
+def data_format(path: str) -> str | None:
+    """The source's file type for a folder or glob of one kind of file, from their extensions; None
+    where the reader tells it from the content (a single file, a `save_to_disk` folder) or from
+    the extensions itself (CSV files)."""
     given = Path(path)
+    if given.is_file() or is_saved_dataset(given):
+        return None
     if given.is_dir():
         files = [f for f in given.rglob("*") if f.is_file()]
     else:
         files = [Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file()]
     kinds = {fmt for f in files for fmt in FORMATS if f.name.endswith(EXTENSIONS[fmt])}
-    if given.is_file():
-        return next(iter(kinds), "text")
     if not kinds:
         raise UsageError(f"--data {path}: no {'/'.join(e for f in FORMATS for e in EXTENSIONS[f])} files there")
     if len(kinds) > 1:
         raise UsageError(f"--data {path} mixes {' and '.join(sorted(kinds))} files: point it at one kind")
-    return kinds.pop()
+    kind = kinds.pop()
+    return kind if kind in TASK_FILE_TYPES else None
 
 
 def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
                    tokens: int | None, epochs: float | None = None,
-                   weights: str | None = None) -> tuple[Plan, Path | None]:
+                   weights: str | None = None, datasets: list[str] | None = None) -> tuple[Plan, Path | None]:
     """`plan` with a one-stage task over `data`, sized by `steps`, `tokens`, `epochs` or one pass; and
-    the prepared-data folder the loop reads (None: raw files, read through the task's source)."""
+    the prepared-data folder the loop reads (None: raw files, read through the task's sources).
+    With `datasets`, `data` is LLaMA-Factory's `dataset_info.json` (or its folder) and the stage
+    reads those datasets (trainer/data/registry.py)."""
     if sum(budget is not None for budget in (steps, tokens, epochs)) > 1:
         raise UsageError("give one of --steps, --tokens or --epochs")
     layout = plan.chosen.layout
     prepared = Path(data) / MANIFEST_NAME
     if prepared.is_file():
-        task = _task(plan, None, steps=1, tokenizer=read_manifest(Path(data))["tokenizer"]["path"])
+        task = _task(plan, [], steps=1, tokenizer=read_manifest(Path(data))["tokenizer"]["path"])
         view, one_pass = _prepared_view(Path(data), task, run_dir)
     else:
-        source = DataSource(path=str(Path(data).resolve()), file_type=data_format(data))  # type: ignore[arg-type]
-        task = _task(plan, source, steps=1)
-        detected = source_format(source, Path(task.base_dir))  # fixed in the run's plan: workers read it
-        task = _task(plan, source.model_copy(update={"format": detected}), steps=1)
-        view, one_pass = None, None
+        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, weights), None
     if steps is None and tokens is None:
         one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir, weights)
         tokens = one_pass
@@ -85,15 +91,42 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
     return plan.model_copy(update={"task": task, "stages": [planned]}), view
 
 
-def _raw_tokens(plan: Plan, task: TaskSpec, run_dir: Path, weights: str | None) -> int:
-    """Tokens of one pass over the raw source: the full sequences it packs into (the loop reads the
-    same packed sequences from the run dir's cache)."""
+def _raw_task(plan: Plan, data: str, datasets: list[str] | None, run_dir: Path,
+              weights: str | None) -> tuple[TaskSpec, int | None]:
+    """The one-stage task over raw files: `data` itself, or the registry's `datasets`, each with its
+    row format fixed in the run's plan (the workers read it). Several datasets are concatenated, as
+    LLaMA-Factory mixes them by default: each weighed by the sequences it packs into, which also
+    gives one pass's tokens (None for one source, counted only when needed)."""
+    if datasets:
+        sources = registry_sources(Path(data), datasets)
+    else:
+        sources = [DataSource(path=str(Path(data).resolve()), file_type=data_format(data))]  # type: ignore[arg-type]
+    task = _task(plan, sources, steps=1)
+    sources = [s.model_copy(update={"format": s.format or source_format(s, Path(task.base_dir))}) for s in sources]
+    task = _task(plan, sources, steps=1)
+    if len(sources) == 1:
+        return task, None
+    counts = _sequences(plan, task, run_dir, weights)
+    task = _task(plan, [s.model_copy(update={"weight": float(n)}) for s, n in zip(sources, counts)], steps=1)
+    return task, sum(counts) * plan.chosen.layout.seq
+
+
+def _sequences(plan: Plan, task: TaskSpec, run_dir: Path, weights: str | None) -> list[int]:
+    """The full sequences each raw source packs into (the loop reads the same packed sequences from
+    the run dir's cache); a source without one is refused."""
     layout = plan.chosen.layout
     tokenizer = tokenizer_for(task, plan.model.name, int(plan.model.hf_config.get("vocab_size", 0)), weights)
-    sequences = len(load_source(task.stages[0].sources[0], task, tokenizer, layout.seq, run_dir / CACHE))
-    if sequences == 0:
-        raise UsageError(f"--data {task.stages[0].sources[0].path}: not one full sequence of {layout.seq} tokens")
-    return sequences * layout.seq
+    counts = []
+    for source in task.stages[0].sources:
+        counts.append(len(load_source(source, task, tokenizer, layout.seq, run_dir / CACHE)))
+        if counts[-1] == 0:
+            raise UsageError(f"--data {source.path}: not one full sequence of {layout.seq} tokens")
+    return counts
+
+
+def _raw_tokens(plan: Plan, task: TaskSpec, run_dir: Path, weights: str | None) -> int:
+    """Tokens of one pass over the raw sources: the full sequences they pack into."""
+    return sum(_sequences(plan, task, run_dir, weights)) * plan.chosen.layout.seq
 
 
 def _prepared_view(folder: Path, task: TaskSpec, run_dir: Path) -> tuple[Path, int]:
@@ -121,11 +154,12 @@ def _prepared_view(folder: Path, task: TaskSpec, run_dir: Path) -> tuple[Path, i
     return out, tokens
 
 
-def _task(plan: Plan, source: DataSource | None, steps: int, tokenizer: str | None = None) -> TaskSpec:
-    """The one-stage task: its source (none for prepared data, which the loop reads from shards)."""
+def _task(plan: Plan, sources: list[DataSource], steps: int, tokenizer: str | None = None) -> TaskSpec:
+    """The one-stage task: its sources (none for prepared data, which the loop reads from shards)."""
     layout = plan.chosen.layout
-    base = Path(source.path).parent if source else Path.cwd()
-    return TaskSpec(name=f"data:{Path(source.path).name}" if source else "data:prepared", model=plan.model.name,
+    base = Path(sources[0].path).parent if sources else Path.cwd()
+    name = "+".join(Path(s.path).name for s in sources) or "prepared"
+    return TaskSpec(name=f"data:{name}", model=plan.model.name,
                     seq_len=layout.seq, global_batch=layout.global_batch, base_dir=str(base),
                     data=DataPrepSpec(tokenizer=tokenizer),
-                    stages=[StageSpec(name=STAGE_NAME, sources=[source] if source else [], steps=steps)])
+                    stages=[StageSpec(name=STAGE_NAME, sources=sources, steps=steps)])

@@ -5,18 +5,25 @@ A source's rows are in one of five formats (LLaMA-Factory's and TRL's names for 
 - ``text``: ``{"text": ...}``; continued pre-training, every token is trained;
 - ``prompt_completion``: ``{"prompt": ..., "completion": ...}``; strings are concatenated as they are,
   lists of messages are rendered as a chat;
-- ``chat``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` (OpenAI style), rendered by the
-  tokenizer's chat template;
-- ``alpaca``: ``{"instruction": ..., "input": ..., "output": ..., "system": ...}``: a user turn
-  (instruction, then the input after a blank line) and the output as the assistant's answer;
-- ``sharegpt``: ``{"conversations": [{"from": "human" | "gpt" | "system", "value": ...}, ...]}``.
+- ``chat``: ``{"messages": [{"role": ..., "content": ...}, ...], "tools": [...]}`` (OpenAI style, with
+  `tool_calls` and `tool` messages), rendered by the tokenizer's chat template;
+- ``alpaca``: ``{"instruction": ..., "input": ..., "output": ..., "system": ..., "history": [[q, a], ...]}``:
+  earlier exchanges, then a user turn (instruction, then the input after a blank line) and the
+  output as the assistant's answer;
+- ``sharegpt``: ``{"conversations": [{"from": "human" | "gpt" | "system" | "function_call" |
+  "observation", "value": ...}, ...], "tools": "[...]"}`` (LLaMA-Factory's tool-call shape).
+
+Tool calls and tool results become the messages transformers' chat templates take, and a row's
+tools go to the template as `tools=` (trainer/data/messages.py). Rows holding images, audio or video
+are refused: training is text-only.
 
 Field names can be overridden per source (``fields: {prompt: question}``). The loss is on the
 answers only: prompt, system and user tokens carry label -100, assistant and completion tokens (and
-the end-of-turn or end-of-text token that closes them) carry their own id. A chat is rendered
-incrementally: the tokens of an assistant turn are those the template adds between the conversation
-before it (through the generation prompt) and the conversation through it, so they are exactly what
-the template makes of that turn, end-of-turn token included.
+the end-of-turn or end-of-text token that closes them) carry their own id; an assistant turn that
+calls a function is an answer too. A chat is rendered incrementally: the tokens of an assistant
+turn are those the template adds between the conversation before it (through the generation
+prompt) and the conversation through it, so they are exactly what the template makes of that
+turn, end-of-turn token included.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Protocol
 
 from advisor.errors import UsageError
+from trainer.data.messages import BadRow, chat_message, refuse_media, sharegpt_messages, text_of, tool_list
 from trainer.data.sources import expand_source_path, file_type_of, read_rows
 
 IGNORE = -100  # the label of a token that is not trained (torch's cross-entropy ignore_index)
@@ -34,21 +42,20 @@ DETECT_ROWS = 100  # rows read to detect a source's format
 DEFAULT_FIELDS: dict[str, dict[str, str]] = {
     "text": {"text": "text"},
     "prompt_completion": {"prompt": "prompt", "completion": "completion"},
-    "chat": {"messages": "messages", "role": "role", "content": "content"},
-    "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
-    "sharegpt": {"conversations": "conversations", "from": "from", "value": "value", "system": "system"},
+    "chat": {"messages": "messages", "role": "role", "content": "content", "tools": "tools"},
+    "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system",
+               "history": "history", "tools": "tools"},
+    "sharegpt": {"conversations": "conversations", "from": "from", "value": "value", "system": "system",
+                 "tools": "tools", "user_tag": "human", "assistant_tag": "gpt", "system_tag": "system",
+                 "function_tag": "function_call", "observation_tag": "observation"},
 }
 # the fields that identify a format, most structured first
 SIGNATURES: dict[str, tuple[str, ...]] = {
     "chat": ("messages",), "sharegpt": ("conversations",), "alpaca": ("instruction", "output"),
     "prompt_completion": ("prompt", "completion"), "text": ("text",),
 }
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system"}
-
-
-class BadRow(UsageError):
-    """A row that does not fit its format; the reader adds the file and the row."""
+Messages = list[dict[str, Any]]
+Tools = list[dict[str, Any]] | None
 
 
 class RowTokenizer(Protocol):
@@ -61,8 +68,8 @@ class RowTokenizer(Protocol):
         """Token ids of `text`, without special tokens."""
         ...
 
-    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        """The chat template's token ids for `messages`; a UsageError when there is no template."""
+    def chat(self, messages: Messages, add_generation_prompt: bool, tools: Tools = None) -> list[int]:
+        """The chat template's token ids for `messages` (and `tools`); a UsageError when there is no template."""
         ...
 
     def has_chat_template(self) -> bool:
@@ -86,12 +93,17 @@ class HFRowTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def chat(self, messages: Messages, add_generation_prompt: bool, tools: Tools = None) -> list[int]:
         if not self.has_chat_template():
             raise UsageError(f"tokenizer {self.name} has no chat template: chat data needs one "
                              "(`chat_template` in its tokenizer_config.json or a chat_template.jinja)")
-        ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                          return_dict=False)
+        from jinja2 import TemplateError
+
+        try:
+            ids = self.hf.apply_chat_template(messages, tools=tools, tokenize=True,
+                                              add_generation_prompt=add_generation_prompt, return_dict=False)
+        except TemplateError as exc:  # templates raise on rows they do not take (several calls, roles out of order)
+            raise BadRow(f"the chat template of {self.name} refuses this row: {exc}") from None
         return [int(i) for i in ids]
 
 
@@ -161,6 +173,7 @@ def render_example(row: dict[str, Any], format: str, tokenizer: Any,
     (prompt, system and user turns). Text rows and plain completions end with end-of-text."""
     tok = row_tokenizer(tokenizer)
     names = field_names(format, fields)
+    refuse_media(row)
     if format == "text":
         ids = tok.encode(_text(row, names["text"])) + [tok.eos_token_id]
         return ids, list(ids)
@@ -169,7 +182,8 @@ def render_example(row: dict[str, Any], format: str, tokenizer: Any,
         prompt, completion = _plain_pair(row, format, names)
         prompt_ids, answer = tok.encode(prompt), tok.encode(completion) + [tok.eos_token_id]
         return prompt_ids + answer, [IGNORE] * len(prompt_ids) + answer
-    return _render_chat(messages, tok)
+    tools = tool_list(row.get(names["tools"]), names["tools"]) if "tools" in names else None
+    return _render_chat(messages, tok, tools)
 
 
 def prompt_and_answer(row: dict[str, Any], format: str, tokenizer: Any,
@@ -215,28 +229,23 @@ def _plain_pair(row: dict[str, Any], format: str, names: dict[str, str]) -> tupl
     return prompt + "\n\n", _field(row, names["output"])
 
 
-def _messages(row: dict[str, Any], format: str, names: dict[str, str],
-              tok: RowTokenizer) -> list[dict[str, str]] | None:
+def _messages(row: dict[str, Any], format: str, names: dict[str, str], tok: RowTokenizer) -> Messages | None:
     """The row as chat messages, or None when it is rendered as plain text (string prompt and
     completion; alpaca without a chat template)."""
     if format == "chat":
         return _message_list(_field(row, names["messages"], list), names["messages"], names["role"], names["content"])
     if format == "sharegpt":
-        turns = _message_list(_field(row, names["conversations"], list), names["conversations"], names["from"],
-                              names["value"])
-        for turn in turns:
-            if turn["role"] not in SHAREGPT_ROLES:
-                raise BadRow(f"'{names['conversations']}' has a turn from '{turn['role']}' "
-                             f"(known: {', '.join(SHAREGPT_ROLES)})")
-            turn["role"] = SHAREGPT_ROLES[turn["role"]]
+        turns = sharegpt_messages(_field(row, names["conversations"], list), names)
         system = _field(row, names["system"], required=False)
         return ([{"role": "system", "content": system}] if system else []) + turns
     if format == "alpaca":
         if not tok.has_chat_template():
+            if row.get(names["history"]):
+                raise BadRow(f"field '{names['history']}' (earlier turns) needs a tokenizer with a chat template")
             return None
         prompt, output = _plain_pair(row, format, names)
         system = _field(row, names["system"], required=False)
-        return ([{"role": "system", "content": system}] if system else []) + [
+        return ([{"role": "system", "content": system}] if system else []) + _history(row, names["history"]) + [
             {"role": "user", "content": prompt.rstrip("\n")}, {"role": "assistant", "content": output}]
     if format == "prompt_completion":
         prompt, completion = row.get(names["prompt"]), row.get(names["completion"])
@@ -250,31 +259,52 @@ def _messages(row: dict[str, Any], format: str, names: dict[str, str],
     raise UsageError(f"unknown row format '{format}' (known: {', '.join(DEFAULT_FIELDS)})")
 
 
-def _message_list(turns: Any, name: str, role: str, content: str) -> list[dict[str, str]]:
+def _message_list(turns: Any, name: str, role: str, content: str) -> Messages:
     if not isinstance(turns, list) or not turns:
         raise BadRow(f"field '{name}' is empty or not a list")
-    out = []
-    for number, turn in enumerate(turns, 1):
-        if not isinstance(turn, dict):
-            raise BadRow(f"'{name}' turn {number} is {type(turn).__name__}, not an object")
-        for key in (role, content):
-            if not isinstance(turn.get(key), str):
-                raise BadRow(f"'{name}' turn {number}: no field '{key}' (or it is not a string)")
-        out.append({"role": turn[role], "content": turn[content]})
-    return out
+    return [chat_message(turn, f"'{name}' turn {number}", role, content) for number, turn in enumerate(turns, 1)]
 
 
-def _render_chat(messages: list[dict[str, str]], tok: RowTokenizer) -> tuple[list[int], list[int]]:
-    """The whole conversation through the template, each assistant turn trained: its tokens are
-    those between the conversation before it (with the generation prompt) and through it."""
-    ids = tok.chat(messages, add_generation_prompt=False)
+def _history(row: dict[str, Any], name: str) -> Messages:
+    """Alpaca's earlier exchanges, [[instruction, answer], ...], as user and assistant turns."""
+    pairs = row.get(name) or []
+    if not isinstance(pairs, list):
+        raise BadRow(f"field '{name}' is {type(pairs).__name__}, not a list of [instruction, answer] pairs")
+    turns = []
+    for number, pair in enumerate(pairs, 1):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise BadRow(f"'{name}' entry {number} is not an [instruction, answer] pair")
+        turns += [{"role": "user", "content": text_of(pair[0], f"'{name}' entry {number}")},
+                  {"role": "assistant", "content": text_of(pair[1], f"'{name}' entry {number}")}]
+    return turns
+
+
+def _check_template_shows_tools(messages: Messages, tok: RowTokenizer, tools: Tools, ids: list[int]) -> None:
+    """A template that drops the tools or the calls would train answers to functions the model never
+    saw, or calls as empty turns: refused (naming the first such row) rather than trained wrong."""
+    if tools and tok.chat(messages, add_generation_prompt=False) == ids:
+        raise BadRow("the tokenizer's chat template ignores `tools` (the rows list functions): use a template "
+                     "that renders them, e.g. the model family's own tool-calling template")
+    if any("tool_calls" in m for m in messages):
+        bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+        if tok.chat(bare, add_generation_prompt=False, tools=tools) == ids:
+            raise BadRow("the tokenizer's chat template ignores assistant `tool_calls` (the rows call functions): "
+                         "use a template that renders them")
+
+
+def _render_chat(messages: Messages, tok: RowTokenizer, tools: Tools = None) -> tuple[list[int], list[int]]:
+    """The whole conversation through the template, each assistant turn trained (a function call
+    too): its tokens are those between the conversation before it (with the generation prompt)
+    and through it."""
+    ids = tok.chat(messages, add_generation_prompt=False, tools=tools)
+    _check_template_shows_tools(messages, tok, tools, ids)
     labels = [IGNORE] * len(ids)
     answers = 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tok.chat(messages[:i], add_generation_prompt=True) if i else []
-        through = tok.chat(messages[: i + 1], add_generation_prompt=False)
+        before = tok.chat(messages[:i], add_generation_prompt=True, tools=tools) if i else []
+        through = tok.chat(messages[: i + 1], add_generation_prompt=False, tools=tools)
         if through[: len(before)] != before or ids[: len(through)] != through:
             raise UsageError("the tokenizer's chat template does not render a conversation as the sum of its "
                              "turns (an earlier turn changes when a later one is added): its answers cannot be "

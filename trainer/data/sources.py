@@ -1,12 +1,18 @@
-"""Reading a task's data sources: local files streamed through `datasets`, in batches.
+"""Reading a task's data sources: local files, one at a time, so that every problem names the file and the row.
 
-Each file streams on its own so that every problem names the file and the row. When `datasets`
-fails on a line-based file (jsonl, text), the file is rescanned line by line to find the first bad
-line and say what is wrong with it: not UTF-8 (mixed encodings), not JSON, not an object.
+A source's file type is its `file_type`, else told from the content of a single file or from the
+extensions of a folder's or glob's files (trainer/data/sniff.py): JSON lines and JSON arrays are read
+with the standard library (a JSON array streamed element by element, trainer/data/json_array.py;
+`json` and `jsonl` files are told apart by their first character whichever is declared), text as
+blank-line-separated paragraphs, parquet, arrow and CSV files and `save_to_disk` folders through
+`datasets` (streamed, or memory-mapped for a saved dataset). When `datasets` fails on a line-based
+file (jsonl, text), the file is rescanned line by line to find the first bad line and say what is
+wrong with it: not UTF-8 (mixed encodings), not JSON, not an object.
 """
 
 from __future__ import annotations
 
+import csv
 import glob
 import json
 import os
@@ -15,10 +21,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from advisor.errors import UsageError
+from trainer.data.json_array import JsonArrayColumns, read_json_array
+from trainer.data.sniff import is_saved_dataset, json_layout, sniff_file_type
 
 EXTENSIONS = {"jsonl": (".jsonl", ".json"), "json": (".json", ".jsonl"), "parquet": (".parquet",),
-              "text": (".txt", ".text"), "arrow": (".arrow",)}
-_BUILDER = {"jsonl": "json", "json": "json", "parquet": "parquet", "text": "text", "arrow": "arrow"}
+              "text": (".txt", ".text"), "arrow": (".arrow",), "csv": (".csv",)}
+_BUILDER = {"jsonl": "json", "json": "json", "parquet": "parquet", "text": "text", "arrow": "arrow", "csv": "csv"}
+_HINT_BYTES = 64 << 20  # a damaged JSON file up to this size is read whole to explain the error
+SAVED_DATASET = "hf_disk"  # a `save_to_disk` folder: memory-mapped by `datasets.load_from_disk`
 
 
 @dataclass
@@ -37,6 +47,10 @@ def expand_source_path(base_dir: Path, pattern: str, fmt: str) -> list[Path]:
     """A file, a glob or a folder (its files of the format's extensions), relative to base_dir."""
     raw = Path(pattern)
     path = raw if raw.is_absolute() else base_dir / raw
+    if fmt == SAVED_DATASET:
+        if not is_saved_dataset(path):
+            raise UsageError(f"data source '{pattern}': {path} is not a `save_to_disk` folder")
+        return [path]
     if any(ch in pattern for ch in "*?["):
         files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         if not files:
@@ -55,17 +69,22 @@ def expand_source_path(base_dir: Path, pattern: str, fmt: str) -> list[Path]:
 
 
 def file_type_of(base_dir: Path, source: Any) -> str:
-    """A source's file type: its `file_type`, else from the extensions of the files its path names
-    (a folder or glob of one kind of file). A single file of another extension reads as text
-    under the text row format and as JSON lines otherwise (what `format` defaulted to before)."""
+    """A source's file type: its `file_type`; else a single file's from its content and a
+    `save_to_disk` folder's from its files; else from the extensions of the files a folder or glob
+    names (one kind of file). A path that is not there yet reads as JSON lines, or as text under
+    the text row format (what `format` defaulted to before)."""
     if source.file_type:
         return source.file_type
     raw = Path(source.path)
     path = raw if raw.is_absolute() else base_dir / raw
     if any(ch in source.path for ch in "*?["):
         files = [Path(p) for p in glob.glob(str(path), recursive=True)]
+    elif is_saved_dataset(path):
+        return SAVED_DATASET
     elif path.is_dir():
         files = [p for p in path.rglob("*") if p.is_file()]
+    elif path.is_file() and os.access(path, os.R_OK):
+        return sniff_file_type(path, fallback=_kind(path.name) or ("text" if source.format == "text" else None))
     else:
         files = [path]
     kinds = {_kind(f.name) for f in files} - {None}
@@ -78,24 +97,29 @@ def file_type_of(base_dir: Path, source: Any) -> str:
 
 
 def _kind(name: str) -> str | None:
-    for kind in ("jsonl", "parquet", "arrow", "text"):  # .json reads as JSON lines, as before
+    for kind in ("jsonl", "parquet", "arrow", "text", "csv"):  # .json: array or lines, by content
         if name.endswith(EXTENSIONS[kind]):
             return kind
     return None
 
 
 def read_rows(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
-    """Every row of one file as a dict, in order: JSON lines, a columnar file through `datasets`, or
-    a text file's blank-line-separated paragraphs as {"text": ...}. Unreadable rows stop with a
-    UsageError that names the file and the line."""
+    """Every row of one file as a dict, in order: JSON lines or a JSON array (told apart by the
+    content), a columnar file or saved dataset through `datasets`, or a text file's
+    blank-line-separated paragraphs as {"text": ...}. Unreadable rows stop with a UsageError that
+    names the file and the line."""
     if fmt not in ("jsonl", "json", "text"):
-        datasets = _quiet_datasets()
         try:
-            yield from datasets.load_dataset(_BUILDER[fmt], data_files=str(path), split="train", streaming=True)
+            yield from _dataset_rows(path, fmt)
+        except UsageError:
+            raise
         except Exception as exc:  # pyarrow and datasets raise their own types
             raise UsageError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
         return
     try:
+        if fmt != "text" and json_layout(path) == "array":
+            yield from read_json_array(path)
+            return
         if fmt == "text":
             yield from ({"text": p} for p in Path(path).read_text(encoding="utf-8").split("\n\n") if p.strip())
             return
@@ -114,6 +138,36 @@ def read_rows(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
         raise UsageError(_diagnose(path, fmt) or f"{path}: not UTF-8 ({exc})") from None
 
 
+def _dataset_rows(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
+    for batch in _dataset_stream(path, fmt).iter(batch_size=1000):
+        columns = list(batch)
+        count = len(batch[columns[0]]) if columns else 0
+        yield from ({name: batch[name][i] for name in columns} for i in range(count))
+
+
+def _dataset_stream(path: Path, fmt: str, **kwargs: Any) -> Any:
+    """The file or saved folder as a dataset that iterates in batches of columns: streamed from a
+    file, memory-mapped from a `save_to_disk` folder (its `train` split, or its only one)."""
+    if fmt in ("json", "jsonl") and json_layout(path) == "array":
+        return JsonArrayColumns(path)  # streamed here: `datasets` would load the whole array
+    datasets = _quiet_datasets()
+    if fmt == "csv":  # every cell is text, an empty one too: no numbers or nulls guessed from the values
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            columns = next(csv.reader(f), [])
+        kwargs.update(features=datasets.Features({name: datasets.Value("string") for name in columns}),
+                      keep_default_na=False)
+    if fmt != SAVED_DATASET:
+        return datasets.load_dataset(_BUILDER[fmt], data_files=str(path), split="train", streaming=True, **kwargs)
+    saved = datasets.load_from_disk(str(path))
+    if isinstance(saved, datasets.DatasetDict):
+        splits = list(saved)
+        if "train" not in saved and len(splits) != 1:
+            raise UsageError(f"{path}: a saved dataset with splits {', '.join(splits)} and none named 'train': "
+                             "point the source at one split's folder")
+        saved = saved["train"] if "train" in saved else saved[splits[0]]
+    return saved
+
+
 def _quiet_datasets() -> Any:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing is fetched: local files only
     import datasets
@@ -126,12 +180,11 @@ def _quiet_datasets() -> Any:
 def read_batches(path: Path, fmt: str, text_field: str, extra_fields: tuple[str, ...] = (),
                  batch_size: int = 1000) -> Iterator[RowBatch]:
     """Stream one file in batches; stop with a UsageError that names the file and the row."""
-    datasets = _quiet_datasets()
     kwargs: dict[str, Any] = {}
     if fmt == "text":
         kwargs["keep_linebreaks"] = False
     try:
-        stream = datasets.load_dataset(_BUILDER[fmt], data_files=str(path), split="train", streaming=True, **kwargs)
+        stream = _dataset_stream(path, fmt, **kwargs)
         rows_seen = 0
         for batch in stream.iter(batch_size=batch_size):
             column_field = "text" if fmt == "text" else text_field
@@ -164,8 +217,10 @@ def read_batches(path: Path, fmt: str, text_field: str, extra_fields: tuple[str,
 
 def row_location(path: Path, fmt: str, row: int) -> str:
     """'file, line L (row R)' for line-based files, 'file, row R' for others; rows count from 1."""
-    if fmt in ("jsonl", "text"):
-        line = _line_of_row(path, row, skip_blank=fmt == "jsonl")
+    if fmt in ("jsonl", "json") and json_layout(path) == "array":
+        return f"{path}, row {row + 1}"
+    if fmt in ("jsonl", "json", "text"):
+        line = _line_of_row(path, row, skip_blank=fmt != "text")
         if line is not None:
             return f"{path}, line {line} (row {row + 1})"
     return f"{path}, row {row + 1}"
@@ -190,6 +245,8 @@ def _diagnose(path: Path, fmt: str) -> str | None:
     """Find the first bad line of a line-based file and say what is wrong with it."""
     if fmt not in ("jsonl", "text", "json"):
         return None
+    if fmt == "jsonl" and json_layout(path) == "array":
+        fmt = "json"  # its lines are not rows: only their encoding is checked here
     try:
         with open(path, "rb") as f:
             for number, raw in enumerate(f, 1):
@@ -204,9 +261,27 @@ def _diagnose(path: Path, fmt: str) -> str | None:
                 try:
                     value = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    return f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno})"
+                    return _one_object_hint(path) or (f"{path}, line {number}: not valid JSON ({exc.msg} at "
+                                                      f"column {exc.colno})")
                 if not isinstance(value, dict):
                     return f"{path}, line {number}: expected a JSON object, got {type(value).__name__}"
     except OSError as exc:
         return f"cannot read {path}: {exc.strerror or exc}"
     return None
+
+
+def _one_object_hint(path: Path) -> str | None:
+    """What to say of a file that is one JSON object over several lines rather than JSON lines (a
+    pretty-printed row, or rows under a key): read whole, only to explain the error, when small."""
+    try:
+        if Path(path).stat().st_size > _HINT_BYTES:
+            return None
+        value = json.loads(Path(path).read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    keys = [k for k, v in value.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)]
+    fix = (f"its rows seem to be the list under '{keys[0]}': write that list as the file (a JSON array) or as "
+           "JSON lines" if keys else "write one object per line (JSON lines) or a JSON array of objects")
+    return f"{path}: one JSON object spread over several lines, not JSON lines; {fix}"

@@ -1,0 +1,475 @@
+"""Data as LLaMA-Factory and Axolotl users have it: JSON arrays, tool calls, files named for
+another kind. Each file here is written in a tool's shipped shape; its rows are read, rendered and
+labelled, and the labels compared with ones rebuilt from the rendered conversation text of
+`tokenizer.apply_chat_template` (the answers located in the text, not by the renderer's prefix
+method)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from advisor.errors import UsageError
+from advisor.task import DataSource, TaskSpec
+from trainer.batch import IGNORE
+from trainer.corpus import load_rows, tokenizer_for
+from trainer.data import json_array
+from trainer.data.formats import render_example, source_format
+from trainer.data.sources import expand_source_path, file_type_of, read_rows
+
+# A ChatML template that shows tools and tool calls (written for these tests)
+TEMPLATE = (  # no whitespace control: the template string has no newlines of its own to strip
+    "{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for call in m.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ANSWER = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>\n)", re.S)
+
+ALPACA = [  # alpaca_en_demo.json's shape
+    {"instruction": "Name a primary colour.", "input": "", "output": "Red."},
+    {"instruction": "Reverse the word.", "input": "stressed", "output": "desserts"},
+    {"instruction": "And now?", "input": "", "output": "Blue.", "system": "Be brief.",
+     "history": [["Name a colour.", "Green."]]},
+]
+WEATHER_TOOL = {"name": "get_weather", "description": "Weather of a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+GLAIVE = [  # glaive_toolcall_en_demo.json's shape: tools as a JSON string, function_call/observation turns
+    {"conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": json.dumps({"temp": 21})},
+        {"from": "gpt", "value": "It is 21 degrees in Paris."}],
+     "tools": json.dumps([WEATHER_TOOL])},
+    {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}], "tools": "[]",
+     "system": "You help."},
+]
+# GLAIVE's rows as the OpenAI-style messages and tools a template takes, written out by hand
+GLAIVE_TOOLS = [{"type": "function", "function": WEATHER_TOOL}]
+GLAIVE_MESSAGES = [
+    [{"role": "user", "content": "Weather in Paris?"},
+     {"role": "assistant", "content": "",
+      "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+     {"role": "tool", "content": '{"temp": 21}'},
+     {"role": "assistant", "content": "It is 21 degrees in Paris."}],
+    [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}],
+]
+OPENAI = [  # OpenAI fine-tuning rows: tool_calls with string arguments, tool messages, content parts
+    {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "You help "}, {"type": "text", "text": "briefly."}]},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Minus three."}]}],
+     "tools": [{"type": "function", "function": WEATHER_TOOL}]},
+]
+
+
+def _tokenizer(folder: Path):
+    """One token per byte, plus ChatML's markers as special tokens (259 ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    inner = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    inner.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("chatml")
+    _tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _truth(hf, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """Ids of the rendered conversation and labels that train exactly each assistant block's text
+    after its header, through its <|im_end|> and newline, located in the rendered string."""
+    text = hf.apply_chat_template(messages, tools=tools, tokenize=False)
+    encoded = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans = [match.span(1) for match in ANSWER.finditer(text)]
+    labels = [token if any(a <= start and end <= b for a, b in spans) else IGNORE
+              for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"])]
+    return encoded["input_ids"], labels
+
+
+def _source(tmp_path: Path, name: str, tokenizer_dir: Path, **fields) -> tuple[TaskSpec, DataSource]:
+    task = TaskSpec.model_validate({"name": "t", "base_dir": str(tmp_path), "data": {"tokenizer": str(tokenizer_dir)},
+                                    "stages": [{"name": "s", "tokens": 10, "sources": [{"path": name, **fields}]}]})
+    return task, task.stages[0].sources[0]
+
+
+def _rendered(tmp_path: Path, source: DataSource, tokenizer) -> tuple[str, list[tuple[list[int], list[int]]]]:
+    """The detected format and each row rendered, read as the trainer reads the source."""
+    format = source_format(source, tmp_path)
+    file_type = file_type_of(tmp_path, source)
+    rows = [row for path in expand_source_path(tmp_path, source.path, file_type) for row in read_rows(path, file_type)]
+    return format, [render_example(row, format, tokenizer, source.field_names()) for row in rows]
+
+
+def _check_packed(tmp_path, task, source, tokenizer, expected: list[tuple[list[int], list[int]]]) -> None:
+    """The packed rows train exactly the answers' tokens (labels shifted: a row's first never counts)."""
+    packed = load_rows(source, task, tokenizer, 512, None)
+    trained = sorted(int(t) for t in packed.labels[:, 1:][packed.labels[:, 1:] != IGNORE])
+    assert trained == sorted(t for _, labels in expected for t in labels if t != IGNORE)
+
+
+def test_an_alpaca_json_array_file_trains_its_outputs(tmp_path, tokenizer_dir, hf) -> None:
+    (tmp_path / "alpaca_en_demo.json").write_text(json.dumps(ALPACA, indent=2))
+    task, source = _source(tmp_path, "alpaca_en_demo.json", tokenizer_dir)
+    tokenizer = tokenizer_for(task, "tiny", 512)
+    format, documents = _rendered(tmp_path, source, tokenizer)
+    assert format == "alpaca" and file_type_of(tmp_path, source) == "json"
+    expected = [_truth(hf, [{"role": "user", "content": "Name a primary colour."},
+                            {"role": "assistant", "content": "Red."}]),
+                _truth(hf, [{"role": "user", "content": "Reverse the word.\n\nstressed"},
+                            {"role": "assistant", "content": "desserts"}]),
+                _truth(hf, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+                            {"role": "assistant", "content": "Green."}, {"role": "user", "content": "And now?"},
+                            {"role": "assistant", "content": "Blue."}])]
+    assert documents == expected
+    assert hf.decode([t for t in expected[2][1] if t != IGNORE]) == "Green.<|im_end|>\nBlue.<|im_end|>\n"
+    _check_packed(tmp_path, task, source, tokenizer, expected)
+
+
+def test_a_sharegpt_array_with_tool_calls_and_a_tools_column_trains_the_calls_and_answers(
+        tmp_path, tokenizer_dir, hf) -> None:
+    (tmp_path / "glaive_toolcall_en_demo.json").write_text(json.dumps(GLAIVE, indent=2))
+    task, source = _source(tmp_path, "glaive_toolcall_en_demo.json", tokenizer_dir)
+    tokenizer = tokenizer_for(task, "tiny", 512)
+    format, documents = _rendered(tmp_path, source, tokenizer)
+    expected = [_truth(hf, GLAIVE_MESSAGES[0], GLAIVE_TOOLS), _truth(hf, GLAIVE_MESSAGES[1])]
+    assert format == "sharegpt" and documents == expected
+    trained = hf.decode([t for t in expected[0][1] if t != IGNORE])
+    assert trained == ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>\n'
+                       "It is 21 degrees in Paris.<|im_end|>\n")
+    assert '"description": "Weather of a city"' in hf.decode(expected[0][0])  # the tools are shown, not trained
+    _check_packed(tmp_path, task, source, tokenizer, expected)
+
+
+def test_openai_messages_with_tool_calls_and_text_parts_train_the_calls_and_answers(
+        tmp_path, tokenizer_dir, hf) -> None:
+    (tmp_path / "tools.jsonl").write_text("".join(json.dumps(row) + "\n" for row in OPENAI))
+    task, source = _source(tmp_path, "tools.jsonl", tokenizer_dir)
+    tokenizer = tokenizer_for(task, "tiny", 512)
+    format, documents = _rendered(tmp_path, source, tokenizer)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    expected = [_truth(hf, [{"role": "system", "content": "You help briefly."},
+                            {"role": "user", "content": "Weather in Oslo?"},
+                            {"role": "assistant", "content": "", "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": "call_1", "content": "-3"},
+                            {"role": "assistant", "content": "Minus three."}], OPENAI[0]["tools"])]
+    assert format == "chat" and documents == expected
+    assert hf.decode([t for t in expected[0][1] if t != IGNORE]) == (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call><|im_end|>\n'
+        "Minus three.<|im_end|>\n")
+
+
+@pytest.mark.parametrize("row,column", [
+    ({"messages": [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "A cat."}],
+      "images": ["cat.png"]}, "field 'images' holds media"),
+    ({"conversations": [{"from": "human", "value": "<video>Say?"}, {"from": "gpt", "value": "Hi"}],
+      "videos": ["a.mp4"]}, "field 'videos' holds media"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What?"},
+                                                {"type": "image_url", "image_url": {"url": "x.png"}}]},
+                   {"role": "assistant", "content": "A cat."}]}, "'content' has a image_url part"),
+])
+def test_rows_with_images_audio_or_video_are_refused_in_one_line_naming_the_column(
+        tmp_path, tokenizer_dir, row, column) -> None:
+    (tmp_path / "mm.json").write_text(json.dumps([row]))
+    task, source = _source(tmp_path, "mm.json", tokenizer_dir)
+    with pytest.raises(UsageError) as error:
+        load_rows(source, task, tokenizer_for(task, "tiny", 512), 64, None)
+    assert f"{tmp_path / 'mm.json'}, row 1: " in str(error.value) and column in str(error.value)
+    assert "text-only" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_template_that_ignores_tools_is_refused(tmp_path) -> None:
+    plain = _tokenizer(tmp_path / "tok")
+    plain.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    plain.save_pretrained(tmp_path / "plain")
+    (tmp_path / "glaive.json").write_text(json.dumps(GLAIVE))
+    task, source = _source(tmp_path, "glaive.json", tmp_path / "plain")
+    with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'glaive.json'}, row 1: the tokenizer's chat template "
+                                                   "ignores `tools`")):
+        load_rows(source, task, tokenizer_for(task, "tiny", 512), 512, None)
+
+
+# -- files told by their content -----------------------------------------------------------------
+
+
+def _write_every_kind(folder: Path, rows: list[dict]) -> dict[str, Path]:
+    """The same rows as a JSON array, JSON lines, parquet, CSV and arrow under misleading or no
+    extensions, and a `save_to_disk` folder."""
+    import datasets
+
+    kinds = {"json": folder / "array.jsonl", "jsonl": folder / "lines.json", "parquet": folder / "table.json",
+             "csv": folder / "table.csv", "hf_disk": folder / "saved"}
+    kinds["json"].write_text("\n" + json.dumps(rows, indent=1))
+    kinds["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), kinds["parquet"])
+    datasets.Dataset.from_list(rows).to_csv(kinds["csv"], index=False)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(kinds["hf_disk"]))
+    (arrow,) = (kinds["hf_disk"] / "train").glob("*.arrow")  # an Arrow IPC stream
+    kinds["arrow"] = folder / "table.bin"
+    kinds["arrow"].write_bytes(arrow.read_bytes())
+    return kinds
+
+
+def test_files_are_read_by_their_content_not_their_name(tmp_path) -> None:
+    rows = [{"instruction": f"say {i}", "input": "", "output": f"{i}"} for i in range(5)]
+    for kind, path in _write_every_kind(tmp_path, rows).items():
+        source = DataSource(path=str(path))
+        assert file_type_of(tmp_path, source) == kind
+        assert list(read_rows(path, file_type_of(tmp_path, source))) == rows, kind
+    prose = tmp_path / "notes.md"
+    prose.write_text("Plain words.\n\nA second paragraph.\n")
+    assert list(read_rows(prose, file_type_of(tmp_path, DataSource(path=str(prose))))) == [
+        {"text": "Plain words."}, {"text": "A second paragraph.\n"}]
+    broken = tmp_path / "broken.jsonl"  # named JSON lines, first line damaged: an error, not text to train on
+    broken.write_text('"text": "a"}\n')
+    with pytest.raises(UsageError, match=rf"{re.escape(str(broken))}, line 1: not valid JSON"):
+        list(read_rows(broken, file_type_of(tmp_path, DataSource(path=str(broken)))))
+
+
+def test_a_json_array_streams_across_chunks_and_names_the_line_of_a_bad_row(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(json_array, "CHUNK_CHARS", 7)  # every row spans several reads
+    rows = [{"text": "é" * i, "n": [i, {"deep": "]["}]} for i in range(30)]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows, indent=2))
+    assert list(json_array.read_json_array(path)) == rows
+    lines = json.dumps(rows[:3], indent=2).splitlines()
+    path.write_text("\n".join(lines[:-2] + ['  },', '  {"text": oops}', ']']))  # a fourth row, not JSON
+    with pytest.raises(UsageError, match=rf"{re.escape(str(path))}, line {len(lines)}: not valid JSON"):
+        list(json_array.read_json_array(path))
+    path.write_text('[{"text": "a"}, {"text": "b"')
+    with pytest.raises(UsageError, match="not valid JSON in the array"):
+        list(json_array.read_json_array(path))
+    path.write_text('[{"text": "a"},\n')
+    with pytest.raises(UsageError, match="the JSON array is not closed"):
+        list(json_array.read_json_array(path))
+    path.write_text('[{"text": "a"}, 3]')
+    with pytest.raises(UsageError, match="row 2: expected a JSON object, got int"):
+        list(json_array.read_json_array(path))
+
+
+# -- through the CLI -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_advisor_train_data_json_trains_a_tool_call_array_on_its_answers(tmp_path, hf) -> None:
+    """`advisor train --data glaive.json` of a tiny model for 2 steps, from a --weights folder whose
+    tokenizer has the tool-calling template; the packed rows it trained on hold exactly the answers'
+    tokens (function calls included) that the rebuilt labels hold."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+    from presets import load_model
+
+    weights = tmp_path / "weights"
+    config = dict(load_model("demo-tiny").hf_config)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(weights)
+    _tokenizer(weights)
+    data = tmp_path / "glaive_toolcall_en_demo.json"
+    data.write_text(json.dumps(GLAIVE * 8, indent=2))
+    plan = tmp_path / "plan.yaml"
+    made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                                    "--seq-len", "512", "--global-batch", "2", "--top", "1", "--out", str(plan)])
+    assert made.exit_code == 0, made.output
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(run), "--data",
+                           str(data), "--weights", str(weights), "--steps", "2"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all(np.isfinite(m["loss"]) for m in metrics)
+    assert yaml.safe_load((run / "plan.yaml").read_text())["task"]["stages"][0]["sources"][0]["format"] == "sharegpt"
+    (cached,) = (run / "data_cache").glob("*.npz")
+    with np.load(cached) as packed:
+        labels = packed["labels"]
+    trained = sorted(int(t) for t in labels[:, 1:][labels[:, 1:] != IGNORE])
+    truth = [_truth(hf, GLAIVE_MESSAGES[0], GLAIVE_TOOLS), _truth(hf, GLAIVE_MESSAGES[1])] * 8
+    assert trained == sorted(t for _, row_labels in truth for t in row_labels if t != IGNORE)
+
+
+# -- LLaMA-Factory's registry ----------------------------------------------------------------------
+
+
+REGISTRY = {
+    "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"},
+    "glaive_toolcall_en_demo": {"file_name": "glaive_toolcall_en_demo.json", "formatting": "sharegpt",
+                                "columns": {"messages": "conversations", "tools": "tools"}},
+    "qa_custom": {"file_name": "qa", "columns": {"prompt": "question", "response": "answer", "history": "earlier",
+                                                 "system": "persona"}},
+    "openai_like": {"file_name": "openai_like.jsonl", "formatting": "sharegpt",
+                    "columns": {"messages": "messages"},
+                    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                             "assistant_tag": "assistant", "system_tag": "system"}},
+    "mllm_demo": {"file_name": "mllm_demo.json", "formatting": "sharegpt",
+                  "columns": {"messages": "messages", "images": "images"}},
+    "from_hub": {"hf_hub_url": "someone/somedata"},
+    "pairs": {"file_name": "alpaca_en_demo.json", "ranking": True,
+              "columns": {"prompt": "instruction", "chosen": "chosen", "rejected": "rejected"}},
+}
+
+
+def test_a_llama_factory_registry_reads_its_datasets_as_it_ships(tmp_path, tokenizer_dir, hf) -> None:
+    from trainer.data.registry import registry_sources
+
+    data = tmp_path / "data"
+    (data / "qa").mkdir(parents=True)
+    (data / "dataset_info.json").write_text(json.dumps(REGISTRY, indent=2))
+    (data / "alpaca_en_demo.json").write_text(json.dumps(ALPACA[:2]))
+    (data / "glaive_toolcall_en_demo.json").write_text(json.dumps(GLAIVE[:1]))
+    (data / "qa" / "part-0.json").write_text(json.dumps(
+        {"question": "And blue?", "answer": "Sky.", "earlier": [["Red?", "Fire."]], "persona": "Poet."}) + "\n")
+    (data / "openai_like.jsonl").write_text(json.dumps({"messages": [
+        {"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."}]}) + "\n")
+    names = ["alpaca_en_demo", "glaive_toolcall_en_demo", "qa_custom", "openai_like"]
+    sources = registry_sources(data, names)
+    assert [s.format for s in sources] == ["alpaca", "sharegpt", "alpaca", "sharegpt"]
+    task = TaskSpec.model_validate({"name": "t", "base_dir": str(tmp_path), "data": {"tokenizer": str(tokenizer_dir)},
+                                    "stages": [{"name": "s", "tokens": 10,
+                                                "sources": [s.model_dump() for s in sources]}]})
+    tokenizer = tokenizer_for(task, "tiny", 512)
+    expected = {
+        "alpaca_en_demo": [_truth(hf, [{"role": "user", "content": "Name a primary colour."},
+                                       {"role": "assistant", "content": "Red."}]),
+                           _truth(hf, [{"role": "user", "content": "Reverse the word.\n\nstressed"},
+                                       {"role": "assistant", "content": "desserts"}])],
+        "glaive_toolcall_en_demo": [_truth(hf, GLAIVE_MESSAGES[0], GLAIVE_TOOLS)],
+        "qa_custom": [_truth(hf, [{"role": "system", "content": "Poet."}, {"role": "user", "content": "Red?"},
+                                  {"role": "assistant", "content": "Fire."}, {"role": "user", "content": "And blue?"},
+                                  {"role": "assistant", "content": "Sky."}])],
+        "openai_like": [_truth(hf, [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+                                    {"role": "assistant", "content": "Hello."}])],
+    }
+    for name, source in zip(names, task.stages[0].sources):
+        _, documents = _rendered(tmp_path, source, tokenizer)
+        assert documents == expected[name], name
+
+
+@pytest.mark.parametrize("name,message", [
+    ("mllm_demo", "dataset 'mllm_demo' has an images column ('images'): training here is text-only"),
+    ("from_hub", "dataset 'from_hub' is fetched by LLaMA-Factory (hf_hub_url); nothing is downloaded here"),
+    ("pairs", "dataset 'pairs' is preference data"),
+    ("missing", "dataset 'missing' is not in"),
+])
+def test_registry_entries_this_trainer_cannot_honour_are_refused_in_one_line(tmp_path, name, message) -> None:
+    from trainer.data.registry import registry_sources
+
+    (tmp_path / "dataset_info.json").write_text(json.dumps(REGISTRY))
+    (tmp_path / "mllm_demo.json").write_text("[]")
+    with pytest.raises(UsageError, match=re.escape(message)):
+        registry_sources(tmp_path / "dataset_info.json", [name])
+
+
+def test_data_prepare_reads_text_rows_of_every_kind_in_batches(tmp_path) -> None:
+    """`advisor data prepare` reads sources in batches (`read_batches`): the same rows whatever the kind."""
+    from trainer.data.sources import read_batches
+
+    texts = [f"document number {i}" for i in range(7)]
+    for kind, path in _write_every_kind(tmp_path, [{"text": t} for t in texts]).items():
+        batches = list(read_batches(path, file_type_of(tmp_path, DataSource(path=str(path))), "text", batch_size=3))
+        assert [t for b in batches for t in b.texts] == texts, kind
+        assert [b.first_row for b in batches] == [sum(len(x) for x in batches[:i]) for i in range(len(batches))]
+
+
+def test_a_file_that_is_one_json_object_over_several_lines_is_explained(tmp_path) -> None:
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"version": 1, "data": ALPACA}, indent=2))
+    with pytest.raises(UsageError, match="one JSON object spread over several lines, not JSON lines; its rows seem "
+                                         "to be the list under 'data'"):
+        list(read_rows(wrapped, file_type_of(tmp_path, DataSource(path=str(wrapped)))))
+    pretty = tmp_path / "pretty.jsonl"
+    pretty.write_text(json.dumps(ALPACA[0], indent=2))
+    with pytest.raises(UsageError, match="write one object per line"):
+        list(read_rows(pretty, file_type_of(tmp_path, DataSource(path=str(pretty)))))
+
+
+def test_axolotl_conversations_with_role_and_content_keys_read_as_sharegpt(hf) -> None:
+    row = {"conversations": [{"role": "system", "content": "You help."}, {"role": "user", "content": "Hi"},
+                             {"role": "assistant", "content": "Hello!"}]}
+    assert render_example(row, "sharegpt", hf) == _truth(hf, GLAIVE_MESSAGES[1])
+
+
+def test_a_row_the_chat_template_raises_on_is_refused_naming_the_row(tmp_path, tokenizer_dir) -> None:
+    from transformers import AutoTokenizer
+
+    strict = AutoTokenizer.from_pretrained(tokenizer_dir)
+    strict.chat_template = ("{% for m in messages %}{% if m.tool_calls and m.tool_calls | length > 1 %}"
+                            "{{ raise_exception('one tool call per turn') }}{% endif %}{{ m.content }}{% endfor %}")
+    strict.save_pretrained(tmp_path / "strict")
+    two_calls = {"messages": [{"role": "user", "content": "Both?"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "a", "arguments": "{}"}},
+        {"type": "function", "function": {"name": "b", "arguments": "{}"}}]}]}
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"messages": GLAIVE_MESSAGES[1]}) + "\n" +
+                                         json.dumps(two_calls) + "\n")
+    task, source = _source(tmp_path, "rows.jsonl", tmp_path / "strict")
+    with pytest.raises(UsageError) as error:
+        load_rows(source, task, tokenizer_for(task, "tiny", 512), 512, None)
+    assert str(error.value).startswith(f"{tmp_path / 'rows.jsonl'}, line 2 (row 2): the chat template of ")
+    assert "refuses this row: one tool call per turn (chat format)" in str(error.value)
+
+
+def test_a_one_stage_plan_reads_registry_datasets_concatenated(tmp_path, tokenizer_dir) -> None:
+    """What `advisor train --data data/dataset_info.json --dataset a --dataset b` would call: one stage
+    over both datasets, each weighed by the sequences it packs into (LLaMA-Factory concatenates)."""
+    from advisor.plan_file import load_plan
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+    from trainer.one_stage import one_stage_plan
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dataset_info.json").write_text(json.dumps(REGISTRY))
+    (data / "alpaca_en_demo.json").write_text(json.dumps(ALPACA[:2] * 30))
+    (data / "glaive_toolcall_en_demo.json").write_text(json.dumps(GLAIVE * 5))
+    plan = tmp_path / "plan.yaml"
+    made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                                    "--seq-len", "512", "--global-batch", "2", "--top", "1", "--out", str(plan)])
+    assert made.exit_code == 0, made.output
+    one_stage, _ = one_stage_plan(load_plan(plan), str(data), tmp_path / "run", None, None, weights=str(tokenizer_dir),
+                                  datasets=["alpaca_en_demo", "glaive_toolcall_en_demo"])
+    sources = one_stage.task.stages[0].sources
+    assert [(Path(s.path).name, s.format) for s in sources] == [("alpaca_en_demo.json", "alpaca"),
+                                                                  ("glaive_toolcall_en_demo.json", "sharegpt")]
+    task = one_stage.task.model_copy(update={"data": one_stage.task.data.model_copy(
+        update={"tokenizer": str(tokenizer_dir)})})
+    tokenizer = tokenizer_for(task, "tiny", 512)
+    counts = [len(load_rows(s, task, tokenizer, 512, None)) for s in sources]
+    assert [s.weight for s in sources] == [float(n) for n in counts] and counts[0] != counts[1]
+    assert one_stage.stages[0].steps == -(-sum(counts) * 512 // (512 * 2))  # one pass, in whole steps
