@@ -11,7 +11,6 @@ called by the CLI verbs that read them) into the cache folder its loaded task po
 from __future__ import annotations
 
 import json
-import os
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from advisor import environment
 from advisor.errors import UsageError
 from advisor.profile import fingerprint_mismatch, looks_like_profile, profile_from_data
 from advisor.specs import HardwareSpec, ModelSpec, validate
@@ -34,7 +34,7 @@ GENERATED_TASK_DATA = {"demo": "advisor data generate-demo"}
 def cache_dir() -> Path:
     """What advisor can remake lives here (traces, profiles, generated task data, compiled native
     ops): `$ADVISOR_CACHE`, else ~/.cache/advisor. Every layer reads it from here."""
-    return Path(os.environ.get("ADVISOR_CACHE", Path.home() / ".cache" / "advisor"))
+    return Path(environment.read("ADVISOR_CACHE") or Path.home() / ".cache" / "advisor")
 
 
 def generated_data_dir(name: str) -> Path:

@@ -36,6 +36,8 @@ import torch
 
 from profiler.gemm_shapes import GemmShape, linear_gemms, model_gemm_shapes, square_gemm_shapes  # noqa: F401 (hb.X)
 from profiler.model_trace import attention_model_flops
+from advisor import environment
+from advisor.errors import UsageError
 
 # nccl-tests' bus-bandwidth definitions: bytes through each device's link per byte of buffer,
 # and latency steps of the ring, for a group of n ranks.
@@ -157,10 +159,13 @@ SLOW_RANKS_ENV = "ADVISOR_PROFILE_SLOW_RANKS"
 
 def slowdown_of_this_rank() -> float:
     rank = os.environ.get("RANK", "0")
-    for item in os.environ.get(SLOW_RANKS_ENV, "").split(","):
+    for item in environment.read(SLOW_RANKS_ENV).split(","):
         key, _, factor = item.partition("=")
         if key.strip() == rank and factor:
-            return max(1.0, float(factor))
+            try:
+                return max(1.0, float(factor))
+            except ValueError:
+                raise UsageError(f"{SLOW_RANKS_ENV}: {item!r} is not RANK=FACTOR") from None
     return 1.0
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from advisor import environment
 
 PREFIX = "step-"
 MANIFEST = "manifest.json"
@@ -48,7 +49,7 @@ def _barrier() -> None:
 
 def _pause() -> None:
     """The injectable delay between a save's files (tests kill the run inside it)."""
-    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    delay = environment.read_seconds(DELAY_ENV)
     if delay > 0:
         time.sleep(delay)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from advisor import environment
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, segment_of
 from advisor.specs import HardwareSpec
@@ -111,7 +112,7 @@ def _run_segment(plan: Plan, plan_path: Path, out: Path, resume: bool, options: 
 
 
 def _log_size() -> int:
-    path = os.environ.get(WORKER_LOG_ENV)
+    path = environment.read(WORKER_LOG_ENV)
     return os.path.getsize(path) if path and os.path.isfile(path) else 0
 
 
@@ -120,7 +121,7 @@ def _worker_error(offset: int) -> str:
     sends workers' output there), as ": <line>", so that the failing rank's reason reaches the
     console: the first, because the other ranks then fail on the broken collective; "" when there is
     none or no log."""
-    path = os.environ.get(WORKER_LOG_ENV)
+    path = environment.read(WORKER_LOG_ENV)
     if not path or not os.path.isfile(path):
         return ""
     with open(path, "rb") as log:

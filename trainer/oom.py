@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from advisor import environment
 from advisor.capabilities import config_shape, runnable_problem
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
@@ -53,7 +54,7 @@ class OOMInjector:
     """Raises torch.OutOfMemoryError on the conditions ADVISOR_INJECT_OOM names."""
 
     def __init__(self, spec: str | None = None):
-        spec = os.environ.get(ENV, "") if spec is None else spec
+        spec = environment.read(ENV) if spec is None else spec
         self.step: int | None = None
         self.tokens: int | None = None
         for part in filter(None, (p.strip() for p in spec.split(","))):

@@ -4,13 +4,13 @@ the per-user cache folder, and the stage token counts a task's prepared data giv
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Callable
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from advisor import environment
 from advisor.errors import UsageError
 from advisor.specs import LAYOUT_KEYS_HELP, MIN_COMPUTE_FRACTION, ModelSpec  # noqa: F401  (the verbs' default)
 from advisor.task import TaskSpec
@@ -41,7 +41,7 @@ def exit_on_error(action: Callable[[], Any]) -> Any:
     except (KeyboardInterrupt, typer.Exit):
         raise
     except Exception as exc:  # an unexpected failure: say what, hide the traceback unless asked
-        if os.environ.get("ADVISOR_DEBUG"):
+        if environment.read("ADVISOR_DEBUG"):
             raise
         err_console.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))} "
                           "(rerun with ADVISOR_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)

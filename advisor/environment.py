@@ -1,0 +1,57 @@
+"""Every environment variable that steers the advisor, declared once with its meaning.
+
+Code reads them through `read` (never `os.environ` with an `ADVISOR_` name of its own), so that this
+table is the whole list: what a user may set, and the hooks the tests use to make a run fail on
+purpose. A value that does not parse is refused in one line (exit 2), never a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from advisor.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    meaning: str
+    audience: Literal["user", "test hook", "internal"]
+
+
+VARIABLES: dict[str, Variable] = {v.name: v for v in (
+    Variable("ADVISOR_CACHE", "folder of the advisor's caches (model traces, tokenised data, compiled "
+             "ops); default ~/.cache/advisor", "user"),
+    Variable("ADVISOR_DEBUG", "set to 1: unexpected errors print their traceback instead of one line",
+             "user"),
+    Variable("ADVISOR_WORKER_LOG", "the file training workers write their logs and third-party warnings to, "
+             "set by the CLI for the launch it starts", "internal"),
+    Variable("ADVISOR_INJECT_OOM", "step=N and/or tokens=N: a worker raises CUDA's out-of-memory error "
+             "there (trainer/oom.py), to test the fallback", "test hook"),
+    Variable("ADVISOR_CHECKPOINT_DELAY_S", "seconds slept between the files of a checkpoint save, so that a "
+             "test can kill a run in the middle of one", "test hook"),
+    Variable("ADVISOR_PROFILE_SLOW_RANKS", "rank=factor,...: those ranks of `advisor profile` run that many "
+             "times slower, to test straggler detection", "test hook"),
+)}
+
+
+def read(name: str, default: str = "") -> str:
+    """The variable's value (`default` when unset). Only declared names may be read."""
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not declared in advisor/environment.py")
+    return os.environ.get(name, default)
+
+
+def read_seconds(name: str) -> float:
+    """A declared variable holding a finite, non-negative number of seconds (0 when unset or empty)."""
+    text = read(name).strip()
+    try:
+        value = float(text) if text else 0.0
+    except ValueError:
+        raise UsageError(f"{name}={text!r}: expected a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{name}={text!r}: expected a finite, non-negative number of seconds")
+    return value
