@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from advisor.capabilities import PRICED_ENGINE_LIMITS, attention_implementation, config_shape, cost_engine, runnable_problem, prices_ours
@@ -32,9 +32,16 @@ METHOD_ORDER = ("full", "lora", "qlora")
 
 
 class InfeasiblePlan(UsageError):
-    """Nothing fits; the message lists the nearest feasible changes, one per line."""
+    """Nothing fits: `why`, and the nearest feasible changes (`fixes`), which the message lists one
+    per line under `heading`; callers read the fields, never the message."""
 
     multiline = True
+
+    def __init__(self, why: str, fixes: list[str] | None = None, heading: str = "Nearest feasible changes:",
+                 none_found: str = "") -> None:
+        self.why, self.fixes = why, list(fixes or [])
+        lines = [f"  - {fix}" for fix in self.fixes] or ([f"  - {none_found}"] if none_found else [])
+        super().__init__("\n".join([why, heading, *lines]) if lines else why)
 
 
 @dataclass
@@ -159,20 +166,22 @@ def _runnable_only(opts: PlanOptions) -> bool:
 
 
 def _shape_fix(opts: PlanOptions) -> dict[str, Any]:
-    """The fixed keys the search enumerates (the others became the request's own: `_apply_fix`)."""
+    """The fixed keys the search enumerates (the others became the request's own: `_with_fix`)."""
     return {key: value for key, value in opts.fix.items() if key not in REQUEST_KEYS}
 
 
-def _apply_fix(opts: PlanOptions) -> None:
-    """Fixed method, dtype and sequence length become the request's, unless the command line
-    asks for another."""
+def _with_fix(opts: PlanOptions) -> PlanOptions:
+    """The options with fixed method, dtype and sequence length as the request's, unless the command
+    line asks for another (a copy: the caller's options stay as given)."""
+    fixed = {}
     for key, attr, flag in (("method", "method", "--method"), ("dtype", "dtype", "dtype"), ("seq", "seq", "--seq-len")):
         if key not in opts.fix:
             continue
         given = getattr(opts, attr)
         if given not in (None, opts.fix[key]) and not (key == "method" and given == "full"):
             raise UsageError(f"--fix {key}={opts.fix[key]} contradicts {flag} {given}")
-        setattr(opts, attr, opts.fix[key])
+        fixed[attr] = opts.fix[key]
+    return replace(opts, **fixed)
 
 
 def _check_fix(opts: PlanOptions, devices: int, hw: HardwareSpec, seq: int, batch: int,
@@ -331,8 +340,8 @@ def _straggler_gains(opts: PlanOptions, measured_hw: HardwareSpec, chosen: Plann
 def make_plan(opts: PlanOptions) -> Plan:
     started = time.perf_counter()
     notes: list[str] = []
-    if opts.task is not None:
-        opts.task = _with_prepared_tokens(opts.task, opts.stage_tokens, notes)
+    if opts.task is not None:  # the caller's options stay as given: a copy carries what planning adds
+        opts = replace(opts, task=_with_prepared_tokens(opts.task, opts.stage_tokens, notes))
         notes += [finding] if (finding := task_finding(opts.task.name)) else []
     hw = opts.hardware
     per_node = opts.gpus_per_node or hw.devices_per_node
@@ -340,7 +349,7 @@ def make_plan(opts: PlanOptions) -> Plan:
         hw = hw.model_copy(update={"devices_per_node": opts.gpus_per_node})
     devices, measured_hw = opts.nodes * per_node, hw
     hw = _priced_cluster(opts, hw, notes)
-    _apply_fix(opts)
+    opts = _with_fix(opts)
     check_plan_numbers(opts)
     seq, batch = _shape(opts, devices)
     methods = _methods(opts)
@@ -378,12 +387,10 @@ def make_plan(opts: PlanOptions) -> Plan:
     if not result.solutions and opts.fix:
         raise InfeasiblePlan(_fix_infeasible(opts, result, devices, hw, seq, batch, methods))
     if not result.solutions:
-        fixes = _suggestions(opts, devices, seq, batch, methods)
-        lines = "\n".join(f"  - {f}" for f in fixes) or "  - none found within 64x the devices"
         raise InfeasiblePlan(
             f"{opts.model.name} with method {'/'.join(methods)} does not fit {devices} x {hw.name} at sequence "
-            f"length {seq} and global batch {batch}, even with ZeRO sharding, offload and full recomputation.\n"
-            f"Nearest feasible changes:\n{lines}")
+            f"length {seq} and global batch {batch}, even with ZeRO sharding, offload and full recomputation.",
+            _suggestions(opts, devices, seq, batch, methods), none_found="none found within 64x the devices")
     if result.relaxed_compute_rule:
         notes.append(f"no layout keeps compute >= {100 * opts.min_compute_fraction:.0f}% of the step; these are "
                      "the fastest anyway (flagged): fewer devices or a larger global batch would meet the rule")

@@ -265,9 +265,7 @@ def plan_option(req: CapacityRequest, hw: HardwareSpec, gpus: int, method: str) 
     try:
         plan = make_plan(opts)
     except InfeasiblePlan as exc:
-        lines = str(exc).splitlines()
-        option.why_not = lines[0]
-        option.fixes = [line.strip()[2:] for line in lines[1:] if line.strip().startswith("- ")]
+        option.why_not, option.fixes = exc.why, exc.fixes
         option.plan_seconds = time.perf_counter() - started
         return option
     except UsageError as exc:  # e.g. a batch smaller than the device count, QLoRA on CPU

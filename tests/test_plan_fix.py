@@ -117,3 +117,20 @@ def test_default_plans_are_runnable_here() -> None:
     shape = config_shape(load_model("llama3-8b").hf_config)
     for p in out["plans"]:
         assert runnable_problem(Layout.model_validate(p["layout"]), shape, "cuda") is None
+
+
+def test_planning_leaves_the_callers_options_as_given() -> None:
+    """A pure planner (issue 30): make_plan works on a copy; the options a caller hands in (here with
+    a fix that moves the method and sequence length, and a task whose tokens planning fills in) are
+    unchanged afterwards, so a second plan from them is the same plan."""
+    import copy
+
+    from presets import load_hardware, load_model, load_task
+    from planner.plan import PlanOptions, make_plan
+
+    opts = PlanOptions(model=load_model("demo-tiny"), hardware=load_hardware("cpu"), task=load_task("demo"),
+                       fix={"method": "lora", "seq": 128})
+    before = copy.deepcopy(opts)
+    first = make_plan(opts)
+    assert opts == before
+    assert make_plan(opts).chosen.layout == first.chosen.layout and first.chosen.layout.method == "lora"
