@@ -9,8 +9,9 @@ from typing import Any, Optional
 import typer
 
 from advisor.profile import load_profile, looks_like_profile
-from advisor.cli.common import MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, console, exit_on_error, stage_tokens
+from advisor.cli.common import MIN_COMPUTE_FRACTION, check_out_folder, PRICED_ENGINE_HELP, console, exit_on_error, stage_tokens
 from advisor.cli.render import render_plan
+from advisor.errors import UsageError
 from presets import load_task
 from planner.export import export
 from planner.fix import parse_fix
@@ -109,9 +110,13 @@ def write_plan_files(result, out: Path | None, export_dir: Path | None) -> list[
     or left out with the reason."""
     lines = []
     if out:
+        if out.is_dir():
+            raise UsageError(f"--out {out} is a folder: name the plan file, e.g. {out / 'plan.yaml'}")
+        check_out_folder(out.parent, "--out")
         result.write(out)
         lines.append(f"wrote {out}")
     if export_dir:
+        check_out_folder(export_dir, "--export")
         exported = export(result, export_dir)
         lines += [f"wrote {path}" for path in exported.written]
         lines += [f"did not write {name}: {why}" for name, why in exported.skipped.items()]
