@@ -10,10 +10,10 @@ import yaml
 from pydantic import BaseModel, Field
 
 from advisor.errors import UsageError
-from advisor.specs import (MAX_DEGREE, MAX_DEVICES_PER_NODE, MAX_STEPS, MAX_TOKENS, MIN_COMPUTE_FRACTION, SPEC_CONFIG,
-                           Estimate, FiniteDict, HardwareSpec, Layout, ModelSpec, refuse_non_finite, validate)
+from advisor.specs import (MAX_DEGREE, MAX_DEVICES_PER_NODE, MAX_NODES, MAX_STEPS, MAX_TOKENS, MIN_COMPUTE_FRACTION,
+                           SPEC_CONFIG, Estimate, FiniteDict, HardwareSpec, Layout, ModelSpec, read_user_yaml,
+                           refuse_non_finite, validate)
 from advisor.task import StageName, TaskSpec
-from advisor.user_yaml import read_user_yaml
 
 PLAN_VERSION = 1
 MAX_SECONDS = 1e12  # a step, a checkpoint write, a stage in hours: beyond any run, yet finite
@@ -43,7 +43,8 @@ class StagePlan(BaseModel):
     steps: int = Field(ge=0, le=MAX_STEPS)
     step_s: float = Field(ge=0, le=MAX_SECONDS)
     hours: float = Field(ge=0, le=MAX_SECONDS)
-    checkpoint_every_steps: int = Field(ge=1, le=MAX_STEPS, description="the trainer checkpoints when steps % this == 0")
+    checkpoint_every_steps: int = Field(ge=1, le=MAX_STEPS,
+                                        description="the trainer checkpoints when steps % this == 0")
     checkpoint_write_s: float = Field(ge=0, le=MAX_SECONDS)
     overhead_fraction: float = Field(ge=0, le=1e6, description="checkpoint + evaluation time over training time")
     flags: list[str] = Field(default_factory=list)
@@ -55,7 +56,7 @@ class Plan(BaseModel):
     version: int = PLAN_VERSION
     model: ModelSpec
     hardware: HardwareSpec
-    nodes: int = Field(ge=1, le=MAX_DEGREE)
+    nodes: int = Field(ge=1, le=MAX_NODES)
     gpus_per_node: int = Field(ge=1, le=MAX_DEVICES_PER_NODE)
     objective: Literal["throughput", "cost"] = "throughput"
     min_compute_fraction: float = Field(MIN_COMPUTE_FRACTION, ge=0, le=1)

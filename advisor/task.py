@@ -16,9 +16,7 @@ from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from advisor.errors import UsageError
 from advisor.specs import (MAX_BATCH, MAX_DEGREE, MAX_SEQ, MAX_STEPS, MAX_TOKENS, SPEC_CONFIG, Method,
-                           validate)
-from advisor.user_yaml import read_user_yaml
-
+                           read_user_yaml, validate)
 
 MAX_TEXT = 10**12  # characters or tokens of one document
 MAX_EPOCHS = 1e6
@@ -92,7 +90,8 @@ class BucketSpec(BaseModel):
     micro_batch_tokens: Optional[int] = Field(
         None, ge=8, le=1 << 30, description="token budget of one micro-batch (mbs x seq); default 8 x seq_len")
     max_buckets: int = Field(8, ge=1, le=64)
-    pad_multiple: int = Field(8, ge=1, le=1 << 16, description="bucket edges are multiples of this (tensor-core friendly)")
+    pad_multiple: int = Field(8, ge=1, le=1 << 16,
+                              description="bucket edges are multiples of this (tensor-core friendly)")
 
 
 class DataPrepSpec(BaseModel):
@@ -186,17 +185,17 @@ class StageSpec(BaseModel):
         default_factory=dict, description="earlier stage name -> share of this stage's tokens replayed from it")
     tokens: int | None = Field(None, gt=0, le=MAX_TOKENS, description="token budget of the stage")
     steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="optimizer steps (instead of tokens)")
-    epochs: float | None = Field(None, gt=0, le=MAX_EPOCHS, description="passes over the stage's own data (instead of tokens or "
-                                 "steps): the trainer turns them into steps from the data's row count")
+    epochs: float | None = Field(None, gt=0, le=MAX_EPOCHS, description="passes over the stage's own data (instead of "
+                                 "tokens or steps): the trainer turns them into steps from the data's row count")
     lr: float = Field(3e-4, gt=0, le=1)
     warmup_steps: int = Field(20, ge=0, le=MAX_STEPS, description="learning-rate re-warm-up at the stage start")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="decay floor, share of lr")
-    ramp_steps: int = Field(0, ge=0, le=MAX_STEPS, description="steps over which the data mixture moves linearly from the "
-                            "previous stage's data to this stage's mix (0: a hard switch)")
+    ramp_steps: int = Field(0, ge=0, le=MAX_STEPS, description="steps over which the data mixture moves linearly from "
+                            "the previous stage's data to this stage's mix (0: a hard switch)")
     method: Method | None = Field(None, description="override the plan's full/lora/qlora for this stage")
-    seq_len: int | None = Field(None, ge=8, le=MAX_SEQ, description="tokens per sequence in this stage (default: the task's), "
-                                "e.g. short to long; the stage keeps the task's tokens per step (global_batch x "
-                                "seq_len), so its global batch in sequences scales inversely")
+    seq_len: int | None = Field(None, ge=8, le=MAX_SEQ, description="tokens per sequence in this stage (default: the "
+                                "task's), e.g. short to long; the stage keeps the task's tokens per step "
+                                "(global_batch x seq_len), so its global batch in sequences scales inversely")
     eval_sources: list[DataSource] = Field(default_factory=list)
     eval_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="tokens evaluated at each evaluation")
     # data preparation (optional): overrides of the task-wide `data` settings, and how shards split
@@ -231,7 +230,8 @@ class TaskSpec(BaseModel):
     name: str
     description: str = ""
     model: str | None = Field(None, description="model preset or config path, if the task fixes one")
-    seq_len: int = Field(2048, ge=8, le=MAX_SEQ, description="at most the model's max_position_embeddings (checked when planned)")
+    seq_len: int = Field(2048, ge=8, le=MAX_SEQ,
+                         description="at most the model's max_position_embeddings (checked when planned)")
     global_batch: int | None = Field(None, ge=1, le=MAX_BATCH * MAX_DEGREE, description="sequences per optimizer step")
     stages: list[StageSpec] = Field(min_length=1)
     eval_every_steps: int = Field(0, ge=0, le=MAX_STEPS, description="0: evaluate at stage ends only")

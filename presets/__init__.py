@@ -21,9 +21,8 @@ import yaml
 
 from advisor.errors import UsageError
 from advisor.profile import fingerprint_mismatch, looks_like_profile, profile_from_data
-from advisor.specs import HardwareSpec, ModelSpec, validate
+from advisor.specs import HardwareSpec, ModelSpec, parse_user_yaml, validate
 from advisor.task import TaskSpec, read_task_file
-from advisor.user_yaml import parse_user_yaml
 
 PRESETS_DIR = Path(__file__).resolve().parent
 KINDS = ("hardware", "models", "tasks")

@@ -17,8 +17,7 @@ from typing import Any
 
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, load_plan
-from advisor.specs import GiB
-from advisor.user_yaml import read_user_yaml
+from advisor.specs import GiB, read_user_yaml
 from reports import charts
 from reports.document import Document, Table, format_number, num, pct, text
 

@@ -10,7 +10,8 @@ from advisor.capabilities import config_shape, cost_engine, priced_engine_proble
 from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, exit_on_error
 from advisor.cli.render import render_estimate
 from advisor.errors import UsageError
-from advisor.specs import Estimate, check_number, check_seq_fits, parse_layout_string, resolve_layout
+from advisor.specs import (MAX_DEVICES_PER_NODE, MAX_NODES, Estimate, check_number, check_seq_fits, parse_layout_string,
+                           resolve_layout)
 from planner.cost_model import estimate as run_estimate
 from presets import load_hardware, load_model
 
@@ -24,9 +25,10 @@ def estimate(
         None, "--layout", "-l", help="e.g. 'tp=8,pp=4,zero=1,mbs=1,gas=16,recompute=selective' (default: every key's "
         "default)"),
     nodes: Optional[int] = typer.Option(
-        None, "--nodes", min=1, help="number of nodes (default: 1, or dp*tp*pp when the layout sets dp)"),
+        None, "--nodes", min=1, max=MAX_NODES,
+        help="number of nodes (default: 1, or dp*tp*pp when the layout sets dp)"),
     gpus_per_node: Optional[int] = typer.Option(
-        None, "--gpus-per-node", min=1, help="devices per node (default: the hardware's)"),
+        None, "--gpus-per-node", min=1, max=MAX_DEVICES_PER_NODE, help="devices per node (default: the hardware's)"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="tokens per sequence (layout seq)"),
     attention: Optional[str] = typer.Option(
         None, "--attention", help="flash | sdpa | eager (default: flash on GPUs, sdpa on CPU)"),

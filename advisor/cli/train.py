@@ -84,7 +84,7 @@ def train(
     """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
     every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
     args = SimpleNamespace(**locals())
-    exit_on_error(lambda: _check_numbers(args))
+    exit_on_error(lambda: _check_inputs(args))
     if as_json and not dry_run:
         exit_on_error(_json_needs_dry_run)
     if dry_run:
@@ -104,14 +104,16 @@ def train(
                       f"{log_path(out)}")
 
 
-def _check_numbers(a: SimpleNamespace) -> None:
-    """The float flags, before anything is read or moved: typer's `min` lets `inf` and `nan` through."""
+def _check_inputs(a: SimpleNamespace) -> None:
+    """The float flags (typer's `min` lets `inf` and `nan` through), --out and the plan file, before
+    anything is written: a refused run leaves no logs/ in --out."""
     check_number(a.epochs, "--epochs", gt=0, le=MAX_EPOCHS)
     check_number(a.timeout_s, "--timeout-s", ge=1, le=MAX_TIMEOUT_S)
     check_number(a.clip, "--clip", gt=0, le=1e6)
     check_number(a.spike_lr_factor, "--spike-lr-factor", gt=0, le=1)
     if not a.dry_run and not a.launched:
         check_out_folder(a.out)
+        load_plan(a.plan_file)  # read again by the run: milliseconds
 
 
 def _json_needs_dry_run() -> None:
