@@ -98,3 +98,28 @@ def test_a_symlinked_model_is_moved_not_followed(tmp_path) -> None:
     claim(run, FINGERPRINT, resume=False, overwrite=False)
     [old] = aside(run, "model")
     assert old.is_symlink() and (elsewhere / "notes.txt").read_text() == "my elsewhere\n"
+
+
+def test_advisor_run_keeps_a_stopped_runs_verification_and_moves_a_whole_run_with_its_trials(tmp_path) -> None:
+    """A run that `advisor run` stopped after verification leaves verify/ and verify.json without a run:
+    the next one moves them aside (its trials would delete verify/<trial>/); a finished run moves into
+    previous-<time>/ with its verify/."""
+    from advisor.cli.run_chain import _make_room
+
+    said: list[str] = []
+    stopped = tmp_path / "stopped"
+    users_folder(stopped, "verify/0")
+    (stopped / "verify.json").write_text("{}\n")
+    _make_room(stopped, said.append)
+    [trials] = aside(stopped, "verify")
+    [record] = aside(stopped, "verify.json")
+    assert (trials / "0" / "notes.txt").read_text() == "my verify/0\n" and record.read_text() == "{}\n"
+    assert len(said) == 2 and all("holds no run" in line for line in said)
+
+    finished = tmp_path / "finished"
+    users_folder(finished, "verify/0")
+    (finished / "metrics.jsonl").write_text('{"step": 1}\n')
+    _make_room(finished, said.append)
+    [previous] = finished.glob("previous-*")
+    assert (previous / "verify" / "0" / "notes.txt").is_file() and (previous / "metrics.jsonl").is_file()
+    assert not (finished / "verify").exists()

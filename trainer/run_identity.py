@@ -38,6 +38,9 @@ PRODUCTS = (RUN_FILE, "metrics.jsonl", "events.jsonl", "summary.json", "checkpoi
 # What training writes over, appends to or prunes in its directory: found there without a run (a
 # model/ copied in by hand, a run dir of another tool), each is moved aside, never replaced.
 IN_THE_WAY = ("model", "stages", "checkpoints", "summary.json", "events.jsonl", "tensorboard")
+# ... and what `advisor run` writes over before training: a run it stopped after verification (a plan it
+# could not price) leaves verify/ and verify.json alone, without a run.
+RUN_CHAIN_IN_THE_WAY = (*IN_THE_WAY, "verify", "verify.json", "feedback.json", "report")
 # The fingerprint fields a resume must match, with the words a refusal uses for them.
 MUST_MATCH = {"task": "task", "seed": "seed", "model": "model", "seq_len": "sequence length",
               "global_batch": "global batch", "engine": "engine", "data": "data"}
@@ -129,13 +132,13 @@ def move_aside(run_dir: Path) -> Path | None:
     return aside
 
 
-def move_in_the_way_aside(run_dir: Path) -> list[Path]:
-    """A directory that holds no run: what training would write over (IN_THE_WAY) renamed to
+def move_in_the_way_aside(run_dir: Path, names: tuple[str, ...] = IN_THE_WAY) -> list[Path]:
+    """A directory that holds no run: what training would write over (`names`) renamed to
     `<name>.old-<UTC time>` beside it. Where they went, in order."""
     if holds_a_run(run_dir):
         return []
     stamp, moved = _stamp(), []
-    for name in IN_THE_WAY:
+    for name in names:
         if (run_dir / name).exists() or (run_dir / name).is_symlink():
             aside = run_dir / f"{name}.old-{stamp}"
             (run_dir / name).rename(aside)

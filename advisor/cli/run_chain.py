@@ -52,7 +52,7 @@ from reports.run_report import run_report
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.launch import run as run_training
 from trainer.options import TrainOptions
-from trainer.run_identity import move_aside, move_in_the_way_aside
+from trainer.run_identity import RUN_CHAIN_IN_THE_WAY, move_aside, move_in_the_way_aside
 from trainer.verify import (STARTUP_S, Trial, Verification, apply, candidate_plan, trial_harness, training_threads,
                             verify, write_verification)
 
@@ -217,7 +217,7 @@ def _make_room(out: Path, say: Callable[[str], None]) -> None:
     moved = move_aside(out)
     if moved is not None:
         say(f"moved the previous run in {out} aside to {moved}")
-    for aside in move_in_the_way_aside(out):
+    for aside in move_in_the_way_aside(out, RUN_CHAIN_IN_THE_WAY):
         say(f"moved {aside.name.split('.old-')[0]} in {out}, which holds no run, aside to {aside}")
 
 
