@@ -148,7 +148,8 @@ def move_in_the_way_aside(run_dir: Path, names: tuple[str, ...] = IN_THE_WAY) ->
 
 def refuse_or_move_aside(run_dir: Path, resume: bool, overwrite: bool) -> Path | None:
     """Before a fresh start: move an old run aside (`overwrite`) or refuse it. Returns where it went.
-    Without a run, whatever is in training's way is moved aside on its own (`move_in_the_way_aside`)."""
+    Without a run there is nothing to refuse: callers then move what is in training's way aside
+    (`move_in_the_way_aside`)."""
     if resume or not holds_a_run(run_dir):
         return None
     if not overwrite:
