@@ -75,9 +75,10 @@ def assert_refused(result, *names: str) -> None:
     out = result.output
     assert result.exit_code == 2, f"exit {result.exit_code}: {out}"
     assert "Traceback" not in out and "internal error" not in out, out
-    if result.stderr.startswith("error:"):
-        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert any(n in result.stderr for n in names), (names, result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    if errors:  # progress lines (`data prepare`'s "scanned ...") may come first
+        assert len(errors) == 1 and errors == result.stderr.strip().splitlines()[-1:], result.stderr
+        assert any(n in errors[0] for n in names), (names, result.stderr)
     else:
         assert "Usage:" in result.stderr and any(n in result.stderr for n in names), (names, result.stderr)
 
