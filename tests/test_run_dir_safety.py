@@ -42,7 +42,7 @@ def test_training_into_an_out_whose_model_folder_holds_no_run_moves_it_aside(tmp
     run = tmp_path / "run"
     users_folder(run, "model")
     users_folder(run, "stages")
-    train(plan, run, resume=False, options=TrainOptions(show_progress=False))
+    train(plan, run, resume=False, options=TrainOptions(show_progress=False, eval_sequences=1, exact_match_prompts=0))
     for name in ("model", "stages"):
         [old] = aside(run, name)
         assert (old / "notes.txt").read_text() == f"my {name}\n"
