@@ -10,17 +10,19 @@ import yaml
 from pydantic import BaseModel, Field
 
 from advisor.errors import UsageError
-from advisor.specs import (MIN_COMPUTE_FRACTION, READ_CONFIG, SPEC_CONFIG, Estimate, FiniteDict, HardwareSpec, Layout,
-                           ModelSpec, validate)
-from advisor.task import TaskSpec
+from advisor.specs import (MAX_DEGREE, MAX_DEVICES_PER_NODE, MAX_NODES, MAX_STEPS, MAX_TOKENS, MIN_COMPUTE_FRACTION,
+                           SPEC_CONFIG, Estimate, FiniteDict, HardwareSpec, Layout, ModelSpec, read_user_yaml,
+                           refuse_non_finite, validate)
+from advisor.task import StageName, TaskSpec
 
 PLAN_VERSION = 1
+MAX_SECONDS = 1e12  # a step, a checkpoint write, a stage in hours: beyond any run, yet finite
 
 
 class PlannedLayout(BaseModel):
     """One candidate: the layout, its predicted cost, and the reason it ranks where it does."""
 
-    model_config = READ_CONFIG
+    model_config = SPEC_CONFIG
 
     layout: Layout
     estimate: Estimate
@@ -31,19 +33,20 @@ class PlannedLayout(BaseModel):
 class StagePlan(BaseModel):
     """How one curriculum stage runs: its budget in steps and its checkpoint cadence."""
 
-    model_config = READ_CONFIG
+    model_config = SPEC_CONFIG
 
-    name: str
+    name: StageName
     method: str
-    devices: int = Field(ge=1)
+    devices: int = Field(ge=1, le=MAX_DEGREE ** 2)
     layout: Layout
-    tokens: int = Field(ge=0)
-    steps: int = Field(ge=0)
-    step_s: float = Field(ge=0)
-    hours: float = Field(ge=0)
-    checkpoint_every_steps: int = Field(ge=1, description="the trainer checkpoints when steps % this == 0")
-    checkpoint_write_s: float = Field(ge=0)
-    overhead_fraction: float = Field(ge=0, description="checkpoint + evaluation time over training time")
+    tokens: int = Field(ge=0, le=MAX_TOKENS)
+    steps: int = Field(ge=0, le=MAX_STEPS)
+    step_s: float = Field(ge=0, le=MAX_SECONDS)
+    hours: float = Field(ge=0, le=MAX_SECONDS)
+    checkpoint_every_steps: int = Field(ge=1, le=MAX_STEPS,
+                                        description="the trainer checkpoints when steps % this == 0")
+    checkpoint_write_s: float = Field(ge=0, le=MAX_SECONDS)
+    overhead_fraction: float = Field(ge=0, le=1e6, description="checkpoint + evaluation time over training time")
     flags: list[str] = Field(default_factory=list)
 
 
@@ -53,8 +56,8 @@ class Plan(BaseModel):
     version: int = PLAN_VERSION
     model: ModelSpec
     hardware: HardwareSpec
-    nodes: int = Field(ge=1)
-    gpus_per_node: int = Field(ge=1)
+    nodes: int = Field(ge=1, le=MAX_NODES)
+    gpus_per_node: int = Field(ge=1, le=MAX_DEVICES_PER_NODE)
     objective: Literal["throughput", "cost"] = "throughput"
     min_compute_fraction: float = Field(MIN_COMPUTE_FRACTION, ge=0, le=1)
     engine: Literal["auto", "deepspeed", "fsdp2"] = Field(
@@ -128,13 +131,13 @@ def segment_of(plan: Plan, stage: int) -> Segment:
 def load_plan(path: str | Path) -> Plan:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = read_user_yaml(path, f"plan file {path}")
     except FileNotFoundError:
         raise UsageError(f"plan file not found: {path}") from None
-    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8
-        raise UsageError(f"cannot read plan file {path}: {exc}") from None
     if not isinstance(data, dict):
         raise UsageError(f"plan file {path}: expected a mapping")
     if data.get("version") != PLAN_VERSION:
         raise UsageError(f"plan file {path}: version {data.get('version')} is not {PLAN_VERSION}; plan again")
-    return validate(Plan, data, f"plan file {path}")
+    plan = validate(Plan, data, f"plan file {path}")
+    refuse_non_finite(plan.model_dump(mode="python"), f"plan file {path}")  # the estimates take NaN when computed
+    return plan

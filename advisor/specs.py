@@ -9,10 +9,14 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import yaml
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
+from yaml.events import AliasEvent
+from yaml.nodes import MappingNode, Node, SequenceNode
 
 from advisor.errors import UsageError
 
@@ -64,6 +68,22 @@ def check_dtype(name: str) -> None:
 # The source article's rule: every device should spend at least this share of the step computing
 # (the rest is exposed communication, pipeline bubbles, offload traffic); the planner's default.
 MIN_COMPUTE_FRACTION = 0.8
+# Upper bounds of what users write: far beyond any machine or run, low enough that no product of
+# them overflows a float or an int64 (`memory_gib: 1e308` times GiB is infinite).
+MAX_GIB = 1e6  # a device's or a host's memory
+MAX_GBS = 1e6  # a link's or a memory's bandwidth, GB/s
+MAX_LATENCY_US = 1e7
+MAX_TFLOPS = 1e6
+MAX_DEVICES_PER_NODE = 4096
+MAX_NODES = 1 << 17
+MAX_CORES = 1 << 20  # CPU cores, threads, streaming multiprocessors
+MAX_DEGREE = 1 << 20  # a parallel degree (dp, tp, pp, vpp)
+MAX_BATCH = 1 << 20  # sequences per micro-batch, micro-batches per step
+MAX_SEQ = 1 << 24  # tokens per sequence
+MAX_LORA_RANK = 1 << 16
+MAX_TOKENS = 10**16  # a run's or a stage's token budget
+MAX_STEPS = 10**12
+
 # Share of usable device memory the planner keeps free for allocator fragmentation.
 MEMORY_MARGIN = 0.05
 
@@ -73,8 +93,8 @@ class LinkFigures(BaseModel):
 
     model_config = SPEC_CONFIG
 
-    bandwidth_gbs: float = Field(gt=0, description="bus bandwidth, GB/s (nccl-tests' busbw definition)")
-    latency_us: float = Field(ge=0)
+    bandwidth_gbs: float = Field(gt=0, le=MAX_GBS, description="bus bandwidth, GB/s (nccl-tests' busbw definition)")
+    latency_us: float = Field(ge=0, le=MAX_LATENCY_US)
 
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
@@ -95,8 +115,10 @@ class SizeCurve(BaseModel):
             raise ValueError(f"{len(self.sizes)} sizes but {len(self.relative)} relative rates")
         if any(b <= a for a, b in zip(self.sizes, self.sizes[1:])) or self.sizes[0] <= 0:
             raise ValueError("sizes must be positive and increasing")
-        if min(self.relative) <= 0:
-            raise ValueError("relative rates must be > 0")
+        if min(self.relative) <= 0 or max(self.relative) > 100:
+            raise ValueError("relative rates must be > 0 and <= 100")
+        if self.sizes[-1] > 1e18:
+            raise ValueError("sizes must be <= 1e18")
         return self
 
     def at(self, size: float) -> float:
@@ -129,7 +151,7 @@ class Efficiency(BaseModel):
         0.5, ge=0, le=1, description="share of DP/ZeRO collective time hidden behind compute"
     )
     micro_batch_overhead_s: float = Field(
-        0.0, ge=0, description="fixed time per micro-batch per stage (kernel launches, Python) that FLOPs miss"
+        0.0, ge=0, le=60, description="fixed time per micro-batch per stage (kernel launches, Python) that FLOPs miss"
     )
     host_op_s: float = Field(
         0.0, ge=0, le=0.01, description="host time per kernel an eager step launches (Python, autograd, dispatch, "
@@ -157,22 +179,22 @@ class HardwareSpec(BaseModel):
     name: str
     description: str = ""
     device_type: Literal["cuda", "cpu"] = "cuda"
-    memory_gib: float = Field(gt=0, description="memory per device")
+    memory_gib: float = Field(gt=0, le=MAX_GIB, description="memory per device")
     reserved_gib: float = Field(
-        0.0, ge=0, description="taken by the runtime (CUDA context, NCCL, allocator) before tensors"
+        0.0, ge=0, le=MAX_GIB, description="taken by the runtime (CUDA context, NCCL, allocator) before tensors"
     )
     peak_tflops: dict[str, float] = Field(description="dense peak per dtype: bf16, fp16, fp32")
-    memory_bandwidth_gbs: float = Field(gt=0)
-    intra_node_bandwidth_gbs: float = Field(gt=0, description="device-to-device link, one direction")
-    inter_node_bandwidth_gbs: float = Field(gt=0, description="network per device, one direction")
-    intra_node_latency_us: float = Field(5.0, ge=0)
-    inter_node_latency_us: float = Field(10.0, ge=0)
-    devices_per_node: int = Field(8, ge=1)
+    memory_bandwidth_gbs: float = Field(gt=0, le=MAX_GBS)
+    intra_node_bandwidth_gbs: float = Field(gt=0, le=MAX_GBS, description="device-to-device link, one direction")
+    inter_node_bandwidth_gbs: float = Field(gt=0, le=MAX_GBS, description="network per device, one direction")
+    intra_node_latency_us: float = Field(5.0, ge=0, le=MAX_LATENCY_US)
+    inter_node_latency_us: float = Field(10.0, ge=0, le=MAX_LATENCY_US)
+    devices_per_node: int = Field(8, ge=1, le=MAX_DEVICES_PER_NODE)
     host_memory_gib: float = Field(
-        512.0, gt=0, description="host RAM per node, shared by its devices (holds offloaded states)")
-    host_to_device_gbs: float = Field(25.0, gt=0, description="pinned host<->device copy")
+        512.0, gt=0, le=MAX_GIB, description="host RAM per node, shared by its devices (holds offloaded states)")
+    host_to_device_gbs: float = Field(25.0, gt=0, le=MAX_GBS, description="pinned host<->device copy")
     cpu_adam_params_per_s: float = Field(
-        1.0e9, gt=0, description="host Adam update rate per device for optimizer offload"
+        1.0e9, gt=0, le=1e15, description="host Adam update rate per device for optimizer offload"
     )
     head_gemm: SizeCurve | None = Field(
         None, description="the LM head's GEMMs (forward, input and weight gradients) over the dense rate "
@@ -190,13 +212,13 @@ class HardwareSpec(BaseModel):
         "send_recv) -> that collective's own measured fit, where a profile measured it (gloo's all-gather "
         "runs at a third of its all-reduce's bus bandwidth); absent: the link's all-reduce figures above")
     threads_per_device: int | None = Field(
-        None, ge=1, description="CPU: the threads one device (rank) runs, as the profile measured it; "
+        None, ge=1, le=MAX_CORES, description="CPU: the threads one device (rank) runs, as the profile measured it; "
         "advisor train pins every rank to it (unset: the node's cores shared out over its ranks)")
     cpu_cores: int | None = Field(
-        None, ge=1, description="CPU: cores per node; more ranks x threads than cores time-share them")
+        None, ge=1, le=MAX_CORES, description="CPU: cores per node; more ranks x threads than cores time-share them")
     sm_count: int | None = Field(
-        None, ge=1, description="streaming multiprocessors: how many GEMM output tiles run at once (one wave); "
-        "None where wave quantization does not apply or is not known (CPUs, measured profiles)")
+        None, ge=1, le=MAX_CORES, description="streaming multiprocessors: how many GEMM output tiles run at once "
+        "(one wave); None where wave quantization does not apply or is not known (CPUs, measured profiles)")
     gemm_tile: tuple[int, int] | None = Field(
         None, description="output tile (rows, columns) of the tensor-core GEMM kernels that reach "
         "`efficiency.gemm`, one per SM at a time; used with sm_count")
@@ -212,6 +234,9 @@ class HardwareSpec(BaseModel):
         negative = sorted(k for k, v in value.items() if v < 0)
         if negative:
             raise ValueError(f"peak_tflops of {', '.join(negative)} must be >= 0 (0: not supported)")
+        huge = sorted(k for k, v in value.items() if v > MAX_TFLOPS)
+        if huge:
+            raise ValueError(f"peak_tflops of {', '.join(huge)} must be <= {MAX_TFLOPS:g}")
         return value
 
     @model_validator(mode="after")
@@ -220,8 +245,8 @@ class HardwareSpec(BaseModel):
             raise ValueError(f"reserved_gib ({self.reserved_gib}) leaves nothing of memory_gib ({self.memory_gib})")
         if (self.sm_count is None) != (self.gemm_tile is None):
             raise ValueError("sm_count and gemm_tile go together: set both or neither")
-        if self.gemm_tile is not None and min(self.gemm_tile) < 1:
-            raise ValueError(f"gemm_tile {list(self.gemm_tile)} must be two positive sizes")
+        if self.gemm_tile is not None and not 1 <= min(self.gemm_tile) <= max(self.gemm_tile) <= 4096:
+            raise ValueError(f"gemm_tile {list(self.gemm_tile)} must be two sizes from 1 to 4096")
         return self
 
     @property
@@ -279,6 +304,14 @@ def _finite_values(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+def refuse_non_finite(data: Any, what: str) -> None:
+    """One line naming the first NaN or infinity anywhere in a user's file: the parts the planner writes
+    (estimates) accept them when computed, never when read back (summary.json would hold bare `NaN`)."""
+    bad = _non_finite_key(data, "")
+    if bad:
+        raise UsageError(f"invalid {what}: {bad.lstrip('.')} is not a finite number")
+
+
 # A free-form mapping (a model's HF config, a solver record) whose numbers must still be finite:
 # JSON's NaN and Infinity parse, and `allow_inf_nan` does not reach inside `Any`.
 FiniteDict = Annotated[dict[str, Any], AfterValidator(_finite_values)]
@@ -321,20 +354,20 @@ class Layout(BaseModel):
 
     model_config = SPEC_CONFIG
 
-    dp: int = Field(1, ge=1, description="data-parallel replicas")
-    tp: int = Field(1, ge=1, description="tensor-parallel degree (Megatron column/row split)")
-    pp: int = Field(1, ge=1, description="pipeline stages")
-    vpp: int = Field(1, ge=1, description="virtual stages per device (interleaved 1F1B)")
+    dp: int = Field(1, ge=1, le=MAX_DEGREE, description="data-parallel replicas")
+    tp: int = Field(1, ge=1, le=MAX_DEGREE, description="tensor-parallel degree (Megatron column/row split)")
+    pp: int = Field(1, ge=1, le=MAX_DEGREE, description="pipeline stages")
+    vpp: int = Field(1, ge=1, le=MAX_DEGREE, description="virtual stages per device (interleaved 1F1B)")
     sp: bool = Field(False, description="Megatron sequence parallelism inside the TP group")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 1 optimizer, 2 +grads, 3 +weights")
     offload: Offload = "none"
-    mbs: int = Field(1, ge=1, description="micro-batch size, sequences per device per micro-step")
-    gas: int = Field(1, ge=1, description="gradient-accumulation steps per optimizer step")
+    mbs: int = Field(1, ge=1, le=MAX_BATCH, description="micro-batch size, sequences per device per micro-step")
+    gas: int = Field(1, ge=1, le=MAX_BATCH, description="gradient-accumulation steps per optimizer step")
     recompute: Recompute = "none"
     method: Method = "full"
-    lora_rank: int = Field(16, ge=1, description="LoRA rank r (method lora/qlora)")
+    lora_rank: int = Field(16, ge=1, le=MAX_LORA_RANK, description="LoRA rank r (method lora/qlora)")
     dtype: DType = "bf16"
-    seq: int = Field(2048, ge=1, description="tokens per sequence")
+    seq: int = Field(2048, ge=1, le=MAX_SEQ, description="tokens per sequence")
     stage_layers: list[int] | None = Field(
         None, description="decoder layers per pipeline stage (default: even, remainder on later stages)")
     recompute_layers: list[int] | None = Field(
@@ -377,7 +410,7 @@ class Layout(BaseModel):
             raise ValueError("method=qlora computes in bf16/fp16; set dtype=bf16 or fp16")
         for name in ("stage_layers", "recompute_layers"):
             value = getattr(self, name)
-            if value is not None and (len(value) != self.pp or min(value) < 0):
+            if value is not None and (len(value) != self.pp or min(value) < 0 or max(value) > MAX_DEGREE):
                 raise ValueError(f"{name} needs pp={self.pp} non-negative counts, one per stage")
         if self.stage_layers and min(self.stage_layers) < 1:
             raise ValueError("stage_layers: every pipeline stage needs at least one decoder layer")
@@ -498,6 +531,8 @@ def _format_validation_error(exc: ValidationError, what: str) -> str:
             msg = f"must be one of {allowed}"
         elif err["type"] == "extra_forbidden":
             msg = "unknown key"
+        elif err["type"] == "value_error" and "error" in err.get("ctx", {}):
+            msg = str(err["ctx"]["error"])  # our validators' own sentence, without pydantic's "Value error, "
         messages.append(f"{loc}: {msg}" if loc != what else msg)
     return f"invalid {what}: " + "; ".join(messages)
 
@@ -516,9 +551,14 @@ _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "fa
 
 
 def parse_layout_string(text: str) -> dict[str, Any]:
-    """Parse ``key=value,key=value`` into a dict, rejecting unknown keys with the allowed list."""
+    """Parse ``key=value,key=value`` (or space-separated) into a dict, rejecting unknown keys with the
+    allowed list and empty items (``dp=8,,tp=1`` is a slip that a value went missing). Blank text is
+    no keys: the callers that take it mean "all defaults" (`advisor estimate` without --layout)."""
     out: dict[str, Any] = {}
-    for raw in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
+    items = re.split(r"\s*,\s*|\s+", text.strip()) if text.strip() else []
+    if "" in items:
+        raise UsageError(f"layout {text.strip()!r} has an empty item: separate key=value items by one comma")
+    for raw in items:
         if "=" not in raw:
             raise UsageError(f"malformed layout item '{raw}': expected key=value, e.g. 'tp=2'")
         key, value = (s.strip() for s in raw.split("=", 1))
@@ -574,16 +614,108 @@ def resolve_layout(
 
 
 # ------------------------------------------------------------------------------------------------
+# Reading a YAML file a user wrote (plan, task, hardware), bounded before any validation sees it.
+#
+# YAML aliases let a file of a few hundred bytes stand for billions of values ("billion laughs":
+# nine anchors of nine aliases each); PyYAML builds the shared objects cheaply, but every walk over
+# them afterwards (pydantic, the finite-number check, a JSON dump) pays the expanded size. So the
+# file's size is capped and the values that aliases add are counted while the document is composed:
+# past MAX_ALIASED_VALUES the file is refused in one line, before anything else reads it.
+
+MAX_YAML_BYTES = 4 * 1024**2
+# Values that aliases may add beyond those written out: room for anchors reused by hand (a shared
+# filter block in each stage), far below what makes validation slow (it walks ~1e6 values a second).
+MAX_ALIASED_VALUES = 10_000
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, counting the values each alias stands for."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._weights: dict[int, int] = {}  # id(node) -> values under it, aliases expanded
+        self._aliased = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node:
+        if self.check_event(AliasEvent):
+            event = self.peek_event()
+            node = super().compose_node(parent, index)
+            weight = self._weights.get(id(node))
+            if weight is None:  # the anchor is still open: the alias points into itself
+                raise UsageError(f"recursive YAML alias *{event.anchor}")
+            self._aliased += weight
+            if self._aliased > MAX_ALIASED_VALUES:
+                raise UsageError(f"YAML aliases expand to more than {MAX_ALIASED_VALUES:,} values (an alias bomb?); "
+                                 "write the values out")
+            return node
+        node = super().compose_node(parent, index)
+        self._weights[id(node)] = 1 + sum(self._weights.get(id(child), 1) for child in _children(node))
+        return node
+
+
+def _children(node: Node) -> list[Node]:
+    if isinstance(node, SequenceNode):
+        return list(node.value)
+    if isinstance(node, MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def parse_user_yaml(text: str, what: str) -> Any:
+    """The document in `text`, or one UsageError line naming `what` (a file, in words)."""
+    if len(text) > MAX_YAML_BYTES:
+        raise UsageError(f"{what} is larger than {MAX_YAML_BYTES // 1024**2} MiB")
+    loader = None
+    try:
+        loader = _BoundedLoader(text)  # its reader refuses non-printable characters already
+        return loader.get_single_data()
+    except UsageError as exc:
+        raise UsageError(f"{what}: {exc}") from None
+    except (ValueError, yaml.YAMLError) as exc:
+        raise UsageError(f"{what} is not valid YAML: {exc}") from None
+    except RecursionError:  # thousands of nested brackets
+        raise UsageError(f"{what} nests too deep") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def read_user_yaml(path: Path, what: str) -> Any:
+    """Read and parse a user's YAML file: at most MAX_YAML_BYTES of UTF-8, aliases bounded.
+    Raises FileNotFoundError for a missing file (callers word that themselves), else UsageError."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_YAML_BYTES:
+            raise UsageError(f"{what} is {size / 1024**2:.1f} MiB, larger than {MAX_YAML_BYTES // 1024**2} MiB")
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{what} is not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {what}: {exc.strerror or exc}") from None
+    return parse_user_yaml(text, what)
+
+
+# ------------------------------------------------------------------------------------------------
 # estimate results (the JSON contract of `advisor estimate`, see docs/architecture.md)
+
+# A plan file carries them: a key the model does not know is a typo or an edit that would be lost.
+# Non-finite figures are refused when a plan is read (`refuse_non_finite`), not when computed.
+ESTIMATE_CONFIG = ConfigDict(extra="forbid")
 
 
 class ModelSize(BaseModel):
+    model_config = ESTIMATE_CONFIG
+
     params: int
     trainable_params: int
 
 
 class MemoryEstimate(BaseModel):
     """Bytes on the most loaded device at its peak moment."""
+
+    model_config = ESTIMATE_CONFIG
 
     weights: int
     gradients: int
@@ -602,6 +734,8 @@ class MemoryEstimate(BaseModel):
 class TimeEstimate(BaseModel):
     """Seconds per optimizer step on the slowest pipeline stage."""
 
+    model_config = ESTIMATE_CONFIG
+
     step_s: float
     compute_s: float = Field(description="FLOP time incl. recomputation and memory-bound kernels")
     comm_exposed_s: float = Field(description="TP, PP and DP/ZeRO communication not hidden")
@@ -614,12 +748,16 @@ class TimeEstimate(BaseModel):
 
 
 class ThroughputEstimate(BaseModel):
+    model_config = ESTIMATE_CONFIG
+
     tokens_per_s: float
     model_tflops_per_device: float = Field(description="model FLOPs only (no recomputation)")
     mfu: float
 
 
 class Estimate(BaseModel):
+    model_config = ESTIMATE_CONFIG
+
     model: ModelSize
     memory: MemoryEstimate
     time: TimeEstimate

@@ -8,15 +8,18 @@ A task says *what* to train (stages, data, budgets, learning rates); the plan sa
 from __future__ import annotations
 
 import datetime as dt
+import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-import yaml
-from pydantic import BaseModel, Field, model_validator
+from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from advisor.errors import UsageError
-from advisor.specs import SPEC_CONFIG, Method, validate
+from advisor.specs import (MAX_BATCH, MAX_DEGREE, MAX_SEQ, MAX_STEPS, MAX_TOKENS, SPEC_CONFIG, Method,
+                           read_user_yaml, validate)
 
+MAX_TEXT = 10**12  # characters or tokens of one document
+MAX_EPOCHS = 1e6
 
 # --- data preparation (`advisor data prepare`): all optional, with defaults --------------------------
 
@@ -29,10 +32,10 @@ class QualityFilters(BaseModel):
 
     model_config = SPEC_CONFIG
 
-    min_chars: Optional[int] = Field(1, ge=0, description="characters, after stripping outer whitespace")
-    max_chars: Optional[int] = Field(None, ge=1)
-    min_tokens: Optional[int] = Field(2, ge=0, description="tokens, end-of-text included")
-    max_tokens: Optional[int] = Field(None, ge=1, description="documents above are dropped, not split")
+    min_chars: Optional[int] = Field(1, ge=0, le=MAX_TEXT, description="characters, after stripping outer whitespace")
+    max_chars: Optional[int] = Field(None, ge=1, le=MAX_TEXT)
+    min_tokens: Optional[int] = Field(2, ge=0, le=MAX_TEXT, description="tokens, end-of-text included")
+    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TEXT, description="documents above are dropped, not split")
     min_alpha_ratio: Optional[float] = Field(None, ge=0, le=1, description="letters / non-space characters")
     max_digit_ratio: Optional[float] = Field(None, ge=0, le=1, description="digits / non-space characters")
     max_bad_char_ratio: Optional[float] = Field(
@@ -50,8 +53,8 @@ class DedupSpec(BaseModel):
     exact: bool = True
     near: bool = True
     threshold: float = Field(0.8, gt=0, le=1, description="estimated Jaccard similarity of shingle sets")
-    shingle_words: int = Field(5, ge=1, description="words per shingle")
-    num_perm: int = Field(128, ge=8, description="MinHash permutations")
+    shingle_words: int = Field(5, ge=1, le=1000, description="words per shingle")
+    num_perm: int = Field(128, ge=8, le=1 << 16, description="MinHash permutations")
     bands: int = Field(16, ge=1, description="LSH bands (num_perm / bands rows each)")
 
     @model_validator(mode="after")
@@ -85,9 +88,10 @@ class BucketSpec(BaseModel):
     model_config = SPEC_CONFIG
 
     micro_batch_tokens: Optional[int] = Field(
-        None, ge=8, description="token budget of one micro-batch (mbs x seq); default 8 x seq_len")
+        None, ge=8, le=1 << 30, description="token budget of one micro-batch (mbs x seq); default 8 x seq_len")
     max_buckets: int = Field(8, ge=1, le=64)
-    pad_multiple: int = Field(8, ge=1, description="bucket edges are multiples of this (tensor-core friendly)")
+    pad_multiple: int = Field(8, ge=1, le=1 << 16,
+                              description="bucket edges are multiples of this (tensor-core friendly)")
 
 
 class DataPrepSpec(BaseModel):
@@ -126,7 +130,7 @@ class DataSource(BaseModel):
     fields: dict[str, str] = Field(
         default_factory=dict, description="the format's field names as the rows spell them, e.g. {prompt: question}")
     text_field: str = "text"
-    weight: float = Field(1.0, gt=0, description="mixture weight within the stage")
+    weight: float = Field(1.0, gt=0, le=1e6, description="mixture weight within the stage")
     domain: str | None = None
     # data preparation (optional): per-source overrides and the selection of rows for this stage
     filters: Optional[QualityFilters] = Field(None, description="overrides of the stage's filters")
@@ -154,30 +158,46 @@ class DataSource(BaseModel):
         return {"text": self.text_field, **self.fields}
 
 
+# A stage's name becomes folder names (RUN/stages/<name>/model/, prepared shards): so it is one path
+# component that cannot climb out (`..`, `/`, an absolute path) or hide (a leading dot).
+STAGE_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+STAGE_NAME_RULE = ("1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit, without '..' "
+                   "(it names the stage's folders)")
+
+
+def check_stage_name(name: str) -> str:
+    if not STAGE_NAME_PATTERN.fullmatch(name) or ".." in name:
+        raise ValueError(f"stage name {name!r}: use {STAGE_NAME_RULE}")
+    return name
+
+
+StageName = Annotated[str, AfterValidator(check_stage_name)]
+
+
 class StageSpec(BaseModel):
     """One sub-task of the curriculum (e.g. general language, reasoning, instructions, mixed)."""
 
     model_config = SPEC_CONFIG
 
-    name: str
+    name: StageName
     sources: list[DataSource] = Field(default_factory=list)
     replay: dict[str, float] = Field(
         default_factory=dict, description="earlier stage name -> share of this stage's tokens replayed from it")
-    tokens: int | None = Field(None, gt=0, description="token budget of the stage")
-    steps: int | None = Field(None, gt=0, description="optimizer steps (instead of tokens)")
-    epochs: float | None = Field(None, gt=0, description="passes over the stage's own data (instead of tokens or "
-                                 "steps): the trainer turns them into steps from the data's row count")
+    tokens: int | None = Field(None, gt=0, le=MAX_TOKENS, description="token budget of the stage")
+    steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="optimizer steps (instead of tokens)")
+    epochs: float | None = Field(None, gt=0, le=MAX_EPOCHS, description="passes over the stage's own data (instead of "
+                                 "tokens or steps): the trainer turns them into steps from the data's row count")
     lr: float = Field(3e-4, gt=0, le=1)
-    warmup_steps: int = Field(20, ge=0, description="learning-rate re-warm-up at the stage start")
+    warmup_steps: int = Field(20, ge=0, le=MAX_STEPS, description="learning-rate re-warm-up at the stage start")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="decay floor, share of lr")
-    ramp_steps: int = Field(0, ge=0, description="steps over which the data mixture moves linearly from the "
-                            "previous stage's data to this stage's mix (0: a hard switch)")
+    ramp_steps: int = Field(0, ge=0, le=MAX_STEPS, description="steps over which the data mixture moves linearly from "
+                            "the previous stage's data to this stage's mix (0: a hard switch)")
     method: Method | None = Field(None, description="override the plan's full/lora/qlora for this stage")
-    seq_len: int | None = Field(None, ge=8, description="tokens per sequence in this stage (default: the task's), "
-                                "e.g. short to long; the stage keeps the task's tokens per step (global_batch x "
-                                "seq_len), so its global batch in sequences scales inversely")
+    seq_len: int | None = Field(None, ge=8, le=MAX_SEQ, description="tokens per sequence in this stage (default: the "
+                                "task's), e.g. short to long; the stage keeps the task's tokens per step "
+                                "(global_batch x seq_len), so its global batch in sequences scales inversely")
     eval_sources: list[DataSource] = Field(default_factory=list)
-    eval_tokens: int = Field(0, ge=0, description="tokens evaluated at each evaluation")
+    eval_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="tokens evaluated at each evaluation")
     # data preparation (optional): overrides of the task-wide `data` settings, and how shards split
     filters: Optional[QualityFilters] = Field(None, description="overrides of the task's data.filters")
     difficulty: Optional[DifficultySpec] = Field(None, description="overrides of the task's data.difficulty")
@@ -210,10 +230,11 @@ class TaskSpec(BaseModel):
     name: str
     description: str = ""
     model: str | None = Field(None, description="model preset or config path, if the task fixes one")
-    seq_len: int = Field(2048, ge=8, description="at most the model's max_position_embeddings (checked when planned)")
-    global_batch: int | None = Field(None, ge=1, description="sequences per optimizer step")
+    seq_len: int = Field(2048, ge=8, le=MAX_SEQ,
+                         description="at most the model's max_position_embeddings (checked when planned)")
+    global_batch: int | None = Field(None, ge=1, le=MAX_BATCH * MAX_DEGREE, description="sequences per optimizer step")
     stages: list[StageSpec] = Field(min_length=1)
-    eval_every_steps: int = Field(0, ge=0, description="0: evaluate at stage ends only")
+    eval_every_steps: int = Field(0, ge=0, le=MAX_STEPS, description="0: evaluate at stage ends only")
     lr_schedule: Literal["rewarm_cosine", "wsd"] = Field(
         "rewarm_cosine", description="rewarm_cosine: every stage re-warms to its lr and decays by cosine; wsd: "
         "warm up once (the first stage's warmup_steps), hold each stage's lr, decay linearly over the run's last "
@@ -225,8 +246,9 @@ class TaskSpec(BaseModel):
     @model_validator(mode="after")
     def _unique_names(self) -> "TaskSpec":
         names = [s.name for s in self.stages]
-        if len(set(names)) != len(names):
-            raise ValueError(f"stage names must be unique: {names}")
+        # case-folded: `Math` and `math` are one folder on macOS and Windows file systems
+        if len({name.casefold() for name in names}) != len(names):
+            raise ValueError(f"stage names must be unique (ignoring case): {names}")
         for i, stage in enumerate(self.stages):
             unknown = set(stage.replay) - set(names[:i])
             if unknown:
@@ -250,9 +272,9 @@ def read_task_file(path: Path) -> TaskSpec:
     """Read and validate a task YAML; relative data paths start at its folder unless it says otherwise.
     (`presets.load_task` also resolves task preset names.)"""
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8
-        raise UsageError(f"cannot read task file {path}: {exc}") from None
+        data = read_user_yaml(path, f"task file {path}")
+    except FileNotFoundError:
+        raise UsageError(f"task file not found: {path}") from None
     if not isinstance(data, dict):
         raise UsageError(f"task file {path}: expected a mapping")
     data.setdefault("base_dir", str(path.resolve().parent))

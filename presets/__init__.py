@@ -21,7 +21,7 @@ import yaml
 from advisor import environment
 from advisor.errors import UsageError
 from advisor.profile import fingerprint_mismatch, looks_like_profile, profile_from_data
-from advisor.specs import HardwareSpec, ModelSpec, validate
+from advisor.specs import HardwareSpec, ModelSpec, parse_user_yaml, validate
 from advisor.task import TaskSpec, read_task_file
 
 PRESETS_DIR = Path(__file__).resolve().parent
@@ -83,8 +83,8 @@ def load_hardware_file(path: Path) -> HardwareSpec:
     except (OSError, ValueError) as exc:  # ValueError: not UTF-8
         raise UsageError(f"cannot read hardware file {path}: {exc}") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
+        data = json.loads(text) if path.suffix == ".json" else parse_user_yaml(text, f"hardware file {path}")
+    except ValueError as exc:
         raise UsageError(f"hardware file {path} is corrupt or truncated: {exc}") from None
     if not isinstance(data, dict):
         raise UsageError(f"hardware file {path}: expected a mapping")

@@ -15,11 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from advisor.errors import UsageError
 from advisor.plan_file import Plan, load_plan
-from advisor.specs import GiB
+from advisor.specs import GiB, read_user_yaml
 from reports import charts
 from reports.document import Document, Table, format_number, num, pct, text
 
@@ -92,9 +90,9 @@ def read_run_dir(path: str | Path) -> RunData:
         except UsageError as exc:  # another version's plan: keep what can be read
             data.warnings.append(f"plan.yaml: {exc}")
             try:
-                raw = yaml.safe_load(plan_file.read_text())
+                raw = read_user_yaml(plan_file, f"plan file {plan_file}")
                 data.plan_raw = raw if isinstance(raw, dict) else None
-            except yaml.YAMLError:
+            except UsageError:
                 pass
     data.metrics = [m for m in _json_lines(run_dir / "metrics.jsonl", data.warnings) if "step" in m]
     data.events = _json_lines(run_dir / "events.jsonl", data.warnings)

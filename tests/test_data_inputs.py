@@ -107,17 +107,19 @@ def test_out_holding_anything_else_is_refused_and_kept(prepared_once, damage: st
 # --- shard names -----------------------------------------------------------------------------------------
 
 
-def test_stages_whose_names_clean_to_the_same_folder_keep_their_own_shards(tmp_path: Path) -> None:
+def test_stages_whose_names_look_alike_keep_their_own_shards(tmp_path: Path) -> None:
+    """Names that would clean to one folder (`a b`, `a_b`; `A`, `a`) are refused when the task is read
+    (advisor/task.py STAGE_NAME_RULE, tests/test_bad_inputs.py); names one character apart stay apart."""
     write_rows(tmp_path / "one.jsonl", [f"alpha words number {i}" for i in range(12)])
     write_rows(tmp_path / "two.jsonl", [f"beta other number {i} and more" for i in range(20)])
-    stages = [{"name": "a b", "tokens": 100, "sources": [{"path": "one.jsonl"}]},
+    stages = [{"name": "a.b", "tokens": 100, "sources": [{"path": "one.jsonl"}]},
               {"name": "a_b", "tokens": 100, "sources": [{"path": "two.jsonl"}]}]
     out, manifest = prepare(load_task(str(write_task(tmp_path, stages))), tmp_path / "out")
     paths = {s["name"]: [shard["path"] for shard in s["train"]["shards"]] for s in manifest["stages"]}
-    assert not set(paths["a b"]) & set(paths["a_b"])
+    assert not set(paths["a.b"]) & set(paths["a_b"])
     for stage in manifest["stages"]:
         sources = {Path(row["source"]).name for p in paths[stage["name"]] for row in load_shard(out / p)}
-        assert sources == {"one.jsonl" if stage["name"] == "a b" else "two.jsonl"}
+        assert sources == {"one.jsonl" if stage["name"] == "a.b" else "two.jsonl"}
         rows = sum(len(load_shard(out / p)) for p in paths[stage["name"]])
         assert rows == stage["train"]["samples"]
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -74,9 +75,10 @@ def assert_refused(result, *names: str) -> None:
     out = result.output
     assert result.exit_code == 2, f"exit {result.exit_code}: {out}"
     assert "Traceback" not in out and "internal error" not in out, out
-    if result.stderr.startswith("error:"):
-        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert any(n in result.stderr for n in names), (names, result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    if errors:  # progress lines (`data prepare`'s "scanned ...") may come first
+        assert len(errors) == 1 and errors == result.stderr.strip().splitlines()[-1:], result.stderr
+        assert any(n in errors[0] for n in names), (names, result.stderr)
     else:
         assert "Usage:" in result.stderr and any(n in result.stderr for n in names), (names, result.stderr)
 
@@ -174,14 +176,27 @@ def profile_data() -> dict:
             "hardware": load_hardware("cpu").model_dump(mode="json")}
 
 
+def alias_yaml(levels: int, width: int, where: str) -> bytes:
+    """Nested anchors, each a list of `width` aliases of the one before (width**levels values), the last
+    aliased under `where`: a "billion laughs" at 9 x 9, an ordinary reuse at 2 x 2."""
+    lines = [f"l0: &l0 [{', '.join(['1'] * width)}]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels)]
+    return ("\n".join(lines) + f"\n{where}: *l{levels - 1}\n").encode()
+
+
+alias_files = st.builds(alias_yaml, st.integers(1, 9), st.integers(1, 9),
+                        st.sampled_from(["stages", "hf_config", "peak_tflops", "name", "x"]))
+
+
 def file_cases(base: dict) -> st.SearchStrategy:
-    """(data, as_json, raw bytes or None): a mutated file, random JSON/YAML, or random bytes."""
+    """(data, as_json, raw bytes or None): a mutated file, random JSON/YAML, random bytes, or YAML aliases."""
     return st.one_of(
         st.tuples(mutated(base), st.booleans(), st.none()),
         st.tuples(mutated(base), st.booleans(), st.none()),
         st.tuples(json_values, st.booleans(), st.none()),
         st.tuples(st.none(), st.booleans(), st.binary(max_size=64)),
         st.tuples(st.none(), st.booleans(), st.binary(max_size=8).map(lambda b: b"name: x\n\xff\xfe" + b)),
+        st.tuples(st.none(), st.booleans(), alias_files),
     )
 
 
@@ -189,13 +204,16 @@ def file_cases(base: dict) -> st.SearchStrategy:
 
 
 def check_file(name: str, case: tuple, loader: Callable[[Path], Any], as_json: bool | None = None) -> None:
-    """Write one drawn file into a fresh folder, load it, and check nothing else appeared there."""
+    """Write one drawn file into a fresh folder, load it (in well under a second: no alias bomb
+    reaches validation), and check nothing else appeared there."""
     content, drawn_json, raw = case
     with scratch() as here:
         path = here / name
         path.parent.mkdir(exist_ok=True)
         write(path, content, drawn_json if as_json is None else as_json, raw)
+        started = time.perf_counter()
         load_or_refuse(loader, path)
+        assert time.perf_counter() - started < 2.0
         assert tree(here) == {str(p.relative_to(here)) for p in [path, *path.parents] if here in p.parents}
 
 
@@ -250,6 +268,40 @@ def test_layout_strings(text: str, devices: int, seq: int | None) -> None:
         assert "\n" not in str(exc) and str(exc)
         return
     assert layout.devices == devices and layout.seq >= 1
+
+
+@fuzz(100)
+@given(items=st.lists(st.sampled_from(["dp=1", "tp=1", "mbs=2", "gas=1", "zero=1", " ", ""]), min_size=1, max_size=5))
+def test_layout_strings_with_an_empty_item_are_refused(items: list[str]) -> None:
+    """An item left empty between commas (or before the first, after the last) is a slip, never skipped."""
+    text = ",".join(items)
+    empty = text.strip() and any(not item.strip() for item in text.strip().split(","))
+    try:
+        resolve_layout(text, 1, load_hardware("a100-80g"))
+    except UsageError as exc:
+        assert "\n" not in str(exc)
+        assert not empty or "empty item" in str(exc), (text, str(exc))
+        return
+    assert not empty, text
+
+
+@fuzz(60)
+@given(name=st.text(max_size=70) | st.sampled_from(["..", "../x", "/etc", "a/../../b", ".git", "C:\\x", "~", "-"]))
+def test_stage_names_load_only_as_one_folder_inside_the_run_dir(name: str) -> None:
+    task = copy.deepcopy(TASK)
+    task["stages"][0]["name"] = name
+    for stage in task["stages"]:
+        stage["replay"] = {}
+    with scratch() as here:
+        path = write(here / "task.yaml", task, False)
+        try:
+            loaded = load_task(str(path))
+        except UsageError as exc:
+            assert "\n" not in str(exc) and "task.yaml" in str(exc)
+            return
+        stages = (here / "run" / "stages").resolve()
+        folder = (stages / loaded.stages[0].name).resolve()
+        assert folder.parent == stages and not folder.name.startswith("."), name
 
 
 @fuzz(40)
@@ -310,6 +362,17 @@ def test_report_capacity_numbers(flag: str, value: str) -> None:
         result = runner.invoke(app, ["report", "capacity", "--model", "demo-tiny", *guard, flag, value,
                                      "--out", str(here / "out")])
         assert_refused(result, flag, "--tokens", "--mtbf-hours")
+        assert tree(here) == set()
+
+
+@fuzz(60)
+@given(flag=st.sampled_from(["--epochs", "--timeout-s", "--clip", "--spike-lr-factor", "--keep-checkpoints",
+                             "--max-rollbacks"]), value=numbers)
+def test_train_numbers(flag: str, value: str) -> None:
+    """Checked before the plan is read: with no plan file as the guard, every case stops with exit 2."""
+    with scratch() as here:
+        result = runner.invoke(app, ["train", "no-plan.yaml", "--out", str(here / "run"), flag, value])
+        assert_refused(result, flag, "plan file not found")
         assert tree(here) == set()
 
 

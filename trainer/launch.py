@@ -147,7 +147,20 @@ def cpu_threads(hardware: HardwareSpec, ranks_on_node: int) -> int:
         return hardware.threads_per_device
     if ranks_on_node == 1:
         return torch.get_num_threads()
-    return int(os.environ.get("OMP_NUM_THREADS") or hardware.threads_per_rank(ranks_on_node, cpu_cores()))
+    return user_omp_threads() or hardware.threads_per_rank(ranks_on_node, cpu_cores())
+
+
+def user_omp_threads() -> int | None:
+    """The user's OMP_NUM_THREADS when it is one whole number > 0; otherwise (OpenMP's nested lists such
+    as `4,2`, a typo) it is ignored with a one-line warning: the ranks get the cores shared out."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    print(f"warning: OMP_NUM_THREADS={value!r} is not a whole number > 0: ignored, the ranks share the cores out",
+          file=sys.stderr)
+    return None
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from advisor.engine_traits import traits
 from advisor.capabilities import EngineChoice
 from advisor.plan_file import Plan, StagePlan, load_plan, segment_of
 from advisor.specs import Layout, ModelSpec
-from advisor.task import StageSpec
+from advisor.task import StageSpec, check_stage_name
 from planner.export import model_deepspeed_config
 from profiler.hardware_bench import TORCH_DTYPES
 from profiler.tensor_memory import TensorMemory
@@ -740,7 +740,9 @@ class _Run:
 
 
 def _stage_model_dir(run_dir: Path, stage: str) -> Path:
-    return run_dir / "stages" / stage / ARTIFACT_DIR
+    """RUN/stages/<stage>/model/. The name was checked when the task was read; checked again here, where
+    it becomes a path, so that no way around the loaders writes outside the run dir."""
+    return run_dir / "stages" / check_stage_name(stage) / ARTIFACT_DIR
 
 
 def _evaluate_stages(model, task, upto: int, tokenizer, layout: Layout, cache: Path, options: TrainOptions,

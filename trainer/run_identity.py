@@ -31,10 +31,16 @@ from trainer.data.sources import expand_source_path, file_type_of
 RUN_FILE = "run.json"
 WRITER = "advisor-trainer/1"  # marks a run.json this code wrote
 # What a run leaves in its directory (ARCHITECTURE.md's run-dir contract; `advisor run` adds
-# verify.json, feedback.json and report/): moved aside together. Inputs that callers put there
-# (plan.yaml, data/, data_cache/, verify/, logs/) stay; plan.yaml is copied aside, the new run rewrites it.
+# verify/, verify.json, feedback.json and report/): moved aside together. Inputs that callers put there
+# (plan.yaml, data/, data_cache/, logs/) stay; plan.yaml is copied aside, the new run rewrites it.
 PRODUCTS = (RUN_FILE, "metrics.jsonl", "events.jsonl", "summary.json", "checkpoints", "tensorboard", "model",
-            "stages", "oom_relaunch.json", "verify.json", "feedback.json", "report")
+            "stages", "oom_relaunch.json", "verify", "verify.json", "feedback.json", "report")
+# What training writes over, appends to or prunes in its directory: found there without a run (a
+# model/ copied in by hand, a run dir of another tool), each is moved aside, never replaced.
+IN_THE_WAY = ("model", "stages", "checkpoints", "summary.json", "events.jsonl", "tensorboard")
+# ... and what `advisor run` writes over before training: a run it stopped after verification (a plan it
+# could not price) leaves verify/ and verify.json alone, without a run.
+RUN_CHAIN_IN_THE_WAY = (*IN_THE_WAY, "verify", "verify.json", "feedback.json", "report")
 # The fingerprint fields a resume must match, with the words a refusal uses for them.
 MUST_MATCH = {"task": "task", "seed": "seed", "model": "model", "seq_len": "sequence length",
               "global_batch": "global batch", "engine": "engine", "data": "data"}
@@ -75,8 +81,19 @@ def fingerprint(plan: Plan, layout: Layout, seed: int, weights: str | None, prep
 
 def restarted() -> bool:
     """Whether torchrun or Slurm restarted this job: the restart continues the run."""
-    return any(int(os.environ.get(name, "0") or 0) > 0
-               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return any(_restart_count(name) > 0 for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+def _restart_count(name: str) -> int:
+    """A restart counter from the environment; a value that is not a whole number is refused in one line
+    (guessing either way would resume a run by mistake or start one over it)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():  # isdigit: no sign, no spaces, no "1_0"
+        raise UsageError(f"environment variable {name}={value!r}: must be a whole number (unset it, or 0 for a "
+                         "first start)")
+    return int(value)
 
 
 def read_run(run_dir: Path) -> dict[str, Any] | None:
@@ -96,13 +113,16 @@ def holds_a_run(run_dir: Path) -> bool:
             or (checkpoints.is_dir() and any(checkpoints.glob("step-*"))))
 
 
+def _stamp() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+
+
 def move_aside(run_dir: Path) -> Path | None:
     """Move the run in `run_dir` (its PRODUCTS, and a copy of plan.yaml) into
     `run_dir/previous-<UTC time>/`; None when there is none. Nothing is deleted."""
     if not holds_a_run(run_dir):
         return None
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-    aside = run_dir / f"previous-{stamp}"
+    aside = run_dir / f"previous-{_stamp()}"
     aside.mkdir()
     if (run_dir / "plan.yaml").is_file():
         shutil.copy2(run_dir / "plan.yaml", aside / "plan.yaml")
@@ -112,8 +132,24 @@ def move_aside(run_dir: Path) -> Path | None:
     return aside
 
 
+def move_in_the_way_aside(run_dir: Path, names: tuple[str, ...] = IN_THE_WAY) -> list[Path]:
+    """A directory that holds no run: what training would write over (`names`) renamed to
+    `<name>.old-<UTC time>` beside it. Where they went, in order."""
+    if holds_a_run(run_dir):
+        return []
+    stamp, moved = _stamp(), []
+    for name in names:
+        if (run_dir / name).exists() or (run_dir / name).is_symlink():
+            aside = run_dir / f"{name}.old-{stamp}"
+            (run_dir / name).rename(aside)
+            moved.append(aside)
+    return moved
+
+
 def refuse_or_move_aside(run_dir: Path, resume: bool, overwrite: bool) -> Path | None:
-    """Before a fresh start: move an old run aside (`overwrite`) or refuse it. Returns where it went."""
+    """Before a fresh start: move an old run aside (`overwrite`) or refuse it. Returns where it went.
+    Without a run there is nothing to refuse: callers then move what is in training's way aside
+    (`move_in_the_way_aside`)."""
     if resume or not holds_a_run(run_dir):
         return None
     if not overwrite:
@@ -156,13 +192,16 @@ def write_run(run_dir: Path, current: dict[str, Any]) -> dict[str, Any]:
 
 def claim(run_dir: Path, current: dict[str, Any], resume: bool, overwrite: bool) -> Path | None:
     """Make `run_dir` this run's: check a resume, or start fresh (moving an old run aside when
-    `overwrite`, refusing it otherwise) and write run.json. Returns where an old run went."""
+    `overwrite`, refusing it otherwise; moving aside what is in the way of a new run) and write
+    run.json. Returns where an old run (or the first thing in the way) went."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume:
         check_resume(run_dir, current)
-        if read_run(run_dir) is None:
-            write_run(run_dir, current)  # nothing to resume: this is the run's fresh start
+        if read_run(run_dir) is None:  # nothing to resume: this is the run's fresh start
+            moved = move_in_the_way_aside(run_dir)
+            write_run(run_dir, current)
+            return moved[0] if moved else None
         return None
-    moved = refuse_or_move_aside(run_dir, resume, overwrite)
+    moved = refuse_or_move_aside(run_dir, resume, overwrite) or next(iter(move_in_the_way_aside(run_dir)), None)
     write_run(run_dir, current)
     return moved

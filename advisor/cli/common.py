@@ -4,6 +4,7 @@ the per-user cache folder, and the stage token counts a task's prepared data giv
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Callable
 
 import typer
@@ -23,6 +24,10 @@ LAYOUT_HELP = "Layout keys (comma-separated key=value; left-out keys take defaul
     f"[bold]{k}[/bold]: {v}" for k, v in LAYOUT_KEYS_HELP.items()
 )
 
+
+# `--scale` of `data generate-demo` (file sizes) and `curriculum compare` (token budgets): beyond it
+# the demo's files or runs outgrow any disk or day
+MAX_SCALE = 1000.0
 
 # `--engine` of estimate, plan and report capacity: whose behaviour is priced
 PRICED_ENGINE_HELP = ("the engine whose behaviour is priced: ours (default: what `advisor train` runs), megatron "
@@ -46,6 +51,16 @@ def exit_on_error(action: Callable[[], Any]) -> Any:
         err_console.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))} "
                           "(rerun with ADVISOR_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
+
+
+def check_out_folder(out: Path, flag: str = "--out") -> None:
+    """An output folder the command may create or use: refused in one line when it, or a folder on its
+    way, is a file (mkdir would fail with a traceback, or the run would write beside the user's file)."""
+    for path in (out, *out.parents):
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                raise UsageError(f"{flag} {out}: {path} is a file, not a folder")
+            return
 
 
 def stage_tokens(task: TaskSpec | None, model: ModelSpec | None = None,

@@ -14,9 +14,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from advisor.cli.common import console, exit_on_error
+from advisor.cli.common import MAX_SCALE, check_out_folder, console, exit_on_error
 from advisor.cli.quiet import quiet_console
 from advisor.errors import UsageError
+from advisor.specs import check_number
 from presets import load_hardware, load_model, load_task
 from reports import curriculum as cc
 from reports.curriculum_variants import VARIANTS
@@ -66,6 +67,8 @@ def compare(
     variant only when its advantage beats the seeds' spread."""
 
     def prepare() -> tuple[cc.CompareRequest, dict]:
+        check_number(scale, "--scale", gt=0, le=MAX_SCALE)
+        check_out_folder(out)
         spec = load_task(task)
         if spec.model is None and model is None:
             raise UsageError(f"task {spec.name} names no model: give the proxy with --model")

@@ -9,9 +9,10 @@ from typing import Optional
 
 import typer
 
-from advisor.cli.common import console, err_console, exit_on_error, print_or_render
+from advisor.cli.common import MAX_SCALE, check_out_folder, console, err_console, exit_on_error, print_or_render
 from advisor.cli.render import render_data_manifest
 from advisor.errors import UsageError
+from advisor.specs import check_number
 from presets import load_task
 from trainer.data.demo_corpus import ensure_generated_data, generate_demo_corpus
 from trainer.data.manifest import read_manifest
@@ -56,6 +57,8 @@ def data_prepare(
     The folder is written aside and renamed at the end: it is whole or untouched.
     """
     def compute():
+        if out is not None:
+            check_out_folder(out)
         require_data_extra("advisor data prepare")
         from trainer.data.prepare import prepare  # deferred: imports datasets/pandas (an extra; 0.5 s at every start)
 
@@ -100,6 +103,11 @@ def data_generate_demo(
     scale: float = typer.Option(1.0, "--scale", min=0.0001, help="multiply every file's size"),
 ) -> None:
     """Generate the embedded demo's curriculum data (language, arithmetic, instructions, eval splits)."""
-    written = exit_on_error(lambda: generate_demo_corpus(out, seed=seed, scale=scale))
+    def generate() -> dict[str, Path]:
+        check_number(scale, "--scale", gt=0, le=MAX_SCALE)
+        check_out_folder(out)
+        return generate_demo_corpus(out, seed=seed, scale=scale)
+
+    written = exit_on_error(generate)
     for path in written.values():
         console.print(f"wrote {path}")

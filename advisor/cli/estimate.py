@@ -10,7 +10,8 @@ from advisor.capabilities import config_shape, cost_engine, priced_engine_proble
 from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, exit_on_error
 from advisor.cli.render import render_estimate
 from advisor.errors import UsageError
-from advisor.specs import Estimate, check_number, check_seq_fits, parse_layout_string, resolve_layout
+from advisor.specs import (MAX_DEVICES_PER_NODE, MAX_NODES, Estimate, check_number, check_seq_fits, parse_layout_string,
+                           resolve_layout)
 from planner.cost_model import estimate as run_estimate
 from presets import load_hardware, load_model
 
@@ -20,11 +21,14 @@ HELP = "Predict per-device memory and step time of one layout, before anything r
 def estimate(
     model: str = typer.Option(..., "--model", "-m", help="model preset, HF config.json, or model folder"),
     hardware: str = typer.Option(..., "--hardware", "-H", help="hardware preset or profile.json"),
-    layout: str = typer.Option("", "--layout", "-l", help="e.g. 'tp=8,pp=4,zero=1,mbs=1,gas=16,recompute=selective'"),
+    layout: Optional[str] = typer.Option(
+        None, "--layout", "-l", help="e.g. 'tp=8,pp=4,zero=1,mbs=1,gas=16,recompute=selective' (default: every key's "
+        "default)"),
     nodes: Optional[int] = typer.Option(
-        None, "--nodes", min=1, help="number of nodes (default: 1, or dp*tp*pp when the layout sets dp)"),
+        None, "--nodes", min=1, max=MAX_NODES,
+        help="number of nodes (default: 1, or dp*tp*pp when the layout sets dp)"),
     gpus_per_node: Optional[int] = typer.Option(
-        None, "--gpus-per-node", min=1, help="devices per node (default: the hardware's)"),
+        None, "--gpus-per-node", min=1, max=MAX_DEVICES_PER_NODE, help="devices per node (default: the hardware's)"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="tokens per sequence (layout seq)"),
     attention: Optional[str] = typer.Option(
         None, "--attention", help="flash | sdpa | eager (default: flash on GPUs, sdpa on CPU)"),
@@ -37,12 +41,21 @@ def estimate(
     as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object (the contract)"),
 ) -> None:
     exit_on_error(lambda: check_number(min_compute_fraction, "--min-compute-fraction", ge=0, le=1))
+    exit_on_error(lambda: _check_layout_given(layout))
     result: Estimate = exit_on_error(
-        lambda: estimate_layout(model, hardware, layout, nodes, gpus_per_node, seq_len, attention, packed, engine))
+        lambda: estimate_layout(model, hardware, layout or "", nodes, gpus_per_node, seq_len, attention, packed,
+                                engine))
     if as_json:
         print(result.model_dump_json())
         return
     render_estimate(result, min_compute_fraction)
+
+
+def _check_layout_given(layout: str | None) -> None:
+    """An empty --layout is a slip (a shell variable that was not set), not a request for the defaults."""
+    if layout is not None and not layout.strip():
+        raise UsageError("--layout is empty: give key=value items, e.g. 'tp=2,mbs=4', or leave --layout out for "
+                         "the defaults")
 
 
 def estimate_layout(model: str, hardware: str, layout: str, nodes: int | None, gpus_per_node: int | None,

@@ -10,8 +10,11 @@ import typer
 
 from advisor.capabilities import prices_ours
 from advisor.profile import load_profile, looks_like_profile
-from advisor.cli.common import MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, console, exit_on_error, stage_tokens
+from advisor.cli.common import (MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, check_out_folder, console, exit_on_error,
+                                stage_tokens)
 from advisor.cli.render import render_plan
+from advisor.errors import UsageError
+from advisor.specs import MAX_DEVICES_PER_NODE, MAX_NODES
 from presets import load_task
 from planner.export import export
 from planner.fix import parse_fix
@@ -23,8 +26,10 @@ from presets import load_hardware, load_model
 def plan(
     model: str = typer.Option(..., "--model", "-m", help="model preset, HF config.json, or model folder"),
     hardware: str = typer.Option(..., "--hardware", "-H", help="hardware preset or profile.json"),
-    nodes: int = typer.Option(1, "--nodes", min=1, help="nodes available (the cost objective may use fewer)"),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, help="default: the hardware's"),
+    nodes: int = typer.Option(1, "--nodes", min=1, max=MAX_NODES,
+                              help="nodes available (the cost objective may use fewer)"),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, max=MAX_DEVICES_PER_NODE,
+                                                help="default: the hardware's"),
     task: Optional[str] = typer.Option(None, "--task", help="task preset (e.g. demo) or task YAML: sizes stages"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="tokens per sequence"),
     global_batch: Optional[int] = typer.Option(
@@ -110,9 +115,13 @@ def write_plan_files(result, out: Path | None, export_dir: Path | None) -> list[
     or left out with the reason."""
     lines = []
     if out:
+        if out.is_dir():
+            raise UsageError(f"--out {out} is a folder: name the plan file, e.g. {out / 'plan.yaml'}")
+        check_out_folder(out.parent, "--out")
         result.write(out)
         lines.append(f"wrote {out}")
     if export_dir:
+        check_out_folder(export_dir, "--export")
         exported = export(result, export_dir)
         lines += [f"wrote {path}" for path in exported.written]
         lines += [f"did not write {name}: {why}" for name, why in exported.skipped.items()]

@@ -10,7 +10,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from advisor.capabilities import cost_engine, prices_ours
-from advisor.cli.common import PRICED_ENGINE_HELP, console, err_console, exit_on_error, stage_tokens
+from advisor.cli.common import PRICED_ENGINE_HELP, check_out_folder, console, err_console, exit_on_error, stage_tokens
 from advisor.cli.render import render_capacity
 from advisor.specs import check_number
 from presets import load_task
@@ -57,6 +57,7 @@ def report_capacity(
         check_number(tokens, "--tokens", gt=0)
         check_number(mtbf_hours, "--mtbf-hours", gt=0)
         check_number(restart_minutes, "--restart-minutes", ge=0)
+        check_out_folder(out)
         hws = [load_hardware(h.strip()) for h in hardware.split(",") if h.strip()]
         prices = parse_prices(price, hws)
         for name, value in prices.items():
@@ -109,6 +110,7 @@ def report_run(
     from reports.run_report import run_report  # deferred: imports matplotlib (0.5 s at every start)
 
     def build():
+        check_out_folder(out or run_dir / "report")
         analysis, document = run_report(run_dir)
         return analysis, document.write(out or run_dir / "report", "run")
 

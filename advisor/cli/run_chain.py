@@ -52,7 +52,7 @@ from reports.run_report import run_report
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.launch import run as run_training
 from trainer.options import TrainOptions
-from trainer.run_identity import move_aside
+from trainer.run_identity import RUN_CHAIN_IN_THE_WAY, move_aside, move_in_the_way_aside
 from trainer.verify import (STARTUP_S, Trial, Verification, apply, candidate_plan, trial_harness, training_threads,
                             verify, write_verification)
 
@@ -163,10 +163,7 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     started = time.perf_counter()
     timings: dict[str, float] = {}
     out = opts.out
-    out.mkdir(parents=True, exist_ok=True)
-    moved = move_aside(out)  # a used run dir: the previous run moves aside, nothing is deleted
-    if moved is not None:
-        say(f"moved the previous run in {out} aside to {moved}")
+    # every input is read and planned before the run dir is touched: a typo moves nothing aside
     task = load_task(_task_ref(opts, say))
     model = load_model(opts.model or task.model or "demo-tiny")
     with _timed(timings, "profile_s"):
@@ -174,6 +171,7 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     with _timed(timings, "plan_s"):
         plan = _plan(model, hardware, task, opts, say)
     say(f"plan: {plan.chosen.layout.short()}")
+    _make_room(out, say)
     candidates = [plan.chosen, *plan.alternatives][:max(1, opts.verify)]
     build_cpu_comm_op([p.layout for p in candidates], plan.engine, say)
     progress.expect(_estimate_s(plan, candidates if opts.verify else [], opts))
@@ -210,6 +208,17 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
             "verification": _verification_json(verification), "pricing": pricing, "refused": None,
             "feedback": round_.model_dump(mode="json") if round_ else None, "summary": summary,
             "report": str(report) if report else None, "timings": timings, "seconds": time.perf_counter() - started}
+
+
+def _make_room(out: Path, say: Callable[[str], None]) -> None:
+    """A used run dir: the previous run moves aside (`previous-<time>/`), and what training would
+    write over without a run (a model/ put there by hand) under a dated name; nothing is deleted."""
+    out.mkdir(parents=True, exist_ok=True)
+    moved = move_aside(out)
+    if moved is not None:
+        say(f"moved the previous run in {out} aside to {moved}")
+    for aside in move_in_the_way_aside(out, RUN_CHAIN_IN_THE_WAY):
+        say(f"moved {aside.name.split('.old-')[0]} in {out}, which holds no run, aside to {aside}")
 
 
 def _pricing(plan: Plan, verification: Verification, profile_path: Path | None, out: Path) -> dict[str, Any] | None:

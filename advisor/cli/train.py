@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from advisor.cli.common import console, exit_on_error
+from advisor.cli.common import check_out_folder, console, exit_on_error
 from advisor.cli.data import require_data_extra
 from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.cli.quiet import log_path, quiet_console
@@ -19,11 +19,14 @@ from advisor.cli.render import format_seconds, stage_results_lines
 from advisor.errors import UsageError
 from advisor.capabilities import config_shape, runnable_problem, ENGINE_CHOICES
 from advisor.plan_file import Plan, load_plan
+from advisor.specs import check_number
+from advisor.task import MAX_EPOCHS
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.options import TrainOptions
-from trainer.run_identity import refuse_or_move_aside, restarted
+from trainer.run_identity import move_in_the_way_aside, refuse_or_move_aside, restarted
 
 DEFAULTS = TrainOptions()
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: a peer that long gone is not coming back
 
 
 def train(
@@ -62,11 +65,11 @@ def train(
                                          "for ZeRO, FSDP2 with tp>1), deepspeed or fsdp2; overrides the plan's"),
     # The loop's other options: hidden, set by callers (verification trials) and passed on to the workers.
     clip: float = typer.Option(DEFAULTS.clip, "--clip", hidden=True, help="gradient-norm clip"),
-    keep_checkpoints: int = typer.Option(DEFAULTS.keep_checkpoints, "--keep-checkpoints", hidden=True),
-    max_rollbacks: int = typer.Option(DEFAULTS.max_rollbacks, "--max-rollbacks", hidden=True),
+    keep_checkpoints: int = typer.Option(DEFAULTS.keep_checkpoints, "--keep-checkpoints", min=1, hidden=True),
+    max_rollbacks: int = typer.Option(DEFAULTS.max_rollbacks, "--max-rollbacks", min=0, hidden=True),
     spike_lr_factor: float = typer.Option(DEFAULTS.spike_lr_factor, "--spike-lr-factor", hidden=True),
-    spike_warmup_steps: int = typer.Option(DEFAULTS.spike_warmup_steps, "--spike-warmup-steps", hidden=True),
-    eval_sequences: int = typer.Option(DEFAULTS.eval_sequences, "--eval-sequences", hidden=True),
+    spike_warmup_steps: int = typer.Option(DEFAULTS.spike_warmup_steps, "--spike-warmup-steps", min=0, hidden=True),
+    eval_sequences: int = typer.Option(DEFAULTS.eval_sequences, "--eval-sequences", min=0, hidden=True),
     exact_match_prompts: int = typer.Option(DEFAULTS.exact_match_prompts, "--exact-match-prompts", min=0,
                                             help="held-out prompts per skill that each stage end answers by greedy "
                                             "decoding and scores by exact match (0: none)"),
@@ -81,6 +84,7 @@ def train(
     """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
     every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
     args = SimpleNamespace(**locals())
+    exit_on_error(lambda: _check_inputs(args))
     if as_json and not dry_run:
         exit_on_error(_json_needs_dry_run)
     if dry_run:
@@ -98,6 +102,18 @@ def train(
                       f"{format_seconds(measured['step_s'] or 0)} measured vs "
                       f"{format_seconds(predicted['step_s'])} predicted; run dir {out}; third-party output in "
                       f"{log_path(out)}")
+
+
+def _check_inputs(a: SimpleNamespace) -> None:
+    """The float flags (typer's `min` lets `inf` and `nan` through), --out and the plan file, before
+    anything is written: a refused run leaves no logs/ in --out."""
+    check_number(a.epochs, "--epochs", gt=0, le=MAX_EPOCHS)
+    check_number(a.timeout_s, "--timeout-s", ge=1, le=MAX_TIMEOUT_S)
+    check_number(a.clip, "--clip", gt=0, le=1e6)
+    check_number(a.spike_lr_factor, "--spike-lr-factor", gt=0, le=1)
+    if not a.dry_run and not a.launched:
+        check_out_folder(a.out)
+        load_plan(a.plan_file)  # read again by the run: milliseconds
 
 
 def _json_needs_dry_run() -> None:
@@ -120,8 +136,6 @@ def _run(a: SimpleNamespace) -> dict | None:
     from trainer.launch import run
 
     out = a.out
-    if a.epochs is not None and not a.epochs > 0:
-        raise UsageError(f"--epochs {a.epochs:g}: must be more than zero")
     plan = _load_plan(a.plan_file, a.engine, a.data, a.launched)
     resumed = a.resume or restarted()  # a torchrun restart or Slurm requeue continues the run
     plan_path, prepared = a.plan_file, a.data
@@ -207,3 +221,5 @@ def _claim_run_dir(out: Path, resumed: bool, overwrite: bool, node_rank: int) ->
         moved = refuse_or_move_aside(out, resumed, overwrite)
         if moved is not None:
             console.print(f"moved the previous run in {out} aside to {moved}")
+        for aside in move_in_the_way_aside(out):  # a model/ or stages/ of no run: kept, under a dated name
+            console.print(f"moved {aside.name.split('.old-')[0]} in {out}, which holds no run, aside to {aside}")
