@@ -473,3 +473,35 @@ def test_a_one_stage_plan_reads_registry_datasets_concatenated(tmp_path, tokeniz
     counts = [len(load_rows(s, task, tokenizer, 512, None)) for s in sources]
     assert [s.weight for s in sources] == [float(n) for n in counts] and counts[0] != counts[1]
     assert one_stage.stages[0].steps == -(-sum(counts) * 512 // (512 * 2))  # one pass, in whole steps
+
+
+def test_advisor_train_hands_dataset_names_to_the_one_stage_plan(tmp_path, monkeypatch) -> None:
+    """`advisor train --data DIR/dataset_info.json --dataset a,b` plans one stage over those registry
+    datasets (the function the test above reads them through); an empty --dataset is one line, exit 2."""
+    from typer.testing import CliRunner
+
+    import trainer.one_stage
+    from advisor.cli import app
+    from advisor.errors import UsageError
+
+    seen = []
+
+    def one_stage_plan(plan, data, run_dir, steps, tokens, epochs=None, weights=None, datasets=None):
+        seen.append((Path(data).name, datasets))
+        raise UsageError("stopped here by the test")
+
+    monkeypatch.setattr(trainer.one_stage, "one_stage_plan", one_stage_plan)
+    plan = tmp_path / "plan.yaml"
+    made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                                    "--global-batch", "2", "--top", "1", "--out", str(plan)])
+    assert made.exit_code == 0, made.output
+    registry = tmp_path / "data" / "dataset_info.json"
+    registry.parent.mkdir()
+    registry.write_text(json.dumps(REGISTRY))
+    done = CliRunner().invoke(app, ["train", str(plan), "--out", str(tmp_path / "run"), "--data", str(registry),
+                                    "--dataset", "alpaca_en_demo, qa_custom", "--steps", "1"])
+    assert done.exit_code == 2 and "stopped here by the test" in done.output
+    assert seen == [("dataset_info.json", ["alpaca_en_demo", "qa_custom"])]
+    empty = CliRunner().invoke(app, ["train", str(plan), "--out", str(tmp_path / "run2"), "--data", str(registry),
+                                     "--dataset", " , ", "--steps", "1"])
+    assert empty.exit_code == 2 and "--dataset" in empty.output

@@ -47,8 +47,13 @@ def train(
     data: Optional[Path] = typer.Option(None, "--data", help="with a task: an `advisor data prepare` folder of "
                                         "length-bucketed shards (default: the task's data.out when it is fresh, else "
                                         "its raw files). Without a task: the data the run trains on as one stage, a "
-                                        "file, glob or folder of jsonl ('text' field), parquet or text, or an "
-                                        "`advisor data prepare` folder (all its stages' train shards)"),
+                                        "file, glob or folder of JSON lines or a JSON array (text, alpaca, sharegpt "
+                                        "or chat rows, tool calls included), parquet, CSV, arrow, text or a "
+                                        "datasets save_to_disk folder, told apart by content; an `advisor data "
+                                        "prepare` folder (all its stages' train shards); or LLaMA-Factory's "
+                                        "dataset_info.json with --dataset"),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="with --data DIR/dataset_info.json (LLaMA-Factory's "
+                                          "registry): the datasets to train on, NAME[,NAME...], concatenated"),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="a plan without a task: optimizer steps of "
                                         "the plan's global batch (default: one pass over --data)"),
     tokens: Optional[int] = typer.Option(None, "--tokens", min=1, help="a plan without a task: tokens to train on, "
@@ -142,8 +147,8 @@ def _run(a: SimpleNamespace) -> dict | None:
     if not a.launched:
         _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
-            (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights),
-                                           out / "plan.yaml")
+            (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights,
+                                                      a.dataset), out / "plan.yaml")
         elif a.steps is not None or a.tokens is not None:
             raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
                              "its stages")
@@ -179,17 +184,22 @@ def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched:
     return plan
 
 
-def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None,
-               tokens: int | None, epochs: float | None, weights: str | None = None) -> tuple[Plan, Path | None]:
+def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, tokens: int | None,
+               epochs: float | None, weights: str | None = None,
+               dataset: str | None = None) -> tuple[Plan, Path | None]:
     """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
     plan; and the prepared-data folder the loop reads (None: raw files)."""
     if data is None:
         raise UsageError("this plan has no task: give the data to train on with --data FILE, GLOB or FOLDER "
-                         "(jsonl, parquet or text), or plan with --task")
+                         "(JSON lines or array, parquet, CSV, text, a saved dataset or a prepared folder), "
+                         "or plan with --task")
+    names = [n.strip() for n in dataset.split(",") if n.strip()] if dataset is not None else None
+    if dataset is not None and not names:
+        raise UsageError("--dataset: name at least one dataset of the registry")
     # deferred: reads and tokenizes the data (the counting pass of the default length)
     from trainer.one_stage import one_stage_plan
 
-    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights)
+    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights, datasets=names)
     sources = plan.task.stages[0].sources if plan.task else []
     if sources:
         console.print(f"--data {data}: {sources[0].format} rows (detected from their fields)", highlight=False)
