@@ -126,7 +126,8 @@ class DataSource(BaseModel):
     format: Optional[RowFormat] = Field(
         None, description="row format: text, prompt_completion, chat (OpenAI-style `messages`), alpaca or sharegpt "
                           "(default: detected from the first rows' fields)")
-    file_type: Optional[FileType] = Field(None, description="default: told from each file's content (a folder or glob: from the files' extensions)")
+    file_type: Optional[FileType] = Field(
+        None, description="default: told from each file's content (a folder or glob: from the files' extensions)")
     fields: dict[str, str] = Field(
         default_factory=dict, description="the format's field names as the rows spell them, e.g. {prompt: question}")
     text_field: str = "text"
