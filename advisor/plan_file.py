@@ -50,6 +50,25 @@ class StagePlan(BaseModel):
     flags: list[str] = Field(default_factory=list)
 
 
+# What a plan assumes beyond the hardware and the model (the planner's defaults; `advisor plan` flags).
+DEFAULT_MTBF_HOURS = 2000.0  # per node; large fleets report ~1 failure per 1-3k node-hours
+DEFAULT_CHECKPOINT_WRITE_GBS = 2.0  # per node, to the checkpoint file system
+DEFAULT_RESTART_S = 600.0  # re-queue, reload the last checkpoint, rebuild NCCL communicators
+
+
+class PlanAssumptions(BaseModel):
+    """The failure and checkpoint assumptions the plan's stages were sized with. Whoever sizes a
+    stage again (the trainer's one-stage plans, `advisor run`'s verification trials) reads these, so
+    that `--mtbf-hours 500` holds through the run, not the planner's defaults."""
+
+    model_config = SPEC_CONFIG
+
+    mtbf_hours: float = Field(DEFAULT_MTBF_HOURS, gt=0, le=1e7, description="mean time between failures of one node")
+    checkpoint_write_gbs: float = Field(DEFAULT_CHECKPOINT_WRITE_GBS, gt=0, le=1e5,
+                                        description="checkpoint write bandwidth per node, GB/s")
+    restart_s: float = Field(DEFAULT_RESTART_S, ge=0, le=1e6, description="seconds a restart after a failure takes")
+
+
 class Plan(BaseModel):
     model_config = SPEC_CONFIG
 
@@ -76,6 +95,7 @@ class Plan(BaseModel):
     runnable_here: bool = Field(
         True, description="false: planned with --any-engine over every engine the cost model prices "
                           "(Megatron/NeMo layouts); `advisor train` refuses it")
+    assumptions: PlanAssumptions = Field(default_factory=PlanAssumptions)
     priced_engine: str = Field(
         "ours", description="whose behaviour the plan's figures price (advisor.capabilities PRICED_ENGINES): ours, "
                             "or a published engine (megatron), planned for that engine and not runnable here")

@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import math
 
-from advisor.plan_file import StagePlan
+from advisor.plan_file import Plan, StagePlan
 from advisor.specs import Estimate, Layout
 from advisor.task import StageSpec, TaskSpec
 from planner.time_to_train import RESTART_S, checkpoint_write_s, time_to_train, young_interval_s
+
+
+def restage(plan: Plan, task: TaskSpec, stage: StageSpec, layout: Layout, est: Estimate, nodes: int,
+            one_pass_tokens: int | None = None) -> StagePlan:
+    """`stage` sized for `layout` under the plan's own assumptions (`Plan.assumptions`) and compute
+    rule: the one way every caller (the planner, the trainer's one-stage plans, `advisor run`'s
+    verification trials) sizes a stage."""
+    a = plan.assumptions
+    return plan_stage(task, stage, layout, est, nodes, a.mtbf_hours, a.checkpoint_write_gbs,
+                      plan.min_compute_fraction, a.restart_s, one_pass_tokens=one_pass_tokens)
 
 
 def plan_stage(

@@ -14,14 +14,15 @@ from typing import Any
 
 from advisor.capabilities import PRICED_ENGINE_LIMITS, attention_implementation, config_shape, cost_engine, runnable_problem, prices_ours
 from advisor.errors import UsageError
-from advisor.plan_file import Plan, PlannedLayout, StagePlan
+from advisor.plan_file import (DEFAULT_CHECKPOINT_WRITE_GBS, DEFAULT_MTBF_HOURS, Plan, PlanAssumptions, PlannedLayout,
+                               StagePlan)
 from advisor.profile import ClusterProfile
 from advisor.specs import (MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, GiB, HardwareSpec, Layout, ModelSpec,
                            check_number, check_seq_fits)
 from advisor.task import TaskSpec
 from planner.explain import why
 from planner.fix import REQUEST_KEYS, check_fix, describe
-from planner.granularity import plan_stage
+from planner.granularity import restage
 from planner.memory import HOST_MEMORY_USABLE
 from planner.search import PlanRequest, SearchResult, SearchSpace, Solution, plan_layouts, validate_request
 from planner.stragglers import pricing_note, priced_without, straggler_candidates
@@ -63,8 +64,8 @@ class PlanOptions:
     price_per_gpu_hour: float | None = None
     min_compute_fraction: float = MIN_COMPUTE_FRACTION
     top_k: int = 5
-    mtbf_hours: float = 2000.0  # per node; large fleets report ~1 failure per 1-3k node-hours
-    checkpoint_write_gbs: float = 2.0  # per node, to the checkpoint file system (assumed)
+    mtbf_hours: float = DEFAULT_MTBF_HOURS  # per node (advisor.plan_file PlanAssumptions)
+    checkpoint_write_gbs: float = DEFAULT_CHECKPOINT_WRITE_GBS  # per node, to the checkpoint file system
     restart_s: float = RESTART_S  # per failure
     per_stage_devices: bool = False
     memory_margin: float = MEMORY_MARGIN
@@ -406,7 +407,9 @@ def make_plan(opts: PlanOptions) -> Plan:
     plan = Plan(model=opts.model, hardware=hw, nodes=nodes, gpus_per_node=per_node, objective=opts.objective,  # type: ignore[arg-type]
                 min_compute_fraction=opts.min_compute_fraction, chosen=planned[0], alternatives=planned[1:],
                 task=opts.task, notes=notes, runnable_here=runnable_here, priced_engine=opts.priced_engine,
-                attention=attention_implementation(hw.device_type))
+                attention=attention_implementation(hw.device_type),
+                assumptions=PlanAssumptions(mtbf_hours=opts.mtbf_hours, checkpoint_write_gbs=opts.checkpoint_write_gbs,
+                                            restart_s=opts.restart_s))
     if opts.task:
         plan.stages = _plan_stages(opts, plan, hw, seq, batch, nodes)
     plan.solver = {"status": result.status, "seconds": time.perf_counter() - started, "shapes": result.shapes,
@@ -470,9 +473,8 @@ def _plan_stages(opts: PlanOptions, plan: Plan, hw: HardwareSpec, seq: int, batc
                                   "sequences)")
             layout, est = _stage_layout(opts, plan, hw, stage.name, method, stage_seq, stage_batch)
         stage_nodes = math.ceil(layout.devices / plan.gpus_per_node)
-        stages.append(plan_stage(opts.task, stage, layout, est, stage_nodes, opts.mtbf_hours,
-                                 opts.checkpoint_write_gbs, opts.min_compute_fraction, opts.restart_s,
-                                 one_pass_tokens=(opts.stage_tokens or {}).get(stage.name)))
+        stages.append(restage(plan, opts.task, stage, layout, est, stage_nodes,
+                              one_pass_tokens=(opts.stage_tokens or {}).get(stage.name)))
     return stages
 
 

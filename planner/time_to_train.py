@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from advisor.plan_file import DEFAULT_RESTART_S
 from advisor.specs import DTYPE_BYTES, Estimate, Layout
 
-RESTART_S = 600.0  # re-queue, reload the last checkpoint, rebuild NCCL communicators: assumed 10 minutes
+RESTART_S = DEFAULT_RESTART_S  # re-queue, reload the last checkpoint, rebuild NCCL communicators: 10 minutes
 
 
 def checkpoint_bytes(est: Estimate, layout: Layout) -> float:

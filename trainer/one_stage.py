@@ -25,8 +25,7 @@ from pathlib import Path
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
 from advisor.task import DataPrepSpec, DataSource, StageSpec, TaskSpec
-from planner.granularity import plan_stage
-from planner.plan import PlanOptions
+from planner.granularity import restage
 from trainer.corpus import load_source, source_format, tokenizer_for
 from trainer.data.manifest import MANIFEST_NAME, read_manifest, task_fingerprint
 from trainer.data.registry import registry_sources
@@ -86,8 +85,7 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
     stage = task.stages[0].model_copy(update=budget)
     task = task.model_copy(update={"stages": [stage]})
     nodes = math.ceil(layout.devices / plan.gpus_per_node)
-    planned = plan_stage(task, stage, layout, plan.chosen.estimate, nodes, PlanOptions.mtbf_hours,
-                         PlanOptions.checkpoint_write_gbs, plan.min_compute_fraction, one_pass_tokens=one_pass)
+    planned = restage(plan, task, stage, layout, plan.chosen.estimate, nodes, one_pass_tokens=one_pass)
     return plan.model_copy(update={"task": task, "stages": [planned]}), view
 
 

@@ -28,8 +28,7 @@ import torch
 
 from advisor.plan_file import Plan, PlannedLayout
 from advisor.specs import HardwareSpec, Layout
-from planner.granularity import plan_stage
-from planner.plan import PlanOptions
+from planner.granularity import restage
 from profiler.ranks import free_port
 from trainer.launch import cpu_threads, run as run_training
 from trainer.options import TrainOptions
@@ -108,13 +107,11 @@ def candidate_plan(plan: Plan, planned: PlannedLayout, first_stage_only: bool = 
     old = plan.chosen.layout
     others = [p for p in [plan.chosen, *plan.alternatives] if p.layout != planned.layout]
     stages = []
-    defaults = PlanOptions(model=plan.model, hardware=plan.hardware)
     for spec, stage in zip(plan.task.stages if plan.task else [], plan.stages):
         if stage.layout == old:
             nodes = max(1, -(-planned.layout.devices // plan.gpus_per_node))
             one_pass = round(stage.tokens / spec.epochs) if spec.epochs else None  # 0: sized at run time
-            stage = plan_stage(plan.task, spec, planned.layout, planned.estimate, nodes, defaults.mtbf_hours,
-                               defaults.checkpoint_write_gbs, plan.min_compute_fraction, one_pass_tokens=one_pass)
+            stage = restage(plan, plan.task, spec, planned.layout, planned.estimate, nodes, one_pass_tokens=one_pass)
         stages.append(stage)
     update: dict[str, Any] = {"chosen": planned, "alternatives": others, "stages": stages}
     if first_stage_only and plan.task is not None:
