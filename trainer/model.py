@@ -7,6 +7,8 @@ model here, so that what is timed is what `advisor train` runs.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from advisor.capabilities import DOCUMENT_ATTENTION, attention_implementation
@@ -17,6 +19,7 @@ from trainer.attention import register_document_attention
 from trainer.engines.base import device
 from trainer.materialize import build_on_meta, materialize, pending_init
 from trainer.recompute import apply_recomputation
+from trainer.remote_code import refuse_remote_code
 
 
 def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None = None) -> torch.nn.Module:
@@ -26,7 +29,11 @@ def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None 
     from transformers import AutoConfig, AutoModelForCausalLM  # heavy: loaded only when a model is built
 
     torch.manual_seed(seed)
-    config = (AutoConfig.from_pretrained(weights, local_files_only=True) if weights
+    if weights:
+        refuse_remote_code(Path(weights), "config.json", "--weights")
+    # trust_remote_code=False: a folder whose config names its own Python code (`auto_map`) is refused
+    # at once, rather than transformers asking "run the custom code? [y/N]" inside a training log
+    config = (AutoConfig.from_pretrained(weights, local_files_only=True, trust_remote_code=False) if weights
               else AutoConfig.for_model(**spec.hf_config))
     config.use_cache = False
     attention = attention_implementation(device().type)

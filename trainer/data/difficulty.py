@@ -113,7 +113,8 @@ class ReferenceLoss:
         if not (folder / "config.json").is_file():
             raise UsageError(f"reference model {folder}: not a local model folder (no config.json)")
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+            self.model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True,
+                                                              trust_remote_code=False)
         except Exception as exc:
             raise UsageError(f"cannot load reference model {folder}: {exc}") from None
         self.model.eval()

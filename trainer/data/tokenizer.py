@@ -17,6 +17,7 @@ from typing import Any, Iterator
 from advisor.errors import UsageError
 from presets import PRESETS_DIR
 from trainer.data.demo_corpus import TOKENIZER_TRAINING_DOCUMENTS, iter_documents
+from trainer.remote_code import refuse_remote_code
 
 TOKENIZERS_DIR = PRESETS_DIR / "tokenizers"
 DEMO_VOCAB_SIZE = 2048
@@ -36,8 +37,9 @@ def load_tokenizer(path: Path) -> Any:
     else:
         raise UsageError(f"tokenizer not found: {path}")
     try:
+        refuse_remote_code(folder, "tokenizer_config.json", "tokenizer")
         if (folder / "tokenizer_config.json").is_file() or not file.is_file():
-            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
         return PreTrainedTokenizerFast(tokenizer_file=str(file))
     except Exception as exc:  # transformers raises many types for a broken folder
         raise UsageError(f"cannot load tokenizer from {path}: {type(exc).__name__}: {exc}") from None
