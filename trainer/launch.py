@@ -32,6 +32,7 @@ from trainer import checkpoint
 from trainer.loop import JsonLines, train
 from trainer.oom import pending_relaunch
 from trainer.options import WORKER_LOG_ENV, TrainOptions, train_argv
+from trainer.run_lock import die_with_parent
 
 DEFAULT_PORT = 29513
 
@@ -39,8 +40,8 @@ DEFAULT_PORT = 29513
 def launch_command(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOptions, nproc: int,
                    nnodes: int, node_rank: int, master_addr: str, master_port: int) -> list[str]:
     """torchrun re-invoking `advisor train --launched` with every option, and the plan's engine (it may
-    override the plan file's)."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+    override the plan file's); its agent dies with this process (trainer/agent.py)."""
+    command = [sys.executable, "-m", "trainer.agent", str(os.getpid()), f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
                f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}",
                "-m", "advisor.cli", "train", str(plan_path), "--out", str(out), "--launched", *train_argv(options),
                "--engine", plan.engine]
@@ -55,6 +56,7 @@ def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOpti
     (`advisor.plan_file.stage_segments`); each after the first resumes from the full weights the
     previous one handed on. A launched worker runs the segment its run dir has reached."""
     if launched:
+        die_with_parent(os.getppid())  # torchrun's agent: a worker outlives neither it nor the CLI
         return _worker(plan, out, resume, options, distributed=True)
     while True:
         segment = segment_of(plan, _next_stage(out) if resume else 0)

@@ -97,8 +97,14 @@ def train(
     if launched:
         summary = exit_on_error(lambda: _run(args))
     else:
-        with quiet_console(out, verbose):
-            summary = exit_on_error(lambda: _run(args))
+        from trainer.run_lock import RunDirLock  # deferred: the trainer package, only for a launch
+
+        lock = exit_on_error(lambda: RunDirLock.take(out, node_rank))  # one launch per run dir, held throughout
+        try:
+            with quiet_console(out, verbose):
+                summary = exit_on_error(lambda: _run(args))
+        finally:
+            lock.release()
     if summary and not launched:
         for line in stage_results_lines(summary):
             console.print(line, highlight=False, soft_wrap=True)
