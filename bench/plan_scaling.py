@@ -37,18 +37,24 @@ TARGET_SEQ, TARGET_BATCH, TARGET_GPUS = 8192, 1024, (16, 32, 256, 1024)
 SWEEP_SEQ = 4096
 
 
-def solve(nodes: int, seq: int, batch: int):
-    """The median solver seconds of REPEATS `make_plan` calls, and the last plan."""
+def solve_runs(nodes: int, seq: int, batch: int):
+    """The solver seconds of each of REPEATS `make_plan` calls, and the last plan."""
     model, hardware = load_model("llama3-70b"), load_hardware("h100-80g")
     times, plan = [], None
     for _ in range(REPEATS):
         plan = make_plan(PlanOptions(model=model, hardware=hardware, nodes=nodes, seq=seq, global_batch=batch))
         times.append(plan.solver["seconds"])
+    return times, plan
+
+
+def solve(nodes: int, seq: int, batch: int):
+    """The median solver seconds of REPEATS `make_plan` calls, and the last plan."""
+    times, plan = solve_runs(nodes, seq, batch)
     return statistics.median(times), plan
 
 
-def command_seconds(nodes: int, seq: int, batch: int) -> float:
-    """The median wall-clock seconds of `advisor plan` in a fresh process."""
+def command_runs(nodes: int, seq: int, batch: int) -> list[float]:
+    """The wall-clock seconds of each of REPEATS `advisor plan` commands, each a fresh process."""
     words = [sys.executable, "-m", "advisor.cli", "plan", "--model", "llama3-70b", "--hardware", "h100-80g",
              "--nodes", str(nodes), "--seq-len", str(seq), "--global-batch", str(batch)]
     times = []
@@ -56,7 +62,7 @@ def command_seconds(nodes: int, seq: int, batch: int) -> float:
         started = time.perf_counter()
         subprocess.run(words, check=True, capture_output=True, env=os.environ)
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return times
 
 
 def target_rows() -> list[dict]:
@@ -64,24 +70,34 @@ def target_rows() -> list[dict]:
     rows = []
     for gpus in TARGET_GPUS:
         nodes = gpus // 8
-        solver_s, plan = solve(nodes, TARGET_SEQ, TARGET_BATCH)
+        solver_runs, plan = solve_runs(nodes, TARGET_SEQ, TARGET_BATCH)
+        commands = command_runs(nodes, TARGET_SEQ, TARGET_BATCH)
         row = {"gpus": gpus, "nodes": nodes, "shapes": plan.solver["shapes"], "ilps": plan.solver["ilps"],
-               "solver_s": solver_s, "command_s": command_seconds(nodes, TARGET_SEQ, TARGET_BATCH),
+               "solver_s": statistics.median(solver_runs), "solver_runs": solver_runs,
+               "command_s": statistics.median(commands), "command_runs": commands,
                "layout": plan.chosen.layout.short(), "step_s": plan.chosen.estimate.time.step_s}
         print(row, flush=True)
         rows.append(row)
     return rows
 
 
+def _seconds(row: dict, key: str, digits: int) -> str:
+    """The median, and each run in parentheses where the figures list them."""
+    runs = row.get(key.replace("_s", "_runs"))
+    listed = f" ({', '.join(f'{x:.{digits}f}' for x in runs)})" if runs else ""
+    return f"{row[key]:.{digits}f}{listed}"
+
+
 def target_table(rows: list[dict], before: dict[int, dict]) -> str:
-    lines = ["| GPUs | nodes | shapes | ILPs solved | solver s | `advisor plan` s | chosen layout | step s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| GPUs | nodes | shapes | ILPs solved | solver s: median (runs) | `advisor plan` s: median (runs) | "
+             "chosen layout | step s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = before.get(r["gpus"])
-        was = (lambda key, fmt: f"{fmt.format(b[key])} → " if b else "")  # noqa: E731
-        lines.append(f"| {r['gpus']} | {r['nodes']} | {was('shapes', '{}')}{r['shapes']} | {was('ilps', '{}')}"
-                     f"{r['ilps']} | {was('solver_s', '{:.2f}')}{r['solver_s']:.2f} | "
-                     f"{was('command_s', '{:.1f}')}{r['command_s']:.1f} | `{r['layout']}` | {r['step_s']:.3f} |")
+        was = (lambda text: f"{text} → " if b else "")  # noqa: E731
+        lines.append(f"| {r['gpus']} | {r['nodes']} | {was(b and b['shapes'])}{r['shapes']} | "
+                     f"{was(b and b['ilps'])}{r['ilps']} | {was(b and _seconds(b, 'solver_s', 2))}"
+                     f"{_seconds(r, 'solver_s', 2)} | {was(b and _seconds(b, 'command_s', 1))}"
+                     f"{_seconds(r, 'command_s', 1)} | `{r['layout']}` | {r['step_s']:.3f} |")
     return "\n".join(lines)
 
 
