@@ -271,13 +271,21 @@ def _stage_kinds(pp: int) -> list[int]:
     return sorted({0, min(1, pp - 1), pp - 1})
 
 
-def _all_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec) -> list[_StageCoefficients]:
+def _kind_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec) -> list[_StageCoefficients]:
+    """Of the stages `_stage_kinds` names: every stage where pp <= 3."""
+    return [stage_coefficients(trace, layout, hw, s) for s in _stage_kinds(layout.pp)]
+
+
+def _all_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec,
+                      kinds: list[_StageCoefficients] | None = None) -> list[_StageCoefficients]:
     """Per stage. Middle stages differ only in micro-batches in flight, which scales the
-    activation terms: evaluate stages 0, 1 and pp-1 and rescale the others exactly."""
+    activation terms: evaluate stages 0, 1 and pp-1 (`kinds`, when already evaluated) and rescale
+    the others exactly."""
     pp = layout.pp
+    kinds = kinds or _kind_coefficients(trace, layout, hw)
     if pp <= 3:
-        return [stage_coefficients(trace, layout, hw, s) for s in range(pp)]
-    first, middle, last = (stage_coefficients(trace, layout, hw, s) for s in (0, 1, pp - 1))
+        return kinds
+    first, middle, last = kinds
     act_per_layer = middle.backward_base.n - _non_activation_slope(trace, layout, hw)
     act_per_recomputed = middle.backward_base.k
     base_flight = micro_batches_in_flight(1, layout)
@@ -341,12 +349,9 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
     least recomputation that brings the *mean* stage's memory under the capacity.
     """
     pp, layers = layout.pp, trace.num_layers
-    coeffs = [stage_coefficients(trace, layout, hw, s) for s in _stage_kinds(pp)]
-    if pp > 3:
-        coeffs = [coeffs[0]] + [coeffs[1]] * (pp - 2) + [coeffs[2]]
+    kinds = _kind_coefficients(trace, layout, hw)
+    coeffs = kinds  # first, middle and last stage where pp > 3
     counts = [1] * len(coeffs) if pp <= 3 else [1, pp - 2, 1]
-    if pp > 3:
-        coeffs = [coeffs[0], coeffs[1], coeffs[-1]]
 
     def mean(get) -> float:  # mean over stages of an affine term with k = 0
         return (sum(w * get(c).c for w, c in zip(counts, coeffs)) + get(coeffs[0]).n * layers) / pp
@@ -360,7 +365,7 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
         return None
     if max(c.host(1, 0) - c.host_capacity for c in coeffs) > 0:
         return None
-    most = [_most_layers(c, layers, capacity) for c in _all_coefficients(trace, layout, hw)]
+    most = [_most_layers(c, layers, capacity) for c in _all_coefficients(trace, layout, hw, kinds)]
     if min(most) < layout.vpp or sum(most) < layers:
         return None  # no split fits: some stage cannot hold its vpp chunks, or all cannot hold L
     # least recomputation that the mean stage needs (layers placed where they cost least memory)
