@@ -4,13 +4,14 @@ Two tables. The first is issue 13's target: seq 8192, global batch 1024, on 16, 
 GPUs, the solver (one `make_plan` call: shape enumeration, bounds, ILPs, the relaxed re-search when
 no layout meets the compute rule; warm trace cache) <= 2 s and the whole `advisor plan` command (a
 fresh process: imports, planning, printing) <= 10 s. The second sweeps 8 to 4096 GPUs at seq 4096.
-Every figure is the median of 3.
+Every figure is the median of 3; the first table lists each run too.
 
     python bench/plan_scaling.py [--save before.json] [--before before.json] [--no-write]
 
 `--before` adds the figures of another checkout to the first table: run this script with
 PYTHONPATH=<that checkout>, from that checkout's folder, with `--save before.json --no-write` first.
-bench/plan_scaling_before.json holds the figures of 7adc055 (PuLP/CBC), measured so.
+bench/plan_scaling_before.json holds the figures of a8e1b75 (scipy.optimize.milp), measured so
+just before this table's run.
 """
 
 from __future__ import annotations
@@ -37,18 +38,24 @@ TARGET_SEQ, TARGET_BATCH, TARGET_GPUS = 8192, 1024, (16, 32, 256, 1024)
 SWEEP_SEQ = 4096
 
 
-def solve(nodes: int, seq: int, batch: int):
-    """The median solver seconds of REPEATS `make_plan` calls, and the last plan."""
+def solve_runs(nodes: int, seq: int, batch: int):
+    """The solver seconds of each of REPEATS `make_plan` calls, and the last plan."""
     model, hardware = load_model("llama3-70b"), load_hardware("h100-80g")
     times, plan = [], None
     for _ in range(REPEATS):
         plan = make_plan(PlanOptions(model=model, hardware=hardware, nodes=nodes, seq=seq, global_batch=batch))
         times.append(plan.solver["seconds"])
+    return times, plan
+
+
+def solve(nodes: int, seq: int, batch: int):
+    """The median solver seconds of REPEATS `make_plan` calls, and the last plan."""
+    times, plan = solve_runs(nodes, seq, batch)
     return statistics.median(times), plan
 
 
-def command_seconds(nodes: int, seq: int, batch: int) -> float:
-    """The median wall-clock seconds of `advisor plan` in a fresh process."""
+def command_runs(nodes: int, seq: int, batch: int) -> list[float]:
+    """The wall-clock seconds of each of REPEATS `advisor plan` commands, each a fresh process."""
     words = [sys.executable, "-m", "advisor.cli", "plan", "--model", "llama3-70b", "--hardware", "h100-80g",
              "--nodes", str(nodes), "--seq-len", str(seq), "--global-batch", str(batch)]
     times = []
@@ -56,7 +63,7 @@ def command_seconds(nodes: int, seq: int, batch: int) -> float:
         started = time.perf_counter()
         subprocess.run(words, check=True, capture_output=True, env=os.environ)
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return times
 
 
 def target_rows() -> list[dict]:
@@ -64,24 +71,34 @@ def target_rows() -> list[dict]:
     rows = []
     for gpus in TARGET_GPUS:
         nodes = gpus // 8
-        solver_s, plan = solve(nodes, TARGET_SEQ, TARGET_BATCH)
+        solver_runs, plan = solve_runs(nodes, TARGET_SEQ, TARGET_BATCH)
+        commands = command_runs(nodes, TARGET_SEQ, TARGET_BATCH)
         row = {"gpus": gpus, "nodes": nodes, "shapes": plan.solver["shapes"], "ilps": plan.solver["ilps"],
-               "solver_s": solver_s, "command_s": command_seconds(nodes, TARGET_SEQ, TARGET_BATCH),
+               "solver_s": statistics.median(solver_runs), "solver_runs": solver_runs,
+               "command_s": statistics.median(commands), "command_runs": commands,
                "layout": plan.chosen.layout.short(), "step_s": plan.chosen.estimate.time.step_s}
         print(row, flush=True)
         rows.append(row)
     return rows
 
 
+def _seconds(row: dict, key: str, digits: int) -> str:
+    """The median, and each run in parentheses where the figures list them."""
+    runs = row.get(key.replace("_s", "_runs"))
+    listed = f" ({', '.join(f'{x:.{digits}f}' for x in runs)})" if runs else ""
+    return f"{row[key]:.{digits}f}{listed}"
+
+
 def target_table(rows: list[dict], before: dict[int, dict]) -> str:
-    lines = ["| GPUs | nodes | shapes | ILPs solved | solver s | `advisor plan` s | chosen layout | step s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| GPUs | nodes | shapes | ILPs solved | solver s: median (runs) | `advisor plan` s: median (runs) | "
+             "chosen layout | step s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = before.get(r["gpus"])
-        was = (lambda key, fmt: f"{fmt.format(b[key])} → " if b else "")  # noqa: E731
-        lines.append(f"| {r['gpus']} | {r['nodes']} | {was('shapes', '{}')}{r['shapes']} | {was('ilps', '{}')}"
-                     f"{r['ilps']} | {was('solver_s', '{:.2f}')}{r['solver_s']:.2f} | "
-                     f"{was('command_s', '{:.1f}')}{r['command_s']:.1f} | `{r['layout']}` | {r['step_s']:.3f} |")
+        was = (lambda text: f"{text} → " if b else "")  # noqa: E731
+        lines.append(f"| {r['gpus']} | {r['nodes']} | {was(b and b['shapes'])}{r['shapes']} | "
+                     f"{was(b and b['ilps'])}{r['ilps']} | {was(b and _seconds(b, 'solver_s', 2))}"
+                     f"{_seconds(r, 'solver_s', 2)} | {was(b and _seconds(b, 'command_s', 1))}"
+                     f"{_seconds(r, 'command_s', 1)} | `{r['layout']}` | {r['step_s']:.3f} |")
     return "\n".join(lines)
 
 
@@ -119,21 +136,20 @@ def main() -> None:
         return
     before = {r["gpus"]: r for r in json.loads(args.before.read_text())} if args.before else {}
     sweep = sweep_table()
-    note = (f"\n\nMedians of {REPEATS}. Measured under load: 1-minute load average {load_start} at the start and "
-            f"{load_average()} at the end, on {os.cpu_count()} shared cores; an idle machine is several times "
-            "faster. ILPs solved counts the shapes whose bounds could still beat the 5th best plan; when no "
-            "layout meets the 80% compute rule (every row here) the search runs again without it, and both "
-            "passes count. The sweep's layouts differ from this table's runs before 7adc055 because the search "
-            "now returns only layouts `advisor train` runs (no sp, no vpp yet).")
+    note = (f"\n\nMedians of {REPEATS}, each run in parentheses. Measured under load: 1-minute load average "
+            f"{load_start} at the start and {load_average()} at the end, on {os.cpu_count()} shared cores; an idle "
+            "machine is several times faster. ILPs solved counts the shapes whose bounds could still beat the 5th "
+            "best plan; when no layout meets the 80% compute rule the search runs again without it, and both "
+            "passes count.")
     if before:
         same = all(f"{r['step_s']:.9g}" == f"{before[r['gpus']]['step_s']:.9g}" for r in rows if r["gpus"] in before)
         note += (f" The chosen step times {'equal' if same else 'DIFFER FROM'} the previous solver's to 9 digits "
-                 "(a tie in per-stage recompute counts may resolve differently; tests/test_plan_search.py checks "
-                 "the optimum against brute force). `a → b`: before (PuLP/CBC, one subprocess per ILP, shapes "
-                 "ordered by the mean-stage bound alone) → after (HiGHS in process through scipy.optimize.milp, "
-                 "best first over the mean-stage bound and then the ILP's LP relaxation, the K-th best plan as the "
-                 "ILP's cutoff, valid cuts: some stage holds ceil(L/pp) layers, the least big-M for the recompute "
-                 "indicator; one-stage shapes solved by trying every recompute count).")
+                 "(a tie in per-stage recompute counts may resolve differently: another HiGHS version; "
+                 "tests/test_plan_search.py checks the optimum against brute force). `a → b`: before (the stage "
+                 "ILP as matrices for scipy.optimize.milp, scipy's bundled HiGHS) → after (the same ILP modelled "
+                 "in PuLP once per shape, solved by HiGHS in process through highspy; divisors enumerated only "
+                 "up to what the layout rules allow; each shape's lower bound evaluates its stages' cost "
+                 "coefficients once instead of twice).")
     body = (f"Issue 13's target, seq {TARGET_SEQ}, global batch {TARGET_BATCH}: solver <= 2 s and the whole "
             f"command <= 10 s at every size.\n\n{target_table(rows, before)}\n\nSweep at seq {SWEEP_SEQ} "
             f"(global batch max(1024, GPUs)):\n\n{sweep}{note}")

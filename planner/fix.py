@@ -55,11 +55,11 @@ def _probe(given: dict[str, Any], fixed: dict[str, Any], devices: int, shape: Mo
     interleaving unless fixed or implied), so that what the declaration refuses is the fix."""
     fields: dict[str, Any] = {"method": method, "dtype": dtype, "seq": seq, **fixed}
     if fields.get("sp") and "tp" not in fields:  # sequence parallelism needs a tensor-parallel group
-        fields["tp"] = next((tp for tp in range(2, devices + 1) if devices % tp == 0
+        fields["tp"] = next((tp for tp in range(2, min(devices, shape.num_heads) + 1) if devices % tp == 0
                              and tensor_parallel_problem(tp, shape) is None), 2)
     vpp = fields.get("vpp", 1)
     if vpp > 1 and "pp" not in fields:  # interleaving needs a pipeline that cuts the layers evenly
-        fields["pp"] = next((pp for pp in range(2, devices + 1) if devices % pp == 0
+        fields["pp"] = next((pp for pp in range(2, min(devices, shape.num_layers) + 1) if devices % pp == 0
                              and pipeline_problem(pp, vpp, pp, None, shape.num_layers) is None), 2)
     if vpp > 1 and "gas" not in fields:  # interleaved 1F1B runs gas in multiples of pp
         fields["gas"] = fields["pp"]

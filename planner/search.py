@@ -1,4 +1,4 @@
-"""Layout search: branch and bound over parallel shapes, an ILP (HiGHS, through scipy) for each shape.
+"""Layout search: branch and bound over parallel shapes, an ILP (PuLP, solved by HiGHS) for each shape.
 
 The decision splits in two, because its two halves have different structure:
 
@@ -26,10 +26,14 @@ The result is therefore the optimum of the cost model over the whole space, whic
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
+import os
+import sys
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -117,8 +121,11 @@ class SearchResult:
 # the discrete shapes
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int, most: int) -> list[int]:
+    """The divisors of n up to `most`, ascending. n comes from the command line (a global batch of
+    10**12, a million nodes) and the search needs only small divisors (tp up to the attention
+    heads, pp up to the layers, micro-batches up to `max_micro_batch`), so the cost is O(most)."""
+    return [d for d in range(1, min(n, most) + 1) if n % d == 0]
 
 
 def enumerate_shapes(trace: ModelTrace, req: PlanRequest, method: str) -> list[Layout]:
@@ -154,22 +161,20 @@ def _candidate_shapes(trace: ModelTrace, req: PlanRequest, method: str, runs) ->
     modes = RECOMPUTE_MODES if selective_kept < layer.act_bytes else ("full",)
     out = []
     shape = model_shape(trace)
-    tps = space.tp_degrees or tuple(_divisors(req.devices))
+    tps = space.tp_degrees or tuple(_divisors(req.devices, shape.num_heads))  # tp divides the heads
     for tp in tps:
         if req.devices % tp or tensor_parallel_problem(tp, shape):
             continue
         if tp_crosses_nodes(tp, hw.devices_per_node) and not space.allow_cross_node_tp:
             continue
-        for pp in space.pp_degrees or tuple(_divisors(req.devices // tp)):
+        for pp in space.pp_degrees or tuple(_divisors(req.devices // tp, trace.num_layers)):  # pp <= layers
             if (req.devices // tp) % pp or pipeline_problem(pp, 1, 1, None, trace.num_layers):
                 continue
             dp = req.devices // (tp * pp)
             if req.global_batch % dp:
                 continue
             per_replica = req.global_batch // dp
-            for mbs in _divisors(per_replica):
-                if mbs > space.max_micro_batch:
-                    break
+            for mbs in _divisors(per_replica, space.max_micro_batch):
                 gas = per_replica // mbs
                 vpps = [1] + [v for v in range(2, space.max_vpp + 1)
                               if pp > 1 and not pipeline_problem(pp, v, gas, None, trace.num_layers)]
@@ -266,13 +271,21 @@ def _stage_kinds(pp: int) -> list[int]:
     return sorted({0, min(1, pp - 1), pp - 1})
 
 
-def _all_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec) -> list[_StageCoefficients]:
+def _kind_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec) -> list[_StageCoefficients]:
+    """Of the stages `_stage_kinds` names: every stage where pp <= 3."""
+    return [stage_coefficients(trace, layout, hw, s) for s in _stage_kinds(layout.pp)]
+
+
+def _all_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec,
+                      kinds: list[_StageCoefficients] | None = None) -> list[_StageCoefficients]:
     """Per stage. Middle stages differ only in micro-batches in flight, which scales the
-    activation terms: evaluate stages 0, 1 and pp-1 and rescale the others exactly."""
+    activation terms: evaluate stages 0, 1 and pp-1 (`kinds`, when already evaluated) and rescale
+    the others exactly."""
     pp = layout.pp
+    kinds = kinds or _kind_coefficients(trace, layout, hw)
     if pp <= 3:
-        return [stage_coefficients(trace, layout, hw, s) for s in range(pp)]
-    first, middle, last = (stage_coefficients(trace, layout, hw, s) for s in (0, 1, pp - 1))
+        return kinds
+    first, middle, last = kinds
     act_per_layer = middle.backward_base.n - _non_activation_slope(trace, layout, hw)
     act_per_recomputed = middle.backward_base.k
     base_flight = micro_batches_in_flight(1, layout)
@@ -336,12 +349,9 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
     least recomputation that brings the *mean* stage's memory under the capacity.
     """
     pp, layers = layout.pp, trace.num_layers
-    coeffs = [stage_coefficients(trace, layout, hw, s) for s in _stage_kinds(pp)]
-    if pp > 3:
-        coeffs = [coeffs[0]] + [coeffs[1]] * (pp - 2) + [coeffs[2]]
+    kinds = _kind_coefficients(trace, layout, hw)
+    coeffs = kinds  # first, middle and last stage where pp > 3
     counts = [1] * len(coeffs) if pp <= 3 else [1, pp - 2, 1]
-    if pp > 3:
-        coeffs = [coeffs[0], coeffs[1], coeffs[-1]]
 
     def mean(get) -> float:  # mean over stages of an affine term with k = 0
         return (sum(w * get(c).c for w, c in zip(counts, coeffs)) + get(coeffs[0]).n * layers) / pp
@@ -355,7 +365,7 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
         return None
     if max(c.host(1, 0) - c.host_capacity for c in coeffs) > 0:
         return None
-    most = [_most_layers(c, layers, capacity) for c in _all_coefficients(trace, layout, hw)]
+    most = [_most_layers(c, layers, capacity) for c in _all_coefficients(trace, layout, hw, kinds)]
     if min(most) < layout.vpp or sum(most) < layers:
         return None  # no split fits: some stage cannot hold its vpp chunks, or all cannot hold L
     # least recomputation that the mean stage needs (layers placed where they cost least memory)
@@ -375,11 +385,12 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
 
 
 class StageProgram:
-    """The stage-split ILP of one shape (see the module docstring) in matrix form, for HiGHS through
-    `scipy.optimize.milp`: in process, where PuLP ran CBC as one subprocess per ILP and CBC's branch
-    and bound took up to seconds on pp >= 4 shapes. Its LP relaxation is the shape's second, tighter
-    bound (`relaxed_step_s`): it sees the max over stages, the memory of every stage and the compute
-    rule, which the mean-stage `lower_bound` cannot.
+    """The stage-split ILP of one shape (see the module docstring), written in matrix form and
+    modelled in PuLP once per shape, solved by HiGHS in process (highspy): CBC, PuLP's bundled
+    solver, runs as one subprocess per solve and its branch and bound took up to seconds on
+    pp >= 4 shapes, so it is only the fallback where highspy does not import. Its LP relaxation
+    is the shape's second, tighter bound (`relaxed_step_s`): it sees the max over stages, the
+    memory of every stage and the compute rule, which the mean-stage `lower_bound` cannot.
 
     Variables: n_s (layers), k_s (recomputed layers), r_s (the stage recomputes; only where the
     recomputed layer regrows activations), then T (slot), D (exposed DP traffic), O (optimizer).
@@ -462,16 +473,53 @@ class StageProgram:
         integrality[:slot] = 1
         self.objective, self.integrality, self.lower, self.upper = objective, integrality, lower, upper
         self.rows, self.row_lo, self.row_hi = np.array(rows), np.array(lo), np.array(hi)
+        self._model = None
 
-    def _solve(self, integral: bool, cutoff: float = math.inf):
-        # deferred: scipy.optimize takes ~1 s to import, which every other verb of the CLI would pay
-        from scipy.optimize import Bounds, LinearConstraint, milp
+    def _pulp(self):
+        """The program as a PuLP model, built once per shape (the LP relaxation and the ILP both
+        solve it): its columns, in the matrix's order, and the objective without its constant."""
+        if self._model is None:
+            import pulp  # deferred: only `advisor plan` solves programs
 
-        constraints = [LinearConstraint(self.rows, self.row_lo, self.row_hi)]
+            problem = pulp.LpProblem("stage_split", pulp.LpMinimize)
+            names = _column_names(self.pp, len(self.objective) - 2 * self.pp - 3)
+            digits = len(str(len(names)))  # PuLP hands its columns to the solver sorted by name
+            columns = [problem.add_variable(f"x{j:0{digits}d}_{name}", lowBound=float(low),
+                                            upBound=float(high) if math.isfinite(high) else None,
+                                            cat=pulp.LpInteger if integral else pulp.LpContinuous)
+                       for j, (name, low, high, integral) in
+                       enumerate(zip(names, self.lower, self.upper, self.integrality))]
+
+            def expression(line: np.ndarray):
+                return pulp.LpAffineExpression([(columns[j], float(line[j])) for j in np.flatnonzero(line)])
+
+            objective = expression(self.objective)
+            problem.setObjective(objective)
+            for line, low, high in zip(self.rows, self.row_lo, self.row_hi):
+                if low == high:
+                    problem.addConstraint(pulp.LpConstraint(expression(line), pulp.LpConstraintEQ, rhs=float(low)))
+                    continue
+                if math.isfinite(high):
+                    problem.addConstraint(pulp.LpConstraint(expression(line), pulp.LpConstraintLE, rhs=float(high)))
+                if math.isfinite(low):
+                    problem.addConstraint(pulp.LpConstraint(expression(line), pulp.LpConstraintGE, rhs=float(low)))
+            self._model = (problem, columns, objective)
+        return self._model
+
+    def _solve(self, integral: bool, cutoff: float = math.inf) -> np.ndarray | None:
+        """The optimal columns of the ILP (or, not `integral`, of its LP relaxation); None when
+        nothing fits with a step below `cutoff`."""
+        import pulp
+
+        problem, columns, objective = self._pulp()
         if cutoff < math.inf:  # only a step below the cutoff matters: the solver prunes by it
-            constraints.append(LinearConstraint(self.objective, -np.inf, cutoff - self.step_constant))
-        return milp(self.objective, integrality=self.integrality if integral else None,
-                    bounds=Bounds(self.lower, self.upper), constraints=constraints, options={"mip_rel_gap": 0.0})
+            problem = problem.copy()  # the rows are shared, not copied
+            problem.addConstraint(pulp.LpConstraint(objective, pulp.LpConstraintLE, "cutoff",
+                                                    cutoff - self.step_constant))
+        problem.solve(_solver(integral))
+        if problem.status != pulp.LpStatusOptimal:
+            return None
+        return np.array([column.varValue for column in columns], dtype=float)
 
     def _single_stage(self) -> tuple[float, np.ndarray] | None:
         """pp = 1: the stage holds every layer, so only k (and r = [k > 0]) is free. Every k is tried
@@ -506,8 +554,8 @@ class StageProgram:
         if self.pp == 1:
             single = self._single_stage()
             return single[0] if single else math.inf
-        result = self._solve(integral=False)
-        return float(result.fun) + self.step_constant if result.status == 0 else math.inf
+        values = self._solve(integral=False)
+        return float(self.objective @ values) + self.step_constant if values is not None else math.inf
 
     def solve(self, cutoff: float = math.inf) -> Layout | None:
         """The optimal split and recompute counts, as a layout; None when nothing fits with a step
@@ -518,10 +566,9 @@ class StageProgram:
                 return None
             values = single[1]
         else:
-            result = self._solve(integral=True, cutoff=cutoff)
-            if result.status != 0:
+            values = self._solve(integral=True, cutoff=cutoff)
+            if values is None:
                 return None
-            values = result.x
         pp = self.pp
         split = [int(round(v)) for v in values[:pp]]
         recomputed = [int(round(v)) for v in values[pp:2 * pp]]
@@ -541,6 +588,45 @@ def _least_at(layers: int, terms: list[tuple[float, float, float]]) -> float:
     if min(slopes) < 0:
         return 0.0
     return max(0.0, min(c + slope * layers for (c, _, _), slope in zip(terms, slopes)))
+
+
+def _column_names(pp: int, indicators: int) -> list[str]:
+    """The program's columns, named for the PuLP model (and its LP file, when debugging)."""
+    return ([f"layers_{s}" for s in range(pp)] + [f"recomputed_{s}" for s in range(pp)]
+            + [f"recomputes_{i}" for i in range(indicators)] + ["slot", "dp_exposed", "update"])
+
+
+@functools.cache
+def _has_highspy() -> bool:
+    """Whether highspy imports. A process's first `highspy.Highs()` prints HiGHS's banner on file
+    descriptor 1, whatever its options (they are set after it exists), which would corrupt
+    `advisor plan --json`: that first one is made here, with the descriptor pointed at /dev/null."""
+    try:
+        import highspy
+    except ImportError:
+        return False
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return True
+
+
+def _solver(integral: bool):
+    """HiGHS in process (through highspy) where it imports; else the CBC binary PuLP bundles, one
+    subprocess per solve (slower by the process and its files, same optimum)."""
+    import pulp
+
+    if _has_highspy():
+        return pulp.HiGHS(mip=integral, msg=False, gapRel=0.0)
+    with warnings.catch_warnings():  # PuLP 3.x warns that 4.0 drops the bundled CBC; pyproject keeps pulp < 4
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(mip=integral, msg=False, gapRel=0.0)
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""The stage ILP's solver back-ends (PuLP with HiGHS in process, PuLP's bundled CBC as the fallback)
+against brute force, and the search's enumeration at command-line sizes no loop over 1..n survives."""
+
+import itertools
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from advisor.errors import UsageError
+from advisor.specs import Layout
+from planner import search
+from planner.cost_model import estimate_from_trace
+from planner.search import StageProgram, _all_coefficients, _divisors
+from profiler.model_trace import trace_model
+from test_plan_search import SEQ, TINY, compositions, hardware
+
+
+def best_split(trace, shape: Layout, hw) -> float | None:
+    """The least step of any layer split and per-stage recompute counts that fits: brute force."""
+    best = None
+    for split in compositions(trace.num_layers, shape.pp):
+        for recomputed in itertools.product(*[range(n + 1) for n in split]):
+            layout = shape.model_copy(update={"stage_layers": split, "recompute_layers": list(recomputed)})
+            try:
+                est = estimate_from_trace(trace, layout, hw)
+            except UsageError:
+                continue
+            if est.memory.peak <= hw.usable_bytes and (best is None or est.time.step_s < best):
+                best = est.time.step_s
+    return best
+
+
+@pytest.mark.parametrize("backend", ["highs", "cbc"])
+@pytest.mark.parametrize("memory_share", [1.0, 0.7])
+def test_each_backend_solves_the_stage_ilp_to_the_brute_force_optimum(backend, memory_share, monkeypatch) -> None:
+    if backend == "cbc":  # as on a machine where highspy does not import
+        monkeypatch.setattr(search, "_has_highspy", lambda: False)
+    import pulp
+
+    assert isinstance(search._solver(True), pulp.HiGHS if backend == "highs" else pulp.PULP_CBC_CMD)
+    trace = trace_model(TINY, SEQ, "bf16", attention="eager", device_type="cuda")
+    shape = Layout(pp=2, gas=4, recompute="full", dtype="bf16", seq=SEQ)
+    keep_all = shape.model_copy(update={"stage_layers": [2, 2], "recompute_layers": [0, 0]})
+    hw = hardware(estimate_from_trace(trace, keep_all, hardware(1e6)).memory.peak * memory_share / 2**20)
+    truth = best_split(trace, shape, hw)
+    assert truth is not None
+    program = StageProgram(_all_coefficients(trace, shape, hw), shape, trace.num_layers, hw.usable_bytes, 0.0)
+    assert program.relaxed_step_s() <= truth * (1 + 1e-9)  # the relaxation bounds every split
+    chosen = program.solve()
+    assert estimate_from_trace(trace, chosen, hw).time.step_s == pytest.approx(truth, rel=1e-9)
+    assert any(chosen.recompute_layers or []) == (memory_share < 1)  # 0.7: only splits that recompute fit
+    assert program.solve(cutoff=truth * 0.9) is None  # nothing beats the optimum (by more than tolerances)
+
+
+def test_planning_prints_only_its_json() -> None:
+    """highspy's first solver object prints HiGHS's banner on file descriptor 1: the search mutes it
+    (a fresh process, since the banner comes once per process)."""
+    code = ("from planner.search import _has_highspy\nimport highspy, json\n"
+            "assert _has_highspy()\nhighspy.Highs()\nprint(json.dumps({'clean': True}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert json.loads(out.stdout) == {"clean": True}
+
+
+def test_divisors_up_to_a_bound() -> None:
+    for n in range(1, 200):
+        for most in (1, 6, 64, 500):
+            assert _divisors(n, most) == [d for d in range(1, n + 1) if n % d == 0 and d <= most]
+    # 10**18 = 2**18 * 5**18: its divisors up to 64, found without a loop to 10**18
+    assert _divisors(10**18, 64) == [1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, 64]
+
+
+@pytest.mark.parametrize("sizes", [["--global-batch", str(10**12)],
+                                   ["--nodes", str(10**9), "--global-batch", str(10**12)]])
+def test_plan_at_huge_batch_or_cluster_finishes(sizes) -> None:
+    """Enumerating every integer up to the batch (or the device count) took hours here."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run([sys.executable, "-m", "advisor.cli", "plan", "--model", "demo-tiny", "--hardware",
+                           "h100-80g", *sizes], capture_output=True, text=True, timeout=120, env=os.environ)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime  # wall time is the load's
+    assert done.returncode == 0, done.stderr
+    assert "solver:" in done.stdout
+    assert cpu_s <= 10, f"{cpu_s:.1f} s of CPU"
