@@ -37,7 +37,6 @@ HANDOFF_DIR = "model"
 ARTIFACT_DIR = "model"  # RUN/model/ and RUN/stages/<stage>/model/
 MERGED_DIR = "merged"  # LoRA with --merge: the adapters folded into full weights, inside the artifact
 GENERATION_CONFIG = "generation_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 BYTES_README = ("This model was trained on UTF-8 bytes: ids 0-255 are the bytes of the text, 256 ends a "
                 "document. It has no tokenizer files; encode text as list(text.encode('utf-8')).\n")
 
