@@ -94,17 +94,7 @@ def train(
         exit_on_error(_json_needs_dry_run)
     if dry_run:
         return _dry_run(plan_file, engine, as_json, verbose)
-    if launched:
-        summary = exit_on_error(lambda: _run(args))
-    else:
-        from trainer.run_lock import RunDirLock  # deferred: the trainer package, only for a launch
-
-        lock = exit_on_error(lambda: RunDirLock.take(out, node_rank))  # one launch per run dir, held throughout
-        try:
-            with quiet_console(out, verbose):
-                summary = exit_on_error(lambda: _run(args))
-        finally:
-            lock.release()
+    summary = exit_on_error(lambda: _run(args)) if launched else _launch(args)
     if summary and not launched:
         for line in stage_results_lines(summary):
             console.print(line, highlight=False, soft_wrap=True)
@@ -113,6 +103,19 @@ def train(
                       f"{format_seconds(measured['step_s'] or 0)} measured vs "
                       f"{format_seconds(predicted['step_s'])} predicted; run dir {out}; third-party output in "
                       f"{log_path(out)}")
+
+
+def _launch(a: SimpleNamespace) -> dict | None:
+    """The launching CLI's run: one launch per run dir (its lock held throughout), workers' and
+    third-party output routed to the run's logs."""
+    from trainer.run_lock import RunDirLock  # deferred: the trainer package, only for a launch
+
+    lock = exit_on_error(lambda: RunDirLock.take(a.out, a.node_rank))
+    try:
+        with quiet_console(a.out, a.verbose):
+            return exit_on_error(lambda: _run(a))
+    finally:
+        lock.release()
 
 
 def _check_inputs(a: SimpleNamespace) -> None:
