@@ -17,7 +17,7 @@ from advisor.errors import UsageError
 from advisor.plan_file import (DEFAULT_CHECKPOINT_WRITE_GBS, DEFAULT_MTBF_HOURS, Plan, PlanAssumptions, PlannedLayout,
                                StagePlan)
 from advisor.profile import ClusterProfile
-from advisor.specs import (MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, GiB, HardwareSpec, Layout, ModelSpec,
+from advisor.specs import (MAX_BATCH, MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, GiB, HardwareSpec, Layout, ModelSpec,
                            check_number, check_seq_fits)
 from advisor.task import TaskSpec
 from planner.explain import why
@@ -136,6 +136,16 @@ def _shape(opts: PlanOptions, devices: int) -> tuple[int, int]:
         only = seqs.pop()
         return only, stage_global_batch(batch, seq, only)
     return seq, batch
+
+
+def _check_batch_fits_a_layout(opts: PlanOptions, devices: int, batch: int) -> None:
+    """One line where no layout can hold the global batch: every device's micro-batches of at most
+    `max_micro_batch` sequences, at most MAX_BATCH of them per step (the spec's bound)."""
+    most = devices * opts.space.max_micro_batch * MAX_BATCH
+    if batch > most:
+        raise UsageError(f"global batch {batch:,} needs more than {MAX_BATCH:,} accumulation steps of "
+                         f"{opts.space.max_micro_batch} sequences on each of {devices:,} devices: give a smaller "
+                         "--global-batch or more devices")
 
 
 def default_global_batch(devices: int, seq: int) -> int:
@@ -353,6 +363,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     opts = _with_fix(opts)
     check_plan_numbers(opts)
     seq, batch = _shape(opts, devices)
+    _check_batch_fits_a_layout(opts, devices, batch)
     methods = _methods(opts)
     _check_fix(opts, devices, hw, seq, batch, methods)
     capacity = hw.usable_bytes * (1 - opts.memory_margin)

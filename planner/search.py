@@ -42,7 +42,7 @@ import numpy as np
 from advisor.errors import UsageError
 from advisor.capabilities import runnable_problem
 from advisor.layout_rules import layout_problem, pipeline_problem, tensor_parallel_problem, tp_crosses_nodes
-from advisor.specs import MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, HardwareSpec, Layout, ModelSpec
+from advisor.specs import MAX_BATCH, MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, HardwareSpec, Layout, ModelSpec
 from planner.cost_model import (
     Placement,
     StageTime,
@@ -176,6 +176,8 @@ def _candidate_shapes(trace: ModelTrace, req: PlanRequest, method: str, runs) ->
             per_replica = req.global_batch // dp
             for mbs in _divisors(per_replica, space.max_micro_batch):
                 gas = per_replica // mbs
+                if gas > MAX_BATCH:  # more micro-steps than a layout may hold (advisor.specs MAX_BATCH)
+                    continue
                 vpps = [1] + [v for v in range(2, space.max_vpp + 1)
                               if pp > 1 and not pipeline_problem(pp, v, gas, None, trace.num_layers)]
                 for vpp, sp in itertools.product(vpps, space.sequence_parallel):

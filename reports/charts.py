@@ -218,9 +218,10 @@ def loss_chart(steps: list[int], losses: list[float], stages: list[str], spikes:
         finite = [v for v in losses + [v for _, v in spikes] if math.isfinite(v) and v > 0]
         if finite and max(finite) / min(finite) > 20:
             ax.set_yscale("log")
-            # the data's own decades: left to itself, a log axis over zeros beside a 1e265 loss spike
-            # reached past float range and its tick locator overflowed (found by test_report_extremes)
-            ax.set_ylim(min(finite) / 2, min(max(finite) * 2, 1e300))
+            # the data's own decades, within 1e-30..1e30 (a loss beyond is off the chart, in the tables):
+            # left to itself, a log axis over zeros beside a 1e265 spike, or from 1e-12 to 1e300, reached
+            # past float range and its tick locator overflowed (found by test_report_extremes)
+            ax.set_ylim(max(min(finite) / 2, 1e-30), min(max(finite) * 2, 1e30))
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("training loss")
         ax.set_title("loss per stage", loc="left")
