@@ -72,3 +72,16 @@ def test_the_lock_is_the_kernels_and_each_node_holds_its_own(tmp_path: Path) -> 
     again = RunDirLock.take(tmp_path, node_rank=0)  # released: free again, no stale file to clean
     again.release()
     other_node.release()
+
+
+def test_advisor_run_takes_the_same_lock(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+
+    held = RunDirLock.take(tmp_path / "run")
+    try:
+        done = CliRunner().invoke(app, ["run", "--out", str(tmp_path / "run"), "--verify", "0"])
+    finally:
+        held.release()
+    assert done.exit_code == 2 and f"pid {os.getpid()}" in done.output, done.output

@@ -86,5 +86,11 @@ def _run(options, as_json: bool) -> dict:
         if not as_json:
             render_verification(verification)
 
-    with RunProgress(console, enabled=not as_json, title="advisor run") as progress:
-        return run_chain(options, say, show, progress)
+    from trainer.run_lock import RunDirLock  # deferred, as above
+
+    lock = RunDirLock.take(options.out)  # one launch per run dir, as `advisor train` holds it
+    try:
+        with RunProgress(console, enabled=not as_json, title="advisor run") as progress:
+            return run_chain(options, say, show, progress)
+    finally:
+        lock.release()
