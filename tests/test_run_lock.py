@@ -85,3 +85,17 @@ def test_advisor_run_takes_the_same_lock(tmp_path: Path) -> None:
     finally:
         held.release()
     assert done.exit_code == 2 and f"pid {os.getpid()}" in done.output, done.output
+
+
+def test_train_checks_the_nodes_flags_as_profile_does(tmp_path: Path) -> None:
+    """Multi-node flags are checked before anything starts (issue 31, finding 6): one line, exit 2."""
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+
+    plan = make_plan_file(tmp_path)
+    for flags, said in ((["--nnodes", "2", "--node-rank", "5"], "--node-rank must be within 0-1"),
+                        (["--master-port", "70000"], "--master-port must be within")):
+        done = CliRunner().invoke(app, ["train", str(plan), "--out", str(tmp_path / "run"), *flags])
+        assert done.exit_code == 2 and said in done.output, done.output
+        assert not (tmp_path / "run").exists()  # refused before the run dir is made

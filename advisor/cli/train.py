@@ -21,6 +21,7 @@ from advisor.capabilities import config_shape, runnable_problem, ENGINE_CHOICES
 from advisor.plan_file import Plan, load_plan
 from advisor.specs import check_number
 from advisor.task import MAX_EPOCHS
+from profiler.cluster import cluster_options
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.options import TrainOptions
 from trainer.run_identity import move_in_the_way_aside, refuse_or_move_aside, restarted
@@ -128,6 +129,8 @@ def _check_inputs(a: SimpleNamespace) -> None:
     if not a.dry_run and not a.launched:
         check_out_folder(a.out)
         load_plan(a.plan_file)  # read again by the run: milliseconds
+        # the nodes' flags checked as `advisor profile` checks them, before anything starts
+        cluster_options(a.nnodes, a.node_rank, a.master_addr, a.master_port, a.timeout_s)
 
 
 def _json_needs_dry_run() -> None:
