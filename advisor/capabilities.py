@@ -20,8 +20,6 @@ from advisor.errors import UsageError
 from advisor.layout_rules import ModelShape, layout_problem
 from advisor.specs import DTYPE_BYTES, Layout
 
-__all__ = ["FSDP_BF16", "MEGATRON", "PURE16_PLAIN", "EngineName", "runs_as", "traits"]  # declared beside
-
 EngineChoice = Literal["auto", "deepspeed", "fsdp2"]
 ENGINE_CHOICES: tuple[str, ...] = ("auto", "deepspeed", "fsdp2")
 

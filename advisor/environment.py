@@ -7,12 +7,12 @@ purpose. A value that does not parse is refused in one line (exit 2), never a tr
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Literal
 
 from advisor.errors import UsageError
+from advisor.specs import check_number
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,5 @@ def read_seconds(name: str) -> float:
         value = float(text) if text else 0.0
     except ValueError:
         raise UsageError(f"{name}={text!r}: expected a number of seconds") from None
-    if not math.isfinite(value) or value < 0:
-        raise UsageError(f"{name}={text!r}: expected a finite, non-negative number of seconds")
+    check_number(value, name, ge=0)
     return value

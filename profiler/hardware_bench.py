@@ -413,32 +413,36 @@ def bench_host_device(device: torch.device, nbytes: int, budget_s: float) -> dic
 def bench_cpu_adam(shapes: list[tuple[int, ...]], budget_s: float) -> dict[str, Any]:
     """AdamW steps (single-tensor, as our DeepSpeed configs' `torch_adam` and plain CPU training
     run it) over fp32 parameters of the given shapes, on the host. Parameters per second."""
-    params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=False)
-    optimizer.step()  # creates the states
-    count = sum(p.numel() for p in params)
-    timing = Repeater(budget_s=budget_s).run(_timed(optimizer.step, torch.device("cpu")))
-    return {"params": count, "tensors": len(params), "params_per_s": count / timing.median_s,
-            **timing.__dict__}
+    params = _host_parameters(shapes)
+    return _optimizer_rate(params, torch.optim.AdamW(params, lr=1e-4, foreach=False), budget_s)
 
 
 def bench_deepspeed_cpu_adam(shapes: list[tuple[int, ...]], budget_s: float) -> dict[str, Any]:
     """DeepSpeed's vectorised host Adam (`DeepSpeedCPUAdam`, AdamW mode), what our DeepSpeed engine
     runs on a GPU machine with optimizer offload (trainer/engines/deepspeed_zero.py: `torch_adam` only
-    on a CPU), over fp32 parameters of the given shapes. None where its native op cannot be loaded or
-    built (no compiler): the offload then has no measured rate, and the caller says so. Here it ran
+    on a CPU), over fp32 parameters of the given shapes. Where its native op cannot be loaded or built
+    (no compiler), the result is `{"error": why}`: the offload then has no measured rate. Here it ran
     10x faster than torch's single-tensor AdamW (0.53e9 against 0.054e9 params/s), so pricing an
     offloaded step at torch's rate would be far off (issue 29: an H200's offload step)."""
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
-        params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+        params = _host_parameters(shapes)
         optimizer = DeepSpeedCPUAdam(params, lr=1e-4, adamw_mode=True)
     except Exception as exc:  # ImportError, a failed JIT build (CalledProcessError, RuntimeError), ...
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]}
+    return _optimizer_rate(params, optimizer, budget_s)
+
+
+def _host_parameters(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
+    """fp32 parameters of these shapes on the host, each with a gradient."""
+    params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p)
+    return params
+
+
+def _optimizer_rate(params: list[torch.nn.Parameter], optimizer: Any, budget_s: float) -> dict[str, Any]:
+    """Parameters per second of `optimizer.step()` over `params`, its states created first."""
     optimizer.step()  # creates the states
     count = sum(p.numel() for p in params)
     timing = Repeater(budget_s=budget_s).run(_timed(optimizer.step, torch.device("cpu")))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from advisor.capabilities import PURE16_PLAIN
+from advisor.engine_traits import PURE16_PLAIN
 from advisor.specs import ModelSpec, resolve_layout
 from bench.gpu_check import LLAMA_1B
 from planner.cost_model import estimate
