@@ -358,3 +358,18 @@ def test_a_failing_rank_brings_the_other_node_down_within_the_timeout_with_its_e
     assert nodes[0].returncode != 0, other_err[-2000:]
     assert time.time() - failed_at < timeout_s + 30
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1]
+
+
+def test_a_node_that_never_joins_fails_the_rendezvous_within_timeout_s_naming_it(tmp_path) -> None:
+    """Issue 31 finding 6: torchrun's static rendezvous waited its own 600 s for a missing node
+    whatever --timeout-s said; now node 0 alone gives up after --timeout-s, in one line."""
+    plan = make_plan_file(tmp_path, steps=2, layout_fields={"dp": 2, "mbs": 1, "gas": 2, "zero": 0})
+    timeout_s, started = 4, time.time()
+    alone = subprocess.run([sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(tmp_path / "run"),
+                            "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                            "--master-port", str(_free_port()), "--timeout-s", str(timeout_s)],
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2, alone.stderr[-2000:]
+    assert "rendezvous timed out" in alone.stderr and "1 of 2 nodes joined" in alone.stderr
+    assert "Traceback" not in alone.stderr
+    assert time.time() - started < timeout_s + 40  # interpreter, torch and torchrun's start on 2 loaded cores

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,6 +37,8 @@ from trainer.options import WORKER_LOG_ENV, TrainOptions, train_argv
 from trainer.run_lock import die_with_parent
 
 DEFAULT_PORT = 29513
+_RENDEZVOUS_TIMEOUT = re.compile(r"Timed out after (?P<seconds>\d+) seconds waiting for clients\. "
+                                 r"(?P<joined>\d+)/(?P<nodes>\d+) clients joined")
 
 
 def launch_command(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOptions, nproc: int,
@@ -43,6 +47,9 @@ def launch_command(plan: Plan, plan_path: Path, out: Path, resume: bool, options
     override the plan file's); its agent dies with this process (trainer/agent.py)."""
     command = [sys.executable, "-m", "trainer.agent", str(os.getpid()), f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
                f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}",
+               # the nodes' rendezvous waits --timeout-s for a missing node, as the process group does
+               # for a dead rank (torchrun's static rendezvous otherwise waits 600 s)
+               f"--rdzv-conf=timeout={math.ceil(options.timeout_s)}",
                "-m", "advisor.cli", "train", str(plan_path), "--out", str(out), "--launched", *train_argv(options),
                "--engine", plan.engine]
     if resume:
@@ -130,7 +137,14 @@ def _worker_error(offset: int) -> str:
         log.seek(offset)
         lines = log.read().decode("utf-8", errors="replace").splitlines()
     errors = [line.strip() for line in lines if line.startswith(("error:", "internal error:"))]
-    return f": {errors[0]}" if errors else ""
+    if errors:
+        return f": {errors[0]}"
+    missing = next((m for m in map(_RENDEZVOUS_TIMEOUT.search, lines) if m), None)
+    if missing:  # torchrun's own agent failed before any worker started: nodes that never joined
+        return (f": the nodes' rendezvous timed out after {missing['seconds']} s with {missing['joined']} of "
+                f"{missing['nodes']} nodes joined (start advisor train on every node with the same --master-addr "
+                f"and --master-port, or raise --timeout-s)")
+    return ""
 
 
 def _single_process_group_env() -> None:
