@@ -131,6 +131,18 @@ class SizeCurve(BaseModel):
         return self.relative[-1]
 
 
+class PresetCheck(BaseModel):
+    """How far a hardware preset's prices were off where they were held against measured runs: the
+    plan says so when it is priced on the preset rather than on a profile of the machine."""
+
+    model_config = SPEC_CONFIG
+
+    against: str = Field(description="what the preset was checked against")
+    rows: int = Field(ge=1, le=100_000, description="measured runs compared")
+    median_abs_error: float = Field(ge=0, le=100, description="median |predicted/measured - 1| of throughput")
+    worst_error: float = Field(ge=-1, le=100, description="the signed error of the worst row")
+
+
 class Efficiency(BaseModel):
     """Fractions of datasheet peak that real kernels reach (the cost model's calibration knobs)."""
 
@@ -224,6 +236,9 @@ class HardwareSpec(BaseModel):
         "`efficiency.gemm`, one per SM at a time; used with sm_count")
     efficiency: Efficiency = Field(default_factory=Efficiency)
     source: str = Field("preset", description="'preset' or the profile file it was measured into")
+    checked: PresetCheck | None = Field(
+        None, description="a preset's record against measured runs (None: never checked); plans priced on the "
+        "preset quote it")
     assumed: dict[str, str] = Field(
         default_factory=dict, description="figures of a measured profile that were not measured here: "
         "field -> where the value comes from (e.g. inter-node figures of a one-node profile)")

@@ -20,7 +20,7 @@ from advisor.profile import ClusterProfile
 from advisor.specs import (MAX_BATCH, MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, GiB, HardwareSpec, Layout, ModelSpec,
                            check_number, check_seq_fits)
 from advisor.task import TaskSpec
-from planner.explain import why
+from planner.explain import preset_note, why
 from planner.fix import REQUEST_KEYS, check_fix, describe
 from planner.granularity import restage
 from planner.memory import HOST_MEMORY_USABLE
@@ -415,6 +415,7 @@ def make_plan(opts: PlanOptions) -> Plan:
         notes.append(f"fixed by --fix: {describe(opts.fix)}")
     runnable_here = _runnable_only(opts)
     notes += _engine_notes(opts, planned, hw)
+    notes += [note] if (note := preset_note(measured_hw)) else []
     plan = Plan(model=opts.model, hardware=hw, nodes=nodes, gpus_per_node=per_node, objective=opts.objective,  # type: ignore[arg-type]
                 min_compute_fraction=opts.min_compute_fraction, chosen=planned[0], alternatives=planned[1:],
                 task=opts.task, notes=notes, runnable_here=runnable_here, priced_engine=opts.priced_engine,

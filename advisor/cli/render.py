@@ -9,7 +9,7 @@ from typing import Any
 from rich.table import Table
 
 from advisor.cli.common import console
-from advisor.specs import Estimate, GiB
+from advisor.specs import Estimate, GiB, Layout
 from profiler.stragglers import pace, straggles
 
 
@@ -65,15 +65,28 @@ def render_estimate(result: Estimate, min_compute_fraction: float) -> None:
         console.print(f"note: {note}", style="dim")
 
 
+def table_layout(layout: Layout, shared: tuple[str, ...]) -> str:
+    """A layout for a table cell: every key that differs from its default (tp, pp 1, ZeRO 0, no
+    recomputation) and is not `shared` by every row (named in the title instead), ", "-separated so
+    that a narrow console wraps the cell instead of cutting it."""
+    defaults = {"tp=1", "pp=1", "zero=0", "recompute=none", *shared}
+    return ", ".join(kv for kv in layout.short().split(",") if kv not in defaults)
+
+
 def render_plan(result) -> None:
+    planned = [result.chosen, *result.alternatives]
+    shared = tuple(kv for kv in planned[0].layout.short().split(",") if kv.startswith(("dtype=", "seq="))
+                   and all(kv in p.layout.short().split(",") for p in planned))
     table = Table(title=f"plans for {result.model.name} on {result.nodes} x {result.gpus_per_node} "
-                        f"{result.hardware.name} (best first)", title_justify="left")
+                        f"{result.hardware.name}, {' '.join(shared)} (best first)", title_justify="left")
     for column in ("#", "layout", "peak GiB", "step", "tokens/s", "MFU", "compute"):
-        table.add_column(column, justify="left" if column == "layout" else "right")
-    for i, p in enumerate([result.chosen, *result.alternatives], 1):
+        table.add_column(column, justify="left" if column == "layout" else "right",
+                         overflow="fold" if column == "layout" else "ellipsis", min_width=20 if column == "layout" else None,
+                         no_wrap=column != "layout")
+    for i, p in enumerate(planned, 1):
         e = p.estimate
         flag = "" if p.meets_compute_rule else " [yellow]<rule[/yellow]"
-        table.add_row(str(i), p.layout.short(), format_gib(e.memory.peak), format_seconds(e.time.step_s),
+        table.add_row(str(i), table_layout(p.layout, shared), format_gib(e.memory.peak), format_seconds(e.time.step_s),
                       f"{e.throughput.tokens_per_s:,.0f}", f"{100 * e.throughput.mfu:.0f}%",
                       f"{100 * e.compute_fraction:.0f}%{flag}")
     console.print(table)
