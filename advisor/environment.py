@@ -54,3 +54,16 @@ def read_seconds(name: str) -> float:
         raise UsageError(f"{name}={text!r}: expected a number of seconds") from None
     check_number(value, name, ge=0)
     return value
+
+
+def whole_number(name: str, least: int = 0, most: int = 1_000_000) -> int | None:
+    """A launcher's variable (Slurm's, torchrun's) holding a whole number in [least, most]; None when unset
+    or empty. Anything else is refused in one line naming it: guessing would put a rank on the wrong
+    node or resume a run by mistake."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    if not (text.isascii() and text.isdigit()) or not least <= int(text) <= most:
+        raise UsageError(f"environment variable {name}={text[:40]!r}: expected a whole number from {least} to "
+                         f"{most} (it is set by the launcher; unset it to run outside one)")
+    return int(text)

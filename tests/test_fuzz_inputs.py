@@ -33,7 +33,7 @@ from planner.plan import PlanOptions, make_plan
 from presets import PRESETS_DIR, load_hardware, load_hardware_file, load_model, load_task
 
 def fuzz(examples: int) -> settings:
-    return settings(max_examples=examples, deadline=None, database=None,
+    return settings(max_examples=examples, deadline=dt.timedelta(seconds=10), database=None,  # every case bounded
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
 runner = CliRunner()

@@ -17,12 +17,12 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import os
 import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
+from advisor import environment
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
 from advisor.specs import Layout
@@ -85,15 +85,9 @@ def restarted() -> bool:
 
 
 def _restart_count(name: str) -> int:
-    """A restart counter from the environment; a value that is not a whole number is refused in one line
-    (guessing either way would resume a run by mistake or start one over it)."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return 0
-    if not value.isdigit():  # isdigit: no sign, no spaces, no "1_0"
-        raise UsageError(f"environment variable {name}={value!r}: must be a whole number (unset it, or 0 for a "
-                         "first start)")
-    return int(value)
+    """A restart counter from the environment (0 when unset); a value that is not a whole number is
+    refused in one line (guessing either way would resume a run by mistake or start one over it)."""
+    return environment.whole_number(name) or 0
 
 
 def read_run(run_dir: Path) -> dict[str, Any] | None:

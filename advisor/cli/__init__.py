@@ -7,6 +7,8 @@ Set ADVISOR_DEBUG=1 to see tracebacks of unexpected errors.
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from advisor.cli import curriculum, data, estimate, plan, presets, profile, report, run, train
@@ -17,6 +19,18 @@ app = typer.Typer(
     rich_markup_mode="rich",
     help="Plan, run and report task-split LLM training: will it fit, how fast, on what hardware.",
 )
+
+
+@app.callback()
+def _sane_terminal_size() -> None:
+    """rich sizes every print from COLUMNS and LINES: a value that is no size (huge, zero, words) would
+    end the first print in a traceback, so it is dropped and the console measures the terminal."""
+    for name in ("COLUMNS", "LINES"):
+        value = os.environ.get(name, "").strip()
+        if value and not (value.isascii() and value.isdigit() and 1 <= int(value) <= 10_000):
+            del os.environ[name]
+
+
 app.command()(presets.presets)
 app.command(help=estimate.HELP)(estimate.estimate)
 app.command()(plan.plan)

@@ -53,6 +53,17 @@ def exit_on_error(action: Callable[[], Any]) -> Any:
         raise typer.Exit(1) from None
 
 
+def check_run_dir(out: Path, flag: str = "--out") -> None:
+    """A run dir of `advisor train`/`run`: an output folder (`check_out_folder`) that is neither the
+    current folder nor one above it, which a later run would move aside with everything in it (an
+    empty --out is the current folder)."""
+    resolved, here = out.resolve(), Path.cwd().resolve()
+    if resolved == here or resolved in here.parents:
+        raise UsageError(f"{flag} {str(out) or repr('')}: the current folder, or one above it, cannot be a run "
+                         f"dir (a later run moves it aside whole); name a folder inside it, e.g. {flag} runs/mine")
+    check_out_folder(out, flag)
+
+
 def check_out_folder(out: Path, flag: str = "--out") -> None:
     """An output folder the command may create or use: refused in one line when it, or a folder on its
     way, is a file (mkdir would fail with a traceback, or the run would write beside the user's file)."""

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from advisor.cli.common import check_out_folder, console, err_console, exit_on_error
+from advisor.cli.common import check_run_dir, console, err_console, exit_on_error
 from advisor.cli.progress import RunProgress
 from advisor.cli.quiet import log_path, quiet_console
 from advisor.cli.render import format_seconds, render_verification, stage_results_lines
@@ -46,7 +46,7 @@ def run_all(
     """Profile, plan, verify, train, feed back and report in one command. With no options: the
     embedded demo (demo-tiny on a generated curriculum: language, arithmetic, instructions, then
     a mixed stage)."""
-    exit_on_error(lambda: check_out_folder(out))  # before quiet_console makes out/logs/ in it
+    exit_on_error(lambda: check_run_dir(out))  # before quiet_console makes out/logs/ in it
     # before the deferred import below, so that its warnings go to the log as well
     with quiet_console(out, verbose) as terminal:
         from advisor.cli.run_chain import RunOptions  # deferred: imports torch/deepspeed (2.6 s)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from advisor.cli.common import check_out_folder, console, exit_on_error
+from advisor.cli.common import check_run_dir, console, exit_on_error
 from advisor.cli.data import require_data_extra
 from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.cli.quiet import log_path, quiet_console
@@ -127,7 +127,7 @@ def _check_inputs(a: SimpleNamespace) -> None:
     check_number(a.clip, "--clip", gt=0, le=1e6)
     check_number(a.spike_lr_factor, "--spike-lr-factor", gt=0, le=1)
     if not a.dry_run and not a.launched:
-        check_out_folder(a.out)
+        check_run_dir(a.out)
         load_plan(a.plan_file)  # read again by the run: milliseconds
         # the nodes' flags checked as `advisor profile` checks them, before anything starts
         cluster_options(a.nnodes, a.node_rank, a.master_addr, a.master_port, a.timeout_s)
