@@ -23,10 +23,11 @@ from planner.plan import PlanOptions, make_plan
 from presets import load_model
 from profiler.hardware_bench import SLOW_RANKS_ENV
 from profiler.ranks import free_port
+from profiler.stragglers import DEFAULT_THRESHOLD
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
-SLOWDOWN = 10.0  # node 1's GEMM and memory samples last 10x longer: a 2x margin survives a noisy neighbour
+SLOWDOWN = 4.0  # node 1's GEMM and memory samples last 4x longer (issue 31 restored it from 10x)
 SMALL, LARGE = 4 << 10, 32 << 20  # the smallest and largest --quick collective sizes
 
 
@@ -111,7 +112,9 @@ def test_two_nodes_profile_the_links_and_name_the_injected_straggler(tmp_path: P
 
     # the straggler: named in the profile and on node 0's console, and the hardware prices it
     fast, slow = cluster.devices
-    assert slow.gemm_tflops["fp32"] < fast.gemm_tflops["fp32"] / 2
+    # below the product's own straggler rule (20% under the median), not a stricter 2x: CI once measured
+    # 1.98x at 4x, its "fast" node slowed by a neighbour; the rule keeps a 3.2x margin for such noise
+    assert slow.gemm_tflops["fp32"] < fast.gemm_tflops["fp32"] * (1 - DEFAULT_THRESHOLD)
     named = {(s.name, s.figure) for s in cluster.stragglers}
     assert ("n1d0", "gemm/fp32") in named and ("n1d0", "memory_bandwidth") in named
     assert not [s for s in cluster.stragglers if s.name == "n0d0"]
