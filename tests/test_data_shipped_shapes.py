@@ -445,8 +445,8 @@ def test_a_row_the_chat_template_raises_on_is_refused_naming_the_row(tmp_path, t
 
 
 def test_a_one_stage_plan_reads_registry_datasets_concatenated(tmp_path, tokenizer_dir) -> None:
-    """What `advisor train --data data/dataset_info.json --dataset a --dataset b` would call: one stage
-    over both datasets, each weighed by the sequences it packs into (LLaMA-Factory concatenates)."""
+    """What `advisor train --data data/dataset_info.json --dataset a,b` calls: one stage over both
+    datasets, each weighed by its share of the sequences they pack into (LLaMA-Factory concatenates)."""
     from advisor.plan_file import load_plan
     from typer.testing import CliRunner
 
@@ -471,7 +471,7 @@ def test_a_one_stage_plan_reads_registry_datasets_concatenated(tmp_path, tokeniz
         update={"tokenizer": str(tokenizer_dir)})})
     tokenizer = tokenizer_for(task, "tiny", 512)
     counts = [len(load_rows(s, task, tokenizer, 512, None)) for s in sources]
-    assert [s.weight for s in sources] == [float(n) for n in counts] and counts[0] != counts[1]
+    assert [s.weight for s in sources] == pytest.approx([n / sum(counts) for n in counts]) and counts[0] != counts[1]
     assert one_stage.stages[0].steps == -(-sum(counts) * 512 // (512 * 2))  # one pass, in whole steps
 
 
@@ -486,7 +486,7 @@ def test_advisor_train_hands_dataset_names_to_the_one_stage_plan(tmp_path, monke
 
     seen = []
 
-    def one_stage_plan(plan, data, run_dir, steps, tokens, epochs=None, weights=None, datasets=None):
+    def one_stage_plan(plan, data, run_dir, steps, tokens, epochs=None, weights=None, datasets=None, reading=None):
         seen.append((Path(data).name, datasets))
         raise UsageError("stopped here by the test")
 
