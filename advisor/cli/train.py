@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from advisor.cli import data_reading
 from advisor.cli.common import check_out_folder, console, exit_on_error
 from advisor.cli.data import require_data_extra
 from advisor.cli.progress import RunProgress, training_estimate_s
@@ -23,7 +24,7 @@ from advisor.specs import check_number
 from advisor.task import MAX_EPOCHS
 from profiler.cluster import cluster_options
 from trainer.data.demo_corpus import ensure_generated_data
-from trainer.data.mixing import Reading, check_mix, parse_probabilities
+from trainer.data.mixing import Reading
 from trainer.options import TrainOptions
 from trainer.run_identity import move_in_the_way_aside, refuse_or_move_aside, restarted
 
@@ -57,17 +58,10 @@ def train(
                                         "datasets: list (alpaca, chat_template, completion) it trains"),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="with --data DIR/dataset_info.json (LLaMA-Factory's "
                                           "registry): the datasets to train on, NAME[,NAME...], concatenated"),
-    mix: str = typer.Option("concat", "--mix", help="how several datasets of --data mix: concat (every row once per "
-                            "pass, as LLaMA-Factory and Axolotl do), interleave (each sequence from dataset i with "
-                            "probability --mix-probs; one pass ends when the first runs out; also interleave_under) "
-                            "or interleave_over (when the last runs out)"),
-    mix_probs: Optional[str] = typer.Option(None, "--mix-probs", help="with --mix interleave: P,P,... one per dataset "
-                                            "in order, summing to 1 (default: equal)"),
-    train_on_prompt: bool = typer.Option(False, "--train-on-prompt", help="a plan without a task: loss on every "
-                                         "token, prompts included (LLaMA-Factory's train_on_prompt, Axolotl's "
-                                         "train_on_inputs)"),
-    mask_history: bool = typer.Option(False, "--mask-history", help="a plan without a task: train only the last "
-                                      "answer of each multi-turn row (LLaMA-Factory's mask_history)"),
+    mix: str = data_reading.MIX,
+    mix_probs: Optional[str] = data_reading.MIX_PROBS,
+    train_on_prompt: bool = data_reading.TRAIN_ON_PROMPT,
+    mask_history: bool = data_reading.MASK_HISTORY,
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="a plan without a task: optimizer steps of "
                                         "the plan's global batch (default: one pass over --data)"),
     tokens: Optional[int] = typer.Option(None, "--tokens", min=1, help="a plan without a task: tokens to train on, "
@@ -139,7 +133,7 @@ def _check_inputs(a: SimpleNamespace) -> None:
     check_number(a.timeout_s, "--timeout-s", ge=1, le=MAX_TIMEOUT_S)
     check_number(a.clip, "--clip", gt=0, le=1e6)
     check_number(a.spike_lr_factor, "--spike-lr-factor", gt=0, le=1)
-    _reading(a)
+    data_reading.reading(a)
     if not a.dry_run and not a.launched:
         check_out_folder(a.out)
         load_plan(a.plan_file)  # read again by the run: milliseconds
@@ -174,11 +168,11 @@ def _run(a: SimpleNamespace) -> dict | None:
         _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
             (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights,
-                                                      a.dataset, _reading(a)), out / "plan.yaml")
+                                                      a.dataset, data_reading.reading(a)), out / "plan.yaml")
         elif a.steps is not None or a.tokens is not None:
             raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
                              "its stages")
-        elif _reading(a) != Reading():
+        elif data_reading.reading(a) != Reading():
             raise UsageError("--mix, --mix-probs, --train-on-prompt and --mask-history read the --data of a plan "
                              "made without --task; a task's sources set weight, train_on_prompt and mask_history")
     options = TrainOptions(seed=a.seed, clip=a.clip, keep_checkpoints=a.keep_checkpoints,
@@ -211,15 +205,6 @@ def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched:
     if data is not None and plan.task is not None and not launched:
         require_data_extra("advisor train --data (prepared shards)")
     return plan
-
-
-def _reading(a: SimpleNamespace) -> Reading:
-    """How --data's datasets are read (--mix, --mix-probs, --train-on-prompt, --mask-history), checked."""
-    probs = parse_probabilities(a.mix_probs)
-    check_mix(a.mix, probs, a.epochs)
-    if a.train_on_prompt and a.mask_history:  # LLaMA-Factory refuses the pair too
-        raise UsageError("--train-on-prompt (every token) and --mask-history (the last answer only) exclude each other")
-    return Reading(a.mix, tuple(probs) if probs else None, a.train_on_prompt, a.mask_history)
 
 
 def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, tokens: int | None,
