@@ -20,13 +20,15 @@ are refused: training is text-only.
 Field names can be overridden per source (``fields: {prompt: question}``). The loss is on the
 answers only: prompt, system and user tokens carry label -100, assistant and completion tokens (and
 the end-of-turn or end-of-text token that closes them) carry their own id; an assistant turn that
-calls a function is an answer too. A source's `LossRule` changes that as LLaMA-Factory and Axolotl
-do: `train_on_prompt` trains every token, `mask_history` only a row's last trained turn, and
-`roles_to_train` the turns of other roles too (a turn's content and its end-of-turn token; its
-header is what the template renders for the role with empty content). A chat is rendered incrementally: the tokens of an assistant
+calls a function is an answer too. A chat is rendered incrementally: the tokens of an assistant
 turn are those the template adds between the conversation before it (through the generation
 prompt) and the conversation through it, so they are exactly what the template makes of that
 turn, end-of-turn token included.
+
+A source's `LossRule` changes which tokens train, as LLaMA-Factory and Axolotl do:
+`train_on_prompt` every token, `mask_history` only a row's last trained turn, `roles_to_train` the
+turns of other roles too (a turn's content and its end-of-turn token: its header is what the
+template renders for the role with empty content).
 """
 
 from __future__ import annotations
