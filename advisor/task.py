@@ -133,6 +133,11 @@ class DataSource(BaseModel):
     text_field: str = "text"
     weight: float = Field(1.0, gt=0, le=1e6, description="mixture weight within the stage")
     domain: str | None = None
+    # which tokens a supervised row trains (LLaMA-Factory's and Axolotl's switches of the same names)
+    train_on_prompt: bool = Field(False, description="loss on every token, prompts and system included")
+    mask_history: bool = Field(False, description="a multi-turn row trains only its last answer")
+    roles_to_train: Optional[list[str]] = Field(
+        None, min_length=1, description="the chat roles whose turns are trained (default: assistant)")
     # data preparation (optional): per-source overrides and the selection of rows for this stage
     filters: Optional[QualityFilters] = Field(None, description="overrides of the stage's filters")
     domain_field: Optional[str] = Field(None, description="row field holding the domain (default: `domain`)")
@@ -153,6 +158,13 @@ class DataSource(BaseModel):
         if isinstance(data, dict) and not data.get("format") and data.get("text_field", "text") != "text":
             data = {**data, "format": "text"}
         return data
+
+    @model_validator(mode="after")
+    def _one_loss_rule(self) -> "DataSource":
+        if self.train_on_prompt and self.mask_history:  # LLaMA-Factory refuses the pair too
+            raise ValueError(f"source {self.path}: mask_history (train the last answer only) and train_on_prompt "
+                             "(train every token) exclude each other")
+        return self
 
     def field_names(self) -> dict[str, str]:
         """The overridden field names, with `text_field` as the text format's `text`."""

@@ -32,7 +32,7 @@ TEMPLATE = (  # no whitespace control: the template string has no newlines of it
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-ANSWER = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>\n)", re.S)
+TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?<\|im_end\|>\n)", re.S)  # a turn's role, and its text after the header
 
 ALPACA = [  # alpaca_en_demo.json's shape
     {"instruction": "Name a primary colour.", "input": "", "output": "Red."},
@@ -106,12 +106,15 @@ def hf(tokenizer_dir):
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-def _truth(hf, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
-    """Ids of the rendered conversation and labels that train exactly each assistant block's text
-    after its header, through its <|im_end|> and newline, located in the rendered string."""
+def _truth(hf, messages: list[dict], tools: list[dict] | None = None, roles: tuple[str, ...] = ("assistant",),
+           last_only: bool = False) -> tuple[list[int], list[int]]:
+    """Ids of the rendered conversation and labels that train exactly each assistant block's (or
+    each block of `roles`; only the last with `last_only`) text after its header, through its
+    <|im_end|> and newline, located in the rendered string."""
     text = hf.apply_chat_template(messages, tools=tools, tokenize=False)
     encoded = hf(text, add_special_tokens=False, return_offsets_mapping=True)
-    spans = [match.span(1) for match in ANSWER.finditer(text)]
+    spans = [match.span(2) for match in TURN.finditer(text) if match.group(1) in roles]
+    spans = spans[-1:] if last_only else spans
     labels = [token if any(a <= start and end <= b for a, b in spans) else IGNORE
               for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"])]
     return encoded["input_ids"], labels
@@ -445,8 +448,8 @@ def test_a_row_the_chat_template_raises_on_is_refused_naming_the_row(tmp_path, t
 
 
 def test_a_one_stage_plan_reads_registry_datasets_concatenated(tmp_path, tokenizer_dir) -> None:
-    """What `advisor train --data data/dataset_info.json --dataset a --dataset b` would call: one stage
-    over both datasets, each weighed by the sequences it packs into (LLaMA-Factory concatenates)."""
+    """What `advisor train --data data/dataset_info.json --dataset a,b` calls: one stage over both
+    datasets, each weighed by its share of the sequences they pack into (LLaMA-Factory concatenates)."""
     from advisor.plan_file import load_plan
     from typer.testing import CliRunner
 
@@ -471,7 +474,7 @@ def test_a_one_stage_plan_reads_registry_datasets_concatenated(tmp_path, tokeniz
         update={"tokenizer": str(tokenizer_dir)})})
     tokenizer = tokenizer_for(task, "tiny", 512)
     counts = [len(load_rows(s, task, tokenizer, 512, None)) for s in sources]
-    assert [s.weight for s in sources] == [float(n) for n in counts] and counts[0] != counts[1]
+    assert [s.weight for s in sources] == pytest.approx([n / sum(counts) for n in counts]) and counts[0] != counts[1]
     assert one_stage.stages[0].steps == -(-sum(counts) * 512 // (512 * 2))  # one pass, in whole steps
 
 
@@ -486,7 +489,7 @@ def test_advisor_train_hands_dataset_names_to_the_one_stage_plan(tmp_path, monke
 
     seen = []
 
-    def one_stage_plan(plan, data, run_dir, steps, tokens, epochs=None, weights=None, datasets=None):
+    def one_stage_plan(plan, data, run_dir, steps, tokens, epochs=None, weights=None, datasets=None, reading=None):
         seen.append((Path(data).name, datasets))
         raise UsageError("stopped here by the test")
 
@@ -505,3 +508,340 @@ def test_advisor_train_hands_dataset_names_to_the_one_stage_plan(tmp_path, monke
     empty = CliRunner().invoke(app, ["train", str(plan), "--out", str(tmp_path / "run2"), "--data", str(registry),
                                      "--dataset", " , ", "--steps", "1"])
     assert empty.exit_code == 2 and "--dataset" in empty.output
+
+
+# -- which tokens train: train_on_prompt, mask_history, roles_to_train ---------------------------------
+
+
+MULTI_TURN = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+              {"role": "assistant", "content": "Green."}, {"role": "user", "content": "And now?"},
+              {"role": "assistant", "content": "Blue."}]
+
+
+@pytest.mark.parametrize("switches,truth", [
+    ({}, {}),
+    ({"mask_history": True}, {"last_only": True}),
+    ({"roles_to_train": ["user", "assistant"]}, {"roles": ("user", "assistant")}),
+    ({"roles_to_train": ["user", "assistant"], "mask_history": True}, {"roles": ("user", "assistant"),
+                                                                      "last_only": True}),
+])
+def test_a_sources_loss_switches_train_the_turns_they_name(tmp_path, tokenizer_dir, hf, switches, truth) -> None:
+    """A multi-turn alpaca row (history) and a tool-call row, read as the trainer reads a source with
+    LLaMA-Factory's mask_history or Axolotl's roles_to_train: the labels are the blocks the regex
+    finds in apply_chat_template's text (the last one only for mask_history)."""
+    (tmp_path / "alpaca.json").write_text(json.dumps(ALPACA[2:]))
+    (tmp_path / "glaive.json").write_text(json.dumps(GLAIVE[:1]))
+    for name, expected in [("alpaca.json", [_truth(hf, MULTI_TURN, **truth)]),
+                           ("glaive.json", [_truth(hf, GLAIVE_MESSAGES[0], GLAIVE_TOOLS, **truth)])]:
+        task, source = _source(tmp_path, name, tokenizer_dir, **switches)
+        tokenizer = tokenizer_for(task, "tiny", 512)
+        packed = load_rows(source, task, tokenizer, 512, None)
+        (ids, labels), = expected
+        assert packed.ids[0, :len(ids)].tolist() == ids
+        assert packed.labels[0, :len(ids)].tolist() == [IGNORE] + labels[1:], (name, switches)
+    if truth.get("last_only") and "roles" not in truth:
+        assert hf.decode([t for t in expected[0][1] if t != IGNORE]) == "It is 21 degrees in Paris.<|im_end|>\n"
+
+
+def test_train_on_prompt_trains_every_token_of_chat_and_plain_rows(tmp_path, tokenizer_dir, hf) -> None:
+    from trainer.data.formats import LossRule
+
+    every = LossRule(train_on_prompt=True)
+    ids, _ = _truth(hf, MULTI_TURN)
+    assert render_example(ALPACA[2], "alpaca", hf, rule=every) == (ids, ids)
+    plain = tmp_path / "plain"  # no chat template: alpaca rows are plain prompt + output
+    _tokenizer(plain)
+    (plain / "tokenizer_config.json").write_text(json.dumps(
+        {k: v for k, v in json.loads((plain / "tokenizer_config.json").read_text()).items() if k != "chat_template"}))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    from transformers import AutoTokenizer
+
+    bare = AutoTokenizer.from_pretrained(plain)
+    assert not bare.chat_template
+    text = "Reverse the word.\n\nstressed\n\ndesserts"
+    expected = bare(text, add_special_tokens=False)["input_ids"] + [bare.eos_token_id]
+    assert render_example(ALPACA[1], "alpaca", bare, rule=every) == (expected, expected)
+    prompt = len(bare("Reverse the word.\n\nstressed\n\n", add_special_tokens=False)["input_ids"])
+    assert render_example(ALPACA[1], "alpaca", bare)[1] == [IGNORE] * prompt + expected[prompt:]
+
+
+def test_train_on_prompt_and_mask_history_exclude_each_other(tmp_path) -> None:
+    with pytest.raises(ValueError, match="mask_history .* and train_on_prompt .* exclude each other"):
+        DataSource(path="x.json", train_on_prompt=True, mask_history=True)
+
+
+# -- Axolotl's datasets: block ------------------------------------------------------------------------
+
+
+AXOLOTL_CONFIG = """\
+base_model: ./weights
+train_on_inputs: false
+datasets:
+  - path: alpaca_en_demo.json
+    type: alpaca
+  - path: chats.jsonl
+    type: chat_template
+    field_messages: conversations
+    message_property_mappings:
+      role: from
+      content: value
+    roles_to_train: [assistant]
+  - path: notes.jsonl
+    ds_type: json
+    type: completion
+    field: body
+"""
+NOTES = [{"body": f"Note {i}: the river runs past the old mill and into the lake. " * 3} for i in range(6)]
+
+
+def _axolotl_files(folder: Path, copies: int = 1) -> Path:
+    (folder / "alpaca_en_demo.json").write_text(json.dumps(ALPACA * copies, indent=2))
+    (folder / "chats.jsonl").write_text("".join(json.dumps(row) + "\n" for row in GLAIVE * copies))
+    (folder / "notes.jsonl").write_text("".join(json.dumps(row) + "\n" for row in NOTES * copies))
+    config = folder / "axolotl.yml"
+    config.write_text(AXOLOTL_CONFIG)
+    return config
+
+
+def _alpaca_truth(hf) -> list[tuple[list[int], list[int]]]:
+    return [_truth(hf, [{"role": "user", "content": "Name a primary colour."},
+                        {"role": "assistant", "content": "Red."}]),
+            _truth(hf, [{"role": "user", "content": "Reverse the word.\n\nstressed"},
+                        {"role": "assistant", "content": "desserts"}]),
+            _truth(hf, MULTI_TURN)]
+
+
+def test_an_axolotl_datasets_block_reads_each_type_as_axolotl_means_it(tmp_path, tokenizer_dir, hf) -> None:
+    from trainer.data.axolotl import axolotl_sources
+
+    sources = axolotl_sources(_axolotl_files(tmp_path))
+    assert [(Path(s.path).name, s.format) for s in sources] == [
+        ("alpaca_en_demo.json", "alpaca"), ("chats.jsonl", "sharegpt"), ("notes.jsonl", "text")]
+    task = TaskSpec.model_validate({"name": "t", "base_dir": str(tmp_path), "data": {"tokenizer": str(tokenizer_dir)},
+                                    "stages": [{"name": "s", "tokens": 10,
+                                                "sources": [s.model_dump() for s in sources]}]})
+    tokenizer = tokenizer_for(task, "tiny", 512)
+    alpaca, chats, notes = task.stages[0].sources
+    assert _rendered(tmp_path, alpaca, tokenizer)[1] == _alpaca_truth(hf)
+    assert _rendered(tmp_path, chats, tokenizer)[1] == [_truth(hf, GLAIVE_MESSAGES[0], GLAIVE_TOOLS),
+                                                        _truth(hf, GLAIVE_MESSAGES[1])]
+    ids = [hf(row["body"], add_special_tokens=False)["input_ids"] + [hf.eos_token_id] for row in NOTES]
+    assert _rendered(tmp_path, notes, tokenizer)[1] == [(i, i) for i in ids]  # completion: every token
+
+
+def test_axolotl_roles_to_train_and_train_on_inputs(tmp_path, tokenizer_dir, hf) -> None:
+    from trainer.data.axolotl import axolotl_sources
+    from trainer.data.formats import LossRule
+
+    config = _axolotl_files(tmp_path)
+    config.write_text(AXOLOTL_CONFIG.replace("[assistant]", "[user, assistant]"))
+    chats = axolotl_sources(config)[1]
+    row = GLAIVE[0]
+    assert render_example(row, "sharegpt", hf, chats.field_names(), LossRule.of(chats)) == _truth(
+        hf, GLAIVE_MESSAGES[0], GLAIVE_TOOLS, roles=("user", "assistant"))
+    config.write_text(AXOLOTL_CONFIG.replace("train_on_inputs: false", "train_on_inputs: true"))
+    alpaca = axolotl_sources(config)[0]
+    ids, _ = _truth(hf, MULTI_TURN)
+    assert render_example(ALPACA[2], "alpaca", hf, alpaca.field_names(), LossRule.of(alpaca)) == (ids, ids)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (("type: alpaca", "type: sharegpt"), "type 'sharegpt' is not supported here (supported: alpaca, chat_template, "
+                                         "completion)"),
+    (("type: alpaca", "type: {field_instruction: q}"), "is not supported here (supported: alpaca, chat_template"),
+    (("path: alpaca_en_demo.json", "path: tatsu-lab/alpaca"), "tatsu-lab/alpaca not found (nothing is downloaded"),
+    (("ds_type: json", "shards: 4"), "'shards' is not read here"),
+    (("[assistant]", "[gpt]"), "roles_to_train should list some of system, user, assistant, tool"),
+    (("      content: value", "      content: value\n      weight: w"), "maps weight; only role and content"),
+    (("train_on_inputs: false", "train_on_inputs: false\nnothing: 1\n"), None),  # other top-level keys: not data
+])
+def test_axolotl_entries_this_trainer_cannot_honour_exit_2_in_one_line(tmp_path, edit, message) -> None:
+    """Through `advisor train`: an unsupported type, a hub dataset, a key not honoured is one line,
+    exit 2, before any training. Other top-level keys are not data: that config is read, and its
+    rows stop at the shipped demo-tiny tokenizer, which has no chat template for alpaca's history."""
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+
+    config = _axolotl_files(tmp_path)
+    config.write_text(AXOLOTL_CONFIG.replace(*edit))
+    plan = tmp_path / "plan.yaml"
+    made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                                    "--global-batch", "2", "--top", "1", "--out", str(plan)])
+    assert made.exit_code == 0, made.output
+    done = CliRunner().invoke(app, ["train", str(plan), "--out", str(tmp_path / "run"), "--data", str(config),
+                                    "--steps", "1"])
+    assert done.exit_code == 2, done.output
+    if message is None:
+        assert "alpaca_en_demo.json, row 3: field 'history' (earlier turns) needs a tokenizer with a chat " \
+            "template" in " ".join(done.output.split())
+    else:
+        assert message in " ".join(done.output.split()) and "Traceback" not in done.output
+
+
+# -- mixing several datasets ----------------------------------------------------------------------------
+
+
+def test_mixture_weights_and_one_pass_follow_concat_and_interleave() -> None:
+    from trainer.data.mixing import mixture
+
+    assert mixture("concat", None, [30, 10]) == ([30.0, 10.0], 40)
+    assert mixture("interleave", [0.7, 0.3], [30, 10]) == ([0.7, 0.3], 34)  # 10 / 0.3 = 33.3 draws: the second runs out
+    assert mixture("interleave_under", None, [30, 10]) == ([0.5, 0.5], 20)
+    assert mixture("interleave_over", [0.7, 0.3], [30, 10]) == ([0.7, 0.3], 43)  # 30 / 0.7 = 42.9
+    with pytest.raises(UsageError, match="gives 3 probabilities for 2 datasets"):
+        mixture("interleave", [0.2, 0.3, 0.5], [30, 10])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--mix", "zip"], "--mix zip: choose concat, interleave, interleave_under, interleave_over"),
+    (["--mix-probs", "0.5,0.5"], "--mix-probs goes with --mix interleave"),
+    (["--mix", "interleave", "--mix-probs", "0.7,0.2"], "--mix-probs sum to 0.9, not 1"),
+    (["--mix", "interleave", "--mix-probs", "0.7,x"], "give numbers separated by commas"),
+    (["--mix", "interleave", "--epochs", "2"], "--epochs counts passes over concatenated datasets"),
+    (["--train-on-prompt", "--mask-history"], "exclude each other"),
+])
+def test_bad_mixing_and_loss_flags_exit_2_in_one_line(tmp_path, flags, message) -> None:
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+
+    plan = tmp_path / "plan.yaml"
+    made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                                    "--global-batch", "2", "--top", "1", "--out", str(plan)])
+    assert made.exit_code == 0, made.output
+    done = CliRunner().invoke(app, ["train", str(plan), "--out", str(tmp_path / "run"), "--data", "x.json", *flags])
+    assert done.exit_code == 2 and message in " ".join(done.output.split()), done.output
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_interleaved_registry_datasets_are_drawn_by_their_probabilities(tmp_path, tokenizer_dir) -> None:
+    """`--mix interleave --mix-probs 0.25,0.75`: the stage draws its sequences from the datasets by
+    those probabilities, and one pass ends when the first runs out (min n_i / p_i sequences)."""
+    from advisor.plan_file import load_plan
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+    from trainer.data.mixing import Reading
+    from trainer.one_stage import one_stage_plan
+    from trainer.stream import EpochOrder
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dataset_info.json").write_text(json.dumps(REGISTRY))
+    (data / "alpaca_en_demo.json").write_text(json.dumps(ALPACA[:2] * 30))
+    (data / "glaive_toolcall_en_demo.json").write_text(json.dumps(GLAIVE * 5))
+    plan = tmp_path / "plan.yaml"
+    made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                                    "--seq-len", "512", "--global-batch", "2", "--top", "1", "--out", str(plan)])
+    assert made.exit_code == 0, made.output
+    reading = Reading(mix="interleave", mix_probs=(0.25, 0.75))
+    one_stage, _ = one_stage_plan(load_plan(plan), str(data), tmp_path / "run", None, None, weights=str(tokenizer_dir),
+                                  datasets=["alpaca_en_demo", "glaive_toolcall_en_demo"], reading=reading)
+    sources = one_stage.task.stages[0].sources
+    assert [s.weight for s in sources] == [0.25, 0.75]
+    task = one_stage.task.model_copy(update={"data": one_stage.task.data.model_copy(
+        update={"tokenizer": str(tokenizer_dir)})})
+    counts = [len(load_rows(s, task, tokenizer_for(task, "tiny", 512), 512, None)) for s in sources]
+    first_out = min(counts[0] / 0.25, counts[1] / 0.75)
+    assert one_stage.stages[0].steps == -(-int(-(-first_out // 1)) * 512 // (512 * 2))
+    order = EpochOrder(counts, [s.weight for s in sources], [0.0, 0.0], seed=0, stage_index=0)
+    which, _ = order.rows(0, 20000)
+    assert abs((which == 1).mean() - 0.75) < 0.02
+
+
+# -- each tool's shapes through `advisor train` ----------------------------------------------------------
+
+
+def _trained_tokens(run: Path) -> list[int]:
+    """The tokens the run's packed rows train (every source's cached rows), sorted."""
+    import numpy as np
+
+    trained = []
+    for cached in sorted((run / "data_cache").glob("*.npz")):
+        with np.load(cached) as packed:
+            labels = packed["labels"]
+        trained += [int(t) for t in labels[labels != IGNORE]]
+    return sorted(trained)
+
+
+def _example_tokens(expected: list[tuple[list[int], list[int]]]) -> list[int]:
+    """What packing trains of supervised examples: their labels, less each example's first token."""
+    return [t for _, labels in expected for t in labels[1:] if t != IGNORE]
+
+
+def _stream_tokens(documents: list[list[int]], seq: int) -> list[int]:
+    """What packing trains of text documents: the full rows of their concatenation, less each document's first token."""
+    starts, stream = set(), []
+    for ids in documents:
+        starts.add(len(stream))
+        stream += ids
+    usable = len(stream) // seq * seq
+    return [t for i, t in enumerate(stream[:usable]) if i not in starts]
+
+
+def _train(tmp_path: Path, name: str, data: Path, *flags: str) -> Path:
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+    from presets import load_model
+
+    weights = tmp_path / "weights"
+    if not weights.exists():
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(**load_model("demo-tiny").hf_config)).save_pretrained(
+            weights)
+        _tokenizer(weights)
+    plan = tmp_path / "plan.yaml"
+    if not plan.exists():
+        made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                                        "--seq-len", "512", "--global-batch", "2", "--top", "1", "--out", str(plan)])
+        assert made.exit_code == 0, made.output
+    run = tmp_path / name
+    done = subprocess.run([sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(run), "--data",
+                           str(data), "--weights", str(weights), "--steps", "2", *flags],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr + done.stdout
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all(np.isfinite(m["loss"]) for m in metrics)
+    return run
+
+
+@pytest.mark.slow
+def test_advisor_train_trains_a_registry_and_an_axolotl_config_on_their_answers(tmp_path, hf) -> None:
+    """`advisor train --data dataset_info.json --dataset ...` (alpaca, a tool-call sharegpt entry with
+    `columns`, an OpenAI-like entry with `tags`; interleaved) and `advisor train --data axolotl.yml`
+    (alpaca, chat_template with mapped message keys, completion): the packed rows each run trained on
+    hold exactly the tokens of the labels rebuilt from apply_chat_template's text (and, for the
+    completion, every token of the text)."""
+    import yaml
+
+    data = tmp_path / "lf"
+    data.mkdir()
+    (data / "dataset_info.json").write_text(json.dumps(REGISTRY, indent=2))
+    (data / "alpaca_en_demo.json").write_text(json.dumps(ALPACA, indent=2))
+    (data / "glaive_toolcall_en_demo.json").write_text(json.dumps(GLAIVE[:1], indent=2))
+    openai_like = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": "Hello."}]
+    (data / "openai_like.jsonl").write_text(json.dumps({"messages": openai_like}) + "\n")
+    run = _train(tmp_path, "lf-run", data / "dataset_info.json", "--dataset",
+                 "alpaca_en_demo,glaive_toolcall_en_demo,openai_like", "--mix", "interleave", "--mix-probs",
+                 "0.5,0.25,0.25")
+    sources = yaml.safe_load((run / "plan.yaml").read_text())["task"]["stages"][0]["sources"]
+    assert [(s["format"], s["weight"]) for s in sources] == [("alpaca", 0.5), ("sharegpt", 0.25), ("sharegpt", 0.25)]
+    expected = _alpaca_truth(hf) + [_truth(hf, GLAIVE_MESSAGES[0], GLAIVE_TOOLS), _truth(hf, openai_like)]
+    assert _trained_tokens(run) == sorted(_example_tokens(expected))
+
+    axolotl = tmp_path / "axolotl"
+    axolotl.mkdir()
+    run = _train(tmp_path, "axolotl-run", _axolotl_files(axolotl))
+    sources = yaml.safe_load((run / "plan.yaml").read_text())["task"]["stages"][0]["sources"]
+    assert [s["format"] for s in sources] == ["alpaca", "sharegpt", "text"]
+    notes = [hf(row["body"], add_special_tokens=False)["input_ids"] + [hf.eos_token_id] for row in NOTES]
+    expected = _alpaca_truth(hf) + [_truth(hf, GLAIVE_MESSAGES[0], GLAIVE_TOOLS), _truth(hf, GLAIVE_MESSAGES[1])]
+    assert _trained_tokens(run) == sorted(_example_tokens(expected) + _stream_tokens(notes, 512))

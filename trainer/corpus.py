@@ -20,7 +20,8 @@ import numpy as np
 from advisor.errors import UsageError
 from advisor.task import DataSource, StageSpec, TaskSpec
 from trainer.data.demo_corpus import generate_command
-from trainer.data.formats import BadRow, HFRowTokenizer, prompt_and_answer, render_example, source_format
+from trainer.data.formats import (BadRow, HFRowTokenizer, LossRule, prompt_and_answer, render_example,
+                                  source_format)
 from trainer.data.messages import refuse_media
 from trainer.data.sources import expand_source_path, file_type_of, read_rows, row_location
 from trainer.data.tokenizer import TextTokenizer, load_tokenizer, resolve_tokenizer_path
@@ -120,8 +121,8 @@ def _source_files(source: DataSource, base: Path) -> list[tuple[Path, str]]:
 
 
 def _documents(source: DataSource, base: Path, format: str, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """Every row of the source rendered: (token ids, labels)."""
-    names = source.field_names()
+    """Every row of the source rendered: (token ids, labels), the source's loss rule applied."""
+    names, rule = source.field_names(), LossRule.of(source)
     documents = []
     for path, file_type in _source_files(source, base):
         rows = read_rows(path, file_type)
@@ -141,7 +142,7 @@ def _documents(source: DataSource, base: Path, format: str, tokenizer) -> list[t
             continue
         for number, row in enumerate(rows):
             try:
-                documents.append(render_example(row, format, tokenizer, names))
+                documents.append(render_example(row, format, tokenizer, names, rule))
             except BadRow as exc:
                 raise UsageError(f"{row_location(path, file_type, number)}: {exc} ({format} format)") from None
     return documents

@@ -10,7 +10,9 @@ read through the task's source as any task's raw data (trainer/data/sources.py; 
 trainer/data/formats.py, detected from the first rows' fields and written into the run's plan); or
 an `advisor data prepare` folder (its train shards, all stages together, read
 as length-bucketed micro-batches); or, with dataset names, LLaMA-Factory's `dataset_info.json`
-whose named datasets the stage reads concatenated. The stage's length: `--steps`, else `--tokens` (rounded up to
+(trainer/data/registry.py); or an Axolotl config whose `datasets:` the stage reads
+(trainer/data/axolotl.py). Several datasets are concatenated or interleaved (`Reading.mix`,
+trainer/data/mixing.py). The stage's length: `--steps`, else `--tokens` (rounded up to
 whole optimizer steps of the plan's global batch), else one pass over the data: the tokens of the
 full sequences PATH packs into at the plan's sequence length, or of the prepared train shards.
 """
@@ -28,7 +30,9 @@ from advisor.task import DataPrepSpec, DataSource, StageSpec, TaskSpec
 from planner.granularity import restage
 from trainer.corpus import load_source, source_format, tokenizer_for
 from trainer.data.manifest import MANIFEST_NAME, read_manifest, task_fingerprint
-from trainer.data.registry import registry_sources
+from trainer.data.axolotl import axolotl_sources, is_axolotl_config
+from trainer.data.mixing import Reading, mixture
+from trainer.data.registry import REGISTRY_NAME, registry_sources
 from trainer.data.sniff import is_saved_dataset
 from trainer.data.sources import EXTENSIONS
 
@@ -61,11 +65,12 @@ def data_format(path: str) -> str | None:
 
 def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
                    tokens: int | None, epochs: float | None = None,
-                   weights: str | None = None, datasets: list[str] | None = None) -> tuple[Plan, Path | None]:
+                   weights: str | None = None, datasets: list[str] | None = None,
+                   reading: Reading = Reading()) -> tuple[Plan, Path | None]:
     """`plan` with a one-stage task over `data`, sized by `steps`, `tokens`, `epochs` or one pass; and
     the prepared-data folder the loop reads (None: raw files, read through the task's sources).
     With `datasets`, `data` is LLaMA-Factory's `dataset_info.json` (or its folder) and the stage
-    reads those datasets (trainer/data/registry.py)."""
+    reads those datasets (trainer/data/registry.py); a YAML `data` is an Axolotl config."""
     if sum(budget is not None for budget in (steps, tokens, epochs)) > 1:
         raise UsageError("give one of --steps, --tokens or --epochs")
     layout = plan.chosen.layout
@@ -74,7 +79,7 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
         task = _task(plan, [], steps=1, tokenizer=read_manifest(Path(data))["tokenizer"]["path"])
         view, one_pass = _prepared_view(Path(data), task, run_dir)
     else:
-        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, weights), None
+        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, weights, reading), None
     if steps is None and tokens is None:
         one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir, weights)
         tokens = one_pass
@@ -89,24 +94,47 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
     return plan.model_copy(update={"task": task, "stages": [planned]}), view
 
 
-def _raw_task(plan: Plan, data: str, datasets: list[str] | None, run_dir: Path,
-              weights: str | None) -> tuple[TaskSpec, int | None]:
-    """The one-stage task over raw files: `data` itself, or the registry's `datasets`, each with its
-    row format fixed in the run's plan (the workers read it). Several datasets are concatenated, as
-    LLaMA-Factory mixes them by default: each weighed by the sequences it packs into, which also
-    gives one pass's tokens (None for one source, counted only when needed)."""
-    if datasets:
-        sources = registry_sources(Path(data), datasets)
-    else:
-        sources = [DataSource(path=str(Path(data).resolve()), file_type=data_format(data))]  # type: ignore[arg-type]
+def _raw_task(plan: Plan, data: str, datasets: list[str] | None, run_dir: Path, weights: str | None,
+              reading: Reading = Reading()) -> tuple[TaskSpec, int | None]:
+    """The one-stage task over raw files: `data` itself, the registry's `datasets` or an Axolotl
+    config's, each with its row format and loss switches fixed in the run's plan (the workers read
+    it). Several datasets mix as `reading.mix` says (concatenated by default, as LLaMA-Factory and
+    Axolotl do), weighed from the sequences each packs into, which also gives one pass's tokens
+    (None for one source, counted only when needed)."""
+    sources = [_switched(s, reading) for s in _data_sources(data, datasets)]
     task = _task(plan, sources, steps=1)
     sources = [s.model_copy(update={"format": s.format or source_format(s, Path(task.base_dir))}) for s in sources]
     task = _task(plan, sources, steps=1)
-    if len(sources) == 1:
+    if len(sources) == 1 and reading.mix_probs is None:
         return task, None
     counts = _sequences(plan, task, run_dir, weights)
-    task = _task(plan, [s.model_copy(update={"weight": float(n)}) for s, n in zip(sources, counts)], steps=1)
-    return task, sum(counts) * plan.chosen.layout.seq
+    probs = list(reading.mix_probs) if reading.mix_probs is not None else None
+    shares, sequences = mixture(reading.mix, probs, counts)
+    total = sum(shares)  # as shares of 1: a weight stays within a task file's bounds however big the data
+    task = _task(plan, [s.model_copy(update={"weight": w / total}) for s, w in zip(sources, shares)], steps=1)
+    return task, sequences * plan.chosen.layout.seq
+
+
+def _data_sources(data: str, datasets: list[str] | None) -> list[DataSource]:
+    """`--data`'s sources: the registry's named datasets, an Axolotl config's, or the path itself."""
+    path = Path(data)
+    if is_axolotl_config(path):
+        if datasets:
+            raise UsageError("--dataset names datasets of LLaMA-Factory's dataset_info.json; an Axolotl config "
+                             "trains its whole `datasets:` list")
+        return axolotl_sources(path)
+    if datasets or path.name == REGISTRY_NAME:  # a registry without names: its reader lists them
+        return registry_sources(path, datasets or [])
+    return [DataSource(path=str(path.resolve()), file_type=data_format(data))]  # type: ignore[arg-type]
+
+
+def _switched(source: DataSource, reading: Reading) -> DataSource:
+    """The source with the flags' loss switches added to its own."""
+    prompt, history = source.train_on_prompt or reading.train_on_prompt, source.mask_history or reading.mask_history
+    if prompt and history:
+        raise UsageError(f"{source.path}: --mask-history (train the last answer only) and train_on_prompt "
+                         "(--train-on-prompt or Axolotl's train_on_inputs: every token) exclude each other")
+    return source.model_copy(update={"train_on_prompt": prompt, "mask_history": history})
 
 
 def _sequences(plan: Plan, task: TaskSpec, run_dir: Path, weights: str | None) -> list[int]:

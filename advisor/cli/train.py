@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from advisor.cli import data_reading
 from advisor.cli.common import check_run_dir, console, exit_on_error
 from advisor.cli.data import require_data_extra
 from advisor.cli.progress import RunProgress, training_estimate_s
@@ -23,6 +24,7 @@ from advisor.specs import check_number
 from advisor.task import MAX_EPOCHS
 from profiler.cluster import cluster_options
 from trainer.data.demo_corpus import ensure_generated_data
+from trainer.data.mixing import Reading
 from trainer.options import TrainOptions
 from trainer.run_identity import move_in_the_way_aside, refuse_or_move_aside, restarted
 
@@ -51,10 +53,15 @@ def train(
                                         "file, glob or folder of JSON lines or a JSON array (text, alpaca, sharegpt "
                                         "or chat rows, tool calls included), parquet, CSV, arrow, text or a "
                                         "datasets save_to_disk folder, told apart by content; an `advisor data "
-                                        "prepare` folder (all its stages' train shards); or LLaMA-Factory's "
-                                        "dataset_info.json with --dataset"),
+                                        "prepare` folder (all its stages' train shards); LLaMA-Factory's "
+                                        "dataset_info.json with --dataset; or an Axolotl config (.yml) whose "
+                                        "datasets: list (alpaca, chat_template, completion) it trains"),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="with --data DIR/dataset_info.json (LLaMA-Factory's "
                                           "registry): the datasets to train on, NAME[,NAME...], concatenated"),
+    mix: str = data_reading.MIX,
+    mix_probs: Optional[str] = data_reading.MIX_PROBS,
+    train_on_prompt: bool = data_reading.TRAIN_ON_PROMPT,
+    mask_history: bool = data_reading.MASK_HISTORY,
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="a plan without a task: optimizer steps of "
                                         "the plan's global batch (default: one pass over --data)"),
     tokens: Optional[int] = typer.Option(None, "--tokens", min=1, help="a plan without a task: tokens to train on, "
@@ -126,6 +133,7 @@ def _check_inputs(a: SimpleNamespace) -> None:
     check_number(a.timeout_s, "--timeout-s", ge=1, le=MAX_TIMEOUT_S)
     check_number(a.clip, "--clip", gt=0, le=1e6)
     check_number(a.spike_lr_factor, "--spike-lr-factor", gt=0, le=1)
+    data_reading.reading(a)
     if not a.dry_run and not a.launched:
         check_run_dir(a.out)
         load_plan(a.plan_file)  # read again by the run: milliseconds
@@ -160,10 +168,13 @@ def _run(a: SimpleNamespace) -> dict | None:
         _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
             (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights,
-                                                      a.dataset), out / "plan.yaml")
+                                                      a.dataset, data_reading.reading(a)), out / "plan.yaml")
         elif a.steps is not None or a.tokens is not None:
             raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
                              "its stages")
+        elif data_reading.reading(a) != Reading():
+            raise UsageError("--mix, --mix-probs, --train-on-prompt and --mask-history read the --data of a plan "
+                             "made without --task; a task's sources set weight, train_on_prompt and mask_history")
     options = TrainOptions(seed=a.seed, clip=a.clip, keep_checkpoints=a.keep_checkpoints,
                            max_rollbacks=a.max_rollbacks, spike_lr_factor=a.spike_lr_factor,
                            spike_warmup_steps=a.spike_warmup_steps, eval_sequences=a.eval_sequences,
@@ -198,7 +209,7 @@ def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched:
 
 def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, tokens: int | None,
                epochs: float | None, weights: str | None = None,
-               dataset: str | None = None) -> tuple[Plan, Path | None]:
+               dataset: str | None = None, reading: Reading = Reading()) -> tuple[Plan, Path | None]:
     """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
     plan; and the prepared-data folder the loop reads (None: raw files)."""
     if data is None:
@@ -211,10 +222,14 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, toke
     # deferred: reads and tokenizes the data (the counting pass of the default length)
     from trainer.one_stage import one_stage_plan
 
-    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights, datasets=names)
+    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights, datasets=names,
+                                    reading=reading)
     sources = plan.task.stages[0].sources if plan.task else []
-    if sources:
+    if len(sources) == 1:
         console.print(f"--data {data}: {sources[0].format} rows (detected from their fields)", highlight=False)
+    elif sources:  # datasets of a registry or an Axolotl config
+        kinds = ", ".join(f"{Path(s.path).name} ({s.format}, {s.weight:.0%})" for s in sources)
+        console.print(f"--data {data}: {kinds}, {reading.mix}", highlight=False)
     plan.write(out / "plan.yaml")
     return plan, prepared
 

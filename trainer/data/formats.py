@@ -24,11 +24,17 @@ calls a function is an answer too. A chat is rendered incrementally: the tokens 
 turn are those the template adds between the conversation before it (through the generation
 prompt) and the conversation through it, so they are exactly what the template makes of that
 turn, end-of-turn token included.
+
+A source's `LossRule` changes which tokens train, as LLaMA-Factory and Axolotl do:
+`train_on_prompt` every token, `mask_history` only a row's last trained turn, `roles_to_train` the
+turns of other roles too (a turn's content and its end-of-turn token: its header is what the
+template renders for the role with empty content).
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
@@ -56,6 +62,25 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
 }
 Messages = list[dict[str, Any]]
 Tools = list[dict[str, Any]] | None
+
+
+@dataclass(frozen=True)
+class LossRule:
+    """Which tokens of a supervised row train: its answers (the default), every token
+    (`train_on_prompt`), only the last trained turn (`mask_history`), or the turns of `roles`."""
+
+    train_on_prompt: bool = False
+    mask_history: bool = False
+    roles: tuple[str, ...] = ("assistant",)
+
+    @classmethod
+    def of(cls, source: Any) -> "LossRule":
+        """A task source's rule (advisor/task.py DataSource's switches)."""
+        return cls(bool(source.train_on_prompt), bool(source.mask_history),
+                   tuple(source.roles_to_train or cls.roles))
+
+
+ANSWERS = LossRule()
 
 
 class RowTokenizer(Protocol):
@@ -167,10 +192,11 @@ def source_format(source: Any, base_dir: Path) -> str:
     return detect_format(itertools.islice(read_rows(path, file_type), DETECT_ROWS), path, source.fields)
 
 
-def render_example(row: dict[str, Any], format: str, tokenizer: Any,
-                   fields: dict[str, str] | None = None) -> tuple[list[int], list[int]]:
+def render_example(row: dict[str, Any], format: str, tokenizer: Any, fields: dict[str, str] | None = None,
+                   rule: LossRule = ANSWERS) -> tuple[list[int], list[int]]:
     """Token ids of one row and their labels: the id where the token is trained, -100 where not
-    (prompt, system and user turns). Text rows and plain completions end with end-of-text."""
+    (by default prompt, system and user turns; `rule` says otherwise). Text rows and plain
+    completions end with end-of-text."""
     tok = row_tokenizer(tokenizer)
     names = field_names(format, fields)
     refuse_media(row)
@@ -181,9 +207,10 @@ def render_example(row: dict[str, Any], format: str, tokenizer: Any,
     if messages is None:  # a plain prompt and completion: no template
         prompt, completion = _plain_pair(row, format, names)
         prompt_ids, answer = tok.encode(prompt), tok.encode(completion) + [tok.eos_token_id]
-        return prompt_ids + answer, [IGNORE] * len(prompt_ids) + answer
+        prompt_labels = list(prompt_ids) if rule.train_on_prompt else [IGNORE] * len(prompt_ids)
+        return prompt_ids + answer, prompt_labels + answer
     tools = tool_list(row.get(names["tools"]), names["tools"]) if "tools" in names else None
-    return _render_chat(messages, tok, tools)
+    return _render_chat(messages, tok, tools, rule)
 
 
 def prompt_and_answer(row: dict[str, Any], format: str, tokenizer: Any,
@@ -292,25 +319,39 @@ def _check_template_shows_tools(messages: Messages, tok: RowTokenizer, tools: To
                          "use a template that renders them")
 
 
-def _render_chat(messages: Messages, tok: RowTokenizer, tools: Tools = None) -> tuple[list[int], list[int]]:
-    """The whole conversation through the template, each assistant turn trained (a function call
-    too): its tokens are those between the conversation before it (with the generation prompt)
-    and through it."""
+def _render_chat(messages: Messages, tok: RowTokenizer, tools: Tools = None,
+                 rule: LossRule = ANSWERS) -> tuple[list[int], list[int]]:
+    """The whole conversation through the template, each turn of the rule's roles trained (an
+    assistant's function call too), or only the last of them (mask_history), or every token
+    (train_on_prompt)."""
     ids = tok.chat(messages, add_generation_prompt=False, tools=tools)
     _check_template_shows_tools(messages, tok, tools, ids)
+    if rule.train_on_prompt:
+        return ids, list(ids)
+    trained = [i for i, message in enumerate(messages) if message["role"] in rule.roles]
+    if not trained:
+        raise BadRow(f"no {' or '.join(rule.roles)} turn to train on")
     labels = [IGNORE] * len(ids)
-    answers = 0
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = tok.chat(messages[:i], add_generation_prompt=True, tools=tools) if i else []
-        through = tok.chat(messages[: i + 1], add_generation_prompt=False, tools=tools)
-        if through[: len(before)] != before or ids[: len(through)] != through:
-            raise UsageError("the tokenizer's chat template does not render a conversation as the sum of its "
-                             "turns (an earlier turn changes when a later one is added): its answers cannot be "
-                             "told apart; use a template that renders turns in order")
-        labels[len(before):len(through)] = through[len(before):]
-        answers += 1
-    if not answers:
-        raise BadRow("no assistant turn to train on")
+    for i in trained[-1:] if rule.mask_history else trained:
+        start, end = _turn_span(messages, i, tok, tools, ids)
+        labels[start:end] = ids[start:end]
     return ids, labels
+
+
+def _turn_span(messages: Messages, i: int, tok: RowTokenizer, tools: Tools, ids: list[int]) -> tuple[int, int]:
+    """Where turn `i`'s trained tokens lie in the whole conversation's `ids`: those the template adds
+    for it after its header. An assistant's header is the generation prompt; another role's is
+    what the template renders for that role with empty content (the tokens it shares with the turn)."""
+    through = tok.chat(messages[: i + 1], add_generation_prompt=False, tools=tools)
+    if messages[i]["role"] == "assistant":
+        before = tok.chat(messages[:i], add_generation_prompt=True, tools=tools) if i else []
+        start = len(before) if through[: len(before)] == before else -1
+    else:
+        probe = tok.chat(messages[:i] + [{"role": messages[i]["role"], "content": ""}], add_generation_prompt=False,
+                         tools=tools)
+        start = next((n for n, (a, b) in enumerate(zip(probe, through)) if a != b), min(len(probe), len(through)))
+    if start < 0 or ids[: len(through)] != through:
+        raise UsageError("the tokenizer's chat template does not render a conversation as the sum of its "
+                         "turns (an earlier turn changes when a later one is added): its answers cannot be "
+                         "told apart; use a template that renders turns in order")
+    return start, len(through)

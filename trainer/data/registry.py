@@ -69,8 +69,8 @@ def _source(name: str, entry: Any, folder: Path) -> DataSource:
                          "it locally and register its file_name")
     if not isinstance(entry.get("file_name"), str):
         raise UsageError(f"{where}: no file_name")
-    columns = _mapping(entry, "columns", where)
-    tags = _mapping(entry, "tags", where)
+    columns = mapping(entry, "columns", where)
+    tags = mapping(entry, "tags", where)
     if entry.get("ranking") or any(columns.get(key) for key in PREFERENCE_COLUMNS) or tags.get("kto_tag"):
         raise UsageError(f"{where} is preference data (ranking, chosen/rejected or KTO tags): this trainer "
                          "fine-tunes on answers only")
@@ -81,13 +81,23 @@ def _source(name: str, entry: Any, folder: Path) -> DataSource:
     if formatting not in COLUMNS:
         raise UsageError(f"{where}: formatting '{formatting}' (known: {', '.join(COLUMNS)})")
     fields = _fields(formatting, columns, tags, where)
-    path = folder / entry["file_name"]
-    if not path.exists():
-        raise UsageError(f"{where}: {path} not found")
-    return DataSource(path=str(path.resolve()), format=formatting, fields=fields)  # type: ignore[arg-type]
+    path = local_data(entry["file_name"], [folder], where)
+    return DataSource(path=path, format=formatting, fields=fields)  # type: ignore[arg-type]
 
 
-def _mapping(entry: dict[str, Any], key: str, where: str) -> dict[str, str]:
+def local_data(name: str, folders: list[Path], where: str) -> str:
+    """The absolute path of the local file or folder `name`, sought in `folders` in order (an
+    absolute `name` as it is); a UsageError where none has it: nothing is downloaded here."""
+    for folder in folders:
+        path = Path(folder) / name
+        if path.exists():
+            return str(path.resolve())
+    sought = " or ".join(str(Path(folder) / name) for folder in folders)
+    raise UsageError(f"{where}: {sought} not found (nothing is downloaded here: save the data locally)")
+
+
+def mapping(entry: dict[str, Any], key: str, where: str) -> dict[str, str]:
+    """The object under `key` of a dataset's entry (none: empty), its null values dropped."""
     value = entry.get(key) or {}
     if not isinstance(value, dict):
         raise UsageError(f"{where}: '{key}' is {type(value).__name__}, not an object")

@@ -1,0 +1,32 @@
+"""`advisor train`'s flags for how --data's datasets are read: how several mix (--mix,
+--mix-probs) and which tokens train (--train-on-prompt, --mask-history). Declared here, beside the
+check that turns them into a `Reading` (trainer/data/mixing.py), to keep the train verb short."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import typer
+
+from advisor.errors import UsageError
+from trainer.data.mixing import Reading, check_mix, parse_probabilities
+
+MIX = typer.Option("concat", "--mix", help="how several datasets of --data mix: concat (every row once per pass, "
+                   "as LLaMA-Factory and Axolotl do), interleave (each sequence from dataset i with probability "
+                   "--mix-probs; one pass ends when the first runs out; also interleave_under) or interleave_over "
+                   "(when the last runs out)")
+MIX_PROBS = typer.Option(None, "--mix-probs", help="with --mix interleave: P,P,... one per dataset in order, summing "
+                         "to 1 (default: equal)")
+TRAIN_ON_PROMPT = typer.Option(False, "--train-on-prompt", help="a plan without a task: loss on every token, prompts "
+                               "included (LLaMA-Factory's train_on_prompt, Axolotl's train_on_inputs)")
+MASK_HISTORY = typer.Option(False, "--mask-history", help="a plan without a task: train only the last answer of each "
+                            "multi-turn row (LLaMA-Factory's mask_history)")
+
+
+def reading(a: SimpleNamespace) -> Reading:
+    """How --data's datasets are read (--mix, --mix-probs, --train-on-prompt, --mask-history), checked."""
+    probs = parse_probabilities(a.mix_probs)
+    check_mix(a.mix, probs, a.epochs)
+    if a.train_on_prompt and a.mask_history:  # LLaMA-Factory refuses the pair too
+        raise UsageError("--train-on-prompt (every token) and --mask-history (the last answer only) exclude each other")
+    return Reading(a.mix, tuple(probs) if probs else None, a.train_on_prompt, a.mask_history)
