@@ -57,8 +57,9 @@ _ROW_NAMES = {"o_proj", "down_proj", "c_proj", "dense_4h_to_h", "w2", "fc2", "ou
 class BlockTrace(BaseModel):
     """One kind of block (embedding, decoder layer, head) for ONE sequence of the traced length."""
 
-    params: int = 0
-    trainable_params: int = 0
+    # floats: the mean layer of a model whose layers differ may hold a fraction of a parameter
+    params: float = 0
+    trainable_params: float = 0
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     act_replicated_bytes: float = Field(0.0, description="saved outside TP regions (LN inputs, masks)")
@@ -97,12 +98,11 @@ class BlockTrace(BaseModel):
 
     @staticmethod
     def mean(parts: list[tuple[int, "BlockTrace"]]) -> "BlockTrace":
-        """The mean block of `count` blocks of each kind: `count` times the mean is their sum (the
-        parameter counts rounded to whole parameters)."""
+        """The mean block of `count` blocks of each kind: the model's layer count times the mean is
+        the sum of its layers."""
         total = sum(count for count, _ in parts)
-        values = {k: sum(count * getattr(block, k) for count, block in parts) / total for k in BlockTrace.model_fields}
-        return BlockTrace(**{k: round(v) if BlockTrace.model_fields[k].annotation is int else v
-                             for k, v in values.items()})
+        return BlockTrace(**{k: sum(count * getattr(block, k) for count, block in parts) / total
+                             for k in BlockTrace.model_fields})
 
 
 class AutocastBlocks(BaseModel):
@@ -715,8 +715,8 @@ def _trace_cached(
     head = outer.minus(embedding)
     head.input_bytes = layer.input_bytes  # the final norm's input: the residual stream
     layers = dims["num_layers"]
-    params = layers * layer.params + outer.params
-    trainable = layers * layer.trainable_params + outer.trainable_params
+    params = round(layers * layer.params + outer.params)
+    trainable = round(layers * layer.trainable_params + outer.trainable_params)
     notes = _kinds_note(cfg)
     if gpu_contracts:
         notes.append("GPU kernels: FlashAttention saves no s x s matrix; dropout masks are 1 byte")

@@ -39,6 +39,10 @@ CACHE = "data_cache"
 PREPARED_VIEW = "prepared"  # the run dir's one-stage view of an `advisor data prepare` folder  # the run dir's cache of packed sequences, which the loop reads too (trainer/loop.py)
 
 
+# (--weights folder, --template name): what picks the tokenizer and its chat template (tokenizer_for)
+TokenizerChoice = tuple[str | None, str | None]
+
+
 def data_format(path: str) -> str | None:
     """The source's file type for a folder or glob of one kind of file, from their extensions; None
     where the reader tells it from the content (a single file, a `save_to_disk` folder) or from
@@ -61,11 +65,13 @@ def data_format(path: str) -> str | None:
 
 def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
                    tokens: int | None, epochs: float | None = None,
-                   weights: str | None = None, datasets: list[str] | None = None) -> tuple[Plan, Path | None]:
+                   weights: str | None = None, datasets: list[str] | None = None,
+                   template: str | None = None) -> tuple[Plan, Path | None]:
     """`plan` with a one-stage task over `data`, sized by `steps`, `tokens`, `epochs` or one pass; and
     the prepared-data folder the loop reads (None: raw files, read through the task's sources).
     With `datasets`, `data` is LLaMA-Factory's `dataset_info.json` (or its folder) and the stage
-    reads those datasets (trainer/data/registry.py)."""
+    reads those datasets (trainer/data/registry.py). `weights` and `template` choose the tokenizer and
+    its chat template as the loop does (`trainer.corpus.tokenizer_for`)."""
     if sum(budget is not None for budget in (steps, tokens, epochs)) > 1:
         raise UsageError("give one of --steps, --tokens or --epochs")
     layout = plan.chosen.layout
@@ -74,9 +80,9 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
         task = _task(plan, [], steps=1, tokenizer=read_manifest(Path(data))["tokenizer"]["path"])
         view, one_pass = _prepared_view(Path(data), task, run_dir)
     else:
-        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, weights), None
+        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, (weights, template)), None
     if steps is None and tokens is None:
-        one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir, weights)
+        one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir, (weights, template))
         tokens = one_pass
     if steps is None:
         steps = max(1, math.ceil(tokens / layout.tokens_per_step))  # type: ignore[operator]
@@ -90,7 +96,7 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
 
 
 def _raw_task(plan: Plan, data: str, datasets: list[str] | None, run_dir: Path,
-              weights: str | None) -> tuple[TaskSpec, int | None]:
+              choice: TokenizerChoice) -> tuple[TaskSpec, int | None]:
     """The one-stage task over raw files: `data` itself, or the registry's `datasets`, each with its
     row format fixed in the run's plan (the workers read it). Several datasets are concatenated, as
     LLaMA-Factory mixes them by default: each weighed by the sequences it packs into, which also
@@ -104,16 +110,16 @@ def _raw_task(plan: Plan, data: str, datasets: list[str] | None, run_dir: Path,
     task = _task(plan, sources, steps=1)
     if len(sources) == 1:
         return task, None
-    counts = _sequences(plan, task, run_dir, weights)
+    counts = _sequences(plan, task, run_dir, choice)
     task = _task(plan, [s.model_copy(update={"weight": float(n)}) for s, n in zip(sources, counts)], steps=1)
     return task, sum(counts) * plan.chosen.layout.seq
 
 
-def _sequences(plan: Plan, task: TaskSpec, run_dir: Path, weights: str | None) -> list[int]:
+def _sequences(plan: Plan, task: TaskSpec, run_dir: Path, choice: TokenizerChoice) -> list[int]:
     """The full sequences each raw source packs into (the loop reads the same packed sequences from
     the run dir's cache); a source without one is refused."""
     layout = plan.chosen.layout
-    tokenizer = tokenizer_for(task, plan.model.name, int(plan.model.hf_config.get("vocab_size", 0)), weights)
+    tokenizer = tokenizer_for(task, plan.model.name, int(plan.model.hf_config.get("vocab_size", 0)), *choice)
     counts = []
     for source in task.stages[0].sources:
         counts.append(len(load_source(source, task, tokenizer, layout.seq, run_dir / CACHE)))
@@ -122,9 +128,9 @@ def _sequences(plan: Plan, task: TaskSpec, run_dir: Path, weights: str | None) -
     return counts
 
 
-def _raw_tokens(plan: Plan, task: TaskSpec, run_dir: Path, weights: str | None) -> int:
+def _raw_tokens(plan: Plan, task: TaskSpec, run_dir: Path, choice: TokenizerChoice) -> int:
     """Tokens of one pass over the raw sources: the full sequences they pack into."""
-    return sum(_sequences(plan, task, run_dir, weights)) * plan.chosen.layout.seq
+    return sum(_sequences(plan, task, run_dir, choice)) * plan.chosen.layout.seq
 
 
 def _prepared_view(folder: Path, task: TaskSpec, run_dir: Path) -> tuple[Path, int]:
