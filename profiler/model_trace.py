@@ -57,9 +57,10 @@ _ROW_NAMES = {"o_proj", "down_proj", "c_proj", "dense_4h_to_h", "w2", "fc2", "ou
 class BlockTrace(BaseModel):
     """One kind of block (embedding, decoder layer, head) for ONE sequence of the traced length."""
 
-    # floats: the mean layer of a model whose layers differ may hold a fraction of a parameter
-    params: float = 0
-    trainable_params: float = 0
+    # a float only where it must be: the mean layer of a model whose layers differ may hold a
+    # fraction of a parameter (the traces of uniform models keep whole counts, as shipped)
+    params: int | float = 0
+    trainable_params: int | float = 0
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     act_replicated_bytes: float = Field(0.0, description="saved outside TP regions (LN inputs, masks)")
@@ -100,6 +101,8 @@ class BlockTrace(BaseModel):
     def mean(parts: list[tuple[int, "BlockTrace"]]) -> "BlockTrace":
         """The mean block of `count` blocks of each kind: the model's layer count times the mean is
         the sum of its layers."""
+        if len(parts) == 1:
+            return parts[0][1]
         total = sum(count for count, _ in parts)
         return BlockTrace(**{k: sum(count * getattr(block, k) for count, block in parts) / total
                              for k in BlockTrace.model_fields})

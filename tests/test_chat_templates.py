@@ -144,3 +144,18 @@ def test_train_with_a_builtin_template_on_chat_rows(tmp_path: Path, tokenizer_di
     assert trained_words == sorted(["hello", "fine", "thanks", "<|im_end|>", "<|im_end|>"] * conversations)
     saved = AutoTokenizer.from_pretrained(run / "stages" / "s" / "model")
     assert saved.chat_template == BUILTIN_TEMPLATES["qwen2.5"].jinja  # inference renders chats as training did
+
+
+def test_a_template_is_part_of_the_runs_identity(tmp_path: Path) -> None:
+    """--resume with another template would train other tokens from the same files: refused as
+    another run's data, while a run without a template keeps the identity it had before the flag."""
+    from advisor.plan_file import load_plan
+    from test_trainer import make_plan_file
+    from trainer.run_identity import fingerprint
+
+    plan = load_plan(make_plan_file(tmp_path))
+    plain = fingerprint(plan, plan.chosen.layout, 0, None, None)
+    gemma = fingerprint(plan, plan.chosen.layout, 0, None, None, "gemma")
+    assert fingerprint(plan, plan.chosen.layout, 0, None, None, None) == plain
+    assert gemma["data"] != plain["data"] != fingerprint(plan, plan.chosen.layout, 0, None, None, "phi3")["data"]
+    assert {k: v for k, v in gemma.items() if k != "data"} == {k: v for k, v in plain.items() if k != "data"}

@@ -377,7 +377,7 @@ class _Run:
         if self.main:
             try:
                 current = fingerprint(self.plan, self.plan.chosen.layout, self.options.seed, self.options.weights,
-                                      self.options.data)
+                                      self.options.data, self.options.template)
                 moved = claim(self.run_dir, current, resume, self.options.overwrite)
             except (UsageError, OSError) as exc:  # the other ranks wait for the answer: give them one
                 refusal = str(exc)
