@@ -43,7 +43,8 @@ from advisor.profile import Calibration, CalibrationStep, HardwareProfile
 from advisor.specs import Efficiency, HardwareSpec, Layout
 from planner.cost_model import estimate_from_trace
 from profiler.calibration_steps import CalibrationSteps
-from profiler.model_trace import ModelTrace, _layers_key, trace_model
+from advisor.model_depth import layer_count_key
+from profiler.model_trace import ModelTrace, trace_model
 
 # name -> (Efficiency field, reciprocal?, bounds of the unknown)
 UNKNOWNS: dict[str, tuple[str, bool, tuple[float, float]]] = {
@@ -178,7 +179,7 @@ def calibrate(profile: HardwareProfile, measured: CalibrationSteps) -> HardwareP
     factors = fit_to_steps(cases, measured.measured_s, hardware)
     fitted = with_factors(hardware, **factors)
     record = Calibration(
-        model=measured.model, layers=int(measured.small.hf_config[_layers_key(measured.small.hf_config)]),
+        model=measured.model, layers=int(measured.small.hf_config[layer_count_key(measured.small.hf_config)]),
         threads=measured.threads, factors=factors,
         steps=[CalibrationStep(layout=lay.short(), measured_s=m, steps=measured.steps,
                                predicted_before_s=estimate_from_trace(trace, lay, hardware).time.step_s,

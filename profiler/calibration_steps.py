@@ -36,7 +36,7 @@ from typing import Callable, Protocol
 from advisor.capabilities import config_shape, runnable_problem
 from advisor.layout_rules import ModelShape
 from advisor.specs import Layout, ModelSpec
-from profiler.model_trace import _layers_key
+from advisor.model_depth import first_layers, layer_count_key
 
 CALIBRATION_LAYERS = 2  # decoder layers that run (at the model's full width)
 # The first steps run slower while glibc raises its mmap threshold and caches warm up.
@@ -67,9 +67,8 @@ class CalibrationSteps:
 
 def calibration_model(model: ModelSpec, layers: int = CALIBRATION_LAYERS) -> ModelSpec:
     """The target model cut to `layers` decoder layers at its full width."""
-    cfg = dict(model.hf_config)
-    key = _layers_key(cfg)
-    cfg[key] = min(int(cfg[key]), layers)
+    key = layer_count_key(model.hf_config)
+    cfg = first_layers(model.hf_config, min(int(model.hf_config[key]), layers))
     return ModelSpec(name=f"{model.name}[{cfg[key]} layers]", hf_config=cfg, source=model.source)
 
 

@@ -37,8 +37,10 @@ from pydantic import BaseModel, Field
 
 from advisor.errors import UsageError
 from advisor.capabilities import precision
+from advisor.model_depth import layer_kinds, per_layer_keys, with_layers
 from advisor.specs import DTYPE_BYTES, SELECTIVE_SAVED_OPS, Layout, ModelSpec
 from presets import cache_dir
+from profiler.attention_support import runnable_attention
 
 Attention = Literal["flash", "sdpa", "eager"]
 
@@ -55,8 +57,10 @@ _ROW_NAMES = {"o_proj", "down_proj", "c_proj", "dense_4h_to_h", "w2", "fc2", "ou
 class BlockTrace(BaseModel):
     """One kind of block (embedding, decoder layer, head) for ONE sequence of the traced length."""
 
-    params: int = 0
-    trainable_params: int = 0
+    # a float only where it must be: the mean layer of a model whose layers differ may hold a
+    # fraction of a parameter (the traces of uniform models keep whole counts, as shipped)
+    params: int | float = 0
+    trainable_params: int | float = 0
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     act_replicated_bytes: float = Field(0.0, description="saved outside TP regions (LN inputs, masks)")
@@ -92,6 +96,16 @@ class BlockTrace(BaseModel):
 
     def minus(self, other: "BlockTrace") -> "BlockTrace":
         return BlockTrace(**{k: getattr(self, k) - getattr(other, k) for k in BlockTrace.model_fields})
+
+    @staticmethod
+    def mean(parts: list[tuple[int, "BlockTrace"]]) -> "BlockTrace":
+        """The mean block of `count` blocks of each kind: the model's layer count times the mean is
+        the sum of its layers."""
+        if len(parts) == 1:
+            return parts[0][1]
+        total = sum(count for count, _ in parts)
+        return BlockTrace(**{k: sum(count * getattr(block, k) for count, block in parts) / total
+                             for k in BlockTrace.model_fields})
 
 
 class AutocastBlocks(BaseModel):
@@ -162,13 +176,6 @@ def architecture_dims(cfg: dict[str, Any]) -> dict[str, int]:
         "intermediate_size": int(_cfg_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
         "vocab_size": int(_cfg_get(cfg, "vocab_size")),
     }
-
-
-def _layers_key(cfg: dict[str, Any]) -> str:
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if key in cfg:
-            return key
-    raise UsageError(f"model config of type {cfg.get('model_type')} names no layer count")
 
 
 # --------------------------------------------------------------------------------------------
@@ -560,7 +567,7 @@ def _tp_names(cfg: dict[str, Any], hf_config: Any) -> tuple[set[str], set[str]]:
 
 
 def _trace_once(
-    cfg: dict[str, Any], layers: int, seq: int, dtype: str, method: str, lora_rank: int,
+    cfg: dict[str, Any], layers: list[int], seq: int, dtype: str, method: str, lora_rank: int,
     attention: Attention, gpu_contracts: bool, packed: bool = False, autocast: bool = False,
 ) -> tuple[BlockTrace, int, int]:
     import torch
@@ -571,8 +578,7 @@ def _trace_once(
     from profiler.hardware_bench import TORCH_DTYPES  # imports torch: deferred like the imports above
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(cfg)
-    cfg[_layers_key(cfg)] = layers
+    cfg = with_layers(cfg, layers)  # built like these layers of the model, per-layer lists cut to match
     cfg.pop("quantization_config", None)
     try:
         hf_config = AutoConfig.for_model(**cfg)
@@ -592,6 +598,7 @@ def _trace_once(
         warnings.simplefilter("ignore")
         torch.set_default_dtype(torch.float32 if autocast else torch_dtype)
         try:
+            attn_impl = runnable_attention(hf_config, attn_impl)  # eager where the family has no SDPA
             model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_impl)
         finally:
             torch.set_default_dtype(previous_default)
@@ -648,19 +655,49 @@ def default_attention(device_type: str) -> Attention:
 
 def _layer_and_rest(cfg: dict[str, Any], seq: int, dtype: str, method: str, lora_rank: int, attention: str,
                     gpu_contracts: bool, packed: bool, autocast: bool = False) -> tuple[BlockTrace, BlockTrace]:
-    """One decoder layer (a two-layer trace less a one-layer one) and the rest of the one-layer
-    model (embedding and head). The layer's `input_bytes` are its input hidden states, what a
-    full-recompute checkpoint keeps per layer: fp32 where the residual stream stays fp32 (autocast,
-    QLoRA's up-cast model), else the traced dtype."""
-    one, _, _ = _trace_once(cfg, 1, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
-                            gpu_contracts, packed, autocast=autocast)
-    two, _, _ = _trace_once(cfg, 2, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
-                            gpu_contracts, packed, autocast=autocast)
-    layer = two.minus(one)
+    """The mean decoder layer and the rest of the model (embedding and head). A two-layer trace less a
+    one-layer one is one layer; where the layers differ (`layer_types`: sliding or full attention,
+    per-layer head counts), each kind is traced after the most common one and weighted by how many
+    layers it has, so that the model's totals add up. The layer's `input_bytes` are its input hidden
+    states, what a full-recompute checkpoint keeps per layer: fp32 where the residual stream stays
+    fp32 (autocast, QLoRA's up-cast model), else the traced dtype."""
+    def trace(layers: list[int]) -> BlockTrace:
+        return _trace_once(cfg, layers, seq, dtype, method, lora_rank, attention,  # type: ignore[arg-type]
+                           gpu_contracts, packed, autocast=autocast)[0]
+
+    kinds = layer_kinds(cfg)
+    common = kinds[0][0]
+    one = trace([common])
+    layers = [(count, trace([common, first]).minus(one)) for first, count in kinds]
+    layer = BlockTrace.mean(layers)
+    rest = one.minus(layers[0][1])  # the one-layer trace less its (most common) layer
     # the residual stream is fp32 under autocast and in QLoRA's up-cast model (`_as_qlora_runs`)
     stream_fp32 = autocast or method == "qlora"
     layer.input_bytes = seq * architecture_dims(cfg)["hidden_size"] * (4 if stream_fp32 else DTYPE_BYTES[dtype])
-    return layer, one.minus(layer)
+    return layer, rest
+
+
+def _layer_lists_in_full(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` with the per-layer lists its config class derives when the file has none (Qwen2's
+    `layer_types` from `max_window_layers`, Gemma's from its sliding-window pattern): cut to two
+    layers, the class would derive them for two layers, not for the model."""
+    from transformers import AutoConfig  # deferred: heavy, and only a cold trace needs it
+
+    try:
+        full = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "quantization_config"}).to_dict()
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"transformers cannot build a config of type '{cfg.get('model_type')}': {exc}") from None
+    derived = {key: full[key] for key in per_layer_keys(full) if key not in cfg}
+    return {**cfg, **derived}
+
+
+def _kinds_note(cfg: dict[str, Any]) -> list[str]:
+    kinds = layer_kinds(cfg)
+    if len(kinds) == 1:
+        return []
+    described = ", ".join(f"{count} like layer {first}" for first, count in kinds)
+    return [f"layers of {len(kinds)} kinds ({described}; per-layer lists {', '.join(per_layer_keys(cfg))}): "
+            "each traced, the layer block is their mean"]
 
 
 @lru_cache(maxsize=256)
@@ -668,7 +705,7 @@ def _trace_cached(
     name: str, cfg_key: str, seq: int, dtype: str, method: str, lora_rank: int, attention: str,
     gpu_contracts: bool, packed: bool = False,
 ) -> ModelTrace:
-    cfg = json.loads(cfg_key)
+    cfg = _layer_lists_in_full(json.loads(cfg_key))
     dims = architecture_dims(cfg)
     traced = (cfg, seq, dtype, method, lora_rank, attention, gpu_contracts, packed)
     layer, outer = _layer_and_rest(*traced)
@@ -681,9 +718,9 @@ def _trace_cached(
     head = outer.minus(embedding)
     head.input_bytes = layer.input_bytes  # the final norm's input: the residual stream
     layers = dims["num_layers"]
-    params = layers * layer.params + outer.params
-    trainable = layers * layer.trainable_params + outer.trainable_params
-    notes = []
+    params = round(layers * layer.params + outer.params)
+    trainable = round(layers * layer.trainable_params + outer.trainable_params)
+    notes = _kinds_note(cfg)
     if gpu_contracts:
         notes.append("GPU kernels: FlashAttention saves no s x s matrix; dropout masks are 1 byte")
     if method == "qlora":

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from advisor.errors import UsageError
+from advisor.model_depth import first_layers, layer_count_key
 from advisor.plan_file import Plan, load_plan
 from advisor.specs import HardwareSpec, ModelSpec
 from advisor.task import TaskSpec
@@ -41,9 +42,7 @@ def proxy_model(model: ModelSpec, hidden: int | None = None, layers: int | None 
     blocks. Vocabulary and positions stay: the task's tokenizer and sequence length still apply."""
     if hidden is None and layers is None:
         return model
-    config = dict(model.hf_config)
-    if layers is not None:
-        config["num_hidden_layers"] = layers
+    config = first_layers(model.hf_config, layers) if layers is not None else dict(model.hf_config)
     if hidden is not None:
         old = int(config["hidden_size"])
         heads = int(config.get("num_attention_heads", 1))
@@ -57,7 +56,7 @@ def proxy_model(model: ModelSpec, hidden: int | None = None, layers: int | None 
                       num_key_value_heads=new_heads // group if new_heads % group == 0 else new_heads)
         if "intermediate_size" in config:
             config["intermediate_size"] = max(8, round(int(config["intermediate_size"]) * hidden / old / 8) * 8)
-    name = f"{model.name}-proxy-h{config.get('hidden_size')}-l{config.get('num_hidden_layers')}"
+    name = f"{model.name}-proxy-h{config.get('hidden_size')}-l{config.get(layer_count_key(config))}"
     return model.model_copy(update={"name": name, "hf_config": config})
 
 

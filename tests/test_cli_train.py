@@ -10,16 +10,22 @@ from typer.testing import CliRunner
 import trainer.launch
 from advisor.cli import app
 from advisor.plan_file import load_plan
+from trainer.data.chat_templates import TEMPLATE_NAMES
 from trainer.launch import launch_command
 from trainer.options import TrainOptions, train_argv
 
 runner = CliRunner()
 
 
+CHOICES = {"template": TEMPLATE_NAMES[-1]}  # string options that take one of a few names, not a path
+
+
 def _other_value(field: dataclasses.Field, root: Path):
     """A value of the field's type that is not its default (a path, resolved, for the string fields:
     `--data` is resolved by the verb)."""
     default = field.default
+    if field.name in CHOICES:
+        return CHOICES[field.name]
     if isinstance(default, bool):
         return not default
     if isinstance(default, int):

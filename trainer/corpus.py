@@ -19,6 +19,7 @@ import numpy as np
 
 from advisor.errors import UsageError
 from advisor.task import DataSource, StageSpec, TaskSpec
+from trainer.data.chat_templates import builtin_template, use_builtin_template
 from trainer.data.demo_corpus import generate_command
 from trainer.data.formats import (BadRow, HFRowTokenizer, LossRule, prompt_and_answer, render_example,
                                   source_format)
@@ -36,6 +37,7 @@ class ByteTokenizer:
 
     eos_token_id = BYTE_EOS
     name = "bytes"
+    builtin_jinja: str | None = None  # no built-in chat template goes with bytes
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
@@ -55,13 +57,17 @@ class FileTokenizer:
     """A local tokenizer (the task's `data.tokenizer`, the --weights folder's, or the one shipped for
     the model preset). Chat templates are read through transformers, loaded on first use."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, template: str | None = None):
         self._inner = TextTokenizer(path)
         if self._inner.eos_id is None:
             raise UsageError(f"tokenizer {path} has no end-of-text token to separate packed documents")
         self.eos_token_id = int(self._inner.eos_id)
         self.vocab_size = self._inner.vocab_size
-        self.name = str(path)
+        self.template = template
+        if template is not None:
+            builtin_template(template)  # an unknown name refused before any row is read
+        # the name keys the run's cache of rendered rows: another template renders other tokens
+        self.name = str(path) + (f" (template {template})" if template else "")
         self.path = Path(path)
         self._hf: HFRowTokenizer | None = None
 
@@ -75,8 +81,16 @@ class FileTokenizer:
     def _templates(self) -> HFRowTokenizer:
         """The transformers tokenizer of the same files, for its chat template (loaded on first use)."""
         if self._hf is None:
-            self._hf = HFRowTokenizer(load_tokenizer(self.path), str(self.path), self.eos_token_id)
+            hf = load_tokenizer(self.path)
+            if self.template:
+                hf = use_builtin_template(hf, self.template, str(self.path))
+            self._hf = HFRowTokenizer(hf, str(self.path), self.eos_token_id)
         return self._hf
+
+    @property
+    def builtin_jinja(self) -> str | None:
+        """The built-in chat template chosen with --template (None: the tokenizer's own, if any)."""
+        return builtin_template(self.template).jinja if self.template else None
 
     def has_chat_template(self) -> bool:
         return self._templates.has_chat_template()
@@ -85,9 +99,11 @@ class FileTokenizer:
         return self._templates.chat(messages, add_generation_prompt, tools)
 
 
-def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int, weights: str | None = None):
+def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int, weights: str | None = None,
+                  template: str | None = None):
     """The task's tokenizer, else the one in the --weights folder, else the model preset's shipped
-    one, else bytes."""
+    one, else bytes; with `template`, a built-in chat template (trainer/data/chat_templates.py)
+    instead of the tokenizer's own."""
     configured = getattr(getattr(task, "data", None), "tokenizer", None)
     if not configured and weights and _has_tokenizer(Path(weights)):
         configured = str(Path(weights).resolve())
@@ -98,8 +114,11 @@ def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int, weights: str
             raise
         if vocab_size <= BYTE_EOS:
             raise UsageError("no tokenizer for this model and its vocabulary is too small for bytes (< 257)") from None
+        if template:
+            raise UsageError(f"--template {template} needs a tokenizer with the family's special tokens: set "
+                             "`data: {tokenizer: FOLDER}` in the task or train from --weights FOLDER holding one") from None
         return ByteTokenizer()
-    tokenizer = FileTokenizer(path)
+    tokenizer = FileTokenizer(path, template)
     if tokenizer.vocab_size > vocab_size:
         raise UsageError(f"tokenizer {path} has {tokenizer.vocab_size} tokens, the model only {vocab_size}")
     return tokenizer

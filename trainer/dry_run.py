@@ -31,6 +31,7 @@ from advisor.plan_file import Plan
 from advisor.specs import Layout, ModelSpec, layers_per_stage
 from planner.cost_model import default_split, stage_memory
 from planner.memory import model_state_bytes
+from profiler.attention_support import SDPA, runnable_attention
 from profiler.model_trace import trace_model
 from trainer.adapters import apply_lora
 from trainer.parallelize import check_parallel_layout
@@ -77,7 +78,7 @@ def meta_model(spec: ModelSpec, layout: Layout) -> torch.nn.Module:
     config = AutoConfig.for_model(**spec.hf_config)
     config.use_cache = False
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=runnable_attention(config, SDPA))
         if layout.method in ("lora", "qlora"):
             # the adapters' structure is the same for QLoRA; its 4-bit base is counted below
             model = apply_lora(model, layout.model_copy(update={"method": "lora"}))

@@ -303,7 +303,7 @@ class _Run:
         self.events = JsonLines(run_dir / "events.jsonl", self.main)
         self.scalars = ScalarLog(run_dir / "tensorboard", self.main)  # opens lazily, after any purge is set
         self.vocab = int(plan.model.hf_config.get("vocab_size", 0))
-        self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab, options.weights)
+        self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab, options.weights, options.template)
         self.cache = run_dir / "data_cache"
         self.dev = device()
         self.memory = TensorMemory(self.dev)  # before the model is built: it counts what is allocated from now on
@@ -377,7 +377,7 @@ class _Run:
         if self.main:
             try:
                 current = fingerprint(self.plan, self.plan.chosen.layout, self.options.seed, self.options.weights,
-                                      self.options.data)
+                                      self.options.data, self.options.template)
                 moved = claim(self.run_dir, current, resume, self.options.overwrite)
             except (UsageError, OSError) as exc:  # the other ranks wait for the answer: give them one
                 refusal = str(exc)
@@ -554,9 +554,9 @@ class _Run:
         """The stage's artifact, RUN/stages/<stage>/model/ (collective; trainer/handoff.py `write_model`):
         an HF model folder, or for LoRA/QLoRA an adapter folder. The full weights when it gathered them."""
         directory = _stage_model_dir(self.run_dir, stage.spec.name)
-        tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else Path(self.tokenizer.name)
+        tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer.path
         weights = write_model(self.engine, directory, TORCH_DTYPES[self.layout.dtype], tokenizer, self.options.weights,
-                              merge=self.options.merge)
+                              merge=self.options.merge, chat_template=self.tokenizer.builtin_jinja)
         self.events.write({"event": "model", "stage": stage.spec.name, "step": self.state.global_step,
                            "path": str(directory.relative_to(self.run_dir)),
                            "kind": "adapter" if self.layout.method in ("lora", "qlora") else "full"})

@@ -13,6 +13,7 @@ import torch
 
 from advisor.capabilities import DOCUMENT_ATTENTION, attention_implementation
 from advisor.specs import Layout, ModelSpec
+from profiler.attention_support import runnable_attention
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.adapters import apply_lora
 from trainer.attention import register_document_attention
@@ -39,6 +40,7 @@ def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None 
     attention = attention_implementation(device().type)
     if attention == DOCUMENT_ATTENTION:
         register_document_attention()
+    attention = runnable_attention(config, attention)  # eager for a family without an SDPA path (Gemma 2)
     model = build_on_meta(lambda: AutoModelForCausalLM.from_config(config, attn_implementation=attention,
                                                                    dtype=torch.float32), seed, weights)
     if layout.dtype != "fp32" and layout.zero == 0 and layout.method != "full":

@@ -43,6 +43,10 @@ CACHE = "data_cache"
 PREPARED_VIEW = "prepared"  # the run dir's one-stage view of an `advisor data prepare` folder  # the run dir's cache of packed sequences, which the loop reads too (trainer/loop.py)
 
 
+# (--weights folder, --template name): what picks the tokenizer and its chat template (tokenizer_for)
+TokenizerChoice = tuple[str | None, str | None]
+
+
 def data_format(path: str) -> str | None:
     """The source's file type for a folder or glob of one kind of file, from their extensions; None
     where the reader tells it from the content (a single file, a `save_to_disk` folder) or from
@@ -66,11 +70,12 @@ def data_format(path: str) -> str | None:
 def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
                    tokens: int | None, epochs: float | None = None,
                    weights: str | None = None, datasets: list[str] | None = None,
-                   reading: Reading = Reading()) -> tuple[Plan, Path | None]:
+                   reading: Reading = Reading(), template: str | None = None) -> tuple[Plan, Path | None]:
     """`plan` with a one-stage task over `data`, sized by `steps`, `tokens`, `epochs` or one pass; and
     the prepared-data folder the loop reads (None: raw files, read through the task's sources).
     With `datasets`, `data` is LLaMA-Factory's `dataset_info.json` (or its folder) and the stage
-    reads those datasets (trainer/data/registry.py); a YAML `data` is an Axolotl config."""
+    reads those datasets (trainer/data/registry.py); a YAML `data` is an Axolotl config. `weights` and
+    `template` choose the tokenizer and its chat template as the loop does (`trainer.corpus.tokenizer_for`)."""
     if sum(budget is not None for budget in (steps, tokens, epochs)) > 1:
         raise UsageError("give one of --steps, --tokens or --epochs")
     layout = plan.chosen.layout
@@ -79,9 +84,9 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
         task = _task(plan, [], steps=1, tokenizer=read_manifest(Path(data))["tokenizer"]["path"])
         view, one_pass = _prepared_view(Path(data), task, run_dir)
     else:
-        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, weights, reading), None
+        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, (weights, template), reading), None
     if steps is None and tokens is None:
-        one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir, weights)
+        one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir, (weights, template))
         tokens = one_pass
     if steps is None:
         steps = max(1, math.ceil(tokens / layout.tokens_per_step))  # type: ignore[operator]
@@ -94,7 +99,7 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
     return plan.model_copy(update={"task": task, "stages": [planned]}), view
 
 
-def _raw_task(plan: Plan, data: str, datasets: list[str] | None, run_dir: Path, weights: str | None,
+def _raw_task(plan: Plan, data: str, datasets: list[str] | None, run_dir: Path, choice: TokenizerChoice,
               reading: Reading = Reading()) -> tuple[TaskSpec, int | None]:
     """The one-stage task over raw files: `data` itself, the registry's `datasets` or an Axolotl
     config's, each with its row format and loss switches fixed in the run's plan (the workers read
@@ -107,7 +112,7 @@ def _raw_task(plan: Plan, data: str, datasets: list[str] | None, run_dir: Path, 
     task = _task(plan, sources, steps=1)
     if len(sources) == 1 and reading.mix_probs is None:
         return task, None
-    counts = _sequences(plan, task, run_dir, weights)
+    counts = _sequences(plan, task, run_dir, choice)
     probs = list(reading.mix_probs) if reading.mix_probs is not None else None
     shares, sequences = mixture(reading.mix, probs, counts)
     total = sum(shares)  # as shares of 1: a weight stays within a task file's bounds however big the data
@@ -137,11 +142,11 @@ def _switched(source: DataSource, reading: Reading) -> DataSource:
     return source.model_copy(update={"train_on_prompt": prompt, "mask_history": history})
 
 
-def _sequences(plan: Plan, task: TaskSpec, run_dir: Path, weights: str | None) -> list[int]:
+def _sequences(plan: Plan, task: TaskSpec, run_dir: Path, choice: TokenizerChoice) -> list[int]:
     """The full sequences each raw source packs into (the loop reads the same packed sequences from
     the run dir's cache); a source without one is refused."""
     layout = plan.chosen.layout
-    tokenizer = tokenizer_for(task, plan.model.name, int(plan.model.hf_config.get("vocab_size", 0)), weights)
+    tokenizer = tokenizer_for(task, plan.model.name, int(plan.model.hf_config.get("vocab_size", 0)), *choice)
     counts = []
     for source in task.stages[0].sources:
         counts.append(len(load_source(source, task, tokenizer, layout.seq, run_dir / CACHE)))
@@ -150,9 +155,9 @@ def _sequences(plan: Plan, task: TaskSpec, run_dir: Path, weights: str | None) -
     return counts
 
 
-def _raw_tokens(plan: Plan, task: TaskSpec, run_dir: Path, weights: str | None) -> int:
+def _raw_tokens(plan: Plan, task: TaskSpec, run_dir: Path, choice: TokenizerChoice) -> int:
     """Tokens of one pass over the raw sources: the full sequences they pack into."""
-    return sum(_sequences(plan, task, run_dir, weights)) * plan.chosen.layout.seq
+    return sum(_sequences(plan, task, run_dir, choice)) * plan.chosen.layout.seq
 
 
 def _prepared_view(folder: Path, task: TaskSpec, run_dir: Path) -> tuple[Path, int]:

@@ -28,6 +28,7 @@ class TrainOptions:
     epochs: float | None = None  # every stage trains this many passes over its own data (overrides budgets)
     exact_match_prompts: int = 64  # held-out prompts per skill scored by greedy exact match (0: none)
     weights: str | None = None  # a local HF model folder to fine-tune instead of a random init
+    template: str | None = None  # a built-in chat template (trainer/data/chat_templates.py) for chat rows
     merge: bool = False  # LoRA/QLoRA: the artifacts also hold the merged full weights (model/merged/)
     show_progress: bool = True
     data: str | None = None  # `advisor data prepare` folder; default: the task's data.out when fresh

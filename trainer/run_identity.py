@@ -70,12 +70,16 @@ def _data_files(plan: Plan, prepared: str | None) -> list[list[Any]]:
     return files
 
 
-def fingerprint(plan: Plan, layout: Layout, seed: int, weights: str | None, prepared: str | None) -> dict[str, Any]:
-    """What decides a run's trajectory. Hashes where the value is large (model config, task, data)."""
+def fingerprint(plan: Plan, layout: Layout, seed: int, weights: str | None, prepared: str | None,
+                template: str | None = None) -> dict[str, Any]:
+    """What decides a run's trajectory. Hashes where the value is large (model config, task, data).
+    A built-in chat template (--template) renders other tokens from the same files: it goes with the
+    data (and a run without one keeps the fingerprint it had before the flag existed)."""
     task = plan.task.model_dump(mode="json", exclude={"base_dir"}) if plan.task else None
+    data = _data_files(plan, prepared)
     return {"task": _digest(task), "seed": seed, "model": _digest([plan.model.hf_config, weights]),
             "seq_len": layout.seq, "global_batch": layout.global_batch, "engine": plan.engine,
-            "data": _digest(_data_files(plan, prepared)), "layout": layout.short(),
+            "data": _digest(data if template is None else [data, template]), "layout": layout.short(),
             "model_name": plan.model.name, "task_name": plan.task.name if plan.task else None}
 
 

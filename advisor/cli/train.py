@@ -23,6 +23,7 @@ from advisor.plan_file import Plan, load_plan
 from advisor.specs import check_number
 from advisor.task import MAX_EPOCHS
 from profiler.cluster import cluster_options
+from trainer.data.chat_templates import TEMPLATE_NAMES, builtin_template
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.data.mixing import Reading
 from trainer.options import TrainOptions
@@ -45,6 +46,9 @@ def train(
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (demos)"),
     seed: int = typer.Option(DEFAULTS.seed, "--seed"),
     weights: Optional[str] = typer.Option(None, "--weights", help="local HF model folder to start from"),
+    template: Optional[str] = typer.Option(None, "--template", help="a built-in chat template for chat, sharegpt "
+                                           f"and conversational rows, in place of the tokenizer's own (a base model's "
+                                           f"tokenizer often has none): {', '.join(TEMPLATE_NAMES)}"),
     merge: bool = typer.Option(DEFAULTS.merge, "--merge/--no-merge", help="LoRA/QLoRA: also write the adapters "
                                "merged into full weights, RUN/model/merged/ (and per stage)"),
     data: Optional[Path] = typer.Option(None, "--data", help="with a task: an `advisor data prepare` folder of "
@@ -134,6 +138,8 @@ def _check_inputs(a: SimpleNamespace) -> None:
     check_number(a.clip, "--clip", gt=0, le=1e6)
     check_number(a.spike_lr_factor, "--spike-lr-factor", gt=0, le=1)
     data_reading.reading(a)
+    if a.template is not None:
+        builtin_template(a.template)
     if not a.dry_run and not a.launched:
         check_run_dir(a.out)
         load_plan(a.plan_file)  # read again by the run: milliseconds
@@ -168,7 +174,7 @@ def _run(a: SimpleNamespace) -> dict | None:
         _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
             (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights,
-                                                      a.dataset, data_reading.reading(a)), out / "plan.yaml")
+                                                      a.dataset, data_reading.reading(a), a.template), out / "plan.yaml")
         elif a.steps is not None or a.tokens is not None:
             raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
                              "its stages")
@@ -178,7 +184,8 @@ def _run(a: SimpleNamespace) -> dict | None:
     options = TrainOptions(seed=a.seed, clip=a.clip, keep_checkpoints=a.keep_checkpoints,
                            max_rollbacks=a.max_rollbacks, spike_lr_factor=a.spike_lr_factor,
                            spike_warmup_steps=a.spike_warmup_steps, eval_sequences=a.eval_sequences,
-                           max_steps_per_stage=a.max_steps_per_stage, weights=a.weights, merge=a.merge,
+                           max_steps_per_stage=a.max_steps_per_stage, weights=a.weights, template=a.template,
+                           merge=a.merge,
                            epochs=a.epochs, exact_match_prompts=a.exact_match_prompts,
                            show_progress=a.show_progress and a.launched,
                            data=str(prepared.resolve()) if prepared else None, overwrite=a.overwrite,
@@ -209,7 +216,8 @@ def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched:
 
 def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, tokens: int | None,
                epochs: float | None, weights: str | None = None,
-               dataset: str | None = None, reading: Reading = Reading()) -> tuple[Plan, Path | None]:
+               dataset: str | None = None, reading: Reading = Reading(),
+               template: str | None = None) -> tuple[Plan, Path | None]:
     """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
     plan; and the prepared-data folder the loop reads (None: raw files)."""
     if data is None:
@@ -223,7 +231,7 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, toke
     from trainer.one_stage import one_stage_plan
 
     plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights, datasets=names,
-                                    reading=reading)
+                                    reading=reading, template=template)
     sources = plan.task.stages[0].sources if plan.task else []
     if len(sources) == 1:
         console.print(f"--data {data}: {sources[0].format} rows (detected from their fields)", highlight=False)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Iterable, Protocol
 
 from advisor.errors import UsageError
+from trainer.data.chat_templates import TEMPLATE_NAMES
 from trainer.data.messages import BadRow, chat_message, refuse_media, sharegpt_messages, text_of, tool_list
 from trainer.data.sources import expand_source_path, file_type_of, read_rows
 
@@ -121,7 +122,8 @@ class HFRowTokenizer:
     def chat(self, messages: Messages, add_generation_prompt: bool, tools: Tools = None) -> list[int]:
         if not self.has_chat_template():
             raise UsageError(f"tokenizer {self.name} has no chat template: chat data needs one "
-                             "(`chat_template` in its tokenizer_config.json or a chat_template.jinja)")
+                             "(`chat_template` in its tokenizer_config.json or a chat_template.jinja), or a "
+                             f"built-in: advisor train --template {'|'.join(TEMPLATE_NAMES)}")
         from jinja2 import TemplateError
 
         try:
