@@ -1,6 +1,7 @@
-"""`advisor train`'s flags for how --data's datasets are read: how several mix (--mix,
---mix-probs) and which tokens train (--train-on-prompt, --mask-history). Declared here, beside the
-check that turns them into a `Reading` (trainer/data/mixing.py), to keep the train verb short."""
+"""`advisor train`'s flags for what --data is and how its datasets are read: --data, --dataset,
+--template, how several mix (--mix, --mix-probs) and which tokens train (--train-on-prompt,
+--mask-history). Declared here, beside the check that turns them into a `Reading`
+(trainer/data/mixing.py), to keep the train verb short."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 import typer
 
 from advisor.errors import UsageError
+from trainer.data.chat_templates import TEMPLATE_NAMES
 from trainer.data.mixing import Reading, check_mix, parse_probabilities
 
 MIX = typer.Option("concat", "--mix", help="how several datasets of --data mix: concat (every row once per pass, "
@@ -22,6 +24,18 @@ TRAIN_ON_PROMPT = typer.Option(False, "--train-on-prompt", help="a plan without 
 MASK_HISTORY = typer.Option(False, "--mask-history", help="a plan without a task: train only the last answer of each "
                             "multi-turn row (LLaMA-Factory's mask_history)")
 
+DATA = typer.Option(None, "--data", help="with a task: an `advisor data prepare` folder of length-bucketed shards "
+                    "(default: the task's data.out when it is fresh, else its raw files). Without a task: the data "
+                    "the run trains on as one stage, a file, glob or folder of JSON lines or a JSON array (text, "
+                    "alpaca, sharegpt or chat rows, tool calls included), parquet, CSV, arrow, text or a datasets "
+                    "save_to_disk folder, told apart by content; an `advisor data prepare` folder (all its stages' "
+                    "train shards); LLaMA-Factory's dataset_info.json with --dataset; or an Axolotl config (.yml) "
+                    "whose datasets: list (alpaca, chat_template, completion) it trains")
+DATASET = typer.Option(None, "--dataset", help="with --data DIR/dataset_info.json (LLaMA-Factory's registry): the "
+                       "datasets to train on, NAME[,NAME...], concatenated")
+TEMPLATE = typer.Option(None, "--template", help="a built-in chat template for chat, sharegpt and conversational "
+                        "rows, in place of the tokenizer's own (a base model's tokenizer often has none): "
+                        f"{', '.join(TEMPLATE_NAMES)}")
 
 def reading(a: SimpleNamespace) -> Reading:
     """How --data's datasets are read (--mix, --mix-probs, --train-on-prompt, --mask-history), checked."""

@@ -46,22 +46,11 @@ def train(
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (demos)"),
     seed: int = typer.Option(DEFAULTS.seed, "--seed"),
     weights: Optional[str] = typer.Option(None, "--weights", help="local HF model folder to start from"),
-    template: Optional[str] = typer.Option(None, "--template", help="a built-in chat template for chat, sharegpt "
-                                           f"and conversational rows, in place of the tokenizer's own (a base model's "
-                                           f"tokenizer often has none): {', '.join(TEMPLATE_NAMES)}"),
+    template: Optional[str] = data_reading.TEMPLATE,
     merge: bool = typer.Option(DEFAULTS.merge, "--merge/--no-merge", help="LoRA/QLoRA: also write the adapters "
                                "merged into full weights, RUN/model/merged/ (and per stage)"),
-    data: Optional[Path] = typer.Option(None, "--data", help="with a task: an `advisor data prepare` folder of "
-                                        "length-bucketed shards (default: the task's data.out when it is fresh, else "
-                                        "its raw files). Without a task: the data the run trains on as one stage, a "
-                                        "file, glob or folder of JSON lines or a JSON array (text, alpaca, sharegpt "
-                                        "or chat rows, tool calls included), parquet, CSV, arrow, text or a "
-                                        "datasets save_to_disk folder, told apart by content; an `advisor data "
-                                        "prepare` folder (all its stages' train shards); LLaMA-Factory's "
-                                        "dataset_info.json with --dataset; or an Axolotl config (.yml) whose "
-                                        "datasets: list (alpaca, chat_template, completion) it trains"),
-    dataset: Optional[str] = typer.Option(None, "--dataset", help="with --data DIR/dataset_info.json (LLaMA-Factory's "
-                                          "registry): the datasets to train on, NAME[,NAME...], concatenated"),
+    data: Optional[Path] = data_reading.DATA,
+    dataset: Optional[str] = data_reading.DATASET,
     mix: str = data_reading.MIX,
     mix_probs: Optional[str] = data_reading.MIX_PROBS,
     train_on_prompt: bool = data_reading.TRAIN_ON_PROMPT,
