@@ -23,7 +23,7 @@ from advisor.plan_file import Plan, load_plan
 from advisor.specs import check_number
 from advisor.task import MAX_EPOCHS
 from profiler.cluster import cluster_options
-from trainer.data.chat_templates import TEMPLATE_NAMES, builtin_template
+from trainer.data.chat_templates import builtin_template
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.data.mixing import Reading
 from trainer.options import TrainOptions
