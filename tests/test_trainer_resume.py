@@ -22,6 +22,7 @@ from advisor.cli import app
 from advisor.errors import UsageError
 from advisor.plan_file import load_plan
 from test_trainer import _free_port, make_plan_file, read_jsonl
+from profiler.tensor_memory import load_counter
 from trainer import checkpoint
 from trainer.loop import TrainOptions, train
 from trainer.run_identity import RUN_FILE
@@ -160,43 +161,71 @@ def test_a_torn_last_log_line_is_skipped_and_counted(tmp_path, monkeypatch, clea
     assert {(t["file"], t["skipped"]) for t in torn} == {("events.jsonl", 1), ("metrics.jsonl", 1)}
 
 
+def _forked_rank(rank: int, world: int, port: int, plan_path: str, run_dir: str, resume: bool,
+                 environment: dict[str, str]) -> None:
+    """One rank as `advisor train --launched` runs it (trainer.launch.run), forked from this process."""
+    from profiler.ranks import init_rank
+
+    os.environ.update(environment)
+    init_rank(rank, world, port, distributed=False, threads=1)  # its environment; run() makes the group
+    trainer.launch.run(load_plan(plan_path), Path(plan_path), Path(run_dir), resume, QUIET, launched=True,
+                       nnodes=None, node_rank=0, master_addr="127.0.0.1", master_port=port)
+
+
+def _train_forked(plan: Path, run: Path, resume: bool = False, **environment: str) -> None:
+    """Train `plan` (2 ranks) on ranks forked from this process; a rank's exception is raised here."""
+    from profiler.ranks import launch
+
+    launch(_forked_rank, 2, (2, _free_port(), str(plan), str(run), resume, environment))
+
+
+def _start_forked(plan: Path, run: Path, resume: bool, **environment: str) -> list:
+    """The 2 ranks of `_train_forked`, started and not waited for (their processes)."""
+    context = torch.multiprocessing.start_processes(
+        _forked_rank, args=(2, _free_port(), str(plan), str(run), resume, environment), nprocs=2, join=False,
+        start_method="fork")
+    return context.processes
+
+
 @pytest.mark.slow
 def test_kill_dash_nine_during_checkpoint_writes_always_resumes_from_the_last_complete_one(tmp_path) -> None:
-    """10 kills, each at a random moment of a checkpoint write (a delay between its files makes the
-    writes long enough to hit), each followed by --resume; the end equals an uninterrupted run."""
-    kills = 10  # each launch starts an interpreter and torch (about 6 s here); 20 took 133 s of CI's budget
-    plan = make_plan_file(tmp_path, steps=16, checkpoint_every=1)  # long enough for the kills (10 reached step 10)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", checkpoint.DELAY_ENV: "0.03"}
-
-    def launch(out: Path, *extra: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(out),
-                                 "--master-port", str(_free_port()), *extra], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    assert launch(tmp_path / "whole").wait(timeout=600) == 0
+    """20 kills of both ranks of a 2-rank run, each at a random moment of a checkpoint write (a delay
+    between its files makes the writes long enough to hit), each followed by a resume; the end, by
+    `advisor train --resume` through torchrun, equals an uninterrupted run bitwise. The killed
+    attempts are ranks forked from this process, which has imported torch already: a launch through
+    the CLI costs about 6 s of interpreter and torch start per attempt, a fork a fraction of one."""
+    kills = 20
+    # the CPU allocator counter, loaded before forking (the ranks inherit it), and its folder for the
+    # CLI's workers: the build this process has (the other trainer tests need it too), not one more (~50 s)
+    built = Path(load_counter().__file__).parents[1]
+    plan = make_plan_file(tmp_path, steps=16, checkpoint_every=1,  # DDP; 20 kills reach step 15 or so of 32
+                          layout_fields={"dp": 2, "mbs": 1, "gas": 2, "zero": 0})
+    _train_forked(plan, tmp_path / "whole")
     run, root, rng = tmp_path / "killed", tmp_path / "killed" / "checkpoints", random.Random(0)
     expected_from = []  # the newest complete checkpoint at each kill: where the next resume must start
     for attempt in range(kills):
         started = time.time()
-        victim = launch(run, *(["--resume"] if attempt else []))
+        ranks = _start_forked(plan, run, resume=attempt > 0, **{checkpoint.DELAY_ENV: "0.03"})
         writes, seen = rng.randint(1, 2), set()
-        while victim.poll() is None and len(seen) < writes:  # this launch's own writes, not a killed one's
+        while all(r.is_alive() for r in ranks) and len(seen) < writes:  # this attempt's writes, not a killed one's
             seen |= {p.name for p in root.glob(".tmp-step-*") if _mtime(p) >= started}
             time.sleep(0.005)
-        if victim.poll() is not None:  # it finished before the kill
-            assert victim.returncode == 0, victim.stderr.read().decode()[-2000:]
-            break
+        assert all(r.is_alive() for r in ranks), "a rank ended before its kill"
         time.sleep(rng.uniform(0, 0.25))
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.wait()
-        newest = checkpoint.latest(root)
-        assert newest is not None
-        expected_from.append(newest.name)
-    else:
-        final = launch(run, "--resume")
-        assert final.wait(timeout=600) == 0, final.stderr.read().decode()[-2000:]
+        for rank in rng.sample(ranks, 2):  # both ranks, in either order, a moment apart
+            os.kill(rank.pid, signal.SIGKILL)
+            time.sleep(rng.uniform(0, 0.02))
+        for rank in ranks:
+            rank.join()
+        newest = checkpoint.latest(root)  # verified here, every file: an independent check of the ranks' seal
+        expected_from.append(newest.name if newest else None)  # None: killed before the first one, starts fresh
+    final = subprocess.run([sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(run), "--resume",
+                            "--master-port", str(_free_port())],
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(built)},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=600, check=False)
+    assert final.returncode == 0, final.stderr.decode()[-2000:]
     print("\nFIGURES resumed from", expected_from)
-    assert len(expected_from) == kills  # every attempt was killed mid-write
+    assert len(expected_from) == kills and len(set(expected_from)) > kills // 2  # the kills moved through the run
     assert [e["from"] for e in events(run, "resume")] == expected_from
     assert losses(run) == losses(tmp_path / "whole")
     last = checkpoint.latest(tmp_path / "whole" / "checkpoints")
@@ -358,3 +387,35 @@ def test_a_failing_rank_brings_the_other_node_down_within_the_timeout_with_its_e
     assert nodes[0].returncode != 0, other_err[-2000:]
     assert time.time() - failed_at < timeout_s + 30
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1]
+
+
+# -- sealed by every writer --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_fsync_leaves_no_sealed_checkpoint_and_the_run_resumes_from_the_previous_one(
+        tmp_path) -> None:
+    import torch.distributed.fsdp  # noqa: F401  (imported before forking)
+    from torch.multiprocessing import ProcessRaisedException
+
+    from trainer.seal import FSYNC_FAILURE_ENV
+
+    plan = make_plan_file(tmp_path, steps=4, checkpoint_every=2,
+                          layout_fields={"dp": 2, "mbs": 1, "gas": 2, "zero": 3})  # FSDP2: each rank writes a shard
+    loaded = load_plan(plan)
+    loaded.engine = "fsdp2"
+    loaded.write(plan)
+    _train_forked(plan, tmp_path / "clean")
+    run, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    with pytest.raises(ProcessRaisedException, match=r"step 4 is not sealed \(rank 1: fsync of \S+ failed"):
+        _train_forked(plan, run, **{FSYNC_FAILURE_ENV: "rank=1,step=4"})
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step-00000004", "step-00000000", "step-00000002"]
+    assert not (root / ".tmp-step-00000004" / checkpoint.MANIFEST).exists()
+    manifest = json.loads((root / "step-00000002" / checkpoint.MANIFEST).read_text())
+    writers = {name: entry["rank"] for name, entry in manifest["files"].items()}
+    # DCP names each rank's shard after it; rank 1 hashed its own shard and RNG state
+    assert manifest["ranks"] == 2 and {"dcp/__1_0.distcp": 1, "rng-1.pt": 1}.items() <= writers.items()
+    assert {"dcp/__0_0.distcp": 0, "dcp/.metadata": 0, "trainer.json": 0}.items() <= writers.items()
+
+    _train_forked(plan, run, resume=True)
+    assert [e["from"] for e in events(run, "resume")] == ["step-00000002"]
+    assert losses(run) == losses(tmp_path / "clean")
