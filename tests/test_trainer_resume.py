@@ -419,3 +419,56 @@ def test_a_rank_that_cannot_fsync_leaves_no_sealed_checkpoint_and_the_run_resume
     _train_forked(plan, run, resume=True)
     assert [e["from"] for e in events(run, "resume")] == ["step-00000002"]
     assert losses(run) == losses(tmp_path / "clean")
+
+
+def test_a_checkpoint_its_only_rank_cannot_fsync_gets_no_manifest_and_a_bad_injection_is_one_line(
+        tmp_path, monkeypatch) -> None:
+    from trainer import seal
+
+    def save(step: int) -> Path:
+        return checkpoint.save(tmp_path, step, {"global_step": step},
+                               lambda d: torch.save({"w": torch.ones(2)}, d / "engine.pt"), keep=3)
+
+    monkeypatch.setenv(seal.FSYNC_FAILURE_ENV, "rank=0,step=2")
+    assert checkpoint.problem(save(1)) is None
+    with pytest.raises(seal.NotSealed, match=r"step 2 is not sealed \(rank 0: fsync of engine.pt failed"):
+        save(2)
+    assert not (tmp_path / ".tmp-step-00000002" / checkpoint.MANIFEST).exists()
+    assert checkpoint.latest(tmp_path).name == "step-00000001"
+    monkeypatch.setenv(seal.FSYNC_FAILURE_ENV, "rank=one")
+    with pytest.raises(UsageError, match="ADVISOR_INJECT_FSYNC_FAILURE='rank=one': expected rank=R"):
+        save(3)
+
+
+def _slow_sealing_rank(rank: int, port: int, root: str, timeout_s: float, out: str) -> None:
+    """Rank 1 hashes slowly (the injected delay, longer than the group's timeout, before each of its
+    files); the save must wait for it. Then the same wait on the training group, which times out."""
+    import torch.distributed as dist
+
+    from profiler.ranks import init_rank
+
+    if rank == 1:
+        os.environ[checkpoint.DELAY_ENV] = str(timeout_s * 1.5)
+    init_rank(rank, 2, port, distributed=True, threads=1, timeout_s=timeout_s)
+    checkpoint.save(Path(root), 1, {"global_step": 1}, lambda d: None, keep=1)
+    sealed = checkpoint.latest(Path(root)) is not None
+    started = time.time()
+    try:
+        time.sleep(timeout_s * 1.5 if rank == 1 else 0)
+        dist.barrier()
+        timed_out = False
+    except RuntimeError:
+        timed_out = True
+    Path(out, f"rank-{rank}.json").write_text(json.dumps([sealed, timed_out, time.time() - started]))
+    os._exit(0)  # the training group is broken now: no orderly teardown
+
+
+@pytest.mark.slow
+def test_the_seal_waits_on_a_slow_rank_longer_than_the_process_group_timeout(tmp_path) -> None:
+    from profiler.ranks import launch
+
+    timeout_s = 2.0
+    launch(_slow_sealing_rank, 2, (_free_port(), str(tmp_path / "checkpoints"), timeout_s, str(tmp_path)))
+    sealed, timed_out, waited = json.loads((tmp_path / "rank-0.json").read_text())
+    assert sealed and checkpoint.latest(tmp_path / "checkpoints").name == "step-00000001"
+    assert timed_out and waited < timeout_s * 1.5  # the training group's own wait gave up

@@ -57,20 +57,19 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-_groups: dict[int, Any] = {}  # the seal group of each training group (a process may make several)
+_made: list[Any] = []  # [the training group, its seal group]: the training group held, so never mistaken for a new one
 
 
 def seal_group() -> Any:
     """The gloo group the seal's collectives run on (None without a process group of several
-    ranks). Made by every rank at its first seal or verification, which all ranks reach together."""
-    rank, world = _world()
+    ranks). Made by every rank at its first seal or verification, which all ranks reach together;
+    made again for a new training group (a destroyed one's goes with it)."""
+    _, world = _world()
     if world == 1:
         return None
-    key = id(dist.group.WORLD)
-    if key not in _groups:
-        _groups.clear()  # a destroyed group's seal group goes with it
-        _groups[key] = dist.new_group(backend="gloo", timeout=seal_timeout())
-    return _groups[key]
+    if not _made or _made[0] is not dist.group.WORLD:
+        _made[:] = [dist.group.WORLD, dist.new_group(backend="gloo", timeout=seal_timeout())]
+    return _made[1]
 
 
 def seal_timeout() -> datetime.timedelta:
