@@ -446,6 +446,7 @@ def _slow_sealing_rank(rank: int, port: int, root: str, timeout_s: float, out: s
     import torch.distributed as dist
 
     from profiler.ranks import init_rank
+    from trainer.seal import seal_timeout
 
     if rank == 1:
         os.environ[checkpoint.DELAY_ENV] = str(timeout_s * 1.5)
@@ -459,16 +460,20 @@ def _slow_sealing_rank(rank: int, port: int, root: str, timeout_s: float, out: s
         timed_out = False
     except RuntimeError:
         timed_out = True
-    Path(out, f"rank-{rank}.json").write_text(json.dumps([sealed, timed_out, time.time() - started]))
+    waited = time.time() - started
+    Path(out, f"rank-{rank}.json").write_text(json.dumps([sealed, timed_out, waited, seal_timeout().total_seconds()]))
     os._exit(0)  # the training group is broken now: no orderly teardown
 
 
 @pytest.mark.slow
 def test_the_seal_waits_on_a_slow_rank_longer_than_the_process_group_timeout(tmp_path) -> None:
     from profiler.ranks import launch
+    from trainer.seal import SEAL_TIMEOUT_FACTOR, SEAL_TIMEOUT_FLOOR
 
     timeout_s = 2.0
     launch(_slow_sealing_rank, 2, (_free_port(), str(tmp_path / "checkpoints"), timeout_s, str(tmp_path)))
-    sealed, timed_out, waited = json.loads((tmp_path / "rank-0.json").read_text())
+    sealed, timed_out, waited, seal_timeout_s = json.loads((tmp_path / "rank-0.json").read_text())
     assert sealed and checkpoint.latest(tmp_path / "checkpoints").name == "step-00000001"
     assert timed_out and waited < timeout_s * 1.5  # the training group's own wait gave up
+    # the group's timeout was read (torch's 30-minute default would give 3 hours): 6 x 2 s, raised to the floor
+    assert seal_timeout_s == max(SEAL_TIMEOUT_FLOOR.total_seconds(), SEAL_TIMEOUT_FACTOR * timeout_s) == 600

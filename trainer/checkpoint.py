@@ -90,7 +90,7 @@ def good_checkpoints(root: Path, below: int | None = None, wanted: int = 1) -> t
 
 
 def latest(root: Path) -> Path | None:
-    """The newest checkpoint that verifies (rank 0's choice, on every rank)."""
+    """The newest checkpoint that verifies (verified by all ranks together; the same on every rank)."""
     good, _ = good_checkpoints(root)
     return good[0] if good else None
 

@@ -36,8 +36,11 @@ from advisor.errors import UsageError
 MANIFEST = "manifest.json"
 DELAY_ENV = "ADVISOR_CHECKPOINT_DELAY_S"
 FSYNC_FAILURE_ENV = "ADVISOR_INJECT_FSYNC_FAILURE"
-# never shorter than this; twice the training group's timeout when that is longer
-SEAL_TIMEOUT_FLOOR = datetime.timedelta(hours=2)
+# The seal's timeout: SEAL_TIMEOUT_FACTOR times the training group's (an hour at `advisor train`'s
+# default 600 s), never under the floor. Long enough for a rank to hash a shard of hundreds of GB at
+# disk speed; it is also how long the others wait when a peer dies silently during a seal.
+SEAL_TIMEOUT_FACTOR = 6
+SEAL_TIMEOUT_FLOOR = datetime.timedelta(minutes=10)
 
 # Files named after the rank that writes them: its RNG state, its DCP shards (`__R_N.distcp`, and
 # `__R.metadata` when DCP does not coordinate), its DeepSpeed ZeRO partitions. Every other file
@@ -73,14 +76,15 @@ def seal_group() -> Any:
 
 
 def seal_timeout() -> datetime.timedelta:
-    """SEAL_TIMEOUT_FLOOR, or twice the training group's timeout when that is longer (read from its
-    backend's options, which torch exposes only privately; torch's default when it cannot be read)."""
+    """SEAL_TIMEOUT_FACTOR times the training group's timeout, at least SEAL_TIMEOUT_FLOOR (the group's
+    is read from its backend's options, which torch exposes only privately; torch's default when it
+    cannot be read)."""
     try:
         backend = dist.group.WORLD._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         group_timeout = backend.options._timeout
     except (AttributeError, RuntimeError):
         group_timeout = dist.default_pg_timeout
-    return max(SEAL_TIMEOUT_FLOOR, 2 * group_timeout)
+    return max(SEAL_TIMEOUT_FLOOR, SEAL_TIMEOUT_FACTOR * group_timeout)
 
 
 def long_barrier() -> None:
