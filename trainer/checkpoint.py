@@ -42,11 +42,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def broadcast(value: Any) -> Any:
     """Rank 0's `value` on every rank (a picklable object; itself without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -142,9 +137,9 @@ def save(root: Path, global_step: int, trainer_state: dict[str, Any], save_engin
     tmp = root / f".tmp-{PREFIX}{global_step:08d}"
     rank = _rank()
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's: disk work the others wait for
         tmp.mkdir(parents=True)
-    _barrier()
+    seal.long_barrier()
     tmp.mkdir(parents=True, exist_ok=True)  # on a node that does not share rank 0's filesystem
     save_engine(tmp)
     seal.pause()

@@ -10,7 +10,8 @@ has its own shards checked, on its own disk.
 The seal's collectives run on a gloo group of their own (`seal_group`) whose timeout is longer
 than the training process group's by design: hashing a rank's shards or converting a checkpoint
 takes as long as the disk needs, and one slow disk must not trip the timeout that guards the
-training collectives against a hung peer. A dead peer still fails the seal within that timeout.
+training collectives against a hung peer. A dead peer still fails the seal within that timeout. A
+group rather than `monitored_barrier`: the reports travel by all-gather, which has no monitored form.
 
 ADVISOR_INJECT_FSYNC_FAILURE (`rank=R` and optionally `step=S`) makes that rank's fsync fail,
 at every save or only at step S's, as a full or broken disk would.
