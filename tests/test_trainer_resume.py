@@ -397,6 +397,7 @@ def test_a_rank_that_cannot_fsync_leaves_no_sealed_checkpoint_and_the_run_resume
     import torch.distributed.fsdp  # noqa: F401  (imported before forking)
     from torch.multiprocessing import ProcessRaisedException
 
+    from profiler.ranks import launch
     from trainer.seal import FSYNC_FAILURE_ENV
 
     plan = make_plan_file(tmp_path, steps=4, checkpoint_every=2,
@@ -419,6 +420,39 @@ def test_a_rank_that_cannot_fsync_leaves_no_sealed_checkpoint_and_the_run_resume
     _train_forked(plan, run, resume=True)
     assert [e["from"] for e in events(run, "resume")] == ["step-00000002"]
     assert losses(run) == losses(tmp_path / "clean")
+
+    # verified in parallel: each rank hashes the files of its rank; rank 1 finds its damaged shard
+    newest = checkpoint.latest(root)
+    shard = newest / "dcp" / "__1_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit flipped, the size kept
+    launch(_verifying_rank, 2, (_free_port(), str(root), str(tmp_path)))
+    rank_0, rank_1 = (json.loads((tmp_path / f"verified-{rank}.json").read_text()) for rank in (0, 1))
+    assert rank_0["problem"] == rank_1["problem"] == "dcp/__1_0.distcp does not match its sha256"
+    assert rank_0["good"] == rank_1["good"] != newest.name  # both passed over it, to the same older one
+    assert rank_1["hashed"][0] == f"{newest.name}/dcp/__1_0.distcp"
+    rank_1_files = ("/dcp/__1_0.distcp", "/rng-1.pt")
+    assert all(name.endswith(rank_1_files) for name in rank_1["hashed"])
+    assert rank_0["hashed"] and not any(name.endswith(rank_1_files) for name in rank_0["hashed"])
+
+
+def _verifying_rank(rank: int, port: int, root: str, out: str) -> None:
+    """Rank `rank` of 2 chooses the newest good checkpoint of `root`, recording the files it hashed."""
+    from profiler.ranks import finish_rank, init_rank
+    from trainer import seal
+
+    init_rank(rank, 2, port, distributed=True, threads=1)
+    hashed, sha256 = [], seal.sha256
+
+    def recording(path: Path) -> str:
+        hashed.append(str(path.relative_to(root)))
+        return sha256(path)
+
+    seal.sha256 = recording
+    good, damaged = checkpoint.good_checkpoints(Path(root))
+    Path(out, f"verified-{rank}.json").write_text(json.dumps({"good": good[0].name, "problem": damaged[0][1],
+                                                              "hashed": hashed}))
+    finish_rank(True)
 
 
 def test_a_checkpoint_its_only_rank_cannot_fsync_gets_no_manifest_and_a_bad_injection_is_one_line(
