@@ -33,6 +33,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "there (trainer/oom.py), to test the fallback", "test hook"),
     Variable("ADVISOR_CHECKPOINT_DELAY_S", "seconds slept between the files of a checkpoint save, so that a "
              "test can kill a run in the middle of one", "test hook"),
+    Variable("ADVISOR_INJECT_FSYNC_FAILURE", "rank=R[,step=S]: that rank's fsync fails while it seals its "
+             "checkpoint files (at step S's save only), to test that such a checkpoint is never sealed", "test hook"),
     Variable("ADVISOR_PROFILE_SLOW_RANKS", "rank=factor,...: those ranks of `advisor profile` run that many "
              "times slower, to test straggler detection", "test hook"),
 )}

@@ -22,6 +22,7 @@ from advisor.cli import app
 from advisor.errors import UsageError
 from advisor.plan_file import load_plan
 from test_trainer import _free_port, make_plan_file, read_jsonl
+from profiler.tensor_memory import load_counter
 from trainer import checkpoint
 from trainer.loop import TrainOptions, train
 from trainer.run_identity import RUN_FILE
@@ -160,43 +161,71 @@ def test_a_torn_last_log_line_is_skipped_and_counted(tmp_path, monkeypatch, clea
     assert {(t["file"], t["skipped"]) for t in torn} == {("events.jsonl", 1), ("metrics.jsonl", 1)}
 
 
+def _forked_rank(rank: int, world: int, port: int, plan_path: str, run_dir: str, resume: bool,
+                 environment: dict[str, str]) -> None:
+    """One rank as `advisor train --launched` runs it (trainer.launch.run), forked from this process."""
+    from profiler.ranks import init_rank
+
+    os.environ.update(environment)
+    init_rank(rank, world, port, distributed=False, threads=1)  # its environment; run() makes the group
+    trainer.launch.run(load_plan(plan_path), Path(plan_path), Path(run_dir), resume, QUIET, launched=True,
+                       nnodes=None, node_rank=0, master_addr="127.0.0.1", master_port=port)
+
+
+def _train_forked(plan: Path, run: Path, resume: bool = False, **environment: str) -> None:
+    """Train `plan` (2 ranks) on ranks forked from this process; a rank's exception is raised here."""
+    from profiler.ranks import launch
+
+    launch(_forked_rank, 2, (2, _free_port(), str(plan), str(run), resume, environment))
+
+
+def _start_forked(plan: Path, run: Path, resume: bool, **environment: str) -> list:
+    """The 2 ranks of `_train_forked`, started and not waited for (their processes)."""
+    context = torch.multiprocessing.start_processes(
+        _forked_rank, args=(2, _free_port(), str(plan), str(run), resume, environment), nprocs=2, join=False,
+        start_method="fork")
+    return context.processes
+
+
 @pytest.mark.slow
 def test_kill_dash_nine_during_checkpoint_writes_always_resumes_from_the_last_complete_one(tmp_path) -> None:
-    """10 kills, each at a random moment of a checkpoint write (a delay between its files makes the
-    writes long enough to hit), each followed by --resume; the end equals an uninterrupted run."""
-    kills = 10  # each launch starts an interpreter and torch (about 6 s here); 20 took 133 s of CI's budget
-    plan = make_plan_file(tmp_path, steps=16, checkpoint_every=1)  # long enough for the kills (10 reached step 10)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", checkpoint.DELAY_ENV: "0.03"}
-
-    def launch(out: Path, *extra: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(out),
-                                 "--master-port", str(_free_port()), *extra], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    assert launch(tmp_path / "whole").wait(timeout=600) == 0
+    """20 kills of both ranks of a 2-rank run, each at a random moment of a checkpoint write (a delay
+    between its files makes the writes long enough to hit), each followed by a resume; the end, by
+    `advisor train --resume` through torchrun, equals an uninterrupted run bitwise. The killed
+    attempts are ranks forked from this process, which has imported torch already: a launch through
+    the CLI costs about 6 s of interpreter and torch start per attempt, a fork a fraction of one."""
+    kills = 20
+    # the CPU allocator counter, loaded before forking (the ranks inherit it), and its folder for the
+    # CLI's workers: the build this process has (the other trainer tests need it too), not one more (~50 s)
+    built = Path(load_counter().__file__).parents[1]
+    plan = make_plan_file(tmp_path, steps=16, checkpoint_every=1,  # DDP; 20 kills reach step 15 or so of 32
+                          layout_fields={"dp": 2, "mbs": 1, "gas": 2, "zero": 0})
+    _train_forked(plan, tmp_path / "whole")
     run, root, rng = tmp_path / "killed", tmp_path / "killed" / "checkpoints", random.Random(0)
     expected_from = []  # the newest complete checkpoint at each kill: where the next resume must start
     for attempt in range(kills):
         started = time.time()
-        victim = launch(run, *(["--resume"] if attempt else []))
+        ranks = _start_forked(plan, run, resume=attempt > 0, **{checkpoint.DELAY_ENV: "0.03"})
         writes, seen = rng.randint(1, 2), set()
-        while victim.poll() is None and len(seen) < writes:  # this launch's own writes, not a killed one's
+        while all(r.is_alive() for r in ranks) and len(seen) < writes:  # this attempt's writes, not a killed one's
             seen |= {p.name for p in root.glob(".tmp-step-*") if _mtime(p) >= started}
             time.sleep(0.005)
-        if victim.poll() is not None:  # it finished before the kill
-            assert victim.returncode == 0, victim.stderr.read().decode()[-2000:]
-            break
+        assert all(r.is_alive() for r in ranks), "a rank ended before its kill"
         time.sleep(rng.uniform(0, 0.25))
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.wait()
-        newest = checkpoint.latest(root)
-        assert newest is not None
-        expected_from.append(newest.name)
-    else:
-        final = launch(run, "--resume")
-        assert final.wait(timeout=600) == 0, final.stderr.read().decode()[-2000:]
+        for rank in rng.sample(ranks, 2):  # both ranks, in either order, a moment apart
+            os.kill(rank.pid, signal.SIGKILL)
+            time.sleep(rng.uniform(0, 0.02))
+        for rank in ranks:
+            rank.join()
+        newest = checkpoint.latest(root)  # verified here, every file: an independent check of the ranks' seal
+        expected_from.append(newest.name if newest else None)  # None: killed before the first one, starts fresh
+    final = subprocess.run([sys.executable, "-m", "advisor.cli", "train", str(plan), "--out", str(run), "--resume",
+                            "--master-port", str(_free_port())],
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(built)},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=600, check=False)
+    assert final.returncode == 0, final.stderr.decode()[-2000:]
     print("\nFIGURES resumed from", expected_from)
-    assert len(expected_from) == kills  # every attempt was killed mid-write
+    assert len(expected_from) == kills and len(set(expected_from)) > kills // 2  # the kills moved through the run
     assert [e["from"] for e in events(run, "resume")] == expected_from
     assert losses(run) == losses(tmp_path / "whole")
     last = checkpoint.latest(tmp_path / "whole" / "checkpoints")
@@ -373,3 +402,127 @@ def test_a_node_that_never_joins_fails_the_rendezvous_within_timeout_s_naming_it
     assert "rendezvous timed out" in alone.stderr and "1 of 2 nodes joined" in alone.stderr
     assert "Traceback" not in alone.stderr
     assert time.time() - started < timeout_s + 40  # interpreter, torch and torchrun's start on 2 loaded cores
+
+
+# -- sealed by every writer --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_fsync_leaves_no_sealed_checkpoint_and_the_run_resumes_from_the_previous_one(
+        tmp_path) -> None:
+    import torch.distributed.fsdp  # noqa: F401  (imported before forking)
+    from torch.multiprocessing import ProcessRaisedException
+
+    from profiler.ranks import launch
+    from trainer.seal import FSYNC_FAILURE_ENV
+
+    plan = make_plan_file(tmp_path, steps=4, checkpoint_every=2,
+                          layout_fields={"dp": 2, "mbs": 1, "gas": 2, "zero": 3})  # FSDP2: each rank writes a shard
+    loaded = load_plan(plan)
+    loaded.engine = "fsdp2"
+    loaded.write(plan)
+    _train_forked(plan, tmp_path / "clean")
+    run, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    with pytest.raises(ProcessRaisedException, match=r"step 4 is not sealed \(rank 1: fsync of \S+ failed"):
+        _train_forked(plan, run, **{FSYNC_FAILURE_ENV: "rank=1,step=4"})
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step-00000004", "step-00000000", "step-00000002"]
+    assert not (root / ".tmp-step-00000004" / checkpoint.MANIFEST).exists()
+    manifest = json.loads((root / "step-00000002" / checkpoint.MANIFEST).read_text())
+    writers = {name: entry["rank"] for name, entry in manifest["files"].items()}
+    # DCP names each rank's shard after it; rank 1 hashed its own shard and RNG state
+    assert manifest["ranks"] == 2 and {"dcp/__1_0.distcp": 1, "rng-1.pt": 1}.items() <= writers.items()
+    assert {"dcp/__0_0.distcp": 0, "dcp/.metadata": 0, "trainer.json": 0}.items() <= writers.items()
+
+    _train_forked(plan, run, resume=True)
+    assert [e["from"] for e in events(run, "resume")] == ["step-00000002"]
+    assert losses(run) == losses(tmp_path / "clean")
+
+    # verified in parallel: each rank hashes the files of its rank; rank 1 finds its damaged shard
+    newest = checkpoint.latest(root)
+    shard = newest / "dcp" / "__1_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit flipped, the size kept
+    launch(_verifying_rank, 2, (_free_port(), str(root), str(tmp_path)))
+    rank_0, rank_1 = (json.loads((tmp_path / f"verified-{rank}.json").read_text()) for rank in (0, 1))
+    assert rank_0["problem"] == rank_1["problem"] == "dcp/__1_0.distcp does not match its sha256"
+    assert rank_0["good"] == rank_1["good"] != newest.name  # both passed over it, to the same older one
+    assert rank_1["hashed"][0] == f"{newest.name}/dcp/__1_0.distcp"
+    rank_1_files = ("/dcp/__1_0.distcp", "/rng-1.pt")
+    assert all(name.endswith(rank_1_files) for name in rank_1["hashed"])
+    assert rank_0["hashed"] and not any(name.endswith(rank_1_files) for name in rank_0["hashed"])
+
+
+def _verifying_rank(rank: int, port: int, root: str, out: str) -> None:
+    """Rank `rank` of 2 chooses the newest good checkpoint of `root`, recording the files it hashed."""
+    from profiler.ranks import finish_rank, init_rank
+    from trainer import seal
+
+    init_rank(rank, 2, port, distributed=True, threads=1)
+    hashed, sha256 = [], seal.sha256
+
+    def recording(path: Path) -> str:
+        hashed.append(str(path.relative_to(root)))
+        return sha256(path)
+
+    seal.sha256 = recording
+    good, damaged = checkpoint.good_checkpoints(Path(root))
+    Path(out, f"verified-{rank}.json").write_text(json.dumps({"good": good[0].name, "problem": damaged[0][1],
+                                                              "hashed": hashed}))
+    finish_rank(True)
+
+
+def test_a_checkpoint_its_only_rank_cannot_fsync_gets_no_manifest_and_a_bad_injection_is_one_line(
+        tmp_path, monkeypatch) -> None:
+    from trainer import seal
+
+    def save(step: int) -> Path:
+        return checkpoint.save(tmp_path, step, {"global_step": step},
+                               lambda d: torch.save({"w": torch.ones(2)}, d / "engine.pt"), keep=3)
+
+    monkeypatch.setenv(seal.FSYNC_FAILURE_ENV, "rank=0,step=2")
+    assert checkpoint.problem(save(1)) is None
+    with pytest.raises(seal.NotSealed, match=r"step 2 is not sealed \(rank 0: fsync of engine.pt failed"):
+        save(2)
+    assert not (tmp_path / ".tmp-step-00000002" / checkpoint.MANIFEST).exists()
+    assert checkpoint.latest(tmp_path).name == "step-00000001"
+    monkeypatch.setenv(seal.FSYNC_FAILURE_ENV, "rank=one")
+    with pytest.raises(UsageError, match="ADVISOR_INJECT_FSYNC_FAILURE='rank=one': expected rank=R"):
+        save(3)
+
+
+def _slow_sealing_rank(rank: int, port: int, root: str, timeout_s: float, out: str) -> None:
+    """Rank 1 hashes slowly (the injected delay, longer than the group's timeout, before each of its
+    files); the save must wait for it. Then the same wait on the training group, which times out."""
+    import torch.distributed as dist
+
+    from profiler.ranks import init_rank
+    from trainer.seal import seal_timeout
+
+    if rank == 1:
+        os.environ[checkpoint.DELAY_ENV] = str(timeout_s * 1.5)
+    init_rank(rank, 2, port, distributed=True, threads=1, timeout_s=timeout_s)
+    checkpoint.save(Path(root), 1, {"global_step": 1}, lambda d: None, keep=1)
+    sealed = checkpoint.latest(Path(root)) is not None
+    started = time.time()
+    try:
+        time.sleep(timeout_s * 1.5 if rank == 1 else 0)
+        dist.barrier()
+        timed_out = False
+    except RuntimeError:
+        timed_out = True
+    waited = time.time() - started
+    Path(out, f"rank-{rank}.json").write_text(json.dumps([sealed, timed_out, waited, seal_timeout().total_seconds()]))
+    os._exit(0)  # the training group is broken now: no orderly teardown
+
+
+@pytest.mark.slow
+def test_the_seal_waits_on_a_slow_rank_longer_than_the_process_group_timeout(tmp_path) -> None:
+    from profiler.ranks import launch
+    from trainer.seal import SEAL_TIMEOUT_FACTOR, SEAL_TIMEOUT_FLOOR
+
+    timeout_s = 2.0
+    launch(_slow_sealing_rank, 2, (_free_port(), str(tmp_path / "checkpoints"), timeout_s, str(tmp_path)))
+    sealed, timed_out, waited, seal_timeout_s = json.loads((tmp_path / "rank-0.json").read_text())
+    assert sealed and checkpoint.latest(tmp_path / "checkpoints").name == "step-00000001"
+    assert timed_out and waited < timeout_s * 1.5  # the training group's own wait gave up
+    # the group's timeout was read (torch's 30-minute default would give 3 hours): 6 x 2 s, raised to the floor
+    assert seal_timeout_s == max(SEAL_TIMEOUT_FLOOR.total_seconds(), SEAL_TIMEOUT_FACTOR * timeout_s) == 600

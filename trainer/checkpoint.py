@@ -3,11 +3,13 @@
 A checkpoint is a folder `checkpoints/step-00000042/` holding the engine's state (model,
 optimizer; DeepSpeed's own layout under ZeRO), `trainer.json` (stage, step, data positions, spike
 statistics), each rank's RNG state (CPU, and CUDA when used) and, written last, `manifest.json`:
-every file's size and sha256. Files and folders are fsynced before the rename, so a power cut
-cannot leave a renamed folder with missing data; older checkpoints are deleted only after the new
-one is durable. A checkpoint counts when its manifest verifies: a damaged newest one (a truncated
-file, a disk error) is passed over for the newest good one. Rank 0 verifies and chooses; the other
-ranks load its choice, so ranks on a shared filesystem never load different checkpoints.
+every file's size, sha256 and the rank that wrote it. Every rank fsyncs and hashes its own files
+before the rename (trainer/seal.py), so a power cut cannot leave a renamed folder with missing data,
+on any node; a checkpoint one rank could not seal gets no manifest and is never renamed into place.
+Older checkpoints are deleted only after the new one is durable. A checkpoint counts when its
+manifest verifies, each rank checking its own files: a damaged newest one (a truncated file, a disk
+error) is passed over for the newest good one. Rank 0 lists the candidates; all ranks load the one
+that verified, so ranks never load different checkpoints.
 
 ADVISOR_CHECKPOINT_DELAY_S (seconds) sleeps between the files of a save: it lets a test kill a
 run at any moment of a checkpoint write.
@@ -19,39 +21,25 @@ torch.distributed.checkpoint (DCP) folder, `dcp/`, through `save_distributed` an
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from advisor import environment
+from trainer import seal
 
 PREFIX = "step-"
-MANIFEST = "manifest.json"
-DELAY_ENV = "ADVISOR_CHECKPOINT_DELAY_S"
+MANIFEST = seal.MANIFEST
+DELAY_ENV = seal.DELAY_ENV
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _pause() -> None:
-    """The injectable delay between a save's files (tests kill the run inside it)."""
-    delay = environment.read_seconds(DELAY_ENV)
-    if delay > 0:
-        time.sleep(delay)
 
 
 def broadcast(value: Any) -> Any:
@@ -63,79 +51,41 @@ def broadcast(value: Any) -> Any:
     return box[0]
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file, or a folder's entries, to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file())
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _step_folders(root: Path) -> list[Path]:
     """Renamed-into-place checkpoint folders, oldest first (names sort by step)."""
     return sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir())
 
 
 def problem(path: Path) -> str | None:
-    """Why the checkpoint `path` cannot be loaded (no manifest, a file missing, another size or
-    hash), or None when every file verifies."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"no readable {MANIFEST}"
-    if "trainer.json" not in files:
-        return "no trainer.json"
-    for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != expected["size"]:
-            return f"{name} has {file.stat().st_size} bytes, the manifest says {expected['size']}"
-        if _sha256(file) != expected["sha256"]:
-            return f"{name} does not match its sha256"
-    return None
+    """Collective: why the checkpoint `path` cannot be loaded (no manifest, a rank's files not in
+    it, a file missing, another size or hash), or None when every file verifies; each rank checks
+    the files its rank wrote (trainer.seal `verify`)."""
+    return seal.verify(path)
 
 
 def good_checkpoints(root: Path, below: int | None = None, wanted: int = 1) -> tuple[list[Path], list[list[str]]]:
-    """Rank 0's newest `wanted` verified checkpoints (newest first; of steps below `below` when
-    given) and the damaged ones passed over ([name, problem]), broadcast to every rank: hashing
-    stops once enough verify."""
-    if _rank() == 0:
-        good: list[Path] = []
-        damaged: list[list[str]] = []
-        for path in reversed(_step_folders(root)):
-            if len(good) >= wanted:
-                break
-            if below is not None and _step(path) >= below:
-                continue
-            reason = problem(path)
-            if reason is None:
-                good.append(path)
-            else:
-                damaged.append([path.name, reason])
-        chosen = [str(p) for p in good], damaged
-    else:
-        chosen = None
-    names, damaged = broadcast(chosen)
-    return [Path(n) for n in names], damaged
+    """The newest `wanted` verified checkpoints of rank 0's folder (newest first; of steps below
+    `below` when given) and the damaged ones passed over ([name, problem]), the same on every rank:
+    the ranks verify each candidate together, and hashing stops once enough verify."""
+    names = [p.name for p in reversed(_step_folders(root))] if _rank() == 0 else None
+    good: list[Path] = []
+    damaged: list[list[str]] = []
+    for name in seal.from_rank_zero(names):
+        path = root / name
+        if len(good) >= wanted:
+            break
+        if below is not None and _step(path) >= below:
+            continue
+        reason = problem(path)
+        if reason is None:
+            good.append(path)
+        else:
+            damaged.append([name, reason])
+    return good, damaged
 
 
 def latest(root: Path) -> Path | None:
-    """The newest checkpoint that verifies (rank 0's choice, on every rank)."""
+    """The newest checkpoint that verifies (verified by all ranks together; the same on every rank)."""
     good, _ = good_checkpoints(root)
     return good[0] if good else None
 
@@ -151,22 +101,6 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def _seal(tmp: Path, trainer_state: dict[str, Any]) -> None:
-    """Rank 0: trainer.json, every file fsynced and hashed into the manifest (written last)."""
-    (tmp / "trainer.json").write_text(json.dumps(trainer_state))
-    files = {}
-    for path in _files(tmp):
-        _pause()
-        _fsync(path)
-        files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-    for folder in sorted({p.parent for p in _files(tmp)}, reverse=True):
-        _fsync(folder)
-    manifest = tmp / MANIFEST
-    manifest.write_text(json.dumps({"step": trainer_state.get("global_step"), "files": files}, indent=1))
-    _fsync(manifest)
-    _fsync(tmp)
-
-
 def _put_in_place(root: Path, tmp: Path, final: Path) -> None:
     """Rename `tmp` to `final`. A checkpoint of the same step (a redone step after a rollback) is
     renamed away first and deleted only once the new one is in place."""
@@ -175,9 +109,9 @@ def _put_in_place(root: Path, tmp: Path, final: Path) -> None:
         replaced = root / f".replaced-{final.name}"
         shutil.rmtree(replaced, ignore_errors=True)
         final.rename(replaced)
-    _pause()
+    seal.pause()
     tmp.rename(final)
-    _fsync(root)
+    seal.fsync(root)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
 
@@ -186,7 +120,7 @@ def _rotate(root: Path, keep: int, current: Path) -> None:
     """Delete all but the newest `keep` checkpoints (never `current`) and leftovers of crashed saves."""
     for old in _step_folders(root)[:-keep]:
         if old != current:
-            _pause()
+            seal.pause()
             shutil.rmtree(old, ignore_errors=True)
     for leftover in (*root.glob(f".tmp-{PREFIX}*"), *root.glob(f".replaced-{PREFIX}*")):
         if leftover.is_dir():
@@ -195,22 +129,39 @@ def _rotate(root: Path, keep: int, current: Path) -> None:
 
 def save(root: Path, global_step: int, trainer_state: dict[str, Any], save_engine: Callable[[Path], None],
          keep: int) -> Path:
+    """Collective: write the checkpoint aside, seal it on every rank that wrote part of it
+    (trainer.seal), rename it into place and rotate. Waits for other ranks' disks run under the
+    seal's own, longer timeout. Raises trainer.seal.NotSealed, leaving the previous checkpoints the
+    newest, when a rank could not seal its files."""
     final = root / f"{PREFIX}{global_step:08d}"
     tmp = root / f".tmp-{PREFIX}{global_step:08d}"
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's: disk work the others wait for
         tmp.mkdir(parents=True)
-    _barrier()
+    seal.long_barrier()
+    tmp.mkdir(parents=True, exist_ok=True)  # on a node that does not share rank 0's filesystem
     save_engine(tmp)
-    _pause()
-    torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")
-    _barrier()
-    if _rank() == 0:
-        _seal(tmp, trainer_state)
+    seal.pause()
+    torch.save(_rng_state(), tmp / f"rng-{rank}.pt")
+    if rank == 0:
+        (tmp / "trainer.json").write_text(json.dumps(trainer_state))
+    seal.long_barrier()  # every rank's writes are done before any lists its own
+    seal.seal(tmp, global_step)
+    if rank == 0:
         _put_in_place(root, tmp, final)
         _rotate(root, keep, final)
-    _barrier()
+    seal.long_barrier()
+    if rank != 0 and _local_rank() == 0 and tmp.is_dir():  # this node's own disk: its ranks' files
+        _put_in_place(root, tmp, final)
+        _rotate(root, keep, final)
+    seal.long_barrier()
     return final
+
+
+def _local_rank() -> int:
+    """This rank's place on its node (torchrun's LOCAL_RANK; the global rank without it)."""
+    return int(os.environ.get("LOCAL_RANK", _rank()))
 
 
 def discard_after(root: Path, step: int) -> list[str]:
@@ -221,7 +172,7 @@ def discard_after(root: Path, step: int) -> list[str]:
             if _step(path) > step:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path.name)
-    _barrier()
+    seal.long_barrier()
     return removed
 
 
@@ -362,8 +313,7 @@ def universal_checkpoint(directory: Path) -> Path:
             raise RuntimeError(f"DeepSpeed could not convert {directory.name} to a universal checkpoint: "
                                f"{done.stderr.strip().splitlines()[-1:] or done.returncode}")
         tmp.rename(out)
-    if dist.is_initialized():
-        dist.barrier()
+    seal.long_barrier()  # the others wait for the conversion under the seal's timeout
     return out
 
 

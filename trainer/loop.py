@@ -467,7 +467,7 @@ class _Run:
         return lambda _: None
 
     def _choose(self, below: int | None, stage: int | None = None) -> Path | None:
-        """The newest good checkpoint (rank 0's choice; with `below`, the newest good ones before that
+        """The newest good checkpoint (the ranks' joint choice; with `below`, the newest good ones before that
         step, stepping back `self.steps_back` of them, within `stage` when given); damaged ones
         passed over are logged."""
         good, damaged = checkpoint.good_checkpoints(self.ckpt_root, below, wanted=self.steps_back + 1)
