@@ -364,6 +364,8 @@ class Bound:
 
     step_s: float             # lower bound on the step time
     max_compute_fraction: float  # upper bound on the least busy stage's compute share
+    # each stage's coefficients, read for the bound: the shape's program reuses them in both searches
+    coefficients: list[_StageCoefficients] | None = field(default=None, compare=False, repr=False)
 
 
 def _most_layers(c: _StageCoefficients, layers: int, capacity: float) -> int:
@@ -412,7 +414,8 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
         return None
     if max(c.host(1, 0) - c.host_capacity for c in coeffs) > 0:
         return None
-    most = [_most_layers(c, layers, capacity) for c in _all_coefficients(trace, layout, hw, kinds)]
+    every_stage = _all_coefficients(trace, layout, hw, kinds)
+    most = [_most_layers(c, layers, capacity) for c in every_stage]
     if min(most) < layout.vpp or sum(most) < layers:
         return None  # no split fits: some stage cannot hold its vpp chunks, or all cannot hold L
     # least recomputation that the mean stage needs (layers placed where they cost least memory)
@@ -428,7 +431,7 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
     dp = mean(lambda c: c.dp_comm) * (1 - coeffs[0].overlap)
     # the step, (gas - 1/vpp) max_s t_s + sum_s t_s / vpp, is at least this at max >= mean
     step = (layout.gas + (pp - 1) / layout.vpp) * slot + dp + mean(lambda c: c.update)
-    return Bound(step, layout.gas * mean(lambda c: c.compute) / step)
+    return Bound(step, layout.gas * mean(lambda c: c.compute) / step, every_stage)
 
 
 class StageProgram:
@@ -732,14 +735,15 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
     # found beats every bound left, so it solves no ILP the single-bound search would have skipped.
     queue: list[tuple[float, int, StageProgram | None, Layout]] = [
         (b.step_s, i, None, layout) for i, (b, layout) in enumerate(candidates)]  # sorted: a heap
+    read = [b.coefficients for b, _ in candidates]
     while queue:
         bound, order, program, shape = heapq.heappop(queue)
         kth = sorted(s.step_s for s in found)[req.top_k - 1] if len(found) >= req.top_k else math.inf
         if bound >= kth:
             break
         if program is None:
-            program = StageProgram(_all_coefficients(trace, shape, hw), shape, trace.num_layers, capacity,
-                                   min_fraction)
+            program = StageProgram(read[order] or _all_coefficients(trace, shape, hw), shape, trace.num_layers,
+                                   capacity, min_fraction)
             relaxed = program.relaxed_step_s()
             if relaxed < math.inf:  # the solver's tolerances: never let its bound pass the true one
                 heapq.heappush(queue, (max(bound, relaxed * (1 - LP_BOUND_SLACK)), order, program, shape))
