@@ -111,12 +111,21 @@ def _launch(a: SimpleNamespace) -> dict | None:
     third-party output routed to the run's logs."""
     from trainer.run_lock import RunDirLock  # deferred: the trainer package, only for a launch
 
-    lock = exit_on_error(lambda: RunDirLock.take(a.out, a.node_rank))
+    lock = exit_on_error(lambda: RunDirLock.take(a.out, _node_rank(a)))
     try:
         with quiet_console(a.out, a.verbose):
             return exit_on_error(lambda: _run(a))
     finally:
         lock.release()
+
+
+def _node_rank(a: SimpleNamespace) -> int:
+    """This node's rank: --node-rank, or under Slurm without --nnodes, Slurm's (as the launcher reads it),
+    so that each node of a Slurm job locks its own file in a shared run dir."""
+    from profiler.ranks import slurm_topology  # deferred: it imports torch
+
+    topology = slurm_topology() if a.nnodes is None else None
+    return topology[1] if topology else a.node_rank
 
 
 def _check_inputs(a: SimpleNamespace) -> None:
