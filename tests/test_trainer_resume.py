@@ -358,3 +358,33 @@ def test_a_failing_rank_brings_the_other_node_down_within_the_timeout_with_its_e
     assert nodes[0].returncode != 0, other_err[-2000:]
     assert time.time() - failed_at < timeout_s + 30
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1]
+
+
+# -- what a resume reads and must match (issue 31, finding 7) ------------------------------------------
+
+@pytest.mark.parametrize("zero,bf16", [(1, False), (2, False), (2, True), (3, False)])
+def test_saved_ranks_counts_the_data_parallel_ranks_deepspeed_wrote_at_every_zero_stage(tmp_path, zero,
+                                                                                        bf16) -> None:
+    """The files of a dp=2 checkpoint named by DeepSpeed's own naming methods: ZeRO-1/2 write one
+    model-states file whatever the dp size, so counting those read 1 rank and sent every dp>1
+    ZeRO-1/2 resume through the universal-checkpoint conversion."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    class Namer:  # what those methods read of an engine: ZeRO-3 partitions the weights
+        checkpoint_mp_rank = 0
+        _get_zero_ckpt_prefix = DeepSpeedEngine._get_zero_ckpt_prefix
+
+        def zero_optimization_partition_weights(self) -> bool:
+            return zero == 3
+
+    namer = Namer()
+    for rank in range(2):
+        for name in (DeepSpeedEngine._get_ckpt_name(namer, str(tmp_path), checkpoint.ENGINE_TAG, pp_placeholder=rank),
+                     DeepSpeedEngine._get_rank_zero_ckpt_name(namer, str(tmp_path), checkpoint.ENGINE_TAG, 0, rank,
+                                                              bf16)):
+            Path(name).parent.mkdir(exist_ok=True)
+            Path(name).write_bytes(b"")
+    model_states = len(list((tmp_path / checkpoint.ENGINE_TAG).glob("*_model_states.pt")))
+    assert model_states == (2 if zero == 3 else 1)  # the naming this guards against
+    assert checkpoint.saved_ranks(tmp_path) == 2
+    assert checkpoint.saved_ranks(tmp_path / "elsewhere") is None
