@@ -212,7 +212,9 @@ def slurm_script(plan: Plan, plan_path: str = "plan.yaml") -> str:
 {_environment_notes()}
 set -uo pipefail
 cd "${{SLURM_SUBMIT_DIR:-$(dirname "$0")}}"
-if [ ! -f {shlex.quote(plan_path)} ]; then echo "slurm.sbatch: submit it from the folder that holds {plan_path}" >&2; exit 2; fi
+if [ ! -f {shlex.quote(plan_path)} ]; then
+  echo "slurm.sbatch: submit it from the folder that holds {plan_path}" >&2; exit 2
+fi
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export OMP_NUM_THREADS=1
 {_with_restarts(command)}"""

@@ -388,3 +388,18 @@ def test_saved_ranks_counts_the_data_parallel_ranks_deepspeed_wrote_at_every_zer
     assert model_states == (2 if zero == 3 else 1)  # the naming this guards against
     assert checkpoint.saved_ranks(tmp_path) == 2
     assert checkpoint.saved_ranks(tmp_path / "elsewhere") is None
+
+
+def test_an_oom_relaunch_request_of_another_plan_is_ignored_and_one_of_this_plan_is_followed(tmp_path,
+                                                                                             monkeypatch) -> None:
+    from trainer.oom import request_relaunch
+
+    for name, stale in [("stale", True), ("this-plan", False)]:
+        plan, run = crashed_at_step_5(tmp_path / name, monkeypatch)
+        replacement = plan.chosen.layout.model_copy(update={"mbs": 2, "gas": 2})  # same processes and batch
+        # a re-planned run (another task here) keeps the file an out-of-memory relaunch of its old plan wrote
+        request_relaunch(run, _changed(plan, "task") if stale else plan, replacement, [plan.chosen.layout],
+                         {"event": "oom_fallback"})
+        summary = train(plan, run, resume=True, options=QUIET)
+        assert summary["finished"]
+        assert summary["layout_used"] == (plan.chosen.layout if stale else replacement).short()

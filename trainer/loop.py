@@ -331,7 +331,7 @@ class _Run:
                              f"{self.layout.devices} processes, this launch has {self.world}")
         self.failed_layouts: list[Layout] = []
         if resume:  # the launcher restarted the ranks after an out-of-memory: the layout they switch to
-            self.layout, self.failed_layouts = relaunch_layout(self.run_dir, self.layout, self.world)
+            self.layout, self.failed_layouts = relaunch_layout(self.run_dir, self.plan, self.layout, self.world)
             self.rollbacks = checkpoint.broadcast(self._rollbacks_logged())
         self.prepared = prepared_dir(self.task, self.options.data, self.layout.seq, self.vocab)
         self.inject = OOMInjector()
@@ -650,7 +650,7 @@ class _Run:
                     "failed": failed, "replacement": replacement.short() if replacement else None,
                     "from": target.name, "skipped": skipped}
         if replacement is not None and self.world > 1:  # the others may be stuck in a collective
-            request_relaunch(self.run_dir, replacement, self.failed_layouts, {**fallback, "relaunch": True})
+            request_relaunch(self.run_dir, self.plan, replacement, self.failed_layouts, {**fallback, "relaunch": True})
             raise UsageError(f"out of memory at step {step} with {failed}: the launcher restarts the ranks "
                              f"with {replacement.short()}")
         self.events.write(fallback)
