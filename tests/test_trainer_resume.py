@@ -403,3 +403,27 @@ def test_an_oom_relaunch_request_of_another_plan_is_ignored_and_one_of_this_plan
         summary = train(plan, run, resume=True, options=QUIET)
         assert summary["finished"]
         assert summary["layout_used"] == (plan.chosen.layout if stale else replacement).short()
+
+
+def save_tiny_weights(folder: Path, **changes) -> Path:
+    """A tiny model of the plan's config (with `changes`) saved as an HF folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from test_trainer import CONFIG
+
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**CONFIG, **changes})).save_pretrained(str(folder))
+    return folder
+
+
+def test_weights_of_another_model_are_refused_naming_the_fields_that_differ(tmp_path) -> None:
+    plan_path = make_plan_file(tmp_path, steps=2)
+    plan, run = load_plan(plan_path), tmp_path / "run"
+    other = save_tiny_weights(tmp_path / "other", intermediate_size=96, num_hidden_layers=1)
+    with pytest.raises(UsageError, match="intermediate_size: 64 in the plan, 96 in the weights; num_hidden_layers: "
+                                         "2 in the plan, 1 in the weights"):
+        train(plan, run, resume=False, options=TrainOptions(show_progress=False, weights=str(other)))
+    assert not (run / RUN_FILE).exists()  # refused before the run dir was claimed: the next try starts clean
+    result = CliRunner().invoke(app, ["train", str(plan_path), "--out", str(run), "--weights", str(other)])
+    assert result.exit_code == 2 and "intermediate_size: 64 in the plan, 96 in the weights" in result.output
+    same = save_tiny_weights(tmp_path / "same")
+    assert train(plan, run, resume=False, options=TrainOptions(show_progress=False, weights=str(same)))["finished"]

@@ -41,7 +41,7 @@ from trainer.engines import Engine, device, make_engine, select_backend
 from trainer.exact_match import NOT_SCORED_PIPELINE, stage_exact_match
 from trainer.handoff import ARTIFACT_DIR, HANDOFF_DIR, copy_model, write_full_weights, write_model
 from trainer.oom import OOMInjector, free_memory, is_oom, next_layout, relaunch_layout, request_relaunch
-from trainer.model import build_model
+from trainer.model import build_model, check_weights
 from trainer.options import TrainOptions
 from trainer.prepared import bucket_stream, prepared_dir
 from trainer.run_identity import claim, fingerprint, restarted
@@ -302,6 +302,7 @@ class _Run:
         self.metrics = JsonLines(run_dir / "metrics.jsonl", self.main)
         self.events = JsonLines(run_dir / "events.jsonl", self.main)
         self.scalars = ScalarLog(run_dir / "tensorboard", self.main)  # opens lazily, after any purge is set
+        check_weights(plan.model, options.weights)  # before the run dir is claimed: a refusal leaves no run
         self.vocab = int(plan.model.hf_config.get("vocab_size", 0))
         self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab, options.weights)
         self.cache = run_dir / "data_cache"
