@@ -405,12 +405,13 @@ def test_an_oom_relaunch_request_of_another_plan_is_ignored_and_one_of_this_plan
         assert summary["layout_used"] == (plan.chosen.layout if stale else replacement).short()
 
 
-def save_tiny_weights(folder: Path, **changes) -> Path:
-    """A tiny model of the plan's config (with `changes`) saved as an HF folder."""
+def save_tiny_weights(folder: Path, seed: int = 0, **changes) -> Path:
+    """A tiny model of the plan's config (with `changes`), initialised from `seed`, saved as an HF folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from test_trainer import CONFIG
 
+    torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**CONFIG, **changes})).save_pretrained(str(folder))
     return folder
 
@@ -427,3 +428,43 @@ def test_weights_of_another_model_are_refused_naming_the_fields_that_differ(tmp_
     assert result.exit_code == 2 and "intermediate_size: 64 in the plan, 96 in the weights" in result.output
     same = save_tiny_weights(tmp_path / "same")
     assert train(plan, run, resume=False, options=TrainOptions(show_progress=False, weights=str(same)))["finished"]
+
+
+def test_a_resume_after_data_prepare_would_switch_to_prepared_data_and_is_refused(tmp_path, monkeypatch) -> None:
+    """The default data is chosen at every start: raw files, or the task's data.out once `advisor data
+    prepare` has written it. The run read raw data; its resume would read the shards."""
+    from test_trainer import CONFIG
+    from trainer.data.prepare import prepare
+    from trainer.data.tokenizer import TOKENIZERS_DIR
+
+    plan = load_plan(make_plan_file(tmp_path, checkpoint_every=2, config={**CONFIG, "vocab_size": 2048}))
+    plan.task.data.tokenizer = str(TOKENIZERS_DIR / "demo-tiny")  # what `advisor data prepare` tokenizes with
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch, pytest.raises(Crash):
+        crash_after(patch, 3)
+        train(plan, run, resume=False, options=QUIET)
+    prepare(plan.task)  # into the task's data.out, fresh: the default for the next start
+    with pytest.raises(UsageError, match=r"another data \(its kind or content\)"):
+        train(plan, run, resume=True, options=QUIET)
+
+
+def test_a_resume_whose_data_or_weights_content_changed_is_refused(tmp_path, monkeypatch) -> None:
+    plan_path = make_plan_file(tmp_path, steps=2)
+    plan, run = load_plan(plan_path), tmp_path / "run"
+    weights = save_tiny_weights(tmp_path / "weights")
+    options = TrainOptions(show_progress=False, weights=str(weights), max_steps_per_stage=1)
+    train(plan, run, resume=False, options=options)
+    record = json.loads((run / RUN_FILE).read_text())
+    stat = (weights / "model.safetensors").stat()
+    assert record["file_digests"][str((weights / "model.safetensors").resolve())][:2] == [stat.st_size,
+                                                                                          stat.st_mtime_ns]
+    save_tiny_weights(weights, seed=1)  # the same model, other weights: the same size
+    assert (weights / "model.safetensors").stat().st_size == stat.st_size
+    with pytest.raises(UsageError, match=r"another weights \(their content\)"):
+        train(plan, run, resume=True, options=options)
+    save_tiny_weights(weights)  # back as they were (seeded): a new file time, the same content
+    train(plan, run, resume=True, options=options)
+    source = Path(plan.task.base_dir) / "data" / "lang.jsonl"
+    source.write_text(source.read_text().replace("cat", "cow"))
+    with pytest.raises(UsageError, match=r"another data \(its kind or content\)"):
+        train(plan, run, resume=True, options=options)

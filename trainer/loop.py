@@ -44,7 +44,7 @@ from trainer.oom import OOMInjector, free_memory, is_oom, next_layout, relaunch_
 from trainer.model import build_model, check_weights
 from trainer.options import TrainOptions
 from trainer.prepared import bucket_stream, prepared_dir
-from trainer.run_identity import claim, fingerprint, restarted
+from trainer.run_identity import claim, fingerprint, read_run, restarted, saved_digests, update_length
 from trainer.scalars import ScalarLog
 from trainer.schedule import stage_lr, wsd_lr
 from trainer.spike import SpikeGuard
@@ -374,12 +374,16 @@ class _Run:
     def _claim(self, resume: bool) -> None:
         """Rank 0 makes the run dir this run's (run_identity.claim) and every rank takes its answer:
         a refusal is raised on all of them, the same line."""
-        refusal = None
+        refusal, saved_length = None, None
         if self.main:
             try:
-                current = fingerprint(self.plan, self.plan.chosen.layout, self.options.seed, self.options.weights,
-                                      self.options.data)
-                moved = claim(self.run_dir, current, resume, self.options.overwrite)
+                digests = saved_digests(self.run_dir)
+                prepared = prepared_dir(self.task, self.options.data, self.plan.chosen.layout.seq, self.vocab)
+                current = fingerprint(self.plan, self.plan.chosen.layout, self.options, prepared,
+                                      getattr(self.tokenizer, "path", None), digests)
+                self.length = current["length"]
+                saved_length = (read_run(self.run_dir) or {}).get("fingerprint", {}).get("length") if resume else None
+                moved = claim(self.run_dir, current, resume, self.options.overwrite, digests)
             except (UsageError, OSError) as exc:  # the other ranks wait for the answer: give them one
                 refusal = str(exc)
             else:
@@ -387,7 +391,7 @@ class _Run:
                     self.events.write({"event": "moved_aside", "to": str(moved)})
                 if not resume or _replanned(self.run_dir / "plan.yaml", self.plan):
                     self.plan.write(self.run_dir / "plan.yaml")  # the plan that runs now (a re-plan too)
-        refusal = checkpoint.broadcast(refusal)
+        refusal, self.saved_length = checkpoint.broadcast((refusal, saved_length))
         if refusal is not None:
             raise UsageError(refusal)
 

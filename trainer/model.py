@@ -24,8 +24,10 @@ from trainer.remote_code import refuse_remote_code
 
 
 # What a saved config.json carries besides the model: where and by what it was saved, the dtype of its
-# files (the layout's dtype decides the training one) and the inference cache
+# files (the layout's dtype decides the training one), the inference cache, and how a model without
+# weights would be initialised
 _NOT_THE_MODEL = {"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype", "use_cache",
+                  "initializer_range",
                   "_commit_hash", "_attn_implementation_autoset", "_attn_implementation", "attn_implementation"}
 
 
