@@ -468,3 +468,53 @@ def test_a_resume_whose_data_or_weights_content_changed_is_refused(tmp_path, mon
     source.write_text(source.read_text().replace("cat", "cow"))
     with pytest.raises(UsageError, match=r"another data \(its kind or content\)"):
         train(plan, run, resume=True, options=options)
+
+
+# -- a resume that extends (issue 32) -----------------------------------------------------------------
+
+def one_stage_run(tmp_path: Path, run: str, *extra: str) -> list[dict]:
+    """`advisor train` of a plan made without a task over a small JSON-lines file (made once), in
+    process; the run's metrics."""
+    plan, data = tmp_path / "plan.yaml", tmp_path / "rows.jsonl"
+    if not plan.is_file():
+        made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                                        "--seq-len", "32", "--global-batch", "2", "--top", "1", "--out", str(plan)])
+        assert made.exit_code == 0, made.output
+        words = "the cat sat on a mat while dogs ran in the park".split()
+        data.write_text("".join(json.dumps({"text": " ".join(words[(i + j) % len(words)] for j in range(40))}) + "\n"
+                                for i in range(40)))
+    result = CliRunner().invoke(app, ["train", str(plan), "--out", str(tmp_path / run), "--data", str(data),
+                                      "--no-show-progress", *extra])
+    assert result.exit_code == 0, result.output
+    return read_jsonl(tmp_path / run / "metrics.jsonl")
+
+
+def test_resume_with_more_steps_extends_a_finished_constant_rate_run_bitwise_as_if_asked_from_the_start(
+        tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    whole = one_stage_run(tmp_path, "whole", "--steps", "6", "--lr-schedule", "constant")
+    first = one_stage_run(tmp_path, "extended", "--steps", "3", "--lr-schedule", "constant")
+    assert len(first) == 3 and json.loads((tmp_path / "extended" / "summary.json").read_text())["finished"]
+    extended = one_stage_run(tmp_path, "extended", "--resume", "--steps", "6", "--lr-schedule", "constant")
+    assert [(m["step"], m["loss"], m["lr"]) for m in extended] == [(m["step"], m["loss"], m["lr"]) for m in whole]
+    a, b = (load_file(tmp_path / run / "model" / "model.safetensors") for run in ("whole", "extended"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    [changed] = events(tmp_path / "extended", "length_changed")
+    assert changed["was"] == [3] and changed["stage_steps"] == [6] and changed["step"] == 3
+    assert json.loads((tmp_path / "extended" / "summary.json").read_text())["steps"] == 6
+    # the run's length is now 6: resuming it as it is trains nothing more
+    assert one_stage_run(tmp_path, "extended", "--resume", "--steps", "6", "--lr-schedule", "constant") == extended
+
+
+def test_resume_with_more_steps_is_refused_where_the_schedule_decays_over_the_runs_length(tmp_path) -> None:
+    one_stage_run(tmp_path, "run", "--steps", "3")  # the default schedule: warm-up and cosine over the run's steps
+    plan = tmp_path / "plan.yaml"
+    result = CliRunner().invoke(app, ["train", str(plan), "--out", str(tmp_path / "run"), "--data",
+                                      str(tmp_path / "rows.jsonl"), "--resume", "--steps", "6"])
+    assert result.exit_code == 2
+    # warm-up of 20 steps, clamped to the stage's: step 1 had peak/3, with 6 steps peak/6 (peak 3e-4)
+    assert "step 1, already trained, had learning rate 0.0001 and would have 5e-05" in " ".join(result.output.split())
+    with pytest.raises(UsageError, match="stage 'train' ran 3 steps, the new length gives it 2"):
+        train(load_plan(tmp_path / "run" / "plan.yaml"), tmp_path / "run", resume=True,
+              options=TrainOptions(show_progress=False, max_steps_per_stage=2))

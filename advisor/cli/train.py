@@ -20,7 +20,7 @@ from advisor.errors import UsageError
 from advisor.capabilities import config_shape, runnable_problem, ENGINE_CHOICES
 from advisor.plan_file import Plan, load_plan
 from advisor.specs import check_number
-from advisor.task import MAX_EPOCHS
+from advisor.task import LR_SCHEDULES, MAX_EPOCHS
 from profiler.cluster import cluster_options
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.options import TrainOptions
@@ -59,6 +59,10 @@ def train(
                                         "the plan's global batch (default: one pass over --data)"),
     tokens: Optional[int] = typer.Option(None, "--tokens", min=1, help="a plan without a task: tokens to train on, "
                                          "rounded up to whole steps (default: one pass over --data)"),
+    lr_schedule: Optional[str] = typer.Option(None, "--lr-schedule", help="a plan without a task: rewarm_cosine "
+                                              "(default: warm-up, cosine decay over the run), wsd or constant "
+                                              "(warm-up, then the rate held: `--resume --steps` larger extends a "
+                                              "finished run as if asked for from the start)"),
     epochs: Optional[float] = typer.Option(None, "--epochs", help="train every stage for this many passes "
                                            "over its own data (each example once per epoch, in a seeded order), "
                                            "instead of the budgets its task or --steps/--tokens give"),
@@ -169,10 +173,10 @@ def _run(a: SimpleNamespace) -> dict | None:
         _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
             (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights,
-                                                      a.dataset), out / "plan.yaml")
-        elif a.steps is not None or a.tokens is not None:
-            raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
-                             "its stages")
+                                                      a.dataset, a.lr_schedule), out / "plan.yaml")
+        elif a.steps is not None or a.tokens is not None or a.lr_schedule is not None:
+            raise UsageError("--steps, --tokens and --lr-schedule shape a plan made without --task; this plan's "
+                             "task sizes its stages and sets their schedule")
     options = TrainOptions(seed=a.seed, clip=a.clip, keep_checkpoints=a.keep_checkpoints,
                            max_rollbacks=a.max_rollbacks, spike_lr_factor=a.spike_lr_factor,
                            spike_warmup_steps=a.spike_warmup_steps, eval_sequences=a.eval_sequences,
@@ -206,8 +210,8 @@ def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched:
 
 
 def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, tokens: int | None,
-               epochs: float | None, weights: str | None = None,
-               dataset: str | None = None) -> tuple[Plan, Path | None]:
+               epochs: float | None, weights: str | None = None, dataset: str | None = None,
+               lr_schedule: str | None = None) -> tuple[Plan, Path | None]:
     """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
     plan; and the prepared-data folder the loop reads (None: raw files)."""
     if data is None:
@@ -220,7 +224,10 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, toke
     # deferred: reads and tokenizes the data (the counting pass of the default length)
     from trainer.one_stage import one_stage_plan
 
-    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights, datasets=names)
+    if lr_schedule is not None and lr_schedule not in LR_SCHEDULES:
+        raise UsageError(f"--lr-schedule {lr_schedule}: choose {', '.join(LR_SCHEDULES)}")
+    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights, datasets=names,
+                                    lr_schedule=lr_schedule)
     sources = plan.task.stages[0].sources if plan.task else []
     if sources:
         console.print(f"--data {data}: {sources[0].format} rows (detected from their fields)", highlight=False)
