@@ -139,6 +139,8 @@ def _check_inputs(a: SimpleNamespace) -> None:
     check_number(a.timeout_s, "--timeout-s", ge=1, le=MAX_TIMEOUT_S)
     check_number(a.clip, "--clip", gt=0, le=1e6)
     check_number(a.spike_lr_factor, "--spike-lr-factor", gt=0, le=1)
+    if a.lr_schedule is not None and a.lr_schedule not in LR_SCHEDULES:
+        raise UsageError(f"--lr-schedule {a.lr_schedule}: choose {', '.join(LR_SCHEDULES)}")
     if not a.dry_run and not a.launched:
         check_out_folder(a.out)
         load_plan(a.plan_file)  # read again by the run: milliseconds
@@ -224,8 +226,6 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, toke
     # deferred: reads and tokenizes the data (the counting pass of the default length)
     from trainer.one_stage import one_stage_plan
 
-    if lr_schedule is not None and lr_schedule not in LR_SCHEDULES:
-        raise UsageError(f"--lr-schedule {lr_schedule}: choose {', '.join(LR_SCHEDULES)}")
     plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights, datasets=names,
                                     lr_schedule=lr_schedule)
     sources = plan.task.stages[0].sources if plan.task else []
