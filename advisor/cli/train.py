@@ -176,9 +176,12 @@ def _run(a: SimpleNamespace) -> dict | None:
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
             (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights,
                                                       a.dataset, a.lr_schedule), out / "plan.yaml")
-        elif a.steps is not None or a.tokens is not None or a.lr_schedule is not None:
-            raise UsageError("--steps, --tokens and --lr-schedule shape a plan made without --task; this plan's "
-                             "task sizes its stages and sets their schedule")
+        elif a.steps is not None or a.tokens is not None:
+            raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
+                             "its stages")
+        elif a.lr_schedule is not None:
+            raise UsageError("--lr-schedule sets the schedule of a plan made without --task; this plan's task "
+                             "sets its own (its lr_schedule)")
     options = TrainOptions(seed=a.seed, clip=a.clip, keep_checkpoints=a.keep_checkpoints,
                            max_rollbacks=a.max_rollbacks, spike_lr_factor=a.spike_lr_factor,
                            spike_warmup_steps=a.spike_warmup_steps, eval_sequences=a.eval_sequences,
