@@ -518,3 +518,22 @@ def test_resume_with_more_steps_is_refused_where_the_schedule_decays_over_the_ru
     with pytest.raises(UsageError, match="stage 'train' ran 3 steps, the new length gives it 2"):
         train(load_plan(tmp_path / "run" / "plan.yaml"), tmp_path / "run", resume=True,
               options=TrainOptions(show_progress=False, max_steps_per_stage=2))
+
+
+def test_a_run_json_of_an_older_trainer_is_compared_on_the_fields_it_holds(tmp_path) -> None:
+    from trainer.file_digests import FileDigests
+    from trainer.run_identity import fingerprint, mismatch
+
+    plan = load_plan(make_plan_file(tmp_path, steps=2))
+    current = fingerprint(plan, plan.chosen.layout, QUIET, None, None, FileDigests())
+    # before data_source, weights, tokenizer and length: its task digest counted the stages' lengths
+    older = {key: current[key] for key in ("seed", "model", "seq_len", "global_batch", "engine")}
+    assert mismatch({**older, "task": current["task_sized"], "data": "mtimes"}, current) is None
+    assert mismatch({**older, "task": current["task"]}, current).startswith("task (task: ")
+    relearnt = fingerprint(_changed(plan, "task"), plan.chosen.layout, QUIET, None, None, FileDigests())
+    assert mismatch(current, relearnt).startswith("task (task: ")  # a stage's lr is not its length
+    longer = plan.model_copy(deep=True)
+    longer.task.stages[0].tokens *= 2
+    longer.stages[0].steps *= 2
+    resized = fingerprint(longer, plan.chosen.layout, QUIET, None, None, FileDigests())
+    assert mismatch(current, resized) is None and resized["length"] != current["length"]  # the loop judges it
