@@ -185,7 +185,7 @@ def torchrun_script(plan: Plan) -> str:
 # It runs `advisor train`, which starts the ranks of every segment of stages (torchrun for several).
 # NODE_RANK    this node's number, 0 to {plan.nodes - 1} (default 0); node 0 is at MASTER_ADDR.
 {_environment_notes()}
-set -uo pipefail
+set -euo pipefail
 cd "$(dirname "${{BASH_SOURCE[0]}}")"
 {_with_restarts(shell_command(train_command(plan)))}"""
 
@@ -210,7 +210,7 @@ def slurm_script(plan: Plan, plan_path: str = "plan.yaml") -> str:
 # appends to its log. MASTER_ADDR is the job's first node. Each node runs `advisor train`, which reads
 # the nodes and its rank from Slurm's environment and starts the ranks of every segment of stages.
 {_environment_notes()}
-set -uo pipefail
+set -euo pipefail
 cd "${{SLURM_SUBMIT_DIR:-$(dirname "$0")}}"
 if [ ! -f {shlex.quote(plan_path)} ]; then
   echo "slurm.sbatch: submit it from the folder that holds {plan_path}" >&2; exit 2

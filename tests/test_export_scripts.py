@@ -71,6 +71,24 @@ def test_a_model_folder_named_like_a_command_runs_nothing(tmp_path: Path, name: 
                          "--master-port=29511", "--seed=3"]
 
 
+def test_the_scripts_start_a_failed_run_again_with_resume_up_to_max_restarts(tmp_path: Path) -> None:
+    plan = make_plan(PlanOptions(model=load_model("demo-tiny"), hardware=load_hardware("a100-80g"), gpus_per_node=2,
+                                 seq=128, global_batch=8))
+    export(plan, tmp_path / "launch")
+    env = fake_tools(tmp_path / "bin")
+    # an `advisor` that fails (exit 3) on its first two starts and succeeds on the third
+    (tmp_path / "bin" / "advisor").write_text('#!/bin/bash\necho "$*" >> "$ARGS_FILE"\n'
+                                              '[ "$(wc -l < "$ARGS_FILE")" -ge 3 ] || exit 3\n')
+    for script in ("torchrun.sh", "slurm.sbatch"):
+        for restarts, code, starts in [("3", 0, 3), ("1", 3, 2)]:
+            args_file = tmp_path / f"{script}-{restarts}.args"
+            done = subprocess.run(["bash", str(tmp_path / "launch" / script)], cwd=tmp_path, capture_output=True,
+                                  env={**env, "ARGS_FILE": str(args_file), "MAX_RESTARTS": restarts}, text=True)
+            assert done.returncode == code, done.stderr
+            lines = args_file.read_text().splitlines()
+            assert len(lines) == starts and all(" --resume " in line for line in lines)
+
+
 # -- deepspeed.json and accelerate.yaml ---------------------------------------------------------------
 
 def llama3_8b_plan(top_k: int = 5):
