@@ -23,11 +23,12 @@ from trainer.recompute import apply_recomputation
 from trainer.remote_code import refuse_remote_code
 
 
-# What a saved config.json carries besides the model: where and by what it was saved, the dtype of its
-# files (the layout's dtype decides the training one), the inference cache, and how a model without
-# weights would be initialised
+# What a saved config.json carries besides the model's computation: where and by what it was saved, the
+# dtype of its files (the layout's dtype decides the training one), the inference cache, how a model
+# without weights would be initialised, and the special tokens' ids (the tokenizer's to decide: an
+# instruct model of a base model's preset names more end tokens)
 _NOT_THE_MODEL = {"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype", "use_cache",
-                  "initializer_range",
+                  "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
                   "_commit_hash", "_attn_implementation_autoset", "_attn_implementation", "attn_implementation"}
 
 
