@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
@@ -234,6 +234,10 @@ class StageSpec(BaseModel):
         return self
 
 
+LrSchedule = Literal["rewarm_cosine", "wsd", "constant"]
+LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
+
+
 class TaskSpec(BaseModel):
     """A curriculum: stages run in order; the last is usually a mixed stage that replays earlier
     data so that later stages do not make the model forget (the source article's advice)."""
@@ -248,10 +252,11 @@ class TaskSpec(BaseModel):
     global_batch: int | None = Field(None, ge=1, le=MAX_BATCH * MAX_DEGREE, description="sequences per optimizer step")
     stages: list[StageSpec] = Field(min_length=1)
     eval_every_steps: int = Field(0, ge=0, le=MAX_STEPS, description="0: evaluate at stage ends only")
-    lr_schedule: Literal["rewarm_cosine", "wsd"] = Field(
+    lr_schedule: LrSchedule = Field(
         "rewarm_cosine", description="rewarm_cosine: every stage re-warms to its lr and decays by cosine; wsd: "
         "warm up once (the first stage's warmup_steps), hold each stage's lr, decay linearly over the run's last "
-        "wsd_decay_fraction of steps")
+        "wsd_decay_fraction of steps; constant: every stage warms up, then holds its lr (a finished run can be "
+        "extended with --resume)")
     wsd_decay_fraction: float = Field(0.1, gt=0, le=1, description="wsd: share of the run's steps that decay")
     base_dir: str = Field(".", description="where relative data paths start (set when loading)")
     data: DataPrepSpec = Field(default_factory=DataPrepSpec, description="`advisor data prepare` settings")

@@ -130,16 +130,30 @@ class Expanded(str):
     so that it stays one word whatever the variable holds."""
 
 
-def torchrun_command(plan: Plan, plan_path: str = "plan.yaml") -> list[str]:
-    """torchrun on one node: the c10d rendezvous at MASTER_ADDR:MASTER_PORT gathers the nodes
-    (each node runs the same line); `--resume` continues the run in RUN_DIR when one is there (a
-    rerun, a Slurm requeue) and starts it otherwise; a worker restart by torchrun resumes as well
-    (trainer/run_identity.py `restarted`). The script's own arguments go to `advisor train`."""
-    per_node = min(plan.chosen.layout.devices, plan.gpus_per_node)
-    return ["torchrun", f"--nnodes={plan.nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
-            Expanded(f"--rdzv-endpoint=${{MASTER_ADDR:-127.0.0.1}}:${{MASTER_PORT:-{MASTER_PORT}}}"),
-            Expanded(f"--max-restarts=${{MAX_RESTARTS:-{MAX_RESTARTS}}}"), "-m", "advisor.cli", "train", plan_path,
-            "--out", Expanded(f"${{RUN_DIR:-{RUN_DIR}}}"), "--resume", "--launched", Expanded("$@")]
+def train_command(plan: Plan, plan_path: str = "plan.yaml", slurm: bool = False) -> list[str]:
+    """`advisor train` on one node, the launcher the CLI runs: it starts the ranks of each segment of
+    stages that share a layout (torchrun for several), one after the other, so the whole plan runs.
+    `--resume` continues the run in RUN_DIR when one is there (a rerun, a Slurm requeue) and starts it
+    otherwise. Under Slurm, `advisor train` reads the nodes and this node's rank from Slurm's
+    environment; elsewhere NODE_RANK says which node this is. The script's own arguments follow."""
+    words = ["advisor", "train", plan_path, "--out", Expanded(f"${{RUN_DIR:-{RUN_DIR}}}"), "--resume"]
+    if not slurm:
+        words += [f"--nnodes={plan.nodes}", Expanded("--node-rank=${NODE_RANK:-0}")]
+    return [*words, Expanded("--master-addr=${MASTER_ADDR:-127.0.0.1}"),
+            Expanded(f"--master-port=${{MASTER_PORT:-{MASTER_PORT}}}"), Expanded("$@")]
+
+
+def _with_restarts(command: str) -> str:
+    """The command, started again up to MAX_RESTARTS times after a failure; each start resumes from
+    the last checkpoint. The last exit status is the script's."""
+    return f"""for attempt in $(seq 0 "${{MAX_RESTARTS:-{MAX_RESTARTS}}}"); do
+  status=0
+  {command} || status=$?
+  if [ "$status" -eq 0 ]; then exit 0; fi
+  echo "advisor train exited $status (attempt $attempt)" >&2
+done
+exit "$status"
+"""
 
 
 def shell_command(words: list[str]) -> str:
@@ -155,31 +169,32 @@ def job_name(model_name: str) -> str:
 
 
 def _environment_notes() -> str:
-    return f"""# MASTER_ADDR  host name or address of the rendezvous node, reachable from every node (default
-#              127.0.0.1: one node); MASTER_PORT: a free TCP port there (default {MASTER_PORT}).
+    return f"""# MASTER_ADDR  host name or address of node 0, reachable from every node (default 127.0.0.1: one
+#              node); MASTER_PORT: a free TCP port there (default {MASTER_PORT}).
 # RUN_DIR      the run directory: metrics, events, checkpoints (default: {RUN_DIR}/ beside plan.yaml; on
 #              several nodes, a folder every node shares). A run already there is continued.
-# MAX_RESTARTS how often torchrun restarts failed workers (default {MAX_RESTARTS}); they resume from the
-#              last checkpoint.
+# MAX_RESTARTS how often the run is started again after a failure (default {MAX_RESTARTS}); each start
+#              resumes from the last checkpoint.
 # Arguments after the script's name go to `advisor train` (e.g. --weights DIR)."""
 
 
 def torchrun_script(plan: Plan) -> str:
     return f"""#!/bin/bash
 # Written by `advisor plan --export`: {plan.chosen.layout.short()}
-# Run it on each of the {plan.nodes} node(s), e.g. MASTER_ADDR=node0 ./torchrun.sh
+# Run it on each of the {plan.nodes} node(s), e.g. MASTER_ADDR=node0 NODE_RANK=0 ./torchrun.sh on node0.
+# It runs `advisor train`, which starts the ranks of every segment of stages (torchrun for several).
+# NODE_RANK    this node's number, 0 to {plan.nodes - 1} (default 0); node 0 is at MASTER_ADDR.
 {_environment_notes()}
 set -euo pipefail
 cd "$(dirname "${{BASH_SOURCE[0]}}")"
-{shell_command(torchrun_command(plan))}
-"""
+{_with_restarts(shell_command(train_command(plan)))}"""
 
 
 def slurm_script(plan: Plan, plan_path: str = "plan.yaml") -> str:
     layout = plan.chosen.layout
     hours = sum(s.hours for s in plan.stages) or 24.0
     minutes = max(10, int(hours * 60 * 1.2))  # 20% slack over the planned wall-clock time
-    command = shell_command(torchrun_command(plan, plan_path))
+    command = "srun " + shell_command(train_command(plan, plan_path, slurm=True))
     return f"""#!/bin/bash
 #SBATCH --job-name={job_name(plan.model.name)}
 #SBATCH --nodes={plan.nodes}
@@ -192,15 +207,17 @@ def slurm_script(plan: Plan, plan_path: str = "plan.yaml") -> str:
 # Written by `advisor plan --export`: {layout.short()}
 # Submit from this folder: sbatch slurm.sbatch. A requeued job (a node failure, `scontrol requeue`)
 # continues the run from its last checkpoint (advisor train also reads SLURM_RESTART_COUNT), and
-# appends to its log. MASTER_ADDR is the job's first node.
+# appends to its log. MASTER_ADDR is the job's first node. Each node runs `advisor train`, which reads
+# the nodes and its rank from Slurm's environment and starts the ranks of every segment of stages.
 {_environment_notes()}
 set -euo pipefail
 cd "${{SLURM_SUBMIT_DIR:-$(dirname "$0")}}"
-if [ ! -f {shlex.quote(plan_path)} ]; then echo "slurm.sbatch: submit it from the folder that holds {plan_path}" >&2; exit 2; fi
+if [ ! -f {shlex.quote(plan_path)} ]; then
+  echo "slurm.sbatch: submit it from the folder that holds {plan_path}" >&2; exit 2
+fi
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export OMP_NUM_THREADS=1
-srun {command}
-"""
+{_with_restarts(command)}"""
 
 
 @dataclass

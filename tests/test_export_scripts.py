@@ -31,11 +31,11 @@ NAMES = ["m; touch PWNED", "m $(touch PWNED) `touch PWNED`", "m' \"; touch PWNED
 
 
 def fake_tools(folder: Path) -> dict[str, str]:
-    """`scontrol`, `srun` and `torchrun` stand-ins: srun runs its command, torchrun records its words."""
+    """`scontrol`, `srun` and `advisor` stand-ins: srun runs its command, advisor records its words."""
     folder.mkdir()
     (folder / "scontrol").write_text("#!/bin/bash\necho node0\n")
     (folder / "srun").write_text('#!/bin/bash\nexec "$@"\n')
-    (folder / "torchrun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGS_FILE"\n')
+    (folder / "advisor").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGS_FILE"\n')
     for tool in folder.iterdir():
         tool.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RUN_DIR", "MAX_RESTARTS")}
@@ -65,9 +65,28 @@ def test_a_model_folder_named_like_a_command_runs_nothing(tmp_path: Path, name: 
         assert done.returncode == 0, done.stderr
         assert not list(tmp_path.rglob("PWNED"))
         words = args_file.read_text().splitlines()
-        assert words[-7:] == ["train", "plan.yaml", "--out", "run", "--resume", "--launched", "--seed=3"]
-        assert "--max-restarts=3" in words
-        assert "--rdzv-endpoint=127.0.0.1:29511" in words or "--rdzv-endpoint=node0:29511" in words
+        nodes = ["--nnodes=1", "--node-rank=0"] if script == "torchrun.sh" else []  # under Slurm: Slurm's
+        master = "127.0.0.1" if script == "torchrun.sh" else "node0"
+        assert words == ["train", "plan.yaml", "--out", "run", "--resume", *nodes, f"--master-addr={master}",
+                         "--master-port=29511", "--seed=3"]
+
+
+def test_the_scripts_start_a_failed_run_again_with_resume_up_to_max_restarts(tmp_path: Path) -> None:
+    plan = make_plan(PlanOptions(model=load_model("demo-tiny"), hardware=load_hardware("a100-80g"), gpus_per_node=2,
+                                 seq=128, global_batch=8))
+    export(plan, tmp_path / "launch")
+    env = fake_tools(tmp_path / "bin")
+    # an `advisor` that fails (exit 3) on its first two starts and succeeds on the third
+    (tmp_path / "bin" / "advisor").write_text('#!/bin/bash\necho "$*" >> "$ARGS_FILE"\n'
+                                              '[ "$(wc -l < "$ARGS_FILE")" -ge 3 ] || exit 3\n')
+    for script in ("torchrun.sh", "slurm.sbatch"):
+        for restarts, code, starts in [("3", 0, 3), ("1", 3, 2)]:
+            args_file = tmp_path / f"{script}-{restarts}.args"
+            done = subprocess.run(["bash", str(tmp_path / "launch" / script)], cwd=tmp_path, capture_output=True,
+                                  env={**env, "ARGS_FILE": str(args_file), "MAX_RESTARTS": restarts}, text=True)
+            assert done.returncode == code, done.stderr
+            lines = args_file.read_text().splitlines()
+            assert len(lines) == starts and all(" --resume " in line for line in lines)
 
 
 # -- deepspeed.json and accelerate.yaml ---------------------------------------------------------------
@@ -195,7 +214,26 @@ def test_tp_and_pp_layouts_get_no_deepspeed_or_accelerate_file_and_the_cli_says_
     assert "wrote " + str(tmp_path / "launch" / "torchrun.sh") in result.output.replace("\n", "")
 
 
-# -- torchrun.sh: two launchers on localhost, killed and started again -------------------------------
+# -- torchrun.sh: the whole plan; two launchers on localhost, killed and started again ----------------
+
+def test_exported_torchrun_runs_every_segment_of_a_plan_with_per_stage_layouts(tmp_path) -> None:
+    """Issue 31, finding 8: the script runs the launcher of `advisor train`, which runs each segment of
+    stages that share a layout; a worker launched directly ran the first segment and exited 0."""
+    from test_stage_layouts import FULL_ON_ONE, LORA_ON_ONE, STEPS, write_plan
+
+    plan = load_plan(write_plan(tmp_path, FULL_ON_ONE, LORA_ON_ONE))
+    export(plan, tmp_path / "launch")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MAX_RESTARTS": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))}
+    env.pop("RUN_DIR", None)
+    done = subprocess.run(["bash", str(tmp_path / "launch" / "torchrun.sh"), "--no-show-progress",
+                           "--exact-match-prompts", "0"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "launch" / "run"
+    assert [m["stage"] for m in read_jsonl(run / "metrics.jsonl")] == ["language"] * STEPS + ["math"] * STEPS
+    assert json.loads((run / "summary.json").read_text())["finished"]
+
 
 def two_node_cpu_plan(root: Path) -> Path:
     """A tiny model on 2 CPU 'nodes' of 1 process each, 2 stages of 40 steps, a checkpoint every 2."""
@@ -213,9 +251,10 @@ def launch_two_nodes(launch: Path, port: int) -> list[subprocess.Popen]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))}
     env.pop("RUN_DIR", None)
-    return [subprocess.Popen(["bash", str(launch / "torchrun.sh"), "--no-show-progress"], env=env,
+    return [subprocess.Popen(["bash", str(launch / "torchrun.sh"), "--no-show-progress"],
+                             env={**env, "NODE_RANK": str(rank), "MAX_RESTARTS": "0"},
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for _ in range(2)]
+            for rank in range(2)]
 
 
 @pytest.mark.slow

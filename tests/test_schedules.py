@@ -109,3 +109,25 @@ def test_the_task_schema_takes_the_schedule_and_the_ramp(tmp_path) -> None:
     with pytest.raises(UsageError, match="lr_schedule"):
         load_task(str(path))
     assert json.dumps(task.model_dump(mode="json"))  # the plan file carries it
+
+
+def test_which_trained_steps_a_longer_run_leaves_at_their_rates() -> None:
+    """What makes a resume that extends bitwise (issue 32): every step already trained keeps its rate.
+    Written out: WSD's stable phase does (a run stopped before its decay, lengthened: the decay moves
+    later), its decay does not; cosine re-warm-up decays over the stage, so a longer stage changes
+    the rate from the first step after the warm-up; constant holds the rate whatever the length."""
+    from advisor.task import StageSpec, TaskSpec
+    from trainer.schedule import first_changed_rate
+
+    def task(schedule: str) -> TaskSpec:
+        stage = StageSpec(name="s", steps=1, lr=1e-3, warmup_steps=2, min_lr_ratio=0.1)
+        return TaskSpec(name="t", stages=[stage], lr_schedule=schedule, wsd_decay_fraction=0.25)
+
+    short, long = ([40], [40]), ([80], [80])  # the stage's steps, and the steps WSD counts
+    assert first_changed_rate(task("wsd"), [30], short, long) is None  # stable until step 30 of 40
+    # a finished 40-step WSD run decayed from step 31: at 80 steps that step is still stable
+    assert first_changed_rate(task("wsd"), [40], short, long) == (31, pytest.approx(1e-3 * (1 - 0.9 / 10)), 1e-3)
+    step, had, now = first_changed_rate(task("rewarm_cosine"), [40], short, long)
+    assert step == 4 and had < now < 1e-3  # the cosine of 80 steps falls more slowly
+    assert first_changed_rate(task("rewarm_cosine"), [2], short, long) is None  # still warming up
+    assert first_changed_rate(task("constant"), [40], short, long) is None

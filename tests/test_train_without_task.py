@@ -91,6 +91,10 @@ def test_steps_and_tokens_belong_to_plans_without_a_task(tmp_path: Path) -> None
     result = runner.invoke(app, ["train", str(plan), "--out", str(tmp_path / "run"), "--steps", "3"])
     assert result.exit_code == 2
     assert "--steps and --tokens size a plan made without --task" in result.stderr
+    result = runner.invoke(app, ["train", str(plan), "--out", str(tmp_path / "run"), "--lr-schedule", "constant"])
+    assert result.exit_code == 2 and "this plan's task sets its own (its lr_schedule)" in result.stderr
+    result = runner.invoke(app, ["train", str(plan), "--out", str(tmp_path / "run"), "--lr-schedule", "flat"])
+    assert result.exit_code == 2 and "--lr-schedule flat: choose rewarm_cosine, wsd, constant" in result.stderr
 
 
 def test_data_of_mixed_kinds_is_refused(tmp_path: Path) -> None:

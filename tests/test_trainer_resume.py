@@ -526,3 +526,182 @@ def test_the_seal_waits_on_a_slow_rank_longer_than_the_process_group_timeout(tmp
     assert timed_out and waited < timeout_s * 1.5  # the training group's own wait gave up
     # the group's timeout was read (torch's 30-minute default would give 3 hours): 6 x 2 s, raised to the floor
     assert seal_timeout_s == max(SEAL_TIMEOUT_FLOOR.total_seconds(), SEAL_TIMEOUT_FACTOR * timeout_s) == 600
+
+
+# -- what a resume reads and must match (issue 31, finding 7) ------------------------------------------
+
+@pytest.mark.parametrize("zero,bf16", [(1, False), (2, False), (2, True), (3, False)])
+def test_saved_ranks_counts_the_data_parallel_ranks_deepspeed_wrote_at_every_zero_stage(tmp_path, zero,
+                                                                                        bf16) -> None:
+    """The files of a dp=2 checkpoint named by DeepSpeed's own naming methods: ZeRO-1/2 write one
+    model-states file whatever the dp size, so counting those read 1 rank and sent every dp>1
+    ZeRO-1/2 resume through the universal-checkpoint conversion."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    class Namer:  # what those methods read of an engine: ZeRO-3 partitions the weights
+        checkpoint_mp_rank = 0
+        _get_zero_ckpt_prefix = DeepSpeedEngine._get_zero_ckpt_prefix
+
+        def zero_optimization_partition_weights(self) -> bool:
+            return zero == 3
+
+    namer = Namer()
+    for rank in range(2):
+        for name in (DeepSpeedEngine._get_ckpt_name(namer, str(tmp_path), checkpoint.ENGINE_TAG, pp_placeholder=rank),
+                     DeepSpeedEngine._get_rank_zero_ckpt_name(namer, str(tmp_path), checkpoint.ENGINE_TAG, 0, rank,
+                                                              bf16)):
+            Path(name).parent.mkdir(exist_ok=True)
+            Path(name).write_bytes(b"")
+    model_states = len(list((tmp_path / checkpoint.ENGINE_TAG).glob("*_model_states.pt")))
+    assert model_states == (2 if zero == 3 else 1)  # the naming this guards against
+    assert checkpoint.saved_ranks(tmp_path) == 2
+    assert checkpoint.saved_ranks(tmp_path / "elsewhere") is None
+
+
+def test_an_oom_relaunch_request_of_another_plan_is_ignored_and_one_of_this_plan_is_followed(tmp_path,
+                                                                                             monkeypatch) -> None:
+    from trainer.oom import request_relaunch
+
+    for name, stale in [("stale", True), ("this-plan", False)]:
+        plan, run = crashed_at_step_5(tmp_path / name, monkeypatch)
+        replacement = plan.chosen.layout.model_copy(update={"mbs": 2, "gas": 2})  # same processes and batch
+        # a re-planned run (another task here) keeps the file an out-of-memory relaunch of its old plan wrote
+        request_relaunch(run, _changed(plan, "task") if stale else plan, replacement, [plan.chosen.layout],
+                         {"event": "oom_fallback"})
+        summary = train(plan, run, resume=True, options=QUIET)
+        assert summary["finished"]
+        assert summary["layout_used"] == (plan.chosen.layout if stale else replacement).short()
+
+
+def save_tiny_weights(folder: Path, seed: int = 0, **changes) -> Path:
+    """A tiny model of the plan's config (with `changes`), initialised from `seed`, saved as an HF folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from test_trainer import CONFIG
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**CONFIG, **changes})).save_pretrained(str(folder))
+    return folder
+
+
+def test_weights_of_another_model_are_refused_naming_the_fields_that_differ(tmp_path) -> None:
+    plan_path = make_plan_file(tmp_path, steps=2)
+    plan, run = load_plan(plan_path), tmp_path / "run"
+    other = save_tiny_weights(tmp_path / "other", intermediate_size=96, num_hidden_layers=1)
+    with pytest.raises(UsageError, match="intermediate_size: 64 in the plan, 96 in the weights; num_hidden_layers: "
+                                         "2 in the plan, 1 in the weights"):
+        train(plan, run, resume=False, options=TrainOptions(show_progress=False, weights=str(other)))
+    assert not (run / RUN_FILE).exists()  # refused before the run dir was claimed: the next try starts clean
+    result = CliRunner().invoke(app, ["train", str(plan_path), "--out", str(run), "--weights", str(other)])
+    assert result.exit_code == 2 and "intermediate_size: 64 in the plan, 96 in the weights" in result.output
+    same = save_tiny_weights(tmp_path / "same")
+    assert train(plan, run, resume=False, options=TrainOptions(show_progress=False, weights=str(same)))["finished"]
+
+
+def test_a_resume_after_data_prepare_would_switch_to_prepared_data_and_is_refused(tmp_path, monkeypatch) -> None:
+    """The default data is chosen at every start: raw files, or the task's data.out once `advisor data
+    prepare` has written it. The run read raw data; its resume would read the shards."""
+    from test_trainer import CONFIG
+    from trainer.data.prepare import prepare
+    from trainer.data.tokenizer import TOKENIZERS_DIR
+
+    plan = load_plan(make_plan_file(tmp_path, checkpoint_every=2, config={**CONFIG, "vocab_size": 2048}))
+    plan.task.data.tokenizer = str(TOKENIZERS_DIR / "demo-tiny")  # what `advisor data prepare` tokenizes with
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch, pytest.raises(Crash):
+        crash_after(patch, 3)
+        train(plan, run, resume=False, options=QUIET)
+    prepare(plan.task)  # into the task's data.out, fresh: the default for the next start
+    with pytest.raises(UsageError, match=r"another data \(its kind or content\)"):
+        train(plan, run, resume=True, options=QUIET)
+
+
+def test_a_resume_whose_data_or_weights_content_changed_is_refused(tmp_path, monkeypatch) -> None:
+    plan_path = make_plan_file(tmp_path, steps=2)
+    plan, run = load_plan(plan_path), tmp_path / "run"
+    weights = save_tiny_weights(tmp_path / "weights")
+    options = TrainOptions(show_progress=False, weights=str(weights), max_steps_per_stage=1)
+    train(plan, run, resume=False, options=options)
+    record = json.loads((run / RUN_FILE).read_text())
+    stat = (weights / "model.safetensors").stat()
+    assert record["file_digests"][str((weights / "model.safetensors").resolve())][:2] == [stat.st_size,
+                                                                                          stat.st_mtime_ns]
+    save_tiny_weights(weights, seed=1)  # the same model, other weights: the same size
+    assert (weights / "model.safetensors").stat().st_size == stat.st_size
+    with pytest.raises(UsageError, match=r"another weights \(their content\)"):
+        train(plan, run, resume=True, options=options)
+    save_tiny_weights(weights)  # back as they were (seeded): a new file time, the same content
+    train(plan, run, resume=True, options=options)
+    source = Path(plan.task.base_dir) / "data" / "lang.jsonl"
+    source.write_text(source.read_text().replace("cat", "cow"))
+    with pytest.raises(UsageError, match=r"another data \(its kind or content\)"):
+        train(plan, run, resume=True, options=options)
+
+
+# -- a resume that extends (issue 32) -----------------------------------------------------------------
+
+def one_stage_run(tmp_path: Path, run: str, *extra: str) -> list[dict]:
+    """`advisor train` of a plan made without a task over a small JSON-lines file (made once), in
+    process; the run's metrics."""
+    plan, data = tmp_path / "plan.yaml", tmp_path / "rows.jsonl"
+    if not plan.is_file():
+        made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                                        "--seq-len", "32", "--global-batch", "2", "--top", "1", "--out", str(plan)])
+        assert made.exit_code == 0, made.output
+        words = "the cat sat on a mat while dogs ran in the park".split()
+        data.write_text("".join(json.dumps({"text": " ".join(words[(i + j) % len(words)] for j in range(40))}) + "\n"
+                                for i in range(40)))
+    result = CliRunner().invoke(app, ["train", str(plan), "--out", str(tmp_path / run), "--data", str(data),
+                                      "--no-show-progress", *extra])
+    assert result.exit_code == 0, result.output
+    return read_jsonl(tmp_path / run / "metrics.jsonl")
+
+
+def test_resume_with_more_steps_extends_a_finished_constant_rate_run_bitwise_as_if_asked_from_the_start(
+        tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    whole = one_stage_run(tmp_path, "whole", "--steps", "6", "--lr-schedule", "constant")
+    first = one_stage_run(tmp_path, "extended", "--steps", "3", "--lr-schedule", "constant")
+    assert len(first) == 3 and json.loads((tmp_path / "extended" / "summary.json").read_text())["finished"]
+    extended = one_stage_run(tmp_path, "extended", "--resume", "--steps", "6", "--lr-schedule", "constant")
+    assert [(m["step"], m["loss"], m["lr"]) for m in extended] == [(m["step"], m["loss"], m["lr"]) for m in whole]
+    a, b = (load_file(tmp_path / run / "model" / "model.safetensors") for run in ("whole", "extended"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    [changed] = events(tmp_path / "extended", "length_changed")
+    assert changed["was"] == [3] and changed["stage_steps"] == [6] and changed["step"] == 3
+    assert json.loads((tmp_path / "extended" / "summary.json").read_text())["steps"] == 6
+    # the run's length is now 6: resuming it as it is trains nothing more
+    assert one_stage_run(tmp_path, "extended", "--resume", "--steps", "6", "--lr-schedule", "constant") == extended
+
+
+def test_resume_with_more_steps_is_refused_where_the_schedule_decays_over_the_runs_length(tmp_path) -> None:
+    one_stage_run(tmp_path, "run", "--steps", "3")  # the default schedule: warm-up and cosine over the run's steps
+    plan = tmp_path / "plan.yaml"
+    result = CliRunner().invoke(app, ["train", str(plan), "--out", str(tmp_path / "run"), "--data",
+                                      str(tmp_path / "rows.jsonl"), "--resume", "--steps", "6"])
+    assert result.exit_code == 2
+    # warm-up of 20 steps, clamped to the stage's: step 1 had peak/3, with 6 steps peak/6 (peak 3e-4)
+    assert "step 1, already trained, had learning rate 0.0001 and would have 5e-05" in " ".join(result.output.split())
+    with pytest.raises(UsageError, match="stage 'train' ran 3 steps, the new length gives it 2"):
+        train(load_plan(tmp_path / "run" / "plan.yaml"), tmp_path / "run", resume=True,
+              options=TrainOptions(show_progress=False, max_steps_per_stage=2))
+
+
+def test_a_run_json_of_an_older_trainer_is_compared_on_the_fields_it_holds(tmp_path) -> None:
+    from trainer.file_digests import FileDigests
+    from trainer.run_identity import fingerprint, mismatch
+
+    plan = load_plan(make_plan_file(tmp_path, steps=2))
+    current = fingerprint(plan, plan.chosen.layout, QUIET, None, None, FileDigests())
+    # before data_source, weights, tokenizer and length: its task digest counted the stages' lengths
+    older = {key: current[key] for key in ("seed", "model", "seq_len", "global_batch", "engine")}
+    assert mismatch({**older, "task": current["task_sized"], "data": "mtimes"}, current) is None
+    assert mismatch({**older, "task": current["task"]}, current).startswith("task (task: ")
+    relearnt = fingerprint(_changed(plan, "task"), plan.chosen.layout, QUIET, None, None, FileDigests())
+    assert mismatch(current, relearnt).startswith("task (task: ")  # a stage's lr is not its length
+    longer = plan.model_copy(deep=True)
+    longer.task.stages[0].tokens *= 2
+    longer.stages[0].steps *= 2
+    resized = fingerprint(longer, plan.chosen.layout, QUIET, None, None, FileDigests())
+    assert mismatch(current, resized) is None and resized["length"] != current["length"]  # the loop judges it

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -286,10 +287,17 @@ ENGINE_TAG = "engine"  # the folder DeepSpeed's checkpoint has inside the traine
 UNIVERSAL = "universal"
 
 
+# Each data-parallel rank writes its optimizer partition, `[bf16_]zero_pp_rank_<dp rank>_mp_rank_<mp>_optim_states.pt`,
+# at every ZeRO stage; the model states are one file per rank only under ZeRO-3 (ZeRO-1/2: one file in all).
+_OPTIMIZER_PARTITION = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt")
+
+
 def saved_ranks(directory: Path) -> int | None:
-    """How many data-parallel ranks wrote the DeepSpeed checkpoint in `directory` (None: none there)."""
-    files = list((directory / ENGINE_TAG).glob("*_model_states.pt"))
-    return len(files) or None
+    """How many data-parallel ranks wrote the DeepSpeed checkpoint in `directory` (None: none there):
+    the distinct ranks of its optimizer partitions."""
+    folder = directory / ENGINE_TAG
+    matches = (_OPTIMIZER_PARTITION.fullmatch(p.name) for p in folder.iterdir()) if folder.is_dir() else ()
+    return len({m.group(1) for m in matches if m}) or None
 
 
 def universal_checkpoint(directory: Path) -> Path:

@@ -41,12 +41,12 @@ from trainer.engines import Engine, device, make_engine, select_backend
 from trainer.exact_match import NOT_SCORED_PIPELINE, stage_exact_match
 from trainer.handoff import ARTIFACT_DIR, HANDOFF_DIR, copy_model, write_full_weights, write_model
 from trainer.oom import OOMInjector, free_memory, is_oom, next_layout, relaunch_layout, request_relaunch
-from trainer.model import build_model
+from trainer.model import build_model, check_weights
 from trainer.options import TrainOptions
 from trainer.prepared import bucket_stream, prepared_dir
-from trainer.run_identity import claim, fingerprint, restarted
+from trainer.run_identity import claim, fingerprint, read_run, restarted, saved_digests, update_length
 from trainer.scalars import ScalarLog
-from trainer.schedule import stage_lr, wsd_lr
+from trainer.schedule import first_changed_rate, scheduled_lr
 from trainer.spike import SpikeGuard
 from trainer.stream import Source, StageStream
 
@@ -67,6 +67,7 @@ class LoopState:
     oom_fallbacks: int = 0
     padding: dict[str, list[int]] = field(default_factory=dict)  # stage -> [tokens, slots, slots unbucketed]
     engine_layout: dict[str, Any] | None = None  # the layout whose engine wrote the checkpoint (None: before this key)
+    stage_steps: list[int] = field(default_factory=list)  # each started stage's steps, as the run sized it
 
 
 def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -302,6 +303,7 @@ class _Run:
         self.metrics = JsonLines(run_dir / "metrics.jsonl", self.main)
         self.events = JsonLines(run_dir / "events.jsonl", self.main)
         self.scalars = ScalarLog(run_dir / "tensorboard", self.main)  # opens lazily, after any purge is set
+        check_weights(plan.model, options.weights)  # before the run dir is claimed: a refusal leaves no run
         self.vocab = int(plan.model.hf_config.get("vocab_size", 0))
         self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab, options.weights, options.template)
         self.cache = run_dir / "data_cache"
@@ -331,7 +333,7 @@ class _Run:
                              f"{self.layout.devices} processes, this launch has {self.world}")
         self.failed_layouts: list[Layout] = []
         if resume:  # the launcher restarted the ranks after an out-of-memory: the layout they switch to
-            self.layout, self.failed_layouts = relaunch_layout(self.run_dir, self.layout, self.world)
+            self.layout, self.failed_layouts = relaunch_layout(self.run_dir, self.plan, self.layout, self.world)
             self.rollbacks = checkpoint.broadcast(self._rollbacks_logged())
         self.prepared = prepared_dir(self.task, self.options.data, self.layout.seq, self.vocab)
         self.inject = OOMInjector()
@@ -352,6 +354,8 @@ class _Run:
         if last is None:
             self.save("start")  # the rollback target before the first step
         self.per_step = self.layout.global_batch
+        if last is not None and self.saved_length not in (None, self.length):
+            self._change_length(self.saved_length)
         self.progress = _progress(self.options.show_progress and self.main)
         self.failed_layouts.append(self.layout)
         if self.handoff is not None:
@@ -361,6 +365,53 @@ class _Run:
             self.state.oom_fallbacks = max(self.state.oom_fallbacks, len(self.failed_layouts) - 1)
         else:  # the plan's layout runs (a fallback of another device count, before a re-plan, is over)
             self.state.layout = None
+
+    def _change_length(self, saved: dict[str, Any]) -> None:
+        """A resume with another run length (--steps, --epochs, --max-steps-per-stage, a task's stage
+        budgets): allowed where every step already trained keeps its learning rate, so the run goes on
+        as if the new length had been asked for from the start; then a finished run's last stage is
+        reopened when it grew. Refused otherwise, in one line."""
+        n, stage, done = len(self.task.stages), self.state.stage, self.state.step_in_stage
+        trained = self.state.stage_steps[:stage + (1 if done else 0)]  # the stages started before the checkpoint
+        if len(trained) < min(stage + (1 if done else 0), n):
+            raise UsageError("--resume: this run's checkpoint does not record its stages' lengths (written by an "
+                             "older trainer), so its length cannot change; resume with the length it was started with")
+        new = [self._stage_steps(i) for i in range(len(trained))]
+        reopen = stage == n and new[-1] > trained[-1]
+        if reopen:
+            stage, done = n - 1, trained[-1]
+        problem = self._length_problem(trained, new, stage, done, saved)
+        if problem is not None:
+            raise UsageError(f"--resume with another length: {problem}; train into another --out, or resume with "
+                             "the length the run was started with")
+        if reopen:  # the last stage goes on: its spike statistics with it
+            self.state.stage, self.state.step_in_stage = stage, done
+            self.guard.load_state_dict(self.state.spike)
+        self.events.write({"event": "length_changed", "step": self.state.global_step, "stage_steps": new,
+                           "was": trained})
+        if self.main:
+            update_length(self.run_dir, self.length)
+
+    def _length_problem(self, trained: list[int], new: list[int], stage: int, done: int,
+                        saved: dict[str, Any]) -> str | None:
+        """Why the new stage lengths `new` cannot continue a run that trained `trained` steps of its
+        stages (now at step `done` of `stage`); None when they can."""
+        names = [s.name for s in self.task.stages]
+        for i in range(min(stage, len(new))):
+            if new[i] != trained[i]:
+                return f"stage '{names[i]}' ran {trained[i]} steps, the new length gives it {new[i]}"
+        if stage < len(new) and done > new[stage]:
+            return f"stage '{names[stage]}' has trained {done} steps, the new length gives it {new[stage]}"
+        steps_done = [*trained[:stage], done][:len(new)]
+        old_steps = [*trained, *new[len(trained):]]
+        changed = first_changed_rate(self.task, steps_done, (old_steps, self._wsd_steps(saved)),
+                                     (new, self._wsd_steps(self.length)))
+        if changed is not None:
+            step, had, now = changed
+            return (f"step {step}, already trained, had learning rate {had:.6g} and would have {now:.6g} (the "
+                    f"'{self.task.lr_schedule}' schedule depends on the run's length; `lr_schedule: constant` does "
+                    "not)")
+        return None
 
     def _log_resharding(self, last: Path) -> None:
         """A resume whose engine state was written under another layout (a plan re-made for another
@@ -373,12 +424,16 @@ class _Run:
     def _claim(self, resume: bool) -> None:
         """Rank 0 makes the run dir this run's (run_identity.claim) and every rank takes its answer:
         a refusal is raised on all of them, the same line."""
-        refusal = None
+        refusal, saved_length = None, None
         if self.main:
             try:
-                current = fingerprint(self.plan, self.plan.chosen.layout, self.options.seed, self.options.weights,
-                                      self.options.data, self.options.template)
-                moved = claim(self.run_dir, current, resume, self.options.overwrite)
+                digests = saved_digests(self.run_dir)
+                prepared = prepared_dir(self.task, self.options.data, self.plan.chosen.layout.seq, self.vocab)
+                current = fingerprint(self.plan, self.plan.chosen.layout, self.options, prepared,
+                                      getattr(self.tokenizer, "path", None), digests)
+                self.length = current["length"]
+                saved_length = (read_run(self.run_dir) or {}).get("fingerprint", {}).get("length") if resume else None
+                moved = claim(self.run_dir, current, resume, self.options.overwrite, digests)
             except (UsageError, OSError) as exc:  # the other ranks wait for the answer: give them one
                 refusal = str(exc)
             else:
@@ -386,7 +441,8 @@ class _Run:
                     self.events.write({"event": "moved_aside", "to": str(moved)})
                 if not resume or _replanned(self.run_dir / "plan.yaml", self.plan):
                     self.plan.write(self.run_dir / "plan.yaml")  # the plan that runs now (a re-plan too)
-        refusal = checkpoint.broadcast(refusal)
+        refusal, self.saved_length, self.length = checkpoint.broadcast((refusal, saved_length,
+                                                                         getattr(self, "length", None)))
         if refusal is not None:
             raise UsageError(refusal)
 
@@ -492,8 +548,9 @@ class _Run:
         spec, planned = self.task.stages[index], self.plan.stages[index]
         stream = self._make_stream(index)
         epochs = self.options.epochs or spec.epochs
-        budget = planned.steps if epochs is None else _epoch_steps(stream, epochs, spec.name, self.per_step)
-        steps = min(budget, self.options.max_steps_per_stage or budget)
+        steps = self._stage_steps(index, stream)
+        sized = self.state.stage_steps[:index]
+        self.state.stage_steps = sized + [0] * (index - len(sized)) + [steps]
         bar = self.progress.add_task(spec.name, total=steps * self.per_step * self.layout.seq, loss=float("nan"),
                                      tps=0.0)
         stage = _Stage(index, spec, planned, steps, stream, bar)
@@ -505,6 +562,17 @@ class _Run:
                                "steps": steps, "epochs": epochs, "lr": spec.lr * self.state.lr_scale,
                                "warmup_steps": spec.warmup_steps})
         return stage
+
+    def _stage_steps(self, index: int, stream: Any = None) -> int:
+        """The steps stage `index` runs: its planned steps, or its epochs over its data (read from
+        `stream`, made here when not given), capped by --max-steps-per-stage."""
+        spec, planned = self.task.stages[index], self.plan.stages[index]
+        epochs = self.options.epochs or spec.epochs
+        if epochs is None:
+            budget = planned.steps
+        else:
+            budget = _epoch_steps(stream or self._make_stream(index), epochs, spec.name, self.per_step)
+        return min(budget, self.options.max_steps_per_stage or budget)
 
     def checkpoint_due(self, stage: _Stage) -> bool:
         """On the planned cadence, but not at the stage end (that checkpoint follows the eval)."""
@@ -565,16 +633,14 @@ class _Run:
     # -- a step ------------------------------------------------------------------------------------
 
     def _learning_rate(self, stage: _Stage) -> float:
-        """The task's schedule at this step: per-stage re-warm-up and cosine, or one WSD over the run
-        (its position counts the stages' steps as this run takes them)."""
-        peak = stage.spec.lr * self.state.lr_scale
-        if self.task.lr_schedule == "wsd":
-            steps = [min(p.steps, self.options.max_steps_per_stage or p.steps) for p in self.plan.stages]
-            run_steps = sum(steps)
-            return wsd_lr(sum(steps[:stage.index]) + self.state.step_in_stage, run_steps, peak,
-                          self.task.stages[0].warmup_steps, round(self.task.wsd_decay_fraction * run_steps),
-                          stage.spec.min_lr_ratio)
-        return stage_lr(self.state.step_in_stage, stage.steps, peak, stage.spec.warmup_steps, stage.spec.min_lr_ratio)
+        """The task's schedule at this step (trainer/schedule.py)."""
+        return scheduled_lr(self.task, stage.index, self.state.step_in_stage, stage.steps, self._wsd_steps(self.length),
+                            self.state.lr_scale)
+
+    def _wsd_steps(self, length: dict[str, Any]) -> list[int]:
+        """The stages' steps WSD counts, from a fingerprint's `length`: the planned ones, capped."""
+        cap = length.get("max_steps_per_stage")
+        return [min(steps, cap or steps) for steps in length["steps"]]
 
     def take_step(self, stage: _Stage) -> _Step | None:
         """Accumulate the step's micro-batches and take the optimizer step; None when that ran out
@@ -650,7 +716,7 @@ class _Run:
                     "failed": failed, "replacement": replacement.short() if replacement else None,
                     "from": target.name, "skipped": skipped}
         if replacement is not None and self.world > 1:  # the others may be stuck in a collective
-            request_relaunch(self.run_dir, replacement, self.failed_layouts, {**fallback, "relaunch": True})
+            request_relaunch(self.run_dir, self.plan, replacement, self.failed_layouts, {**fallback, "relaunch": True})
             raise UsageError(f"out of memory at step {step} with {failed}: the launcher restarts the ranks "
                              f"with {replacement.short()}")
         self.events.write(fallback)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from advisor.capabilities import DOCUMENT_ATTENTION, attention_implementation
+from advisor.errors import UsageError
 from advisor.specs import Layout, ModelSpec
 from profiler.attention_support import runnable_attention
 from profiler.hardware_bench import TORCH_DTYPES
@@ -21,6 +22,42 @@ from trainer.engines.base import device
 from trainer.materialize import build_on_meta, materialize, pending_init
 from trainer.recompute import apply_recomputation
 from trainer.remote_code import refuse_remote_code
+
+
+# What a saved config.json carries besides the model's computation: where and by what it was saved, the
+# dtype of its files (the layout's dtype decides the training one), the inference cache, how a model
+# without weights would be initialised, and the special tokens' ids (the tokenizer's to decide: an
+# instruct model of a base model's preset names more end tokens)
+_NOT_THE_MODEL = {"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype", "use_cache",
+                  "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
+                  "_commit_hash", "_attn_implementation_autoset", "_attn_implementation", "attn_implementation"}
+
+
+def weights_config_differences(spec: ModelSpec, weights: str) -> list[str]:
+    """The fields of the `weights` folder's config.json that differ from the plan's model config, as
+    `field: <plan's> in the plan, <folder's> in the weights`, both read through transformers (so a
+    field one of them leaves at its default compares by that default)."""
+    from transformers import AutoConfig  # heavy: loaded only when weights are given
+
+    refuse_remote_code(Path(weights), "config.json", "--weights")
+    planned = AutoConfig.for_model(**spec.hf_config).to_dict()
+    given = AutoConfig.from_pretrained(weights, local_files_only=True, trust_remote_code=False).to_dict()
+    return [f"{key}: {planned.get(key)} in the plan, {given.get(key)} in the weights"
+            for key in sorted((set(planned) | set(given)) - _NOT_THE_MODEL) if planned.get(key) != given.get(key)]
+
+
+def check_weights(spec: ModelSpec, weights: str | None) -> None:
+    """Refuse `--weights` whose model is not the plan's: the plan's memory, time and layout were made for
+    its config, and the run would silently train another model."""
+    if not weights:
+        return
+    if not (Path(weights) / "config.json").is_file():
+        raise UsageError(f"--weights {weights}: no config.json there (a local Hugging Face model folder)")
+    differences = weights_config_differences(spec, weights)
+    if differences:
+        shown = "; ".join(differences[:6]) + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
+        raise UsageError(f"--weights {weights}: its model differs from the plan's ({shown}); "
+                         "re-plan with --model pointing at that folder, or give the weights the plan was made for")
 
 
 def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None = None) -> torch.nn.Module:

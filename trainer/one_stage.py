@@ -14,7 +14,9 @@ as length-bucketed micro-batches); or, with dataset names, LLaMA-Factory's `data
 (trainer/data/axolotl.py). Several datasets are concatenated or interleaved (`Reading.mix`,
 trainer/data/mixing.py). The stage's length: `--steps`, else `--tokens` (rounded up to
 whole optimizer steps of the plan's global batch), else one pass over the data: the tokens of the
-full sequences PATH packs into at the plan's sequence length, or of the prepared train shards.
+full sequences PATH packs into at the plan's sequence length, or of the prepared train shards. Its
+learning-rate schedule: the task's default, or `--lr-schedule` (`constant` lets a finished run be
+extended with `--resume --steps` larger: trainer/schedule.py).
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def data_format(path: str) -> str | None:
 def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
                    tokens: int | None, epochs: float | None = None,
                    weights: str | None = None, datasets: list[str] | None = None,
-                   reading: Reading = Reading(), template: str | None = None) -> tuple[Plan, Path | None]:
+                   reading: Reading = Reading(), template: str | None = None,
+                   lr_schedule: str | None = None) -> tuple[Plan, Path | None]:
     """`plan` with a one-stage task over `data`, sized by `steps`, `tokens`, `epochs` or one pass; and
     the prepared-data folder the loop reads (None: raw files, read through the task's sources).
     With `datasets`, `data` is LLaMA-Factory's `dataset_info.json` (or its folder) and the stage
@@ -93,7 +96,7 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
     # an epochs budget: planned from one pass, sized exactly by the trainer from the rows it reads
     budget = {"steps": None, "epochs": epochs} if epochs is not None else {"steps": steps}
     stage = task.stages[0].model_copy(update=budget)
-    task = task.model_copy(update={"stages": [stage]})
+    task = task.model_copy(update={"stages": [stage], **({"lr_schedule": lr_schedule} if lr_schedule else {})})
     nodes = math.ceil(layout.devices / plan.gpus_per_node)
     planned = restage(plan, task, stage, layout, plan.chosen.estimate, nodes, one_pass_tokens=one_pass)
     return plan.model_copy(update={"task": task, "stages": [planned]}), view

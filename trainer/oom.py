@@ -24,6 +24,7 @@ ADVISOR_INJECT_OOM (comma-separated):
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -109,11 +110,16 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def request_relaunch(run_dir: Path, replacement: Layout, failed: list[Layout], event: dict) -> None:
+def plan_digest(plan: Plan) -> str:
+    """Which plan a relaunch request belongs to: its layouts are that plan's alternatives."""
+    return hashlib.sha256(json.dumps(plan.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def request_relaunch(run_dir: Path, plan: Plan, replacement: Layout, failed: list[Layout], event: dict) -> None:
     """Ask the launcher to restart every rank with `replacement` (written aside, then renamed:
     several ranks may ask at once, with the same answer)."""
     record = {"layout": replacement.model_dump(mode="json"), "failed": [f.model_dump(mode="json") for f in failed],
-              "event": event}
+              "event": event, "plan": plan_digest(plan)}
     tmp = run_dir / f".{RELAUNCH}.{os.getpid()}"
     tmp.write_text(json.dumps(record))
     tmp.replace(run_dir / RELAUNCH)
@@ -127,13 +133,15 @@ def pending_relaunch(run_dir: Path, since: float) -> dict | None:
     return None
 
 
-def relaunch_layout(run_dir: Path, default: Layout, world: int) -> tuple[Layout, list[Layout]]:
-    """The layout a restart after an OOM runs with (and those that failed), else `default`."""
+def relaunch_layout(run_dir: Path, plan: Plan, default: Layout, world: int) -> tuple[Layout, list[Layout]]:
+    """The layout a restart after an OOM runs with (and those that failed), else `default`. A request
+    of another plan (the run was re-planned since; or written before requests named their plan) is
+    stale: its layout was one of that plan's alternatives, and would override this plan's."""
     path = run_dir / RELAUNCH
     if not path.is_file():
         return default, []
     record = json.loads(path.read_text())
     layout = Layout.model_validate(record["layout"])
-    if layout.devices != world:
+    if layout.devices != world or record.get("plan") != plan_digest(plan):
         return default, []
     return layout, [Layout.model_validate(f) for f in record["failed"]]

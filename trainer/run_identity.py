@@ -3,8 +3,11 @@
 A fresh start refuses a directory that holds another run (its checkpoints would be rotated, rolled
 back to and resumed from as if they were this run's) unless `--overwrite` moves that run aside.
 `--resume` refuses a checkpoint of another run: a different task, seed, model, sequence length,
-global batch, engine or data would silently reuse the old data positions and schedule, or fail
-deep inside a state-dict load. The layout alone may change (an out-of-memory fallback, a re-plan).
+global batch, engine, data (raw or prepared, and the files' content), weights or tokenizer (their
+content) would silently reuse the old data positions and schedule, or fail deep inside a state-dict
+load. The layout may change (an out-of-memory fallback, a re-plan), and so may the run's length (the
+stages' steps, tokens or epochs, --epochs, --max-steps-per-stage) where the steps already trained keep
+their learning rates (trainer/loop.py checks that).
 
 `run.json` is also the trust boundary: checkpoints hold pickled metadata (DCP, DeepSpeed), so
 `--resume` loads them only from a directory whose `run.json` this trainer wrote, with the same
@@ -27,6 +30,8 @@ from advisor.errors import UsageError
 from advisor.plan_file import Plan
 from advisor.specs import Layout
 from trainer.data.sources import expand_source_path, file_type_of
+from trainer.file_digests import FileDigests, combined
+from trainer.options import TrainOptions
 
 RUN_FILE = "run.json"
 WRITER = "advisor-trainer/1"  # marks a run.json this code wrote
@@ -41,46 +46,88 @@ IN_THE_WAY = ("model", "stages", "checkpoints", "summary.json", "events.jsonl", 
 # ... and what `advisor run` writes over before training: a run it stopped after verification (a plan it
 # could not price) leaves verify/ and verify.json alone, without a run.
 RUN_CHAIN_IN_THE_WAY = (*IN_THE_WAY, "verify", "verify.json", "feedback.json", "report")
-# The fingerprint fields a resume must match, with the words a refusal uses for them.
+# The fingerprint fields a resume must match, with the words a refusal uses for them. A field that an
+# older run.json lacks is not compared (its run resumes as that trainer checked it).
 MUST_MATCH = {"task": "task", "seed": "seed", "model": "model", "seq_len": "sequence length",
-              "global_batch": "global batch", "engine": "engine", "data": "data"}
+              "global_batch": "global batch", "engine": "engine", "data_source": "data (its kind or content)",
+              "weights": "weights (their content)", "tokenizer": "tokenizer (its content)"}
+# Fields of a task's stage that size it: a resume may change them (`length`: loop.py checks the steps
+# already trained keep their learning rates); everything else of the task decides the stream.
+LENGTH_FIELDS = {"steps", "tokens", "epochs"}
 
 
 def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _data_files(plan: Plan, prepared: str | None) -> list[list[Any]]:
-    """Every source file of the task (path, size, modification time), and the prepared manifest's."""
+def _raw_files(plan: Plan) -> list[Path]:
+    """Every source file of the task (training and evaluation)."""
     files = []
     task = plan.task
     if task is not None:
         for stage in task.stages:
             for source in [*stage.sources, *stage.eval_sources]:
-                for path in expand_source_path(Path(task.base_dir), source.path,
-                                                   file_type_of(Path(task.base_dir), source)):
-                    if path.is_file():
-                        st = path.stat()
-                        files.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
-    if prepared:
-        manifest = Path(prepared) / "manifest.json"
-        if manifest.is_file():
-            st = manifest.stat()
-            files.append([str(manifest.resolve()), st.st_size, st.st_mtime_ns])
+                files += [path for path in expand_source_path(Path(task.base_dir), source.path,
+                                                              file_type_of(Path(task.base_dir), source))
+                          if path.is_file()]
     return files
 
 
-def fingerprint(plan: Plan, layout: Layout, seed: int, weights: str | None, prepared: str | None,
-                template: str | None = None) -> dict[str, Any]:
-    """What decides a run's trajectory. Hashes where the value is large (model config, task, data).
-    A built-in chat template (--template) renders other tokens from the same files: it goes with the
-    data (and a run without one keeps the fingerprint it had before the flag existed)."""
+def _prepared_files(prepared: Path) -> list[Path]:
+    """A prepared folder's manifest and every shard it lists (a run dir's one-stage view lists the
+    shards of the folder it was made from)."""
+    manifest = prepared / "manifest.json"
+    paths: list[Path] = [manifest]
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            if isinstance(value.get("path"), str):
+                paths.append(prepared / value["path"])  # an absolute path stays itself
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(json.loads(manifest.read_text()).get("stages", []))
+    return [p for p in paths if p.is_file()]
+
+
+def data_source(plan: Plan, prepared: Path | None, digests: FileDigests) -> str:
+    """What the run reads, by content: raw or prepared (the default switches to prepared data once
+    `advisor data prepare` has run), the task's source files, and the prepared manifest and shards."""
+    base = Path(plan.task.base_dir) if plan.task else Path.cwd()
+
+    def named(path: Path) -> list[str]:
+        where = path.resolve()
+        inside = where.is_relative_to(base.resolve())
+        return [str(where.relative_to(base.resolve()) if inside else where), digests.of_file(path)]
+
+    files = [named(p) for p in _raw_files(plan)]
+    shards = [named(p) for p in _prepared_files(prepared)] if prepared is not None else []
+    return combined(["prepared" if prepared is not None else "raw", files, shards])
+
+
+def fingerprint(plan: Plan, layout: Layout, options: TrainOptions, prepared: Path | None, tokenizer: Path | None,
+                digests: FileDigests) -> dict[str, Any]:
+    """What decides a run's trajectory, hashed where the value is large (model config, task, files),
+    and its `length`: per stage its planned steps and epochs, and the cap (--max-steps-per-stage)."""
     task = plan.task.model_dump(mode="json", exclude={"base_dir"}) if plan.task else None
-    data = _data_files(plan, prepared)
-    return {"task": _digest(task), "seed": seed, "model": _digest([plan.model.hf_config, weights]),
+    unsized = {**task, "stages": [{k: v for k, v in stage.items() if k not in LENGTH_FIELDS}
+                                  for stage in task["stages"]]} if task else None
+    weights = Path(options.weights) if options.weights else None
+    epochs = [options.epochs or stage.epochs for stage in plan.task.stages] if plan.task else []
+    return {"task": _digest(unsized), "task_sized": _digest(task), "seed": options.seed,
+            "model": _digest([plan.model.hf_config, options.weights]),
             "seq_len": layout.seq, "global_batch": layout.global_batch, "engine": plan.engine,
-            "data": _digest(data if template is None else [data, template]), "layout": layout.short(),
-            "model_name": plan.model.name, "task_name": plan.task.name if plan.task else None}
+            "data_source": data_source(plan, prepared, digests),
+            "weights": digests.of_path(weights) if weights else None,
+            "tokenizer": digests.of_path(tokenizer) if tokenizer else "bytes",
+            # a built-in chat template (--template) renders other tokens from the same files
+            "template": options.template,
+            "length": {"steps": [stage.steps for stage in plan.stages], "epochs": epochs,
+                       "max_steps_per_stage": options.max_steps_per_stage},
+            "layout": layout.short(), "model_name": plan.model.name, "task_name": plan.task.name if plan.task else None}
 
 
 def restarted() -> bool:
@@ -157,9 +204,12 @@ def refuse_or_move_aside(run_dir: Path, resume: bool, overwrite: bool) -> Path |
 
 
 def mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """The first fingerprint field a resume may not change, in words, with both values; else None."""
+    """The first fingerprint field a resume may not change, in words, with both values; else None.
+    A run.json from before `length` digested its task with the stages' lengths: compared as such."""
+    if "length" not in saved:
+        current = {**current, "task": current.get("task_sized")}
     for key, words in MUST_MATCH.items():
-        if saved.get(key) != current.get(key):
+        if key in saved and saved.get(key) != current.get(key):
             return f"{words} ({key}: {saved.get(key)} in the run, {current.get(key)} now)"
     return None
 
@@ -178,17 +228,38 @@ def check_resume(run_dir: Path, current: dict[str, Any]) -> None:
                          "or pass --overwrite without --resume to start over")
 
 
-def write_run(run_dir: Path, current: dict[str, Any]) -> dict[str, Any]:
-    """A new run id and this fingerprint, written aside and renamed into place."""
+def write_run(run_dir: Path, current: dict[str, Any], digests: FileDigests | None = None) -> dict[str, Any]:
+    """A new run id, this fingerprint and the file digests it was taken from."""
     record = {"writer": WRITER, "run_id": uuid.uuid4().hex,
-              "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "fingerprint": current}
+              "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "fingerprint": current,
+              "file_digests": digests.known if digests else {}}
+    return _write_record(run_dir, record)
+
+
+def update_length(run_dir: Path, length: dict[str, Any]) -> None:
+    """A resume that changed the run's length (loop.py allowed it): later resumes compare with it."""
+    record = read_run(run_dir)
+    if record is not None:
+        record["fingerprint"]["length"] = length
+        _write_record(run_dir, record)
+
+
+def saved_digests(run_dir: Path) -> FileDigests:
+    """The file digests the run's run.json keeps (none for a new run dir)."""
+    record = read_run(run_dir) or {}
+    return FileDigests(record.get("file_digests") if isinstance(record.get("file_digests"), dict) else None)
+
+
+def _write_record(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """run.json written aside and renamed into place."""
     tmp = run_dir / f".{RUN_FILE}.tmp"
     tmp.write_text(json.dumps(record, indent=2))
     tmp.replace(run_dir / RUN_FILE)
     return record
 
 
-def claim(run_dir: Path, current: dict[str, Any], resume: bool, overwrite: bool) -> Path | None:
+def claim(run_dir: Path, current: dict[str, Any], resume: bool, overwrite: bool,
+          digests: FileDigests | None = None) -> Path | None:
     """Make `run_dir` this run's: check a resume, or start fresh (moving an old run aside when
     `overwrite`, refusing it otherwise; moving aside what is in the way of a new run) and write
     run.json. Returns where an old run (or the first thing in the way) went."""
@@ -197,9 +268,9 @@ def claim(run_dir: Path, current: dict[str, Any], resume: bool, overwrite: bool)
         check_resume(run_dir, current)
         if read_run(run_dir) is None:  # nothing to resume: this is the run's fresh start
             moved = move_in_the_way_aside(run_dir)
-            write_run(run_dir, current)
+            write_run(run_dir, current, digests)
             return moved[0] if moved else None
         return None
     moved = refuse_or_move_aside(run_dir, resume, overwrite) or next(iter(move_in_the_way_aside(run_dir)), None)
-    write_run(run_dir, current)
+    write_run(run_dir, current, digests)
     return moved

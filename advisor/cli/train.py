@@ -21,7 +21,7 @@ from advisor.errors import UsageError
 from advisor.capabilities import config_shape, runnable_problem, ENGINE_CHOICES
 from advisor.plan_file import Plan, load_plan
 from advisor.specs import check_number
-from advisor.task import MAX_EPOCHS
+from advisor.task import LR_SCHEDULES, MAX_EPOCHS
 from profiler.cluster import cluster_options
 from trainer.data.chat_templates import builtin_template
 from trainer.data.demo_corpus import ensure_generated_data
@@ -59,6 +59,10 @@ def train(
                                         "the plan's global batch (default: one pass over --data)"),
     tokens: Optional[int] = typer.Option(None, "--tokens", min=1, help="a plan without a task: tokens to train on, "
                                          "rounded up to whole steps (default: one pass over --data)"),
+    lr_schedule: Optional[str] = typer.Option(None, "--lr-schedule", help="a plan without a task: rewarm_cosine "
+                                              "(default: warm-up, cosine decay over the run), wsd or constant "
+                                              "(warm-up, then the rate held: `--resume --steps` larger extends a "
+                                              "finished run as if asked for from the start)"),
     epochs: Optional[float] = typer.Option(None, "--epochs", help="train every stage for this many passes "
                                            "over its own data (each example once per epoch, in a seeded order), "
                                            "instead of the budgets its task or --steps/--tokens give"),
@@ -111,12 +115,21 @@ def _launch(a: SimpleNamespace) -> dict | None:
     third-party output routed to the run's logs."""
     from trainer.run_lock import RunDirLock  # deferred: the trainer package, only for a launch
 
-    lock = exit_on_error(lambda: RunDirLock.take(a.out, a.node_rank))
+    lock = exit_on_error(lambda: RunDirLock.take(a.out, _node_rank(a)))
     try:
         with quiet_console(a.out, a.verbose):
             return exit_on_error(lambda: _run(a))
     finally:
         lock.release()
+
+
+def _node_rank(a: SimpleNamespace) -> int:
+    """This node's rank: --node-rank, or under Slurm without --nnodes, Slurm's (as the launcher reads it),
+    so that each node of a Slurm job locks its own file in a shared run dir."""
+    from profiler.ranks import slurm_topology  # deferred: it imports torch
+
+    topology = slurm_topology() if a.nnodes is None else None
+    return topology[1] if topology else a.node_rank
 
 
 def _check_inputs(a: SimpleNamespace) -> None:
@@ -129,6 +142,8 @@ def _check_inputs(a: SimpleNamespace) -> None:
     data_reading.reading(a)
     if a.template is not None:
         builtin_template(a.template)
+    if a.lr_schedule is not None and a.lr_schedule not in LR_SCHEDULES:
+        raise UsageError(f"--lr-schedule {a.lr_schedule}: choose {', '.join(LR_SCHEDULES)}")
     if not a.dry_run and not a.launched:
         check_run_dir(a.out)
         load_plan(a.plan_file)  # read again by the run: milliseconds
@@ -163,13 +178,17 @@ def _run(a: SimpleNamespace) -> dict | None:
         _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
             (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights,
-                                                      a.dataset, data_reading.reading(a), a.template), out / "plan.yaml")
+                                                      a.dataset, data_reading.reading(a), a.template, a.lr_schedule),
+                                         out / "plan.yaml")
         elif a.steps is not None or a.tokens is not None:
             raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
                              "its stages")
         elif data_reading.reading(a) != Reading():
             raise UsageError("--mix, --mix-probs, --train-on-prompt and --mask-history read the --data of a plan "
                              "made without --task; a task's sources set weight, train_on_prompt and mask_history")
+        elif a.lr_schedule is not None:
+            raise UsageError("--lr-schedule sets the schedule of a plan made without --task; this plan's task "
+                             "sets its own (its lr_schedule)")
     options = TrainOptions(seed=a.seed, clip=a.clip, keep_checkpoints=a.keep_checkpoints,
                            max_rollbacks=a.max_rollbacks, spike_lr_factor=a.spike_lr_factor,
                            spike_warmup_steps=a.spike_warmup_steps, eval_sequences=a.eval_sequences,
@@ -206,7 +225,7 @@ def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched:
 def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, tokens: int | None,
                epochs: float | None, weights: str | None = None,
                dataset: str | None = None, reading: Reading = Reading(),
-               template: str | None = None) -> tuple[Plan, Path | None]:
+               template: str | None = None, lr_schedule: str | None = None) -> tuple[Plan, Path | None]:
     """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
     plan; and the prepared-data folder the loop reads (None: raw files)."""
     if data is None:
@@ -220,7 +239,7 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, toke
     from trainer.one_stage import one_stage_plan
 
     plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights, datasets=names,
-                                    reading=reading, template=template)
+                                    reading=reading, template=template, lr_schedule=lr_schedule)
     sources = plan.task.stages[0].sources if plan.task else []
     if len(sources) == 1:
         console.print(f"--data {data}: {sources[0].format} rows (detected from their fields)", highlight=False)
