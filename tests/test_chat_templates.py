@@ -148,14 +148,19 @@ def test_train_with_a_builtin_template_on_chat_rows(tmp_path: Path, tokenizer_di
 
 def test_a_template_is_part_of_the_runs_identity(tmp_path: Path) -> None:
     """--resume with another template would train other tokens from the same files: refused as
-    another run's data, while a run without a template keeps the identity it had before the flag."""
+    another run's data; everything else about the run's identity stays as it was."""
     from advisor.plan_file import load_plan
     from test_trainer import make_plan_file
+    from trainer.file_digests import FileDigests
+    from trainer.options import TrainOptions
     from trainer.run_identity import fingerprint
 
     plan = load_plan(make_plan_file(tmp_path))
-    plain = fingerprint(plan, plan.chosen.layout, 0, None, None)
-    gemma = fingerprint(plan, plan.chosen.layout, 0, None, None, "gemma")
-    assert fingerprint(plan, plan.chosen.layout, 0, None, None, None) == plain
-    assert gemma["data"] != plain["data"] != fingerprint(plan, plan.chosen.layout, 0, None, None, "phi3")["data"]
-    assert {k: v for k, v in gemma.items() if k != "data"} == {k: v for k, v in plain.items() if k != "data"}
+
+    def identity(template: str | None) -> dict:
+        return fingerprint(plan, plan.chosen.layout, TrainOptions(template=template), None, None, FileDigests())
+
+    plain, gemma, phi3 = identity(None), identity("gemma"), identity("phi3")
+    assert identity(None) == plain
+    assert gemma["template"] != plain["template"] != phi3["template"] != gemma["template"]
+    assert {k: v for k, v in gemma.items() if k != "template"} == {k: v for k, v in plain.items() if k != "template"}
