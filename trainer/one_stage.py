@@ -20,7 +20,9 @@ from __future__ import annotations
 import glob
 import json
 import math
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
@@ -31,6 +33,7 @@ from trainer.data.manifest import MANIFEST_NAME, read_manifest, task_fingerprint
 from trainer.data.registry import registry_sources
 from trainer.data.sniff import is_saved_dataset
 from trainer.data.sources import EXTENSIONS
+from trainer.fine_tune import FineTuneFlags, fine_tune_task
 
 FORMATS = ("jsonl", "parquet", "text", "arrow", "csv")
 TASK_FILE_TYPES = ("jsonl", "parquet", "text", "arrow")  # what a task's `file_type` can name; others are detected
@@ -61,20 +64,26 @@ def data_format(path: str) -> str | None:
 
 def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
                    tokens: int | None, epochs: float | None = None,
-                   weights: str | None = None, datasets: list[str] | None = None) -> tuple[Plan, Path | None]:
+                   weights: str | None = None, datasets: list[str] | None = None,
+                   flags: FineTuneFlags = FineTuneFlags()) -> tuple[Plan, Path | None]:
     """`plan` with a one-stage task over `data`, sized by `steps`, `tokens`, `epochs` or one pass; and
     the prepared-data folder the loop reads (None: raw files, read through the task's sources).
     With `datasets`, `data` is LLaMA-Factory's `dataset_info.json` (or its folder) and the stage
-    reads those datasets (trainer/data/registry.py)."""
+    reads those datasets (trainer/data/registry.py). Its schedule, adapters and packing: `flags`,
+    else fine-tuning's defaults from `weights` (trainer/fine_tune.py)."""
     if sum(budget is not None for budget in (steps, tokens, epochs)) > 1:
         raise UsageError("give one of --steps, --tokens or --epochs")
     layout = plan.chosen.layout
+    settings = partial(fine_tune_task, layout=layout, weights=weights, flags=flags)
     prepared = Path(data) / MANIFEST_NAME
     if prepared.is_file():
-        task = _task(plan, [], steps=1, tokenizer=read_manifest(Path(data))["tokenizer"]["path"])
+        if flags.val_size is not None or not flags.packing:
+            raise UsageError("--val-size and --no-packing read raw rows; prepared data was split and bucketed "
+                             "by `advisor data prepare`")
+        task = settings(_task(plan, [], steps=1, tokenizer=read_manifest(Path(data))["tokenizer"]["path"]))
         view, one_pass = _prepared_view(Path(data), task, run_dir)
     else:
-        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, weights), None
+        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, weights, settings), None
     if steps is None and tokens is None:
         one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir, weights)
         tokens = one_pass
@@ -89,8 +98,8 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
     return plan.model_copy(update={"task": task, "stages": [planned]}), view
 
 
-def _raw_task(plan: Plan, data: str, datasets: list[str] | None, run_dir: Path,
-              weights: str | None) -> tuple[TaskSpec, int | None]:
+def _raw_task(plan: Plan, data: str, datasets: list[str] | None, run_dir: Path, weights: str | None,
+              settings: Callable[[TaskSpec], TaskSpec]) -> tuple[TaskSpec, int | None]:
     """The one-stage task over raw files: `data` itself, or the registry's `datasets`, each with its
     row format fixed in the run's plan (the workers read it). Several datasets are concatenated, as
     LLaMA-Factory mixes them by default: each weighed by the sequences it packs into, which also
@@ -101,11 +110,11 @@ def _raw_task(plan: Plan, data: str, datasets: list[str] | None, run_dir: Path,
         sources = [DataSource(path=str(Path(data).resolve()), file_type=data_format(data))]  # type: ignore[arg-type]
     task = _task(plan, sources, steps=1)
     sources = [s.model_copy(update={"format": s.format or source_format(s, Path(task.base_dir))}) for s in sources]
-    task = _task(plan, sources, steps=1)
+    task = settings(_task(plan, sources, steps=1))
     if len(sources) == 1:
         return task, None
     counts = _sequences(plan, task, run_dir, weights)
-    task = _task(plan, [s.model_copy(update={"weight": float(n)}) for s, n in zip(sources, counts)], steps=1)
+    task = settings(_task(plan, [s.model_copy(update={"weight": float(n)}) for s, n in zip(sources, counts)], steps=1))
     return task, sum(counts) * plan.chosen.layout.seq
 
 
