@@ -71,11 +71,14 @@ def test_without_weights_the_task_defaults_stay_and_flags_override_both() -> Non
     task = fine_tune_task(_task(), Layout(method="lora"), "base", flags)
     assert (task.stages[0].lr, task.stages[0].warmup_for(40)) == (5e-5, 10)
     assert task.adapter == AdapterSpec(alpha=8, targets=["q_proj"]) and task.packing is False
+    held = fine_tune_task(_task(), Layout(method="lora"), None, FineTuneFlags(val_size=5)).stages[0]
+    assert [(s.path, s.val_size, s.split) for s in held.sources] == [("d.jsonl", 5, "train")]
+    assert [(s.path, s.val_size, s.split) for s in held.eval_sources] == [("d.jsonl", 5, "val")]
 
 
 def test_a_lora_rank_other_than_the_plans_is_refused() -> None:
     fine_tune_task(_task(), Layout(method="lora", lora_rank=8), None, FineTuneFlags(lora_rank=8))
-    with pytest.raises(UsageError, match="the plan priced LoRA rank 8; plan again with --fix lora_rank=4"):
+    with pytest.raises(UsageError, match="the plan priced LoRA rank 8; plan again with `advisor plan --lora-rank 4`"):
         fine_tune_task(_task(), Layout(method="lora", lora_rank=8), None, FineTuneFlags(lora_rank=4))
     with pytest.raises(UsageError, match="method full"):
         fine_tune_task(_task(), Layout(method="full"), None, FineTuneFlags(lora_alpha=16))
@@ -156,7 +159,7 @@ def lora_plan(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--lora-rank", "8"], "--lora-rank 8: the plan priced LoRA rank 16; plan again with --fix lora_rank=8"),
+    (["--lora-rank", "8"], "--lora-rank 8: the plan priced LoRA rank 16; plan again with `advisor plan --lora-rank 8`"),
     (["--warmup-ratio", "1"], "--warmup-ratio 1: must be <= 0.99"),
     (["--lr", "0"], "--lr 0: must be > 0"),
     (["--val-size", "2.5"], "--val-size 2.5: a count of rows is a whole number"),
@@ -169,6 +172,23 @@ def test_bad_fine_tune_flags_are_one_line_and_exit_2(tmp_path, lora_plan: Path, 
                                  str(tmp_path / "d.jsonl"), *flags])
     assert result.exit_code == 2, result.output
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_lora_rank_is_planned_priced_and_checked_by_train(tmp_path) -> None:
+    """The rank is a layout key: `advisor plan --lora-rank` prices it (wider adapters, more memory),
+    `advisor train --lora-rank` checks it (test_bad_fine_tune_flags_are_one_line_and_exit_2)."""
+    def plan(*flags: str) -> dict:
+        made = runner.invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
+                                   "--seq-len", "32", "--global-batch", "4", "--fix", "dtype=fp32,tp=1,pp=1,mbs=4",
+                                   "--top", "1", "--json", *flags])
+        assert made.exit_code == 0, made.output
+        return json.loads(made.stdout)["plans"][0]
+
+    default, wide = plan("--method", "lora"), plan("--method", "lora", "--lora-rank", "64")
+    assert (default["layout"]["lora_rank"], wide["layout"]["lora_rank"]) == (16, 64)
+    assert wide["estimate"]["memory"]["peak"] > default["estimate"]["memory"]["peak"]
+    refused = runner.invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--lora-rank", "8"])
+    assert refused.exit_code == 2 and "--lora-rank sets LoRA adapters; --method full" in refused.stderr
 
 
 def test_a_task_plan_refuses_the_flags_its_task_file_sets(tmp_path) -> None:

@@ -41,9 +41,9 @@ def check_lora_rank(layout: Layout, rank: int | None) -> None:
         return
     if layout.method == "full":
         raise UsageError(f"--lora-rank {rank}: this plan fine-tunes all weights (method full); plan with "
-                         "--method lora --fix lora_rank=N")
+                         f"--method lora --lora-rank {rank}")
     raise UsageError(f"--lora-rank {rank}: the plan priced LoRA rank {layout.lora_rank}; plan again with "
-                     f"--fix lora_rank={rank} (the rank sets the adapters' memory, which the plan counts)")
+                     f"`advisor plan --lora-rank {rank}` (the rank sets the adapters' memory, which the plan counts)")
 
 
 def fine_tune_task(task: TaskSpec, layout: Layout, weights: str | None, flags: FineTuneFlags) -> TaskSpec:

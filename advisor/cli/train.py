@@ -40,7 +40,7 @@ FINE_TUNE_OPTIONS = {
                                  "run's steps as finally sized, then cosine decay to the end (default with "
                                  "--weights: 0.1; without: 20 steps)"),
     "lora_rank": typer.Option(None, "--lora-rank", min=1, help="the LoRA rank the plan priced (a check: another "
-                              "rank is refused; plan with --fix lora_rank=N)"),
+                              "rank is refused; set it with `advisor plan --lora-rank N`)"),
     "lora_alpha": typer.Option(None, "--lora-alpha", help="a plan without a task: LoRA alpha (default: twice the "
                                "rank)"),
     "lora_targets": typer.Option(None, "--lora-targets", help="a plan without a task: modules LoRA adapts, "
