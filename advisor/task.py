@@ -8,6 +8,7 @@ A task says *what* to train (stages, data, budgets, learning rates); the plan sa
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args
@@ -19,6 +20,7 @@ from advisor.specs import (MAX_BATCH, MAX_DEGREE, MAX_SEQ, MAX_STEPS, MAX_TOKENS
                            read_user_yaml, validate)
 
 MAX_TEXT = 10**12  # characters or tokens of one document
+MAX_ROWS = 10**12  # rows of one source
 MAX_EPOCHS = 1e6
 
 # --- data preparation (`advisor data prepare`): all optional, with defaults --------------------------
@@ -146,6 +148,17 @@ class DataSource(BaseModel):
     bands: Optional[list[str]] = Field(None, description="keep only rows in these difficulty bands")
     time_window: Optional[tuple[TimeBound, TimeBound]] = Field(
         None, description="keep only rows with start <= time < end")
+    val_size: Optional[float] = Field(None, gt=0, le=MAX_ROWS, description="rows held out for validation: a count "
+                                      "(a whole number >= 1) or a share (< 1) of the source's rows, drawn by a "
+                                      "fixed seed")
+    split: Literal["train", "val"] = Field("train", description="with val_size: read the rows kept for training, "
+                                           "or the held-out ones (an eval source)")
+
+    @model_validator(mode="after")
+    def _whole_count(self) -> "DataSource":
+        if self.val_size is not None and self.val_size >= 1 and self.val_size != int(self.val_size):
+            raise ValueError(f"val_size {self.val_size:g}: a count of rows is a whole number (a share is < 1)")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -202,6 +215,8 @@ class StageSpec(BaseModel):
                                  "tokens or steps): the trainer turns them into steps from the data's row count")
     lr: float = Field(3e-4, gt=0, le=1)
     warmup_steps: int = Field(20, ge=0, le=MAX_STEPS, description="learning-rate re-warm-up at the stage start")
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="warm-up as a share of the stage's steps as "
+                                       "finally sized (instead of warmup_steps), rounded up to whole steps")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="decay floor, share of lr")
     ramp_steps: int = Field(0, ge=0, le=MAX_STEPS, description="steps over which the data mixture moves linearly from "
                             "the previous stage's data to this stage's mix (0: a hard switch)")
@@ -233,6 +248,24 @@ class StageSpec(BaseModel):
                              "(the rest is the stage's own data)")
         return self
 
+    def warmup_for(self, steps: int) -> int:
+        """Warm-up steps of this stage when it runs `steps` steps: its share of them (`warmup_ratio`),
+        else `warmup_steps`; at most all but its last step (the schedule's clamp)."""
+        wanted = math.ceil(self.warmup_ratio * steps) if self.warmup_ratio is not None else self.warmup_steps
+        return min(wanted, max(steps - 1, 0))
+
+
+class AdapterSpec(BaseModel):
+    """LoRA's settings besides its rank (the rank is the plan's layout key `lora_rank`: the planner
+    prices it). Neither changes what a step costs enough to re-plan: alpha is a scale, and fewer
+    targets than all linears hold fewer adapter weights than the plan priced."""
+
+    model_config = SPEC_CONFIG
+
+    alpha: float | None = Field(None, gt=0, le=1e6, description="LoRA alpha (default: twice the rank)")
+    targets: list[str] | None = Field(None, min_length=1, description="module names LoRA adapts, e.g. [q_proj, "
+                                      "v_proj] (default: every linear layer)")
+
 
 LrSchedule = Literal["rewarm_cosine", "wsd", "constant"]
 LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
@@ -260,6 +293,9 @@ class TaskSpec(BaseModel):
     wsd_decay_fraction: float = Field(0.1, gt=0, le=1, description="wsd: share of the run's steps that decay")
     base_dir: str = Field(".", description="where relative data paths start (set when loading)")
     data: DataPrepSpec = Field(default_factory=DataPrepSpec, description="`advisor data prepare` settings")
+    packing: bool = Field(True, description="several examples share a sequence (false: one example per sequence, "
+                          "padded)")
+    adapter: AdapterSpec = Field(default_factory=AdapterSpec, description="LoRA/QLoRA alpha and target modules")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "TaskSpec":

@@ -24,7 +24,8 @@ from planner.explain import preset_note, why
 from planner.fix import REQUEST_KEYS, check_fix, describe
 from planner.granularity import restage
 from planner.memory import HOST_MEMORY_USABLE
-from planner.search import PlanRequest, SearchResult, SearchSpace, Solution, plan_layouts, validate_request
+from planner.search import (DEFAULT_LORA_RANK, PlanRequest, SearchResult, SearchSpace, Solution, plan_layouts,
+                             validate_request)
 from planner.stragglers import pricing_note, priced_without, straggler_candidates
 from planner.time_to_train import RESTART_S, checkpoint_write_s, time_to_train
 from presets import task_finding
@@ -58,6 +59,7 @@ class PlanOptions:
     seq: int | None = None
     global_batch: int | None = None
     method: str = "full"  # full | lora | qlora | auto
+    lora_rank: int | None = None  # LoRA/QLoRA adapters' rank (None: the Layout's default)
     objective: str = "throughput"
     deadline_s: float | None = None
     tokens: float | None = None
@@ -165,6 +167,7 @@ def _request(opts: PlanOptions, devices: int, seq: int, batch: int, methods: tup
     req = PlanRequest(model=opts.model, hardware=hardware, devices=devices, seq=seq, global_batch=batch,
                       dtype=dtype, space=space, min_compute_fraction=opts.min_compute_fraction,
                       memory_margin=opts.memory_margin, top_k=opts.top_k, attention=opts.attention,
+                      lora_rank=opts.lora_rank or DEFAULT_LORA_RANK,
                       packed=True)  # the trainer packs documents into rows (trainer/stream.py), padding as one
     validate_request(req)
     return req
@@ -211,6 +214,9 @@ def _methods(opts: PlanOptions) -> tuple[str, ...]:
         return METHOD_ORDER
     if opts.method not in METHOD_ORDER:
         raise UsageError(f"--method must be one of auto, {', '.join(METHOD_ORDER)} (got {opts.method})")
+    if opts.lora_rank is not None and opts.method == "full":
+        raise UsageError("--lora-rank sets LoRA adapters; --method full trains every weight (plan --method lora, "
+                         "qlora or auto)")
     if opts.method == "qlora" and opts.dtype == "fp32":
         raise UsageError("--method qlora computes in bf16 over its 4-bit base: drop --dtype fp32")
     return (opts.method,)

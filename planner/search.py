@@ -80,6 +80,9 @@ class SearchSpace:
     fixed: dict[str, Any] = field(default_factory=dict)
 
 
+DEFAULT_LORA_RANK: int = Layout.model_fields["lora_rank"].default
+
+
 @dataclass
 class PlanRequest:
     model: ModelSpec
@@ -93,6 +96,7 @@ class PlanRequest:
     memory_margin: float = MEMORY_MARGIN
     top_k: int = 5
     attention: str | None = None
+    lora_rank: int = DEFAULT_LORA_RANK  # LoRA/QLoRA: the adapters' rank (`advisor plan --lora-rank`)
     # rows pack several documents, as the trainer packs its data (trainer/stream.py: a text's
     # documents, or examples beside their padding): priced with the document mask and the expanded
     # GQA key/value heads that transformers' SDPA path then saves. False: one sequence per row
@@ -185,7 +189,7 @@ def _candidate_shapes(trace: ModelTrace, req: PlanRequest, method: str, runs) ->
                         continue
                     if not sp and tp > 1 and True in space.sequence_parallel and runs(Layout(
                             dp=dp, tp=tp, pp=pp, vpp=vpp, sp=True, mbs=mbs, gas=gas, method=method,
-                            dtype=req.dtype, seq=req.seq)):
+                            dtype=req.dtype, seq=req.seq, lora_rank=req.lora_rank)):
                         continue  # SP dominates at tp > 1: less memory, same traffic (AG + RS = AR)
                     for zero in space.zero_stages:
                         if zero and dp == 1 and (zero != 2 or "optimizer" not in space.offloads
@@ -204,6 +208,7 @@ def _candidate_shapes(trace: ModelTrace, req: PlanRequest, method: str, runs) ->
                                 out.append(Layout(
                                     dp=dp, tp=tp, pp=pp, vpp=vpp, sp=sp, zero=zero, offload=offload, mbs=mbs,
                                     gas=gas, recompute=mode, method=method, dtype=req.dtype, seq=req.seq,
+                                    lora_rank=req.lora_rank,
                                 ))
     return out
 
@@ -720,8 +725,8 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
            bounded: tuple[int, list[tuple[Bound, Layout]]] | None = None) -> SearchResult:
     """The K best layouts of one method under the cost model (exact, see the module docstring)."""
     started = time.perf_counter()
-    trace = trace or trace_model(req.model, req.seq, req.dtype, method, attention=req.attention,  # type: ignore[arg-type]
-                                 device_type=req.hardware.device_type, packed=req.packed)
+    trace = trace or trace_model(req.model, req.seq, req.dtype, method, req.lora_rank,  # type: ignore[arg-type]
+                                 attention=req.attention, device_type=req.hardware.device_type, packed=req.packed)
     hw = req.hardware
     capacity = hw.usable_bytes * (1 - req.memory_margin)
     shapes, candidates = bounded or bound_shapes(trace, req, method)
@@ -769,8 +774,8 @@ def plan_layouts(req: PlanRequest) -> tuple[SearchResult, str]:
     for method in req.space.methods:
         if method == "qlora" and req.dtype == "fp32":
             req = replace(req, dtype="bf16")  # the 4-bit base computes in bf16 (an fp32 QLoRA layout is refused)
-        trace = trace_model(req.model, req.seq, req.dtype, method, attention=req.attention,  # type: ignore[arg-type]
-                            device_type=req.hardware.device_type, packed=req.packed)
+        trace = trace_model(req.model, req.seq, req.dtype, method, req.lora_rank,  # type: ignore[arg-type]
+                            attention=req.attention, device_type=req.hardware.device_type, packed=req.packed)
         bounded = bound_shapes(trace, req, method)  # shared by the strict and the relaxed search
         result = search(req, method, req.min_compute_fraction, trace, bounded)
         if result.solutions:

@@ -16,6 +16,7 @@ import torch
 
 from advisor.errors import UsageError
 from advisor.specs import Layout
+from advisor.task import AdapterSpec
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.engines.base import device
 
@@ -23,16 +24,21 @@ from trainer.engines.base import device
 NF4_SETTINGS = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
 
 
-def apply_lora(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
-    """LoRA adapters of rank `lora_rank` on every linear layer (alpha 2r, no dropout); the base
-    stays frozen, in 4-bit NF4 when the method is QLoRA."""
+def apply_lora(model: torch.nn.Module, layout: Layout, adapter: AdapterSpec | None = None) -> torch.nn.Module:
+    """LoRA adapters of rank `lora_rank`, no dropout, on `adapter`'s targets with its alpha (default:
+    every linear layer, alpha 2r); the base stays frozen, in 4-bit NF4 when the method is QLoRA."""
     from peft import LoraConfig, get_peft_model  # heavy optional dependency, only for LoRA plans
 
+    adapter = adapter or AdapterSpec()
     if layout.method == "qlora":
         model = quantize_base(model, layout)
-    adapted = get_peft_model(model, LoraConfig(r=layout.lora_rank, lora_alpha=2 * layout.lora_rank,
-                                               lora_dropout=0.0, target_modules="all-linear",
-                                               task_type="CAUSAL_LM"))
+    alpha = adapter.alpha if adapter.alpha is not None else 2 * layout.lora_rank
+    targets = adapter.targets or "all-linear"
+    try:
+        adapted = get_peft_model(model, LoraConfig(r=layout.lora_rank, lora_alpha=alpha, lora_dropout=0.0,
+                                                   target_modules=targets, task_type="CAUSAL_LM"))
+    except ValueError as exc:  # peft's word for targets the model lacks
+        raise UsageError(f"LoRA targets {','.join(adapter.targets or [])}: {str(exc).splitlines()[0]}") from None
     AdapterGradientGuard(adapted)
     return adapted
 

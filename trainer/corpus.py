@@ -23,6 +23,7 @@ from trainer.data.chat_templates import builtin_template, use_builtin_template
 from trainer.data.demo_corpus import generate_command
 from trainer.data.formats import (BadRow, HFRowTokenizer, LossRule, prompt_and_answer, render_example,
                                   source_format)
+from trainer.data.holdout import split_mask
 from trainer.data.messages import refuse_media
 from trainer.data.sources import expand_source_path, file_type_of, read_rows, row_location
 from trainer.data.tokenizer import TextTokenizer, load_tokenizer, resolve_tokenizer_path
@@ -164,6 +165,8 @@ def _documents(source: DataSource, base: Path, format: str, tokenizer) -> list[t
                 documents.append(render_example(row, format, tokenizer, names, rule))
             except BadRow as exc:
                 raise UsageError(f"{row_location(path, file_type, number)}: {exc} ({format} format)") from None
+    if source.val_size is not None:  # one side of the source's held-out split
+        documents = [d for d, kept in zip(documents, split_mask(len(documents), source.val_size, source.split)) if kept]
     return documents
 
 
@@ -174,15 +177,16 @@ def read_answer_pairs(source: DataSource, base: Path, tokenizer, limit: int) -> 
     format = source_format(source, base)
     if format == "text" or limit <= 0:
         return []
+    rows = [(row, path, file_type, number) for path, file_type in _source_files(source, base)
+            for number, row in enumerate(read_rows(path, file_type))]
+    if source.val_size is not None:  # one side of the source's held-out split, as training reads it
+        rows = [r for r, kept in zip(rows, split_mask(len(rows), source.val_size, source.split)) if kept]
     pairs = []
-    for path, file_type in _source_files(source, base):
-        for number, row in enumerate(read_rows(path, file_type)):
-            if len(pairs) >= limit:
-                return pairs
-            try:
-                pairs.append(prompt_and_answer(row, format, tokenizer, source.field_names()))
-            except BadRow as exc:
-                raise UsageError(f"{row_location(path, file_type, number)}: {exc} ({format} format)") from None
+    for row, path, file_type, number in rows[:limit]:
+        try:
+            pairs.append(prompt_and_answer(row, format, tokenizer, source.field_names()))
+        except BadRow as exc:
+            raise UsageError(f"{row_location(path, file_type, number)}: {exc} ({format} format)") from None
     return pairs
 
 
@@ -202,18 +206,23 @@ def load_rows(source: DataSource, task: TaskSpec, tokenizer, seq: int, cache: Pa
     base = Path(task.base_dir)
     # a source's mixture weight does not change its rows: a reweighted source reads the same cache
     key = hashlib.sha256(json.dumps([source.model_dump(mode="json", exclude={"weight"}), str(base), seq,
-                                     tokenizer.name, _files_stamp(source, base)]).encode())
+                                     tokenizer.name, _files_stamp(source, base), task.packing]).encode())
     cached = cache / f"{key.hexdigest()[:20]}.npz" if cache else None
     if cached and cached.is_file():
         with np.load(cached) as saved:
-            return Packed(saved["ids"], saved["labels"], saved["positions"])
+            counts = [int(saved[name]) if name in saved else 0 for name in ("truncated", "dropped")]
+            return Packed(saved["ids"], saved["labels"], saved["positions"], *counts)
     format = source_format(source, base)
     documents = _documents(source, base, format, tokenizer)
-    packed = pack_stream(documents, seq) if format == "text" else pack_examples(documents, seq)
+    if format == "text" and task.packing:
+        packed = pack_stream(documents, seq)
+    else:  # supervised rows, or any row without packing: one example kept whole (or cut) per place
+        packed = pack_examples(documents, seq, packing=task.packing)
     if cached:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(f".{cached.stem}.{os.getpid()}.npz")  # ranks may race to write it
-        np.savez(tmp, ids=packed.ids, labels=packed.labels, positions=packed.positions)
+        np.savez(tmp, ids=packed.ids, labels=packed.labels, positions=packed.positions, truncated=packed.truncated,
+                 dropped=packed.dropped)
         tmp.replace(cached)
     return packed
 

@@ -30,7 +30,7 @@ from advisor.engine_traits import traits
 from advisor.capabilities import EngineChoice
 from advisor.plan_file import Plan, StagePlan, load_plan, segment_of
 from advisor.specs import Layout, ModelSpec
-from advisor.task import StageSpec, check_stage_name
+from advisor.task import AdapterSpec, StageSpec, check_stage_name
 from planner.export import model_deepspeed_config
 from profiler.hardware_bench import TORCH_DTYPES
 from profiler.tensor_memory import TensorMemory
@@ -175,6 +175,16 @@ def _advance(position: int, count: int, stage: int, skips: list[list[int]]) -> i
     return position
 
 
+CUTS = ("truncated", "dropped")  # what reading a stage's examples cost them (trainer/stream.py pack_examples)
+
+
+def _rows_cut(stream: Any, stage: str) -> dict[str, int]:
+    """The stage's own examples cut to the sequence length and dropped with nothing left to train
+    (replayed stages' are theirs); none counted on prepared data (`advisor data prepare` reports its own)."""
+    own = [s for s in getattr(stream, "sources", []) if s.name.startswith(f"{stage}:")]
+    return {cut: sum(getattr(s, cut) for s in own) for cut in CUTS}
+
+
 def _epoch_steps(stream: Any, epochs: float, stage: str, per_step: int) -> int:
     """Optimizer steps of an epochs budget: the positions after which the stage's own sources made
     `epochs` passes (trainer/stream.py), in whole steps of `per_step` sequences."""
@@ -189,11 +199,11 @@ def _start(position: int, stage: int, skips: list[list[int]]) -> int:
 
 
 def build_engine(model: ModelSpec, layout: Layout, device_type: str, engine: EngineChoice, options: TrainOptions,
-                 dev: torch.device) -> Engine:
+                 dev: torch.device, adapter: AdapterSpec | None = None) -> Engine:
     """The engine `advisor train` runs `layout` with: the trainer's model, on `dev`, under the engine the
     capability declaration names, DeepSpeed configured as the plan's export. The timed steps
     (trainer/timed_steps.py: calibration, verification trials, benches) build theirs here too."""
-    built = build_model(model, layout, options.seed, options.weights)  # on meta: the engine fills its shards
+    built = build_model(model, layout, options.seed, options.weights, adapter)  # on meta: the engine fills its shards
     ds_config = None
     if traits(select_backend(layout, engine)).deepspeed:
         ds_config = model_deepspeed_config(model, device_type, layout)
@@ -313,6 +323,7 @@ class _Run:
         self.evals: dict[str, dict[str, float]] = {}
         self.exact: dict[str, dict[str, float | None]] = {}  # stage -> skill -> greedy exact match (None: no answers)
         self.epochs: dict[str, dict[str, float]] = {}  # stage -> source -> passes made over it
+        self.rows: dict[str, dict[str, int]] = {}  # stage -> its own examples truncated and dropped
         self.rollbacks = 0  # this run's, over all its resumes (the budget: never restored from a checkpoint)
         self.last_spike: int | None = None  # the step of the last spike, and how many checkpoints the
         self.steps_back = 0  # guard went back past the newest (a spike that repeats goes further back)
@@ -458,7 +469,7 @@ class _Run:
         """The segment's engine; after a boundary, from the full weights the previous segment handed on."""
         options = replace(self.options, weights=str(self.handoff)) if self.handoff is not None else self.options
         return build_engine(self.plan.model, self.layout, self.plan.hardware.device_type, self.plan.engine,
-                            options, self.dev)
+                            options, self.dev, self.task.adapter)
 
     def _fresh_guard(self) -> SpikeGuard:
         return SpikeGuard(warmup_steps=self.options.spike_warmup_steps)
@@ -558,9 +569,11 @@ class _Run:
         if self.state.step_in_stage == 0:
             # a new data distribution moves the loss legitimately: the guard learns it afresh
             self.guard = self._fresh_guard()
+            self.rows[spec.name] = _rows_cut(stream, spec.name)
             self.events.write({"event": "stage_start", "stage": spec.name, "step": self.state.global_step,
                                "steps": steps, "epochs": epochs, "lr": spec.lr * self.state.lr_scale,
-                               "warmup_steps": spec.warmup_steps})
+                               "warmup_steps": spec.warmup_for(steps),  # as the schedule runs it
+                               "rows": self.rows[spec.name]})
         return stage
 
     def _stage_steps(self, index: int, stream: Any = None) -> int:
@@ -784,7 +797,8 @@ class _Run:
         """summary.json: predicted against measured, per-stage results, what the run had to change."""
         results = {"eval": self._logged("eval", "losses", self.evals),
                    "exact_match": self._logged("eval", "exact_match", self.exact),
-                   "epochs": self._logged("stage_end", "epochs", self.epochs)}
+                   "epochs": self._logged("stage_end", "epochs", self.epochs),
+                   "rows": self._logged("stage_start", "rows", self.rows)}
         summary = _summary(self.plan, self.state, self.step_times, results, self.run_dir, self.memory)
         if self._logged("eval", "exact_match_note", {}):
             summary["exact_match_note"] = NOT_SCORED_PIPELINE
@@ -797,7 +811,8 @@ class _Run:
         prepared = self.prepared
         summary["data"] = {"source": "prepared" if prepared is not None else "raw",
                            "dir": str(prepared) if prepared is not None else None,
-                           "padding": {name: _padding_report(c) for name, c in self.state.padding.items()}}
+                           "padding": {name: _padding_report(c) for name, c in self.state.padding.items()},
+                           **{cut: sum(s["rows"].get(cut, 0) for s in summary["stages"]) for cut in CUTS}}
         if self.main:
             tmp = self.run_dir / "summary.json.tmp"
             tmp.write_text(json.dumps(summary, indent=2))

@@ -15,6 +15,7 @@ from advisor.capabilities import DOCUMENT_ATTENTION, attention_implementation
 from advisor.errors import UsageError
 from advisor.specs import Layout, ModelSpec
 from profiler.attention_support import runnable_attention
+from advisor.task import AdapterSpec
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.adapters import apply_lora
 from trainer.attention import register_document_attention
@@ -60,10 +61,12 @@ def check_weights(spec: ModelSpec, weights: str | None) -> None:
                          "re-plan with --model pointing at that folder, or give the weights the plan was made for")
 
 
-def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None = None) -> torch.nn.Module:
+def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None = None,
+                adapter: AdapterSpec | None = None) -> torch.nn.Module:
     """The HF model from its config (or the config of a local folder of weights) with its
     parameters on the meta device: the engine shards it, then fills only what each rank holds
-    (`trainer.materialize`: a seeded init equal to the unsplit model's, or the folder's safetensors)."""
+    (`trainer.materialize`: a seeded init equal to the unsplit model's, or the folder's safetensors).
+    LoRA/QLoRA: `adapter`'s alpha and targets (default: alpha 2r on every linear)."""
     from transformers import AutoConfig, AutoModelForCausalLM  # heavy: loaded only when a model is built
 
     torch.manual_seed(seed)
@@ -89,7 +92,7 @@ def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None 
         apply_recomputation(model, layout)
     if layout.method in ("lora", "qlora"):
         materialize(model, pending_init(model), device())  # peft wraps a real base: adapters are replicated
-        model = apply_lora(model, layout)
+        model = apply_lora(model, layout, adapter)
     return model
 
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 import glob
 import json
 import math
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 from advisor.errors import UsageError
 from advisor.plan_file import Plan
@@ -37,6 +39,7 @@ from trainer.data.mixing import Reading, mixture
 from trainer.data.registry import REGISTRY_NAME, registry_sources
 from trainer.data.sniff import is_saved_dataset
 from trainer.data.sources import EXTENSIONS
+from trainer.fine_tune import FineTuneFlags, fine_tune_task
 
 FORMATS = ("jsonl", "parquet", "text", "arrow", "csv")
 TASK_FILE_TYPES = ("jsonl", "parquet", "text", "arrow")  # what a task's `file_type` can name; others are detected
@@ -73,21 +76,27 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
                    tokens: int | None, epochs: float | None = None,
                    weights: str | None = None, datasets: list[str] | None = None,
                    reading: Reading = Reading(), template: str | None = None,
-                   lr_schedule: str | None = None) -> tuple[Plan, Path | None]:
+                   lr_schedule: str | None = None, flags: FineTuneFlags = FineTuneFlags()) -> tuple[Plan, Path | None]:
     """`plan` with a one-stage task over `data`, sized by `steps`, `tokens`, `epochs` or one pass; and
     the prepared-data folder the loop reads (None: raw files, read through the task's sources).
     With `datasets`, `data` is LLaMA-Factory's `dataset_info.json` (or its folder) and the stage
     reads those datasets (trainer/data/registry.py); a YAML `data` is an Axolotl config. `weights` and
-    `template` choose the tokenizer and its chat template as the loop does (`trainer.corpus.tokenizer_for`)."""
+    `template` choose the tokenizer and its chat template as the loop does (`trainer.corpus.tokenizer_for`).
+    Its schedule, adapters and packing: `flags`, else fine-tuning's defaults from `weights`
+    (trainer/fine_tune.py); `lr_schedule`, else the task's default."""
     if sum(budget is not None for budget in (steps, tokens, epochs)) > 1:
         raise UsageError("give one of --steps, --tokens or --epochs")
     layout = plan.chosen.layout
+    settings = partial(fine_tune_task, layout=layout, weights=weights, flags=flags)
     prepared = Path(data) / MANIFEST_NAME
     if prepared.is_file():
-        task = _task(plan, [], steps=1, tokenizer=read_manifest(Path(data))["tokenizer"]["path"])
+        if flags.val_size is not None or not flags.packing:
+            raise UsageError("--val-size and --no-packing read raw rows; prepared data was split and bucketed "
+                             "by `advisor data prepare`")
+        task = settings(_task(plan, [], steps=1, tokenizer=read_manifest(Path(data))["tokenizer"]["path"]))
         view, one_pass = _prepared_view(Path(data), task, run_dir)
     else:
-        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, (weights, template), reading), None
+        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, (weights, template), reading, settings), None
     if steps is None and tokens is None:
         one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir, (weights, template))
         tokens = one_pass
@@ -103,23 +112,23 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
 
 
 def _raw_task(plan: Plan, data: str, datasets: list[str] | None, run_dir: Path, choice: TokenizerChoice,
-              reading: Reading = Reading()) -> tuple[TaskSpec, int | None]:
+              reading: Reading, settings: Callable[[TaskSpec], TaskSpec]) -> tuple[TaskSpec, int | None]:
     """The one-stage task over raw files: `data` itself, the registry's `datasets` or an Axolotl
     config's, each with its row format and loss switches fixed in the run's plan (the workers read
-    it). Several datasets mix as `reading.mix` says (concatenated by default, as LLaMA-Factory and
-    Axolotl do), weighed from the sequences each packs into, which also gives one pass's tokens
-    (None for one source, counted only when needed)."""
+    it), with the fine-tune's `settings`. Several datasets mix as `reading.mix` says (concatenated by
+    default, as LLaMA-Factory and Axolotl do), weighed from the sequences each packs into, which also
+    gives one pass's tokens (None for one source, counted only when needed)."""
     sources = [_switched(s, reading) for s in _data_sources(data, datasets)]
     task = _task(plan, sources, steps=1)
     sources = [s.model_copy(update={"format": s.format or source_format(s, Path(task.base_dir))}) for s in sources]
-    task = _task(plan, sources, steps=1)
+    task = settings(_task(plan, sources, steps=1))
     if len(sources) == 1 and reading.mix_probs is None:
         return task, None
     counts = _sequences(plan, task, run_dir, choice)
     probs = list(reading.mix_probs) if reading.mix_probs is not None else None
     shares, sequences = mixture(reading.mix, probs, counts)
     total = sum(shares)  # as shares of 1: a weight stays within a task file's bounds however big the data
-    task = _task(plan, [s.model_copy(update={"weight": w / total}) for s, w in zip(sources, shares)], steps=1)
+    task = settings(_task(plan, [s.model_copy(update={"weight": w / total}) for s, w in zip(sources, shares)], steps=1))
     return task, sequences * plan.chosen.layout.seq
 
 

@@ -60,11 +60,11 @@ def scheduled_lr(task: "TaskSpec", stage: int, step_in_stage: int, stage_steps: 
     peak = spec.lr * lr_scale
     if task.lr_schedule == "wsd":
         total = sum(run_steps)
-        return wsd_lr(sum(run_steps[:stage]) + step_in_stage, total, peak, task.stages[0].warmup_steps,
+        return wsd_lr(sum(run_steps[:stage]) + step_in_stage, total, peak, task.stages[0].warmup_for(total),
                       round(task.wsd_decay_fraction * total), spec.min_lr_ratio)
     if task.lr_schedule == "constant":
-        return constant_lr(step_in_stage, peak, spec.warmup_steps)
-    return stage_lr(step_in_stage, stage_steps, peak, spec.warmup_steps, spec.min_lr_ratio)
+        return constant_lr(step_in_stage, peak, spec.warmup_for(stage_steps))
+    return stage_lr(step_in_stage, stage_steps, peak, spec.warmup_for(stage_steps), spec.min_lr_ratio)
 
 
 def first_changed_rate(task: "TaskSpec", trained: list[int], old: tuple[list[int], list[int]],

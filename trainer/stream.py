@@ -31,6 +31,8 @@ class Packed:
     ids: np.ndarray
     labels: np.ndarray
     positions: np.ndarray
+    truncated: int = 0  # examples cut to the sequence length (their end is not trained)
+    dropped: int = 0  # examples left without a trained token by that cut (an over-long prompt): not read
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -48,10 +50,13 @@ class Source:
     start_weight: float = 0.0  # a ramped stage's mixture at its first sequence (the previous stage's data)
     labels: np.ndarray | None = None  # (n, seq); None: every token trained
     positions: np.ndarray | None = None  # (n, seq); None: 0..seq-1 in every row
+    truncated: int = 0  # examples of the source cut to the sequence length (Packed.truncated)
+    dropped: int = 0  # examples of the source dropped with nothing left to train (Packed.dropped)
 
     @classmethod
     def of(cls, name: str, packed: Packed, weight: float) -> "Source":
-        return cls(name, packed.ids, weight, labels=packed.labels, positions=packed.positions)
+        return cls(name, packed.ids, weight, labels=packed.labels, positions=packed.positions,
+                   truncated=packed.truncated, dropped=packed.dropped)
 
     def rows(self, index: np.ndarray) -> Packed:
         """Rows `index` of ids, labels and positions (the same rows of each)."""
@@ -242,29 +247,32 @@ def pack_stream(documents: list[tuple[list[int], list[int]]], seq: int) -> Packe
     return Packed(ids.reshape(-1, seq), labels.reshape(-1, seq), positions.reshape(-1, seq))
 
 
-def pack_examples(examples: list[tuple[list[int], list[int]]], seq: int, pad_id: int = 0) -> Packed:
+def pack_examples(examples: list[tuple[list[int], list[int]]], seq: int, pad_id: int = 0,
+                  packing: bool = True) -> Packed:
     """Supervised examples (prompt and answer) kept whole in rows of `seq` tokens, right-padded
     (padding: `pad_id`, label -100). Several examples share a row, best fit in their order (each
-    into the fullest row it still fits). Positions restart at every example, padding included (its
-    own segment), so that no example attends to another; an example's first token has no label. An
-    example longer than `seq` keeps its first `seq` tokens (the end of a long answer is lost); one
-    left without any trained token is dropped."""
-    examples = [(ids[:seq], labels[:seq]) for ids, labels in examples]
-    examples = [(ids, [IGNORE] + labels[1:]) for ids, labels in examples if any(x != IGNORE for x in labels[1:])]
+    into the fullest row it still fits); without `packing`, each has a row of its own. Positions
+    restart at every example, padding included (its own segment), so that no example attends to
+    another; an example's first token has no label. An example longer than `seq` keeps its first
+    `seq` tokens (the end of a long answer is lost); one left without any trained token is dropped.
+    Both are counted (`Packed.truncated`, `Packed.dropped`)."""
+    truncated = sum(len(ids) > seq for ids, _ in examples)
+    cut = [(ids[:seq], labels[:seq]) for ids, labels in examples]
+    examples = [(ids, [IGNORE] + labels[1:]) for ids, labels in cut if any(x != IGNORE for x in labels[1:])]
     rows: list[list[int]] = []  # example indices per row
     room: list[tuple[int, int]] = []  # (free tokens, row), sorted: the open rows
     for number, (ids, _) in enumerate(examples):
-        slot = bisect.bisect_left(room, (len(ids), -1))
+        slot = bisect.bisect_left(room, (len(ids), -1)) if packing else len(room)
         if slot < len(room):
             free, row = room.pop(slot)
         else:
             free, row = seq, len(rows)
             rows.append([])
         rows[row].append(number)
-        if free - len(ids) > 0:
+        if packing and free - len(ids) > 0:
             bisect.insort(room, (free - len(ids), row))
     out = Packed(np.full((len(rows), seq), pad_id, dtype=np.int64), np.full((len(rows), seq), IGNORE, dtype=np.int64),
-                 np.zeros((len(rows), seq), dtype=np.int64))
+                 np.zeros((len(rows), seq), dtype=np.int64), truncated, len(cut) - len(examples))
     for r, members in enumerate(rows):
         col = 0
         for number in members:

@@ -14,7 +14,7 @@ from advisor.cli.common import (MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, check_
                                 stage_tokens)
 from advisor.cli.render import render_plan
 from advisor.errors import UsageError
-from advisor.specs import MAX_DEVICES_PER_NODE, MAX_NODES
+from advisor.specs import MAX_DEVICES_PER_NODE, MAX_LORA_RANK, MAX_NODES
 from presets import load_task
 from planner.export import export
 from planner.fix import parse_fix
@@ -35,6 +35,8 @@ def plan(
     global_batch: Optional[int] = typer.Option(
         None, "--global-batch", min=1, help="sequences per optimizer step, held fixed (= dp*mbs*gas)"),
     method: str = typer.Option("full", "--method", help="full | lora | qlora | auto (full if it fits, then LoRA, QLoRA)"),
+    lora_rank: Optional[int] = typer.Option(None, "--lora-rank", min=1, max=MAX_LORA_RANK, help="LoRA/QLoRA "
+                                            "adapters' rank (default 16), priced and run as planned"),
     objective: str = typer.Option("throughput", "--objective", help="throughput | cost (fewest GPU-hours by --deadline)"),
     deadline: Optional[str] = typer.Option(None, "--deadline", help="for --objective cost: e.g. 14d, 36h"),
     tokens: Optional[float] = typer.Option(None, "--tokens", help="for --objective cost without --task: tokens to train"),
@@ -74,7 +76,7 @@ def plan(
         spec_model = load_model(model)
         opts = PlanOptions(
             model=spec_model, hardware=load_hardware(hardware), nodes=nodes, gpus_per_node=gpus_per_node,
-            task=spec_task, stage_tokens=stage_tokens(spec_task, spec_model, seq_len), seq=seq_len, global_batch=global_batch, method=method,
+            task=spec_task, stage_tokens=stage_tokens(spec_task, spec_model, seq_len), seq=seq_len, global_batch=global_batch, method=method, lora_rank=lora_rank,
             objective=objective, deadline_s=parse_duration(deadline) if deadline else None, tokens=tokens,
             price_per_gpu_hour=price, min_compute_fraction=min_compute_fraction, top_k=top, mtbf_hours=mtbf_hours,
             per_stage_devices=per_stage_devices, allow_cross_node_tp=allow_cross_node_tp, attention=attention,

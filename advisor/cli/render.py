@@ -282,12 +282,25 @@ def stage_results_lines(summary: dict[str, Any]) -> list[str]:
     for stage in summary.get("stages") or []:
         scores = stage.get("exact_match") or {}
         epochs = stage.get("epochs") or {}
-        if not scores and not epochs:
-            continue
-        scored = ", ".join(f"{skill} {'n/a' if value is None else f'{100 * value:.1f}%'}"
-                           for skill, value in scores.items())
-        passes = ", ".join(f"{source} {value:.2f}" for source, value in epochs.items())
-        lines.append(f"after {stage['name']}: exact match {scored or '-'}" + (f"; epochs {passes}" if passes else ""))
+        if scores or epochs:
+            scored = ", ".join(f"{skill} {'n/a' if value is None else f'{100 * value:.1f}%'}"
+                               for skill, value in scores.items())
+            passes = ", ".join(f"{source} {value:.2f}" for source, value in epochs.items())
+            lines.append(f"after {stage['name']}: exact match {scored or '-'}" + (f"; epochs {passes}" if passes else ""))
+        cut = rows_cut_line(stage)
+        if cut:
+            lines.append(cut)
     if summary.get("exact_match_note"):
         lines.append(f"exact match {summary['exact_match_note']}")
     return lines
+
+
+def rows_cut_line(stage: dict[str, Any]) -> str | None:
+    """What reading a stage's examples cost them, when anything: rows cut at the sequence length
+    (their ends untrained) and rows dropped (a prompt that fills the sequence leaves no answer)."""
+    rows = stage.get("rows") or {}
+    truncated, dropped = rows.get("truncated", 0), rows.get("dropped", 0)
+    if not truncated and not dropped:
+        return None
+    return (f"{stage['name']}: {truncated} rows truncated at the sequence length, {dropped} rows dropped with "
+            "nothing left to train (a longer --seq-len keeps them)")

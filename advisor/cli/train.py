@@ -21,16 +21,48 @@ from advisor.errors import UsageError
 from advisor.capabilities import config_shape, runnable_problem, ENGINE_CHOICES
 from advisor.plan_file import Plan, load_plan
 from advisor.specs import check_number
-from advisor.task import LR_SCHEDULES, MAX_EPOCHS
+from advisor.task import LR_SCHEDULES, MAX_EPOCHS, MAX_ROWS
 from profiler.cluster import cluster_options
 from trainer.data.chat_templates import builtin_template
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.data.mixing import Reading
+from trainer.fine_tune import FineTuneFlags, check_lora_rank
 from trainer.options import TrainOptions
 from trainer.run_identity import move_in_the_way_aside, refuse_or_move_aside, restarted
 
 DEFAULTS = TrainOptions()
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: a peer that long gone is not coming back
+
+
+# A plan made without --task: its stage's schedule, adapters and data (trainer/fine_tune.py). Declared
+# here, out of `train`'s signature, which the 80-line rule bounds.
+FINE_TUNE_OPTIONS = {
+    "lr": typer.Option(None, "--lr", help="a plan without a task: peak learning rate (default with --weights: "
+                       "2e-4 for LoRA/QLoRA, 1e-5 for full; without: 3e-4)"),
+    "warmup_ratio": typer.Option(None, "--warmup-ratio", help="a plan without a task: warm-up as a share of the "
+                                 "run's steps as finally sized, then cosine decay to the end (default with "
+                                 "--weights: 0.1; without: 20 steps)"),
+    "lora_rank": typer.Option(None, "--lora-rank", min=1, help="the LoRA rank the plan priced (a check: another "
+                              "rank is refused; set it with `advisor plan --lora-rank N`)"),
+    "lora_alpha": typer.Option(None, "--lora-alpha", help="a plan without a task: LoRA alpha (default: twice the "
+                               "rank)"),
+    "lora_targets": typer.Option(None, "--lora-targets", help="a plan without a task: modules LoRA adapts, "
+                                 "NAME[,NAME...] (default: every linear layer)"),
+    "val_size": typer.Option(None, "--val-size", help="a plan without a task: rows of --data held out for the "
+                             "evaluation loss and exact match, a count (>= 1) or a share (< 1), drawn by a fixed seed"),
+    "packing": typer.Option(True, "--packing/--no-packing", help="a plan without a task: several examples share a "
+                            "sequence (--no-packing: one example per sequence, padded)"),
+}
+OTHER_OPTIONS = {  # the same, for the verb's other long options
+    "exact_match_prompts": typer.Option(DEFAULTS.exact_match_prompts, "--exact-match-prompts", min=0,
+                                        help="held-out prompts per skill that each stage end answers by greedy "
+                                        "decoding and scores by exact match (0: none)"),
+    "dry_run": typer.Option(False, "--dry-run", help="check every stage's layout against this trainer on the meta "
+                            "device (no devices, no data), show what each rank holds next to the cost model's "
+                            "prediction, and exit: 0, or 2 with the reason"),
+    "verbose": typer.Option(False, "--verbose", help="also show third-party warnings and logs (torch, DeepSpeed, "
+                            "...) on the console; they always go to RUN_DIR/logs/"),
+}
 
 
 def train(
@@ -66,6 +98,13 @@ def train(
     epochs: Optional[float] = typer.Option(None, "--epochs", help="train every stage for this many passes "
                                            "over its own data (each example once per epoch, in a seeded order), "
                                            "instead of the budgets its task or --steps/--tokens give"),
+    lr: Optional[float] = FINE_TUNE_OPTIONS["lr"],
+    warmup_ratio: Optional[float] = FINE_TUNE_OPTIONS["warmup_ratio"],
+    lora_rank: Optional[int] = FINE_TUNE_OPTIONS["lora_rank"],
+    lora_alpha: Optional[float] = FINE_TUNE_OPTIONS["lora_alpha"],
+    lora_targets: Optional[str] = FINE_TUNE_OPTIONS["lora_targets"],
+    val_size: Optional[float] = FINE_TUNE_OPTIONS["val_size"],
+    packing: bool = FINE_TUNE_OPTIONS["packing"],
     nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="nodes (default: Slurm's, else 1)"),
     node_rank: int = typer.Option(0, "--node-rank", min=0),
     master_addr: str = typer.Option("127.0.0.1", "--master-addr"),
@@ -80,16 +119,11 @@ def train(
     spike_lr_factor: float = typer.Option(DEFAULTS.spike_lr_factor, "--spike-lr-factor", hidden=True),
     spike_warmup_steps: int = typer.Option(DEFAULTS.spike_warmup_steps, "--spike-warmup-steps", min=0, hidden=True),
     eval_sequences: int = typer.Option(DEFAULTS.eval_sequences, "--eval-sequences", min=0, hidden=True),
-    exact_match_prompts: int = typer.Option(DEFAULTS.exact_match_prompts, "--exact-match-prompts", min=0,
-                                            help="held-out prompts per skill that each stage end answers by greedy "
-                                            "decoding and scores by exact match (0: none)"),
+    exact_match_prompts: int = OTHER_OPTIONS["exact_match_prompts"],
     show_progress: bool = typer.Option(DEFAULTS.show_progress, "--show-progress/--no-show-progress", hidden=True),
-    dry_run: bool = typer.Option(False, "--dry-run", help="check every stage's layout against this trainer on "
-                                 "the meta device (no devices, no data), show what each rank holds next to the "
-                                 "cost model's prediction, and exit: 0, or 2 with the reason"),
+    dry_run: bool = OTHER_OPTIONS["dry_run"],
     as_json: bool = typer.Option(False, "--json", help="with --dry-run: print one JSON object"),
-    verbose: bool = typer.Option(False, "--verbose", help="also show third-party warnings and logs (torch, "
-                                 "DeepSpeed, ...) on the console; they always go to RUN_DIR/logs/"),
+    verbose: bool = OTHER_OPTIONS["verbose"],
 ) -> None:
     """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
     every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
@@ -144,9 +178,19 @@ def _check_inputs(a: SimpleNamespace) -> None:
         builtin_template(a.template)
     if a.lr_schedule is not None and a.lr_schedule not in LR_SCHEDULES:
         raise UsageError(f"--lr-schedule {a.lr_schedule}: choose {', '.join(LR_SCHEDULES)}")
+    check_number(a.lr, "--lr", gt=0, le=1)
+    check_number(a.warmup_ratio, "--warmup-ratio", ge=0, le=0.99)
+    check_number(a.lora_alpha, "--lora-alpha", gt=0, le=1e6)
+    check_number(a.val_size, "--val-size", gt=0, le=MAX_ROWS)
     if not a.dry_run and not a.launched:
         check_run_dir(a.out)
-        load_plan(a.plan_file)  # read again by the run: milliseconds
+        plan = load_plan(a.plan_file)  # read again by the run: milliseconds
+        for _, layout in plan.stage_layouts():
+            check_lora_rank(layout, a.lora_rank)
+        if plan.task is None:
+            _fine_tune_flags(a)
+        else:
+            _refuse_one_stage_flags(a)
         # the nodes' flags checked as `advisor profile` checks them, before anything starts
         cluster_options(a.nnodes, a.node_rank, a.master_addr, a.master_port, a.timeout_s)
 
@@ -178,7 +222,8 @@ def _run(a: SimpleNamespace) -> dict | None:
         _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
             (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights,
-                                                      a.dataset, data_reading.reading(a), a.template, a.lr_schedule),
+                                                      a.dataset, data_reading.reading(a), a.template, a.lr_schedule,
+                                                      _fine_tune_flags(a)),
                                          out / "plan.yaml")
         elif a.steps is not None or a.tokens is not None:
             raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
@@ -211,6 +256,30 @@ def _run(a: SimpleNamespace) -> dict | None:
             return run(plan, plan_path, out, resumed, options, a.launched, *where)
 
 
+def _fine_tune_flags(a: SimpleNamespace) -> FineTuneFlags:
+    targets = [name.strip() for name in a.lora_targets.split(",") if name.strip()] if a.lora_targets else None
+    if a.val_size is not None and a.val_size >= 1 and a.val_size != int(a.val_size):
+        raise UsageError(f"--val-size {a.val_size:g}: a count of rows is a whole number (a share is < 1)")
+    if a.lora_targets is not None and not targets:
+        raise UsageError("--lora-targets: name at least one module, e.g. q_proj,v_proj")
+    return FineTuneFlags(lr=a.lr, warmup_ratio=a.warmup_ratio, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha,
+                         lora_targets=targets, val_size=a.val_size, packing=a.packing)
+
+
+def _refuse_one_stage_flags(a: SimpleNamespace) -> None:
+    """The flags that set a plan-without-task's stage: a task says these itself, per stage."""
+    if a.steps is not None or a.tokens is not None:
+        raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
+                         "its stages")
+    given = [flag for flag, value in (("--lr", a.lr), ("--warmup-ratio", a.warmup_ratio),
+                                      ("--lora-alpha", a.lora_alpha), ("--lora-targets", a.lora_targets),
+                                      ("--val-size", a.val_size), ("--no-packing", None if a.packing else True))
+             if value is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} set a plan made without --task; this plan's task file sets them "
+                         "(stage lr and warmup_ratio, adapter alpha and targets, eval_sources, packing)")
+
+
 def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched: bool):
     """The plan to run: its task's generated data in place (once, by the launching process), the
     `data` extra present for prepared shards, and --engine applied."""
@@ -225,7 +294,8 @@ def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched:
 def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, tokens: int | None,
                epochs: float | None, weights: str | None = None,
                dataset: str | None = None, reading: Reading = Reading(),
-               template: str | None = None, lr_schedule: str | None = None) -> tuple[Plan, Path | None]:
+               template: str | None = None, lr_schedule: str | None = None,
+               flags: FineTuneFlags = FineTuneFlags()) -> tuple[Plan, Path | None]:
     """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
     plan; and the prepared-data folder the loop reads (None: raw files)."""
     if data is None:
@@ -239,7 +309,7 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, toke
     from trainer.one_stage import one_stage_plan
 
     plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights, datasets=names,
-                                    reading=reading, template=template, lr_schedule=lr_schedule)
+                                    reading=reading, template=template, lr_schedule=lr_schedule, flags=flags)
     sources = plan.task.stages[0].sources if plan.task else []
     if len(sources) == 1:
         console.print(f"--data {data}: {sources[0].format} rows (detected from their fields)", highlight=False)
