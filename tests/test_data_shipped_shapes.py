@@ -489,7 +489,7 @@ def test_advisor_train_hands_dataset_names_to_the_one_stage_plan(tmp_path, monke
 
     seen = []
 
-    def one_stage_plan(plan, data, run_dir, steps, tokens, epochs=None, weights=None, datasets=None, reading=None):
+    def one_stage_plan(plan, data, run_dir, steps, tokens, epochs=None, weights=None, datasets=None, **settings):
         seen.append((Path(data).name, datasets))
         raise UsageError("stopped here by the test")
 

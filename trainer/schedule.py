@@ -63,7 +63,10 @@ def scheduled_lr(task: "TaskSpec", stage: int, step_in_stage: int, stage_steps: 
         return wsd_lr(sum(run_steps[:stage]) + step_in_stage, total, peak, task.stages[0].warmup_for(total),
                       round(task.wsd_decay_fraction * total), spec.min_lr_ratio)
     if task.lr_schedule == "constant":
-        return constant_lr(step_in_stage, peak, spec.warmup_for(stage_steps))
+        # its warm-up is the stage's steps, not clamped to its length, so that a longer run keeps every
+        # trained step's rate (a share of the length, `warmup_ratio`, cannot)
+        warmup = spec.warmup_steps if spec.warmup_ratio is None else spec.warmup_for(stage_steps)
+        return constant_lr(step_in_stage, peak, warmup)
     return stage_lr(step_in_stage, stage_steps, peak, spec.warmup_for(stage_steps), spec.min_lr_ratio)
 
 
