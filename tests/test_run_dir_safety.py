@@ -110,7 +110,7 @@ def test_advisor_run_keeps_a_stopped_runs_verification_and_moves_a_whole_run_wit
     stopped = tmp_path / "stopped"
     users_folder(stopped, "verify/0")
     (stopped / "verify.json").write_text("{}\n")
-    _make_room(stopped, said.append)
+    _make_room(stopped, said.append, 3)
     [trials] = aside(stopped, "verify")
     [record] = aside(stopped, "verify.json")
     assert (trials / "0" / "notes.txt").read_text() == "my verify/0\n" and record.read_text() == "{}\n"
@@ -119,7 +119,28 @@ def test_advisor_run_keeps_a_stopped_runs_verification_and_moves_a_whole_run_wit
     finished = tmp_path / "finished"
     users_folder(finished, "verify/0")
     (finished / "metrics.jsonl").write_text('{"step": 1}\n')
-    _make_room(finished, said.append)
+    _make_room(finished, said.append, 3)
     [previous] = finished.glob("previous-*")
     assert (previous / "verify" / "0" / "notes.txt").is_file() and (previous / "metrics.jsonl").is_file()
     assert not (finished / "verify").exists()
+
+
+def test_advisor_run_keeps_the_newest_runs_and_moves_older_ones_into_its_trash(tmp_path) -> None:
+    """Issue 31: old runs piled up without bound. Six runs one after another with --keep-runs 2: the
+    run dir keeps the two newest previous runs, the older four are in trash/ (named on the console each
+    time), and every file of every run is still somewhere."""
+    from advisor.cli.run_chain import _make_room
+
+    said: list[str] = []
+    out = tmp_path / "runs"
+    for run in range(6):
+        out.mkdir(exist_ok=True)
+        (out / "metrics.jsonl").write_text(f'{{"run": {run}}}\n')
+        _make_room(out, said.append, 2)
+    kept = sorted(p.name for p in out.glob("previous-*"))
+    trashed = sorted(p.name for p in (out / "trash").glob("previous-*"))
+    assert len(kept) == 2 and len(trashed) == 4 and max(trashed) < min(kept)  # the older ones went
+    runs = sorted(int((p / "metrics.jsonl").read_text().split(":")[1].strip(" }\n"))
+                  for p in [*out.glob("previous-*"), *(out / "trash").glob("previous-*")])
+    assert runs == [0, 1, 2, 3, 4, 5]
+    assert sum("into " + str(out / "trash") in line and "--keep-runs 2" in line for line in said) == 4

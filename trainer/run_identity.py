@@ -177,6 +177,21 @@ def move_aside(run_dir: Path) -> Path | None:
     return aside
 
 
+TRASH = "trash"
+
+
+def retire_old_runs(run_dir: Path, keep: int) -> list[Path]:
+    """Keep the newest `keep` runs moved aside (`previous-<UTC time>/`, whose names sort by time) and
+    move the older ones into `run_dir/trash/`, which the caller names to the user: old runs would
+    otherwise pile up without bound, and nothing is deleted that the user did not delete. Returns
+    where each went."""
+    previous = sorted(p for p in run_dir.glob("previous-*") if p.is_dir())
+    retired = previous[:max(len(previous) - keep, 0)]
+    if retired:
+        (run_dir / TRASH).mkdir(exist_ok=True)
+    return [path.rename(run_dir / TRASH / path.name) for path in retired]
+
+
 def move_in_the_way_aside(run_dir: Path, names: tuple[str, ...] = IN_THE_WAY) -> list[Path]:
     """A directory that holds no run: what training would write over (`names`) renamed to
     `<name>.old-<UTC time>` beside it. Where they went, in order."""

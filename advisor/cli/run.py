@@ -37,6 +37,9 @@ def run_all(
                                "refit to the trials differ by more than 3x either way, `run` says so in one line "
                                "and stops with exit 2 before training"),
     out: Path = typer.Option(Path("runs/demo"), "--out", help="run directory"),
+    keep_runs: int = typer.Option(3, "--keep-runs", min=0, max=1000, help="previous runs kept in the run directory "
+                                  "(previous-<time>/); older ones move into its trash/ folder, which is named on "
+                                  "the console (nothing is deleted)"),
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (smoke runs)"),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
@@ -53,7 +56,7 @@ def run_all(
 
         options = RunOptions(model=model, task=task, hardware=hardware, out=out,
                              max_steps_per_stage=max_steps_per_stage, seed=seed, verify=verify,
-                             verify_steps=verify_steps, feedback=feedback, force=force)
+                             verify_steps=verify_steps, feedback=feedback, force=force, keep_runs=keep_runs)
         result = exit_on_error(lambda: _run(options, as_json))
         if as_json:  # stdout carries the JSON alone: everything else went to the log or to stderr
             print(json.dumps(result, default=str), file=terminal)

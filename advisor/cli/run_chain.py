@@ -52,7 +52,7 @@ from reports.run_report import run_report
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.launch import run as run_training
 from trainer.options import TrainOptions
-from trainer.run_identity import RUN_CHAIN_IN_THE_WAY, move_aside, move_in_the_way_aside
+from trainer.run_identity import RUN_CHAIN_IN_THE_WAY, move_aside, move_in_the_way_aside, retire_old_runs
 from trainer.verify import (STARTUP_S, Trial, Verification, apply, candidate_plan, trial_harness, training_threads,
                             verify, write_verification)
 
@@ -93,6 +93,7 @@ class RunOptions:
     verify_steps: int = DEFAULT_VERIFY_STEPS
     feedback: bool = True
     force: bool = False  # train a plan the cost model cannot price (see `_pricing`)
+    keep_runs: int = 3  # previous runs kept in the run dir; older ones move into its trash/
 
 
 def _cached_profile_path() -> Path:
@@ -171,7 +172,7 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     with _timed(timings, "plan_s"):
         plan = _plan(model, hardware, task, opts, say)
     say(f"plan: {plan.chosen.layout.short()}")
-    _make_room(out, say)
+    _make_room(out, say, options.keep_runs)
     candidates = [plan.chosen, *plan.alternatives][:max(1, opts.verify)]
     build_cpu_comm_op([p.layout for p in candidates], plan.engine, say)
     progress.expect(_estimate_s(plan, candidates if opts.verify else [], opts))
@@ -210,13 +211,18 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
             "report": str(report) if report else None, "timings": timings, "seconds": time.perf_counter() - started}
 
 
-def _make_room(out: Path, say: Callable[[str], None]) -> None:
-    """A used run dir: the previous run moves aside (`previous-<time>/`), and what training would
-    write over without a run (a model/ put there by hand) under a dated name; nothing is deleted."""
+def _make_room(out: Path, say: Callable[[str], None], keep_runs: int) -> None:
+    """A used run dir: the previous run moves aside (`previous-<time>/`; beyond the newest `keep_runs`
+    of those, the older move into its trash/), and what training would write over without a run (a
+    model/ put there by hand) under a dated name; nothing is deleted."""
     out.mkdir(parents=True, exist_ok=True)
     moved = move_aside(out)
     if moved is not None:
         say(f"moved the previous run in {out} aside to {moved}")
+    retired = retire_old_runs(out, keep_runs)
+    if retired:
+        say(f"moved {len(retired)} older run{'s' if len(retired) > 1 else ''} into {retired[0].parent} "
+            f"(--keep-runs {keep_runs} keeps the newest); delete that folder to free its space")
     for aside in move_in_the_way_aside(out, RUN_CHAIN_IN_THE_WAY):
         say(f"moved {aside.name.split('.old-')[0]} in {out}, which holds no run, aside to {aside}")
 
