@@ -221,8 +221,8 @@ def refuse_or_move_aside(run_dir: Path, resume: bool, overwrite: bool) -> Path |
 def mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     """The first fingerprint field a resume may not change, in words, with both values; else None.
     A run.json from before `length` digested its task with the stages' lengths: compared as such."""
-    if "length" not in saved:
-        current = {**current, "task": current.get("task_sized")}
+    if "length" not in saved and "task_sized" in current:
+        current = {**current, "task": current["task_sized"]}
     for key, words in MUST_MATCH.items():
         if key in saved and saved.get(key) != current.get(key):
             return f"{words} ({key}: {saved.get(key)} in the run, {current.get(key)} now)"
