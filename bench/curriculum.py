@@ -92,7 +92,7 @@ def body_text(result: dict, command: list[str], wall_s: float | None, loads: lis
         f"Advisor command: `{shown}` (the task: the demo's task.yaml next to its data, generated at {result['scale']}x).",
         "",
         f"Proxy {result['model']} ({result['hf_config']['hidden_size']} hidden, "
-        f"{result['hf_config']['num_hidden_layers']} layers, the demo's tokenizer, sequence {256} and batch 16), "
+        f"{result['hf_config']['num_hidden_layers']} layers, the demo's tokenizer, sequence length and batch), "
         f"{tokens:,} tokens per run ({tokens / DEMO_TOKENS:.0f}x the previous bench's), {result['seeds']} seeds per "
         f"variant, eval on {result['eval_sequences']} held-out sequences per skill. Final eval loss, mean ± sample "
         "standard deviation over seeds (lower is better):",
