@@ -4,11 +4,13 @@ The bundled curriculum (trainer/data/demo_corpus.py: language, arithmetic reason
 then a mixed stage replaying 30% language and 30% reasoning), generated at --scale times its usual
 size (fresh documents, not repeats of the default files), trained at --scale times every stage's
 budget under the five variants of reports/curriculum_variants.py (one-pot, staged hard switch,
-staged + ramped replay, the task as written with its mixed stage, and WSD-staged), --seeds seeds
-each, on a scaled-down proxy of demo-tiny (--hidden, --layers: the same tokenizer, sequence and
-batch), one process on this CPU, through the command users run:
+staged + ramped replay, the task as written with its mixed stage, and late-mix: one-pot until the
+decay, then the later skills' data with a replay of the pool), all under one WSD schedule at one
+peak rate per run, the rate tuned per variant over --lr-grid on seed 0, --seeds seeds each, on a
+scaled-down proxy of demo-tiny (--hidden, --layers: the same tokenizer, sequence and batch), one
+process per core of this CPU, through the command users run:
 
-    advisor curriculum compare --task <demo copy> --seeds 3 --scale 10 --hidden 64 --layers 2 ...
+    advisor curriculum compare --task <demo copy> --seeds 3 --scale 10 --hidden 64 --layers 2 --lr-grid 0.5,1,2 ...
 
 Scores: each skill's eval loss on its held-out file (the trainer's stage-end evaluation,
 --eval-sequences sequences), exact match where the trainer's evaluation gives it; mean ± sample
@@ -17,7 +19,7 @@ recovery: how much of that the last stage took back. The finding (no staged vari
 on every skill, or that one does) goes to presets/findings/demo.json, which `advisor plan --task
 demo` prints.
 
-    python -m bench.curriculum [--scale 10] [--seeds 3] [--hidden 64] [--layers 2] [--no-write]
+    python -m bench.curriculum [--scale 10] [--seeds 3] [--hidden 64] [--layers 2] [--lr-grid 0.5,1,2] [--no-write]
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def load_average() -> str:
 def compare_command(task: Path, out: Path, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "advisor.cli", "curriculum", "compare", "--task", str(task), "--seeds",
             str(args.seeds), "--scale", str(args.scale), "--hidden", str(args.hidden), "--layers", str(args.layers),
-            "--eval-sequences", str(args.eval_sequences), "--jobs", str(args.jobs), "--out", str(out), "--json"]
+            "--eval-sequences", str(args.eval_sequences), "--lr-grid", args.lr_grid, "--jobs", str(args.jobs),
+            "--out", str(out), "--json"]
 
 
 def flattening(result: dict) -> str:
@@ -61,8 +64,10 @@ def flattening(result: dict) -> str:
     if len(tenths) < 10:
         return "no record"
     values = [t["mean"] for t in tenths]
-    return (", ".join(f"{v:.3f}" for v in values) + f" (last tenth against the one before: "
-            f"{100 * (values[-1] - values[-2]) / values[-2]:+.1f}%; the last tenth holds the WSD decay)")
+    change = 100 * (values[-1] - values[-2]) / values[-2]
+    verdict = "flat: under 1%" if abs(change) < 1 else "not flat yet: 1% or more; a larger --scale trains longer"
+    return (", ".join(f"{v:.3f}" for v in values) + f" (last tenth against the one before: {change:+.1f}%, "
+            f"{verdict}; the last tenth holds the WSD decay)")
 
 
 def finding_sentence(result: dict, tokens: int, date: str) -> str | None:
@@ -73,12 +78,13 @@ def finding_sentence(result: dict, tokens: int, date: str) -> str | None:
     staged = {n: v["eval"]["mean"]["mean"] for n, v in variants.items() if n != "one-pot"}
     best = min(staged, key=staged.get)
     return (f"measured on the demo curriculum ({date}, bench/curriculum.py: {result['seeds']} seeds, {tokens:,} tokens, "
-            f"a {result['model']} proxy): no staged curriculum matched one-pot training on every skill; mean eval "
-            f"loss {pot:.3f} one-pot against {staged[best]:.3f} for the best staged variant ({best})")
+            f"a {result['model']} proxy, WSD for every variant at its best peak rate): no other curriculum matched "
+            f"one-pot training on every skill; mean eval loss {pot:.3f} one-pot against {staged[best]:.3f} for the "
+            f"best other variant ({best})")
 
 
 def body_text(result: dict, command: list[str], wall_s: float | None, loads: list[str], tokens: int, jobs: int) -> str:
-    from reports.curriculum import forgetting_markdown, table_markdown, winners_text
+    from reports.curriculum import SCHEDULE_PROTOCOL, forgetting_markdown, table_markdown, tuning_markdown, winners_text
 
     rec = result["recommendation"]
     shown = " ".join(Path(c).name if c == sys.executable else c for c in command)
@@ -86,12 +92,17 @@ def body_text(result: dict, command: list[str], wall_s: float | None, loads: lis
         f"Advisor command: `{shown}` (the task: the demo's task.yaml next to its data, generated at {result['scale']}x).",
         "",
         f"Proxy {result['model']} ({result['hf_config']['hidden_size']} hidden, "
-        f"{result['hf_config']['num_hidden_layers']} layers, the demo's tokenizer, sequence {256} and batch 16), "
+        f"{result['hf_config']['num_hidden_layers']} layers, the demo's tokenizer, sequence length and batch), "
         f"{tokens:,} tokens per run ({tokens / DEMO_TOKENS:.0f}x the previous bench's), {result['seeds']} seeds per "
         f"variant, eval on {result['eval_sequences']} held-out sequences per skill. Final eval loss, mean ± sample "
         "standard deviation over seeds (lower is better):",
         "",
         table_markdown(result),
+        "",
+        f"Schedule: {result.get('schedule', SCHEDULE_PROTOCOL)}. Peak rate per variant (seed 0's final mean eval "
+        "loss at each rate of the grid; (edge): the best rate is the grid's lowest or highest):",
+        "",
+        tuning_markdown(result),
         "",
         f"Recommendation ({rec['rule']}): {rec['text']}.",
         "",
@@ -108,9 +119,9 @@ def body_text(result: dict, command: list[str], wall_s: float | None, loads: lis
                   "last stage took back):", "", forgot]
     complete = result.get("complete", True)
     runs = [r for v in result["variants"].values() for r in v["runs"]]
-    total = len(result["variants"]) * result["seeds"]
+    done, total = result.get("runs_done", len(runs)), result.get("runs_total", len(runs))
     if not complete:
-        lines[0:0] = [f"**Partial: {len(runs)} of {total} runs** (the command was still running when this was "
+        lines[0:0] = [f"**Partial: {done} of {total} runs** (the command was still running when this was "
                       "written; a variant without a spread has one seed).", ""]
     lines += ["", f"Finding: {result['finding']}." if result.get("finding") else
               "Finding: none yet (not every variant has its seeds)." if not complete else
@@ -156,6 +167,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64, help="the proxy's hidden size (demo-tiny: 256)")
     parser.add_argument("--layers", type=int, default=2, help="the proxy's layers (demo-tiny: 4)")
     parser.add_argument("--eval-sequences", type=int, default=64)
+    parser.add_argument("--lr-grid", default="0.5,1,2", help="peak rate factors every variant is tried at")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (2: one per core of this CPU)")
     parser.add_argument("--out", type=Path, default=None, help="report dir (default: a temporary folder)")
     parser.add_argument("--from-report", type=Path, default=None,
@@ -182,8 +194,9 @@ def main() -> None:
                      + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                                if k not in ("no_write", "out", "from_report") and v != parser.get_default(k)))
     if not args.no_write:
-        write_section("curriculum", "Curriculum: does splitting the objective pay? Five variants at equal tokens "
-                      f"({result['seeds']} seeds, demo curriculum)", bench_command, body)
+        write_section("curriculum", "Curriculum: does splitting the objective pay? Five variants at equal tokens, "
+                      f"one WSD schedule, the peak rate tuned per variant ({result['seeds']} seeds, demo curriculum)",
+                      bench_command, body)
         if result.get("complete", True):  # a partial comparison states no finding
             write_finding(finding_sentence(result, tokens, dt.date.today().isoformat()), bench_command)
 

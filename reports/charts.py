@@ -290,6 +290,21 @@ def eval_chart(after_stage: list[str], skills: list[str], losses: dict[tuple[str
         return _png(fig)
 
 
+def exact_match_chart(after_stage: list[str], skills: list[str], shares: dict[tuple[str, str], float]) -> bytes:
+    """Exact match per skill after each stage: a skill learned in its stage, forgotten later, healed."""
+    with matplotlib.rc_context(STYLE):
+        fig = _figure(WIDTH, 3.4)
+        ax = fig.add_subplot()
+        _grouped_bars(ax, after_stage, skills,
+                      lambda stage, skill: (100 * shares[(stage, skill)], 0.0) if (stage, skill) in shares else None)
+        ax.set_xlabel("evaluated after stage")
+        ax.set_ylabel("exact match (%)")
+        ax.set_ylim(0, 100)
+        ax.set_title("per-skill exact match (higher is better)", loc="left")
+        fig.legend(loc="outside lower center", frameon=False, ncols=min(4, len(skills)), title="skill")
+        return _png(fig)
+
+
 def variant_chart(variants: list[str], skills: list[str], values: dict[tuple[str, str], tuple[float, float]]) -> bytes:
     """Final eval loss per skill for each curriculum variant: mean over seeds, the spread as an error bar."""
     with matplotlib.rc_context(STYLE):

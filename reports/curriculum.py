@@ -30,6 +30,12 @@ from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from reports.curriculum_variants import VARIANTS, mixed_stage, scaled, skills, variant_tasks
 
+# The rate grid: every variant is tried at these factors of the task's rate and keeps its best, so
+# that no variant loses to a rate that suits another (the schedule is WSD for all: curriculum_variants)
+LR_FACTORS = (0.5, 1.0, 2.0)
+SCHEDULE_PROTOCOL = ("WSD for every variant (one warm-up, every stage at one peak rate, one linear decay over the "
+                     "run's last wsd_decay_fraction of steps); the peak rate tuned per variant on seed 0 over the "
+                     "same grid (lowest final mean eval loss), the other seeds at the rate chosen")
 SUMMARY_METRIC = "mean eval loss over the skills"
 MAX_MICRO_BATCH = 4  # one process on a CPU: micro-batches of 4 step faster than one of 16 (bench/curriculum.py)
 
@@ -73,6 +79,7 @@ class RunResult:
     tokens: int
     wall_s: float
     train_loss_tenths: list[float] = field(default_factory=list)
+    lr: float = math.nan  # the peak rate it ran at
 
     def final(self, metric: str) -> dict[str, float]:
         return dict(self.stage_evals[-1].get(metric) or {}) if self.stage_evals else {}
@@ -108,7 +115,7 @@ def plan_tokens(plan: Plan) -> int:
     return sum(s.steps * s.layout.tokens_per_step for s in plan.stages)
 
 
-def read_run(run_dir: Path, variant: str, seed: int, wall_s: float) -> RunResult:
+def read_run(run_dir: Path, variant: str, seed: int, wall_s: float, lr: float = math.nan) -> RunResult:
     """The run's stage-end scores from its summary.json (exact match where the trainer wrote it)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     if not summary.get("finished", False):
@@ -118,7 +125,7 @@ def read_run(run_dir: Path, variant: str, seed: int, wall_s: float) -> RunResult
               for s in summary["stages"]]
     tokens = plan_tokens(load_plan(run_dir / "plan.yaml"))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return RunResult(variant, seed, stages, tokens, wall_s, train_loss_tenths(metrics))
+    return RunResult(variant, seed, stages, tokens, wall_s, train_loss_tenths(metrics), lr)
 
 
 # --- statistics and the recommendation ------------------------------------------------------------
@@ -242,6 +249,8 @@ class CompareRequest:
     eval_sequences: int = 16
     jobs: int = 1  # runs at a time
     gpus: int = 0  # with jobs > 1 and at least `jobs` GPUs, each worker gets its own
+    # the peak rates each variant is tried at, as factors of the task's first stage's rate
+    lr_factors: tuple[float, ...] = LR_FACTORS
 
 
 @dataclass
@@ -252,42 +261,98 @@ class Progress:
     finished: Callable[[str, int, Path, int], None] = lambda variant, seed, run_dir, steps: None
 
 
-def plan_variants(req: CompareRequest) -> dict[str, Plan]:
+Plans = dict[str, dict[float, Plan]]  # variant -> peak rate -> its plan
+
+
+def lr_grid(req: CompareRequest) -> list[float]:
+    """The peak rates every variant is tried at: the same grid for all."""
+    if not req.lr_factors or any(not math.isfinite(f) or f <= 0 for f in req.lr_factors):
+        raise UsageError("--lr-grid: give one or more positive factors of the task's rate, e.g. 0.5,1,2")
+    base = req.task.stages[0].lr
+    return sorted({base * f for f in req.lr_factors})
+
+
+def plan_variants(req: CompareRequest) -> Plans:
     task = scaled(req.task, req.scale)
-    return {name: plan_variant(spec, req.model, req.hardware)
-            for name, spec in variant_tasks(task, req.variants).items()}
+    plans: Plans = {}
+    for lr in lr_grid(req):
+        for name, spec in variant_tasks(task, req.variants, lr).items():
+            plans.setdefault(name, {})[lr] = plan_variant(spec, req.model, req.hardware)
+    return plans
 
 
-def compare(req: CompareRequest, plans: dict[str, Plan] | None = None, progress: Progress | None = None) -> dict[str, Any]:
-    """Train every variant for every seed and score them; the comparison as a JSON-ready dict
-    (`compare.json`, rewritten after every run with `complete: false` until the last one).
+def runs_per_variant(req: CompareRequest) -> int:
+    """Seed 0 at every rate of the grid, then the other seeds at the variant's chosen rate."""
+    return len(lr_grid(req)) + req.seeds - 1
 
-    Seeds are the outer loop, so that an interrupted comparison has every variant's first seeds.
+
+def plan_steps(plan: Plan) -> int:
+    return sum(s.steps for s in plan.stages)
+
+
+def compare(req: CompareRequest, plans: Plans | None = None, progress: Progress | None = None) -> dict[str, Any]:
+    """Tune each variant's peak rate on seed 0 over the grid, then train the other seeds at the rate
+    chosen (`chosen_lrs`); score them; the comparison as a JSON-ready dict (`compare.json`, rewritten
+    after every run with `complete: false` until the last one).
+
     `req.jobs` runs at a time, each in its own process (spawned: a fresh torch) with its share of the
     CPU cores, or, on a machine with GPUs, its own device."""
     if req.seeds < 1:
         raise UsageError("--seeds must be at least 1")
     progress = progress or Progress()
     plans = plans or plan_variants(req)
-    todo = [(name, seed, plan) for seed in range(req.seeds) for name, plan in plans.items()]
+    total = len(plans) * runs_per_variant(req)
     runs: list[RunResult] = []
-
-    def done(name: str, seed: int, plan: Plan, wall_s: float) -> None:
-        run_dir = req.out / "runs" / name / f"seed-{seed}"
-        runs.append(read_run(run_dir, name, seed, wall_s))
-        progress.finished(name, seed, run_dir, sum(s.steps for s in plan.stages))
-        write_outputs({**summarise(req, plans, runs), "complete": len(runs) == len(todo)}, req.out)
-
-    jobs = [(plan, req.out / "runs" / name / f"seed-{seed}", seed, req.eval_sequences, req.out / "data_cache")
-            for name, seed, plan in todo]
-    for (name, seed, plan), job in zip(todo, jobs):
-        progress.started(name, seed, job[1], sum(s.steps for s in plan.stages))
-        if req.jobs == 1:
-            done(name, seed, plan, train_run(*job))
-    if req.jobs > 1:
-        for (name, seed, plan), wall_s in zip(todo, _in_parallel(jobs, req.jobs, req.gpus)):
-            done(name, seed, plan, wall_s)
+    _train_batch(req, plans, [(name, lr, 0) for name in plans for lr in plans[name]], progress, runs, total)
+    chosen = chosen_lrs(runs, skills(scaled(req.task, req.scale)))
+    _train_batch(req, plans, [(name, chosen[name], seed) for seed in range(1, req.seeds) for name in plans],
+                 progress, runs, total)
     return {**summarise(req, plans, runs), "complete": True}
+
+
+def run_dir_of(req: CompareRequest, variant: str, lr: float, seed: int) -> Path:
+    return req.out / "runs" / variant / f"lr-{lr:g}" / f"seed-{seed}"
+
+
+def _train_batch(req: CompareRequest, plans: Plans, todo: list[tuple[str, float, int]], progress: Progress,
+                 runs: list[RunResult], total: int) -> None:
+    """Train the (variant, rate, seed) runs of `todo`, appending each result to `runs` and rewriting
+    the outputs after each."""
+    jobs = [(plans[name][lr], run_dir_of(req, name, lr, seed), seed, req.eval_sequences, req.out / "data_cache")
+            for name, lr, seed in todo]
+
+    def done(item: tuple[str, float, int], job: tuple, wall_s: float) -> None:
+        name, lr, seed = item
+        runs.append(read_run(job[1], name, seed, wall_s, lr))
+        progress.finished(name, seed, job[1], plan_steps(job[0]))
+        write_outputs({**summarise(req, plans, runs), "complete": len(runs) == total}, req.out)
+
+    for item, job in zip(todo, jobs):
+        progress.started(item[0], item[2], job[1], plan_steps(job[0]))
+        if req.jobs == 1:
+            done(item, job, train_run(*job))
+    if req.jobs > 1 and jobs:
+        for item, job, wall_s in zip(todo, jobs, _in_parallel(jobs, req.jobs, req.gpus)):
+            done(item, job, wall_s)
+
+
+def run_mean_loss(run: RunResult, scored: list[str]) -> float:
+    """The run's final eval loss averaged over the skills (nan when one is missing)."""
+    losses = run.final("eval")
+    values = [losses.get(skill) for skill in scored]
+    return statistics.fmean(values) if values and all(isinstance(v, (int, float)) for v in values) else math.nan
+
+
+def chosen_lrs(runs: list[RunResult], scored: list[str]) -> dict[str, float]:
+    """Each variant's peak rate: the one of its seed-0 runs with the lowest final mean eval loss over
+    the skills (the summary metric; ties to the lower rate)."""
+    chosen: dict[str, tuple[float, float]] = {}
+    for run in sorted((r for r in runs if r.seed == 0), key=lambda r: r.lr):
+        loss = run_mean_loss(run, scored)
+        best = chosen.get(run.variant)
+        if best is None or (math.isfinite(loss) and not loss >= best[1]):
+            chosen[run.variant] = (run.lr, loss)
+    return {name: lr for name, (lr, _) in chosen.items()}
 
 
 def _in_parallel(jobs: list[tuple], workers: int, gpus: int):
@@ -317,38 +382,52 @@ def _worker_init(devices, workers: int, gpus: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
-def summarise(req: CompareRequest, plans: dict[str, Plan], runs: list[RunResult]) -> dict[str, Any]:
+def summarise(req: CompareRequest, plans: Plans, runs: list[RunResult]) -> dict[str, Any]:
     task = scaled(req.task, req.scale)
     scored = skills(task)
     mixed = mixed_stage(task)
     metrics = ["eval"] + (["exact_match"] if any(r.final("exact_match") for r in runs) else [])
+    chosen = chosen_lrs(runs, scored)
     variants: dict[str, Any] = {}
-    for name in plans:
-        mine = [r for r in runs if r.variant == name]
-        entry: dict[str, Any] = {"tokens": plan_tokens(plans[name]),
-                                 "wall_s": stat([r.wall_s for r in mine]).as_dict(),
-                                 "layouts": sorted({s.layout.short() for s in plans[name].stages})}
-        for metric in metrics:
-            # exact match is null for skills without answers (text rows): their mean leaves them out
-            values = [{k: v for k, v in r.final(metric).items() if v is not None} for r in mine]
-            counted = [k for k in scored if any(k in v for v in values)]
-            per_skill = {skill: stat([v.get(skill) for v in values]).as_dict() for skill in scored}
-            means = [statistics.fmean([v[k] for k in counted]) for v in values
-                     if counted and all(k in v for k in counted)]
-            entry[metric] = {"skills": per_skill, "mean": stat(means).as_dict()}
-        entry["forgetting"] = {skill: _forgetting_stats(mine, skill, mixed.name if mixed else None)
-                               for skill in scored}
-        entry["train_loss_tenths"] = [stat(list(xs)).as_dict() for xs in zip(*(r.train_loss_tenths for r in mine))]
-        entry["runs"] = [{"seed": r.seed, "stages": r.stage_evals, "wall_s": r.wall_s,
-                          "train_loss_tenths": r.train_loss_tenths} for r in mine]
+    for name, by_lr in plans.items():
+        # before its first run a variant stands at the task's own rate (or the grid's lowest)
+        lr = chosen.get(name, task.stages[0].lr if task.stages[0].lr in by_lr else min(by_lr))
+        mine = [r for r in runs if r.variant == name and r.lr == lr]
+        entry = _variant_entry(by_lr[lr], mine, scored, metrics, mixed.name if mixed else None)
+        entry["lr"] = {"chosen": lr, "grid": [{"lr": rate, "mean_eval_loss": _or_none(run_mean_loss(r, scored))}
+                                              for rate in sorted(by_lr)
+                                              for r in runs if r.variant == name and r.seed == 0 and r.lr == rate],
+                       "at_grid_edge": len(by_lr) > 1 and lr in (min(by_lr), max(by_lr))}
         variants[name] = entry
     result = {"task": req.task.name, "model": req.model.name, "hf_config": req.model.hf_config,
               "seeds": req.seeds, "scale": req.scale, "eval_sequences": req.eval_sequences, "skills": scored,
               "mixed_stage": mixed.name if mixed else None,
-              "spread": "sample standard deviation over seeds", "variants": variants}
+              "spread": "sample standard deviation over seeds", "schedule": SCHEDULE_PROTOCOL,
+              "lr_grid": sorted({lr for by_lr in plans.values() for lr in by_lr}), "runs_done": len(runs),
+              "runs_total": len(plans) * runs_per_variant(req), "variants": variants}
     result["recommendation"] = recommendations(variants, scored, metrics)
     result["finding"] = one_pot_finding(variants, scored)
     return result
+
+
+def _variant_entry(plan: Plan, mine: list[RunResult], scored: list[str], metrics: list[str],
+                   mixed: str | None) -> dict[str, Any]:
+    """One variant's scores over its seeds at its chosen rate: per skill and their mean, mean ± spread."""
+    entry: dict[str, Any] = {"tokens": plan_tokens(plan), "wall_s": stat([r.wall_s for r in mine]).as_dict(),
+                             "layouts": sorted({s.layout.short() for s in plan.stages})}
+    for metric in metrics:
+        # exact match is null for skills without answers (text rows): their mean leaves them out
+        values = [{k: v for k, v in r.final(metric).items() if v is not None} for r in mine]
+        counted = [k for k in scored if any(k in v for v in values)]
+        per_skill = {skill: stat([v.get(skill) for v in values]).as_dict() for skill in scored}
+        means = [statistics.fmean([v[k] for k in counted]) for v in values
+                 if counted and all(k in v for k in counted)]
+        entry[metric] = {"skills": per_skill, "mean": stat(means).as_dict()}
+    entry["forgetting"] = {skill: _forgetting_stats(mine, skill, mixed) for skill in scored}
+    entry["train_loss_tenths"] = [stat(list(xs)).as_dict() for xs in zip(*(r.train_loss_tenths for r in mine))]
+    entry["runs"] = [{"seed": r.seed, "lr": r.lr, "stages": r.stage_evals, "wall_s": r.wall_s,
+                      "train_loss_tenths": r.train_loss_tenths} for r in mine]
+    return entry
 
 
 def _forgetting_stats(runs: list[RunResult], skill: str, mixed: str | None) -> dict[str, Any] | None:
@@ -424,13 +503,35 @@ def table_markdown(result: dict[str, Any]) -> str:
     scored = result["skills"]
     has_em = any("exact_match" in v for v in result["variants"].values())
     head = [f"{s} loss" for s in scored] + ["mean loss"] + ([f"{s} exact match" for s in scored] if has_em else [])
-    rows = ["| variant | tokens | " + " | ".join(head) + " |", "|---|---:|" + "---:|" * len(head)]
+    rows = ["| variant | tokens | peak lr | " + " | ".join(head) + " |", "|---|---:|---:|" + "---:|" * len(head)]
     for name, entry in result["variants"].items():
         cells = [mean_spread(entry["eval"]["skills"][s]) for s in scored] + [mean_spread(entry["eval"]["mean"])]
         if has_em:
             em = entry.get("exact_match", {}).get("skills", {})
             cells += [mean_spread(em.get(s)) for s in scored]
-        rows.append(f"| {name} | {entry['tokens']:,} | " + " | ".join(cells) + " |")
+        rows.append(f"| {name} | {entry['tokens']:,} | {chosen_lr_text(entry)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def chosen_lr_text(entry: dict[str, Any]) -> str:
+    """The variant's peak rate, marked (edge) when it is the grid's lowest or highest: a better one may
+    lie beyond the grid."""
+    lr = entry.get("lr") or {}
+    if "chosen" not in lr:
+        return "-"
+    return f"{lr['chosen']:.3g}" + (" (edge)" if lr.get("at_grid_edge") else "")
+
+
+def tuning_markdown(result: dict[str, Any]) -> str:
+    """Seed 0's final mean eval loss per variant at every peak rate of the grid."""
+    grid = result.get("lr_grid") or []
+    if len(grid) < 2:
+        return ""
+    rows = ["| variant | " + " | ".join(f"lr {lr:.3g}" for lr in grid) + " | chosen |", "|---|" + "---:|" * (len(grid) + 1)]
+    for name, entry in result["variants"].items():
+        loss = {point["lr"]: point["mean_eval_loss"] for point in entry.get("lr", {}).get("grid", [])}
+        cells = [f"{loss[lr]:.3f}" if loss.get(lr) is not None else "-" for lr in grid]
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {chosen_lr_text(entry)} |")
     return "\n".join(rows)
 
 
@@ -472,13 +573,14 @@ def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "compare.json", out / "compare.md", out / "compare.png"]
     paths[0].write_text(json.dumps(result, indent=2))
-    forgot = forgetting_markdown(result)
-    runs = sum(len(v["runs"]) for v in result["variants"].values())
-    partial = [] if result.get("complete", True) else [f"**Partial**: {runs} of "
-                                                       f"{len(result['variants']) * result['seeds']} runs done.", ""]
+    forgot, tuning = forgetting_markdown(result), tuning_markdown(result)
+    partial = [] if result.get("complete", True) else [f"**Partial**: {result.get('runs_done')} of "
+                                                       f"{result.get('runs_total')} runs done.", ""]
     body = [f"# Curriculum comparison: {result['task']} ({result['model']}, {result['seeds']} seeds)", "", *partial,
             "Final eval loss per skill (lower is better), mean ± spread (sample standard deviation over seeds).", "",
-            table_markdown(result), "", f"**Recommendation** ({result['recommendation']['rule']}): "
+            table_markdown(result), "", f"Schedule: {result.get('schedule', SCHEDULE_PROTOCOL)}.", "",
+            *(["Peak rate tuning (seed 0, final mean eval loss):", "", tuning, ""] if tuning else []),
+            f"**Recommendation** ({result['recommendation']['rule']}): "
             f"{result['recommendation']['text']}.", "", f"Per skill: {winners_text(result)}."]
     if forgot:
         body += ["", "Forgetting and recovery (staged variants):", "", forgot]

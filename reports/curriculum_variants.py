@@ -15,8 +15,15 @@ and is scored on the same skills: the stages with eval data. The variants:
   (as written; where a stage writes no replay, DEFAULT_REPLAY of its tokens, split evenly over the
   earlier stages).
 * ``staged+replay+mixed``: the task as written.
-* ``wsd-staged``: the task as written under one WSD schedule (`lr_schedule: wsd`) instead of a
-  re-warm-up and cosine per stage.
+* ``late-mix``: two-phase pretraining. One-pot's pooled mixture during the warm-up and the stable
+  phase, then, from the first step of the decay on, a stage (LATE_MIX_STAGE) whose mix upweights the
+  later skills (the own data of every stage after the first, by their budgets) and replays
+  LATE_MIX_REPLAY of the pooled mixture. The mix changes exactly where the rate starts to decay.
+
+The schedule is the same for all (`fair_schedule`): one warmup-stable-decay (WSD) over the run, at
+one peak rate for every stage, with the first stage's warm-up and floor, decaying over the run's last
+`wsd_decay_fraction` of steps. So the variants differ only in which data each step draws, never in
+the rate it draws it at; `advisor curriculum compare` then tunes that one peak rate per variant.
 
 The closing mixed stage is the last stage when it replays earlier ones and has no eval data of its
 own (the source article's shape); a task without one has staged+replay+mixed = the task as written.
@@ -29,10 +36,14 @@ import math
 from advisor.errors import UsageError
 from advisor.task import DataSource, StageSpec, TaskSpec
 
-VARIANTS = ("one-pot", "staged", "staged+replay", "staged+replay+mixed", "wsd-staged")
+VARIANTS = ("one-pot", "staged", "staged+replay", "staged+replay+mixed", "late-mix")
 RAMP_FRACTION = 0.2  # of a stage's steps, when it sets no ramp_steps of its own
 DEFAULT_REPLAY = 0.2  # of a stage's tokens, spread over the earlier stages, when it writes no replay
 PROXY_GLOBAL_BATCH = 16  # sequences per step when the task sets no global_batch
+LATE_MIX_STAGE = "late-mix"  # late-mix's decay stage
+# late-mix's decay draws this share from the pooled mixture (the replay of two-phase pretraining's
+# second phase) and the rest from the later skills' own data
+LATE_MIX_REPLAY = 0.3
 
 
 def stage_token_budgets(task: TaskSpec) -> dict[str, int]:
@@ -150,8 +161,60 @@ def with_replay(task: TaskSpec) -> TaskSpec:
     return _renamed(task, "staged+replay", out)
 
 
-def variant_tasks(task: TaskSpec, names: list[str] | tuple[str, ...] = VARIANTS) -> dict[str, TaskSpec]:
-    """The named variants of `task`, at the task's total tokens."""
+def decay_steps(task: TaskSpec, run_steps: int) -> int:
+    """The steps a WSD run of `run_steps` decays over, as the trainer counts them (trainer/loop.py
+    rounds the fraction; trainer.schedule.wsd_lr keeps at least one and leaves the warm-up whole)."""
+    warmup = min(task.stages[0].warmup_steps, max(run_steps - 1, 0))
+    return max(1, min(round(task.wsd_decay_fraction * run_steps), run_steps - warmup))
+
+
+def later_sources(task: TaskSpec) -> list[DataSource]:
+    """The own data of every stage after the first, each file weighted by the tokens its stage draws
+    from it as written (the stage's budget less its replay share)."""
+    budgets = stage_token_budgets(task)
+    drawn: dict[str, tuple[DataSource, float]] = {}
+    for stage in task.stages[1:]:
+        own = (1.0 - sum(stage.replay.values())) * budgets[stage.name]
+        total_weight = sum(src.weight for src in stage.sources) or 1.0
+        for src in stage.sources:
+            key = f"{src.path}|{src.text_field}|{src.domain}"
+            _, tokens = drawn.get(key, (src, 0.0))
+            drawn[key] = (src, tokens + own * src.weight / total_weight)
+    total = sum(tokens for _, tokens in drawn.values()) or 1.0
+    return [src.model_copy(update={"weight": tokens / total}) for src, tokens in drawn.values() if tokens > 0]
+
+
+def late_mix(task: TaskSpec) -> TaskSpec:
+    """One-pot's stages over the run's stable part, then LATE_MIX_STAGE over exactly its decay steps."""
+    pot = one_pot(task)
+    run_steps = task_steps(task)
+    decay = decay_steps(task, run_steps)
+    step = tokens_per_step(task)
+    steps = whole_steps({s.name: s.tokens or 0 for s in pot.stages}, run_steps - decay)
+    head = [s.model_copy(update={"tokens": steps[s.name] * step}) for s in pot.stages]
+    names = {s.name.casefold() for s in head}
+    name = next(n for n in (LATE_MIX_STAGE, *(f"{LATE_MIX_STAGE}-{i}" for i in range(2, 99)))
+                if n.casefold() not in names)
+    tail = head[-1].model_copy(update={"name": name, "sources": later_sources(task), "tokens": decay * step,
+                                       "replay": {head[-1].name: LATE_MIX_REPLAY}, "eval_sources": [],
+                                       "eval_tokens": 0, "ramp_steps": 0, "difficulty": None,
+                                       "split_by": "none", "time_windows": {}})
+    return _renamed(task, "late-mix", [*head, tail], lr_schedule="wsd")
+
+
+def fair_schedule(task: TaskSpec, peak_lr: float) -> TaskSpec:
+    """`task` under the comparison's one schedule: WSD over the run, every stage at `peak_lr`, the first
+    stage's warm-up and floor for all (WSD warms up once and decays once)."""
+    first = task.stages[0]
+    stages = [s.model_copy(update={"lr": peak_lr, "warmup_steps": first.warmup_steps,
+                                   "min_lr_ratio": first.min_lr_ratio}) for s in task.stages]
+    return task.model_copy(update={"stages": stages, "lr_schedule": "wsd"})
+
+
+def variant_tasks(task: TaskSpec, names: list[str] | tuple[str, ...] = VARIANTS,
+                  peak_lr: float | None = None) -> dict[str, TaskSpec]:
+    """The named variants of `task`, at the task's total tokens, each under `fair_schedule` at
+    `peak_lr` (default: the task's first stage's rate)."""
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise UsageError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
@@ -164,5 +227,6 @@ def variant_tasks(task: TaskSpec, names: list[str] | tuple[str, ...] = VARIANTS)
     build = {"one-pot": lambda: one_pot(task), "staged": lambda: hard_switch(task),
              "staged+replay": lambda: with_replay(task),
              "staged+replay+mixed": lambda: _renamed(task, "staged+replay+mixed", list(task.stages)),
-             "wsd-staged": lambda: _renamed(task, "wsd-staged", list(task.stages), lr_schedule="wsd")}
-    return {name: build[name]() for name in names}
+             "late-mix": lambda: late_mix(task)}
+    peak = task.stages[0].lr if peak_lr is None else peak_lr
+    return {name: fair_schedule(build[name](), peak) for name in names}

@@ -19,7 +19,8 @@ from advisor.errors import UsageError
 from advisor.plan_file import Plan, load_plan
 from advisor.specs import GiB, read_user_yaml
 from reports import charts
-from reports.document import Document, Table, format_number, num, pct, text
+from reports.document import Cell, Document, Table, format_number, num, pct, text
+from reports.skill_story import Scores, skill_stories
 
 
 @dataclass
@@ -398,6 +399,7 @@ def run_document(a: RunAnalysis) -> Document:
     _checkpoints_section(doc, a)
     _eval_section(doc, a)
     _exact_match_section(doc, a)
+    _story_section(doc, a)
     _plan_section(doc, data)
     return doc
 
@@ -498,6 +500,42 @@ def _checkpoints_section(doc: Document, a: RunAnalysis) -> None:
               id="checkpoints-on-disk")
     elif not a.checkpoint_events:
         doc.p("No checkpoints recorded.", id="checkpoints")
+
+
+def _story_section(doc: Document, a: RunAnalysis) -> None:
+    """Per skill: learned in its own stage, forgotten by the later ones, healed by the mixed stage
+    (reports/skill_story.py), in exact match and eval loss; the exact match after every stage as a chart."""
+    order = list(dict.fromkeys([*a.evals, *a.exact_match]))
+    stages = [{"name": stage, "eval": a.evals.get(stage) or {}, "exact_match": a.exact_match.get(stage) or {}}
+              for stage in order]
+    stories = skill_stories(stages)
+    if not stories:
+        return
+
+    def cell(scores: Scores | None, key: str) -> list[Cell]:
+        if scores is None:
+            return [text("-"), text("-")]
+        return [pct(scores.exact_match, f"{key}:exact") if scores.exact_match is not None else text("n/a"),
+                num(scores.loss, f"{key}:loss")]
+
+    rows = []
+    for story in stories:
+        forgot, healed = story.forgetting(), story.healed()
+        rows.append([text(story.skill), *cell(story.own, f"story:{story.skill}:own"),
+                     text(story.worst.stage if story.worst else "-"), *cell(story.worst, f"story:{story.skill}:worst"),
+                     *cell(story.end, f"story:{story.skill}:end"),
+                     *cell(forgot, f"story:{story.skill}:forgetting"), *cell(healed, f"story:{story.skill}:healed")])
+    doc.table(Table(["skill", "own stage: exact", "own stage: loss", "worst later stage", "worst: exact",
+                     "worst: loss", "end: exact", "end: loss", "forgot: exact", "forgot: loss", "healed: exact",
+                     "healed: loss"], rows, id="skill-story",
+                    caption="each skill after its own stage, after the later stage where it was worst (before a "
+                            "closing mixed stage) and at the end; forgot: exact match lost and loss gained from "
+                            "its own stage to the worst; healed: what the closing mixed stage gave back"))
+    shares = {(st, sk): v for st, d in a.exact_match.items() for sk, v in d.items() if v is not None}
+    if shares:
+        skills = list(dict.fromkeys(sk for _, sk in shares))
+        doc.figure("exact-match", charts.exact_match_chart(list(a.exact_match), skills, shares),
+                   "Exact match of each skill after each stage: learned in its stage, forgotten, healed.")
 
 
 def _eval_section(doc: Document, a: RunAnalysis) -> None:

@@ -79,12 +79,25 @@ def test_variants_train_at_equal_tokens_and_one_pot_pools_by_tokens_drawn() -> N
     assert pooled == pytest.approx({k: v / 360_000 for k, v in expected.items()})
     assert [s.name for s in variants["staged"].stages] == ["language", "reasoning", "instructions"]
     assert all(not s.replay and not s.ramp_steps for s in variants["staged"].stages)
-    assert variants["one-pot"].lr_schedule == "wsd" and variants["wsd-staged"].lr_schedule == "wsd"
-    assert variants["staged+replay+mixed"].stages == task.stages
+    # the fair protocol: every variant under WSD, every stage at one peak rate with one warm-up and floor
+    for spec in variants.values():
+        assert spec.lr_schedule == "wsd"
+        assert {(s.lr, s.warmup_steps, s.min_lr_ratio) for s in spec.stages} == {(1e-3, 20, 0.1)}
+    as_written = variants["staged+replay+mixed"].stages
+    assert [(s.name, s.sources, s.replay, s.tokens) for s in as_written] == \
+        [(s.name, s.sources, s.replay, s.tokens) for s in task.stages]
+    # late-mix: 90 steps, 9 of decay (10%): the pooled mixture for 81, then the later skills' data
+    # (reasoning 80k, instructions 60k, mixed's own 40% of 60k) with 30% replay of the pool
+    late = variants["late-mix"].stages
+    assert [s.name for s in late] == ["language", "reasoning", "instructions", "mixed", "late-mix"]
+    assert late[-1].tokens == 9 * 16 * 256 and late[-1].replay == {"mixed": 0.3} and not late[-1].eval_sources
+    assert {Path(src.path).stem: src.weight for src in late[-1].sources} == pytest.approx(
+        {"arithmetic": 80 / 164, "instructions": 60 / 164, "mixed": 24 / 164})
+    assert all(s.sources == variants["one-pot"].stages[0].sources for s in late[:-1])
 
 
 def test_a_clear_winner_is_recommended() -> None:
-    stats = {"one-pot": Stat(3.00, 0.02, 3), "staged": Stat(3.20, 0.03, 3), "wsd-staged": Stat(3.10, 0.05, 3)}
+    stats = {"one-pot": Stat(3.00, 0.02, 3), "staged": Stat(3.20, 0.03, 3), "late-mix": Stat(3.10, 0.05, 3)}
     rec = recommend(stats)
     assert rec.winner == "one-pot" and rec.tied == []
     assert "use one-pot" in rec.text
@@ -94,7 +107,7 @@ def test_a_clear_winner_is_recommended() -> None:
 
 def test_overlapping_spreads_mean_the_choice_does_not_matter() -> None:
     # best by 0.04, but the runner-up's spread is 0.05: not beyond it
-    stats = {"one-pot": Stat(3.00, 0.02, 3), "staged": Stat(3.04, 0.05, 3), "wsd-staged": Stat(3.50, 0.01, 3)}
+    stats = {"one-pot": Stat(3.00, 0.02, 3), "staged": Stat(3.04, 0.05, 3), "late-mix": Stat(3.50, 0.01, 3)}
     rec = recommend(stats)
     assert rec.winner is None and rec.best == "one-pot" and rec.tied == ["staged"]
     assert "does not matter" in rec.text
@@ -119,7 +132,8 @@ def test_curriculum_compare_on_a_toy_task_writes_the_table_and_the_json(tmp_path
     model.write_text(json.dumps(CONFIG))
     out = tmp_path / "compare"
     command = [sys.executable, "-m", "advisor.cli", "curriculum", "compare", "--task", str(task), "--model", str(model),
-               "--seeds", "2", "--variants", "one-pot,staged", "--scale", "0.5", "--out", str(out), "--json"]
+               "--seeds", "2", "--variants", "one-pot,staged", "--scale", "0.5", "--lr-grid", "0.5,1", "--out", str(out),
+               "--json"]
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -127,8 +141,13 @@ def test_curriculum_compare_on_a_toy_task_writes_the_table_and_the_json(tmp_path
     written = json.loads((out / "compare.json").read_text())
     assert written["complete"] and printed["variants"].keys() == written["variants"].keys() == {"one-pot", "staged"}
     assert written["skills"] == ["language", "math"]
+    assert written["lr_grid"] == pytest.approx([1.5e-3, 3e-3]) and written["runs_done"] == 2 * (2 + 1)
     for entry in written["variants"].values():
         assert entry["tokens"] == 4 * 32 * 4  # half the toy's 2 x 4 steps, at 4 x 32 tokens each
+        # seed 0 at both rates; the rate with the lower final mean eval loss is kept for seed 1
+        tried = {point["lr"]: point["mean_eval_loss"] for point in entry["lr"]["grid"]}
+        assert tried.keys() == {1.5e-3, 3e-3} and entry["lr"]["chosen"] == min(tried, key=tried.get)
+        assert sorted((r["seed"], r["lr"]) for r in entry["runs"]) == [(0, entry["lr"]["chosen"]), (1, entry["lr"]["chosen"])]
         losses = [[r["stages"][-1]["eval"][skill] for r in entry["runs"]] for skill in written["skills"]]
         for skill, values in zip(written["skills"], losses):  # the JSON's mean and spread are the runs'
             assert entry["eval"]["skills"][skill]["mean"] == pytest.approx(sum(values) / 2)
@@ -160,6 +179,11 @@ def test_an_unknown_variant_is_one_line_and_exit_2(tmp_path) -> None:
                                       "--out", str(tmp_path)])
     assert result.exit_code == 2 and "unknown variant(s) twice" in result.output
     assert "Traceback" not in result.output
+    for grid in ("0.5,x", "0,1", "nan", ","):
+        result = CliRunner().invoke(app, ["curriculum", "compare", "--task", "demo", "--lr-grid", grid,
+                                          "--out", str(tmp_path)])
+        assert result.exit_code == 2 and "--lr-grid" in result.output and "Traceback" not in result.output, grid
+        assert len(result.output.strip().splitlines()) == 1, result.output
 
 
 def test_the_finding_is_stated_only_when_no_staged_variant_matches_one_pot_on_every_skill() -> None:
@@ -172,8 +196,44 @@ def test_the_finding_is_stated_only_when_no_staged_variant_matches_one_pot_on_ev
     skills = ["language", "reasoning"]
     pot = entry(1.0, 1.0)
     # each staged variant loses one skill beyond the spread: no variant matches on every skill
-    assert one_pot_finding({"one-pot": pot, "staged": entry(1.5, 0.9), "wsd-staged": entry(0.9, 1.5)}, skills)
+    assert one_pot_finding({"one-pot": pot, "staged": entry(1.5, 0.9), "late-mix": entry(0.9, 1.5)}, skills)
     # within the spread on one, better on the other: it matches
-    assert one_pot_finding({"one-pot": pot, "staged": entry(1.01, 0.5), "wsd-staged": entry(2, 2)}, skills) is None
+    assert one_pot_finding({"one-pot": pot, "staged": entry(1.01, 0.5), "late-mix": entry(2, 2)}, skills) is None
     # one seed: no spread, no finding
     assert one_pot_finding({"one-pot": pot, "staged": entry(1.5, 1.5, n=1)}, skills) is None
+
+
+def _toy_variant_runs(root: Path) -> dict[str, tuple[object, list[dict]]]:
+    """Every variant of the toy two-stage task (10 steps, 3 of them decay), trained by the trainer:
+    its plan and its metrics.jsonl."""
+    from reports.curriculum import plan_variant
+    from trainer.loop import train
+
+    task = load_task(str(write_task(root, steps=5))).model_copy(update={"wsd_decay_fraction": 0.3})
+    out = {}
+    for name, spec in variant_tasks(task, peak_lr=2e-3).items():
+        plan = plan_variant(spec, ModelSpec(name="tiny", hf_config=CONFIG), load_hardware("cpu"))
+        train(plan, root / name, resume=False, options=TrainOptions(show_progress=False, eval_sequences=2))
+        out[name] = (plan, [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()])
+    return out
+
+
+def test_every_variant_trains_one_wsd_schedule_at_equal_tokens_and_late_mix_switches_at_the_decay(tmp_path) -> None:
+    runs = _toy_variant_runs(tmp_path)
+    # the definition, written out: 2 warm-up steps rising to the peak, the peak, then a straight line
+    # over the last 3 of 10 steps down to 10% of the peak at the last step
+    peak, warmup, run_steps, decay, floor = 2e-3, 2, 10, 3, 0.1
+    expected = [peak * (g + 1) / (warmup + 1) if g < warmup else peak if g < run_steps - decay
+                else peak * (1 - (1 - floor) * (g - (run_steps - decay) + 1) / decay) for g in range(run_steps)]
+    tokens = {}
+    for name, (plan, metrics) in runs.items():
+        assert [m["lr"] for m in metrics] == pytest.approx(expected), name
+        per_stage = {s.name: s.layout.tokens_per_step for s in plan.stages}
+        tokens[name] = sum(per_stage[m["stage"]] for m in metrics)
+        micro_batch_tokens = plan.chosen.layout.mbs * plan.chosen.layout.seq
+    assert max(tokens.values()) - min(tokens.values()) <= micro_batch_tokens, tokens
+    # late-mix: the pooled mixture until the decay, its own mix from the decay's first step on
+    stages = [m["stage"] for m in runs["late-mix"][1]]
+    assert stages.index("late-mix") == run_steps - decay and set(stages[run_steps - decay:]) == {"late-mix"}
+    plan = runs["late-mix"][0]
+    assert plan.task.stages[-1].sources != plan.task.stages[0].sources

@@ -464,6 +464,35 @@ def test_run_report_shows_predicted_against_measured_stages_spikes_checkpoints_a
     assert "reasoning: eval loss rose" not in page
     assert "instructions" in page and "dp=" in page  # the plan that ran, with its layout
     assert (run_dir / "report" / "run.md").read_text().count("](charts/") == len(RUN_CHARTS)
+    # each skill's story in loss: after its stage, worst before the mixed stage (instructions), the end
+    for skill, (own, worst, end) in {"language": (3.1, 3.4, 3.3), "reasoning": (2.5, 2.6, 2.45)}.items():
+        for key, value in (("own", own), ("worst", worst), ("end", end), ("forgetting", worst - own),
+                           ("healed", worst - end)):
+            assert_shown(cells, f"story:{skill}:{key}:loss", value)
+
+
+def test_run_report_tells_each_skills_story_in_exact_match_with_a_chart(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_run_dir(run_dir)
+    # reasoning: 60% after its stage, 10% after instructions, 55% after the mixed stage
+    exact = {"reasoning": {"reasoning": 0.6}, "instructions": {"reasoning": 0.1, "instructions": 0.8},
+             "mixed": {"reasoning": 0.55, "instructions": 0.75}}
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    for event in events:
+        if event["event"] == "eval" and event["stage"] in exact:
+            event["exact_match"] = exact[event["stage"]]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    result = runner.invoke(app, ["report", "run", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    cells = page_cells((run_dir / "report" / "run.html").read_text())
+    for key, value in (("own", 0.6), ("worst", 0.1), ("end", 0.55), ("forgetting", 0.5), ("healed", 0.45)):
+        assert_shown(cells, f"story:reasoning:{key}:exact", value)
+    # trained last before the mixed stage: nothing between to forget it, nothing to heal
+    assert_shown(cells, "story:instructions:own:exact", 0.8)
+    assert_shown(cells, "story:instructions:end:exact", 0.75)
+    assert "story:instructions:worst:exact" not in cells.cells and "story:instructions:healed:exact" not in cells.cells
+    assert (run_dir / "report" / "charts" / "exact-match.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_run_report_tolerates_a_crashed_run_with_only_metrics(tmp_path) -> None:

@@ -54,6 +54,9 @@ def compare(
     variants: Optional[str] = typer.Option(None, "--variants", help=f"comma-separated subset of {', '.join(VARIANTS)}"),
     scale: float = typer.Option(1.0, "--scale", min=0.0001, help="multiplies every stage's token budget"),
     eval_sequences: int = typer.Option(16, "--eval-sequences", min=1, help="held-out sequences per skill"),
+    lr_grid: str = typer.Option(",".join(f"{f:g}" for f in cc.LR_FACTORS), "--lr-grid",
+                                help="peak rates every variant is tried at (seed 0), as comma-separated factors of "
+                                "the task's first stage's rate; each variant keeps its best"),
     hardware: Optional[str] = typer.Option(None, "--hardware", "-H", help="hardware preset or profile.json "
                                            "(default: this machine's kind: cpu, or a GPU preset)"),
     out: Path = typer.Option(Path("runs/curriculum"), "--out", help="report dir: compare.json, compare.md, "
@@ -62,9 +65,10 @@ def compare(
     verbose: bool = typer.Option(False, "--verbose", help="third-party output on the console too"),
 ) -> None:
     """Train the proxy under one-pot, staged (hard switch), staged + replay (ramps), staged + replay +
-    mixed (the task as written) and WSD-staged, at equal tokens and several seeds; report per-skill
-    eval loss (and exact match where the evaluation gives it) as mean ± spread, and recommend a
-    variant only when its advantage beats the seeds' spread."""
+    mixed (the task as written) and late-mix (one-pot, then the decay on the later skills' data), at
+    equal tokens, all under one WSD schedule, each at its best peak rate of --lr-grid, several seeds;
+    report per-skill eval loss (and exact match where the evaluation gives it) as mean ± spread, and
+    recommend a variant only when its advantage beats the seeds' spread."""
 
     def prepare() -> tuple[cc.CompareRequest, dict]:
         check_number(scale, "--scale", gt=0, le=MAX_SCALE)
@@ -77,13 +81,14 @@ def compare(
         req = cc.CompareRequest(task=spec, model=cc.proxy_model(base, hidden, layers),
                                 hardware=load_hardware(hardware or _local_hardware()), out=out, seeds=seeds,
                                 variants=chosen, scale=scale, eval_sequences=eval_sequences, jobs=jobs,
-                                gpus=_gpus())
+                                gpus=_gpus(), lr_factors=_factors(lr_grid))
         if ensure_generated_data(spec):
             console.print(f"generated the {spec.name} task's data into {spec.base_dir}")
         return req, cc.plan_variants(req)
 
     req, plans = exit_on_error(prepare)
-    total = sum(sum(s.steps for s in p.stages) for p in plans.values()) * seeds
+    per_variant = cc.runs_per_variant(req)
+    total = sum(cc.plan_steps(next(iter(by_lr.values()))) for by_lr in plans.values()) * per_variant
     stderr = os.fdopen(os.dup(2), "w", buffering=1)  # the terminal's: the quiet console routes fd 2 to the log
     with stderr, quiet_console(out, verbose) as terminal:
         with _Bar(Console(file=stderr if as_json else terminal), total) as bar:
@@ -94,6 +99,14 @@ def compare(
         return
     _render(result)
     console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+
+
+def _factors(text: str) -> tuple[float, ...]:
+    try:
+        factors = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--lr-grid {text!r}: give comma-separated numbers, e.g. 0.5,1,2") from None
+    return factors  # checked (positive, finite, at least one) by cc.lr_grid
 
 
 class _Bar:
@@ -151,6 +164,7 @@ def _render(result: dict) -> None:
                   f"({result['model']})")
     table.add_column("variant")
     table.add_column("tokens", justify="right")
+    table.add_column("peak lr", justify="right")
     for skill in scored:
         table.add_column(f"{skill} loss", justify="right")
     table.add_column("mean loss", justify="right")
@@ -162,8 +176,9 @@ def _render(result: dict) -> None:
         cells = [cc.mean_spread(entry["eval"]["skills"][s]) for s in scored] + [cc.mean_spread(entry["eval"]["mean"])]
         if has_em:
             cells += [cc.mean_spread(entry.get("exact_match", {}).get("skills", {}).get(s)) for s in scored]
-        table.add_row(name, f"{entry['tokens']:,}", *cells)
+        table.add_row(name, f"{entry['tokens']:,}", cc.chosen_lr_text(entry), *cells)
     console.print(table)
+    console.print(f"schedule: {result['schedule']}", highlight=False)
     console.print(f"[bold]recommendation:[/bold] {result['recommendation']['text']}", highlight=False)
     console.print(f"per skill: {cc.winners_text(result)}", highlight=False)
     if result.get("finding"):

@@ -11,6 +11,7 @@ from rich.table import Table
 from advisor.cli.common import console
 from advisor.specs import Estimate, GiB, Layout
 from profiler.stragglers import pace, straggles
+from reports.skill_story import percent, skill_stories, story_line
 
 
 def format_gib(nbytes: float) -> str:
@@ -276,22 +277,28 @@ def render_data_manifest(manifest: dict[str, Any]) -> None:
 
 
 def stage_results_lines(summary: dict[str, Any]) -> list[str]:
-    """One line per finished stage: greedy exact match per skill (n/a: no answers to score) and the
-    epochs it made over its sources; why exact match was not scored, where it was not."""
+    """One line per finished stage: greedy exact match and eval loss per skill (n/a: no answers to
+    score) and the epochs it made over its sources; why exact match was not scored, where it was not;
+    then, per skill, what the later stages forgot of it and what the closing mixed stage healed."""
     lines = []
-    for stage in summary.get("stages") or []:
+    stages = summary.get("stages") or []
+    for stage in stages:
         scores = stage.get("exact_match") or {}
+        losses = stage.get("eval") or {}
         epochs = stage.get("epochs") or {}
-        if scores or epochs:
-            scored = ", ".join(f"{skill} {'n/a' if value is None else f'{100 * value:.1f}%'}"
-                               for skill, value in scores.items())
+        if scores or epochs or losses:
+            scored = ", ".join(f"{skill} {percent(value)}" for skill, value in scores.items())
+            loss = ", ".join(f"{skill} {value:.3f}" for skill, value in losses.items()
+                             if isinstance(value, (int, float)))
             passes = ", ".join(f"{source} {value:.2f}" for source, value in epochs.items())
-            lines.append(f"after {stage['name']}: exact match {scored or '-'}" + (f"; epochs {passes}" if passes else ""))
+            lines.append(f"after {stage['name']}: exact match {scored or '-'}" + (f"; eval loss {loss}" if loss else "")
+                         + (f"; epochs {passes}" if passes else ""))
         cut = rows_cut_line(stage)
         if cut:
             lines.append(cut)
     if summary.get("exact_match_note"):
         lines.append(f"exact match {summary['exact_match_note']}")
+    lines += [story_line(story) for story in skill_stories(stages)]
     return lines
 
 
