@@ -172,7 +172,7 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     with _timed(timings, "plan_s"):
         plan = _plan(model, hardware, task, opts, say)
     say(f"plan: {plan.chosen.layout.short()}")
-    _make_room(out, say, options.keep_runs)
+    _make_room(out, say, opts.keep_runs)
     candidates = [plan.chosen, *plan.alternatives][:max(1, opts.verify)]
     build_cpu_comm_op([p.layout for p in candidates], plan.engine, say)
     progress.expect(_estimate_s(plan, candidates if opts.verify else [], opts))
