@@ -13,3 +13,8 @@ class UsageError(Exception):
     def __init__(self, message: object = "") -> None:
         text = str(message)
         super().__init__(text if self.multiline else " ".join(text.split()))
+
+
+class TrainingStopped(UsageError, RuntimeError):
+    """Training gave up by its own rule (the loss kept spiking past the rollback budget): one line and
+    exit 2 with what to change, not an "internal error"; the run dir keeps its newest good checkpoint."""

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from advisor.errors import UsageError
+from advisor.errors import TrainingStopped, UsageError
 from advisor.engine_traits import traits
 from advisor.capabilities import EngineChoice
 from advisor.plan_file import Plan, StagePlan, load_plan, segment_of
@@ -758,7 +758,9 @@ class _Run:
         self.rollbacks += 1
         if self.rollbacks > self.options.max_rollbacks:
             self.events.write({"event": "stop", "reason": f"more than {self.options.max_rollbacks} rollbacks"})
-            raise RuntimeError(f"training stopped after {self.options.max_rollbacks} rollbacks: {reason}")
+            raise TrainingStopped(f"training stopped after {self.options.max_rollbacks} rollbacks: {reason}; the "
+                                  f"checkpoints in {self.ckpt_root} hold the last good steps: lower the stage's "
+                                  "learning rate (or its batch's noise) and train again")
         repeated = self.last_spike is not None and spike_step <= self.last_spike
         self.steps_back = self.steps_back + 1 if repeated else 0
         self.last_spike = spike_step
