@@ -57,9 +57,24 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def _is_file(path: Path) -> bool:
+    """Whether a name the user gave is a file; a name the filesystem cannot hold (too long) is none."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 def preset_data(kind: str, name: str) -> dict[str, Any]:
     path = PRESETS_DIR / kind / f"{name}.yaml"
-    if not path.is_file():
+    if not _is_file(path):
         raise UsageError(f"unknown {kind} preset '{name}'; available: {', '.join(preset_names(kind))}")
     return dict(_read_yaml(path))
 
@@ -67,8 +82,8 @@ def preset_data(kind: str, name: str) -> dict[str, Any]:
 def load_hardware(ref: str) -> HardwareSpec:
     """A hardware preset name, or a path to a JSON/YAML file with the HardwareSpec schema."""
     path = Path(ref)
-    if ref.endswith((".json", ".yaml", ".yml")) or path.is_file():
-        if not path.is_file():
+    if ref.endswith((".json", ".yaml", ".yml")) or _is_file(path):
+        if not _is_file(path):
             raise UsageError(f"hardware file not found: {ref}")
         return load_hardware_file(path)
     return validate(HardwareSpec, preset_data("hardware", ref), f"hardware preset '{ref}'")
@@ -100,11 +115,11 @@ def load_hardware_file(path: Path) -> HardwareSpec:
 def load_model(ref: str) -> ModelSpec:
     """A model preset name, an HF `config.json`, or a local model folder holding one."""
     path = Path(ref)
-    if path.is_dir():
+    if _is_dir(path):
         path = path / "config.json"
-        if not path.is_file():
+        if not _is_file(path):
             raise UsageError(f"model folder {ref} has no config.json")
-    if path.is_file():
+    if _is_file(path):
         try:
             config = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
@@ -146,7 +161,7 @@ def load_task(ref: str) -> TaskSpec:
     """A task preset name (e.g. `demo`) or a path to a task YAML. A preset with generated data reads
     it from its cache folder (`generated_data_dir`), whether or not it is written yet."""
     path = Path(ref)
-    if path.is_file():
+    if _is_file(path):
         return read_task_file(path)
     if ref.endswith((".yaml", ".yml")) or "/" in ref:
         raise UsageError(f"task file not found: {ref}")

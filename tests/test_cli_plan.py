@@ -64,7 +64,8 @@ def test_plan_writes_a_plan_train_can_read_and_exports_launchers(tmp_path) -> No
     assert (export_dir / "accelerate.yaml").exists() == (layout.tp == 1 and layout.pp == 1)
     assert "--nnodes=2" in (export_dir / "torchrun.sh").read_text()
     slurm = (export_dir / "slurm.sbatch").read_text()
-    assert "#SBATCH --nodes=2" in slurm and "srun torchrun" in slurm
+    # the launcher of `advisor train` on every node (issue 31: every segment of the plan runs)
+    assert "#SBATCH --nodes=2" in slurm and "srun advisor train" in slurm and "--resume" in slurm
 
 
 def test_task_stages_get_steps_and_young_checkpoint_intervals(tmp_path) -> None:
