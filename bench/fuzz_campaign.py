@@ -2,7 +2,7 @@
 numbers) and tests/test_fuzz_verbs.py (every verb's options under drawn environment variables), run
 by pytest with Hypothesis's statistics, counted per test.
 
-    python -m bench.fuzz_campaign [--no-write]
+    python -m bench.fuzz_campaign [--runs 3] [--no-write]
 
 A case passes when it exits 0 or 2 (or is accepted and reaches the work), prints no traceback and
 no "internal error", and finishes within 10 s (each test's Hypothesis deadline). The counts are
@@ -25,7 +25,7 @@ _COUNTS = re.compile(r"- (\d+) passing examples, (\d+) failing examples, (\d+) i
 def run_campaign() -> tuple[dict[str, tuple[int, int, int]], int, float]:
     """{test: (passing, failing, invalid)} of the generate phase, pytest's exit code, seconds."""
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", *FILES, "-q", "-p", "no:cacheprovider",
+    done = subprocess.run([sys.executable, "-m", "pytest", *FILES, "-q", "-p", "no:cacheprovider", "--hypothesis-profile=campaign",
                            "--hypothesis-show-statistics"], capture_output=True, text=True, check=False)
     counts: dict[str, tuple[int, int, int]] = {}
     test = None
@@ -41,17 +41,21 @@ def run_campaign() -> tuple[dict[str, tuple[int, int, int]], int, float]:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="campaigns, each with fresh draws")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
-    counts, code, seconds = run_campaign()
-    passing = sum(c[0] for c in counts.values())
-    failing = sum(c[1] for c in counts.values())
+    runs = [run_campaign() for _ in range(args.runs)]
+    counts = runs[-1][0]
     rows = [f"| `{name.split('::')[1]}` | {p} | {f} | {i} |" for name, (p, f, i) in sorted(counts.items())]
+    totals = [(sum(c[0] for c in run.values()), sum(c[1] for c in run.values()), code, seconds)
+              for run, code, seconds in runs]
     body = "\n".join([
-        "| test | cases run | failing | discarded (invalid draws) |", "|---|---|---|---|", *rows, "",
-        f"{passing:,} generated cases over {len(counts)} fuzz tests, {failing} failing; pytest exit {code}; "
-        f"{seconds:.0f} s on this 2-core machine. A case fails on a traceback, an \"internal error\", an exit "
-        "code other than 0 or 2, a file written outside its folder, or more than 10 s."])
+        "| test (the last run) | cases run | failing | discarded (invalid draws) |", "|---|---|---|---|", *rows, "",
+        *(f"- run {k + 1}: {cases:,} generated cases over {len(run[0])} fuzz tests, {failing} failing, pytest exit "
+          f"{code}, {seconds:.0f} s" for k, ((cases, failing, code, seconds), run) in enumerate(zip(totals, runs))),
+        "", "Each run draws anew (`--hypothesis-profile=campaign`; CI runs the same tests with fixed draws). A case "
+        "fails on a traceback, an \"internal error\", an exit code other than 0 or 2, a file written outside its "
+        "folder, or more than 10 s (each test's deadline)."])
     print(body)
     if not args.no_write:
         from bench.benchmarks_md import write_section

@@ -178,6 +178,8 @@ def test_the_walk_finds_every_verb_and_their_options() -> None:
     (["run", "--model", "demo-tiny", "--out", ""], {}, "cannot be a run dir"),  # ran the whole chain in "."
     (["train", "plan.yaml", "--out", "/"], {}, "cannot be a run dir"),
     (["report", "capacity", "--model", "a" * 300], {}, "unknown models preset"),  # ENAMETOOLONG: internal error
+    (["data", "prepare", "--task", "demo-tiny", "--out", "a" * 300], {}, "File name too long"),
+    (["data", "generate-demo", "--out", "a" * 300], {}, "File name too long"),
 ])
 def test_what_the_campaign_found(argv: list[str], env: dict[str, str], says: str | None) -> None:
     """Each case a fuzz run found on the way (an internal error, a traceback, or a run written into the

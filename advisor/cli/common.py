@@ -68,7 +68,11 @@ def check_out_folder(out: Path, flag: str = "--out") -> None:
     """An output folder the command may create or use: refused in one line when it, or a folder on its
     way, is a file (mkdir would fail with a traceback, or the run would write beside the user's file)."""
     for path in (out, *out.parents):
-        if path.exists() or path.is_symlink():
+        try:
+            found = path.exists() or path.is_symlink()
+        except OSError as exc:  # a name the filesystem cannot hold (too long, ...)
+            raise UsageError(f"{flag} {str(out)[:80]}: {exc.strerror}") from None
+        if found:
             if not path.is_dir():
                 raise UsageError(f"{flag} {out}: {path} is a file, not a folder")
             return
