@@ -447,14 +447,12 @@ def test_a_row_the_chat_template_raises_on_is_refused_naming_the_row(tmp_path, t
     assert "refuses this row: one tool call per turn (chat format)" in str(error.value)
 
 
-def test_a_one_stage_plan_reads_registry_datasets_concatenated(tmp_path, tokenizer_dir) -> None:
-    """What `advisor train --data data/dataset_info.json --dataset a,b` calls: one stage over both
-    datasets, each weighed by its share of the sequences they pack into (LLaMA-Factory concatenates)."""
-    from advisor.plan_file import load_plan
+def _registry_and_plan(tmp_path: Path) -> tuple[Path, Path]:
+    """A LLaMA-Factory data folder (the registry, an alpaca and a tool-call dataset) and a demo-tiny plan
+    made without a task, as `advisor train --data data/dataset_info.json --dataset ...` gets them."""
     from typer.testing import CliRunner
 
     from advisor.cli import app
-    from trainer.one_stage import one_stage_plan
 
     data = tmp_path / "data"
     data.mkdir()
@@ -465,6 +463,16 @@ def test_a_one_stage_plan_reads_registry_datasets_concatenated(tmp_path, tokeniz
     made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
                                     "--seq-len", "512", "--global-batch", "2", "--top", "1", "--out", str(plan)])
     assert made.exit_code == 0, made.output
+    return data, plan
+
+
+def test_a_one_stage_plan_reads_registry_datasets_concatenated(tmp_path, tokenizer_dir) -> None:
+    """What `advisor train --data data/dataset_info.json --dataset a,b` calls: one stage over both
+    datasets, each weighed by its share of the sequences they pack into (LLaMA-Factory concatenates)."""
+    from advisor.plan_file import load_plan
+    from trainer.one_stage import one_stage_plan
+
+    data, plan = _registry_and_plan(tmp_path)
     one_stage, _ = one_stage_plan(load_plan(plan), str(data), tmp_path / "run", None, None, weights=str(tokenizer_dir),
                                   datasets=["alpaca_en_demo", "glaive_toolcall_en_demo"])
     sources = one_stage.task.stages[0].sources
@@ -719,22 +727,11 @@ def test_interleaved_registry_datasets_are_drawn_by_their_probabilities(tmp_path
     """`--mix interleave --mix-probs 0.25,0.75`: the stage draws its sequences from the datasets by
     those probabilities, and one pass ends when the first runs out (min n_i / p_i sequences)."""
     from advisor.plan_file import load_plan
-    from typer.testing import CliRunner
-
-    from advisor.cli import app
     from trainer.data.mixing import Reading
     from trainer.one_stage import one_stage_plan
     from trainer.stream import EpochOrder
 
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "dataset_info.json").write_text(json.dumps(REGISTRY))
-    (data / "alpaca_en_demo.json").write_text(json.dumps(ALPACA[:2] * 30))
-    (data / "glaive_toolcall_en_demo.json").write_text(json.dumps(GLAIVE * 5))
-    plan = tmp_path / "plan.yaml"
-    made = CliRunner().invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
-                                    "--seq-len", "512", "--global-batch", "2", "--top", "1", "--out", str(plan)])
-    assert made.exit_code == 0, made.output
+    data, plan = _registry_and_plan(tmp_path)
     reading = Reading(mix="interleave", mix_probs=(0.25, 0.75))
     one_stage, _ = one_stage_plan(load_plan(plan), str(data), tmp_path / "run", None, None, weights=str(tokenizer_dir),
                                   datasets=["alpaca_en_demo", "glaive_toolcall_en_demo"], reading=reading)
