@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -19,7 +20,7 @@ from trainer.data.manifest import read_manifest
 
 # pyproject's `data` extra: what `advisor data prepare` and training on its shards import, and the
 # main job (`advisor run`) never does
-DATA_EXTRA = ("datasets", "pandas")
+DATA_EXTRA = ("datasets", "pandas", "datatrove")
 
 
 def require_data_extra(command: str) -> None:
@@ -32,6 +33,17 @@ def require_data_extra(command: str) -> None:
             missing.append(module)
     if missing:
         raise UsageError(f"{command} needs {' and '.join(missing)}: pip install -e \".[data]\"")
+
+
+EXECUTORS = ("local",)
+LATER_EXECUTORS = ("slurm", "ray")
+
+
+def check_executor(name: str) -> None:
+    if name in LATER_EXECUTORS:
+        raise UsageError(f"--executor {name}: not yet; this version runs the scan on this machine (--executor local)")
+    if name not in EXECUTORS:
+        raise UsageError(f"--executor {name[:40]!r}: unknown; use {', '.join(EXECUTORS)}")
 
 
 data_app = typer.Typer(
@@ -50,15 +62,22 @@ def data_prepare(
     as_json: bool = typer.Option(False, "--json", help="print the manifest as one JSON object"),
     allow_code: bool = typer.Option(False, "--allow-code", help="let a difficulty rule `module:function` or "
                                                                 "`file.py:function` import and run that code"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="scan this many parts of the data at a time "
+                                                                  "(default: every core); the output is the same"),
+    executor: str = typer.Option("local", "--executor", help="where the scan runs: local (this machine's cores)"),
 ) -> None:
     """Clean (exact and MinHash near-duplicate removal, length and character-quality thresholds),
     grade by difficulty, bucket by length and write tokenised stage shards plus a manifest.
 
-    The folder is written aside and renamed at the end: it is whole or untouched.
+    The folder is written aside and renamed at the end: it is whole or untouched. The scan runs as
+    datatrove tasks on every core; a killed prepare, run again, resumes from the parts it finished.
     """
     def compute():
         if out is not None:
             check_out_folder(out)
+        check_executor(executor)
+        scan_workers = (os.cpu_count() or 1) if workers is None else workers
+        check_number(scan_workers, "--workers", ge=1)
         require_data_extra("advisor data prepare")
         from trainer.data.prepare import prepare  # deferred: imports datasets/pandas (an extra; 0.5 s at every start)
 
@@ -66,7 +85,8 @@ def data_prepare(
         log = None if as_json else (lambda message: err_console.print(message, style="dim", highlight=False))
         if ensure_generated_data(spec) and log:
             log(f"generated the {spec.name} task's data into {spec.base_dir}")
-        return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log, allow_code=allow_code)
+        return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log, allow_code=allow_code,
+                       workers=scan_workers)
 
     folder, manifest = exit_on_error(compute)
     if as_json:
