@@ -65,6 +65,9 @@ def data_prepare(
     workers: Optional[int] = typer.Option(None, "--workers", help="scan this many parts of the data at a time "
                                                                   "(default: every core); the output is the same"),
     executor: str = typer.Option("local", "--executor", help="where the scan runs: local (this machine's cores)"),
+    rows_per_part: Optional[int] = typer.Option(
+        None, "--rows-per-part", min=1, help="rows of a JSON-lines file per scan task, the unit of work and of "
+                                             "resume (default 10000)"),
 ) -> None:
     """Clean (exact and MinHash near-duplicate removal, length and character-quality thresholds),
     grade by difficulty, bucket by length and write tokenised stage shards plus a manifest.
@@ -86,7 +89,7 @@ def data_prepare(
         if ensure_generated_data(spec) and log:
             log(f"generated the {spec.name} task's data into {spec.base_dir}")
         return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log, allow_code=allow_code,
-                       workers=scan_workers)
+                       workers=scan_workers, **({"rows_per_part": rows_per_part} if rows_per_part else {}))
 
     folder, manifest = exit_on_error(compute)
     if as_json:

@@ -28,10 +28,11 @@ from datatrove.pipeline.base import PipelineStep
 from loguru import logger
 
 from advisor import environment
+from advisor.errors import UsageError
 from advisor.task import DifficultySpec, TaskSpec
 from trainer.data.dedup import DocumentHasher, MinHashParams
 from trainer.data.difficulty import Grader
-from trainer.data.scan import Part, ScanSettings, UnitColumns, part_folder, scan_part
+from trainer.data.scan import Part, ScanSettings, UnitColumns, scan_part
 from trainer.data.tokenizer import TextTokenizer
 
 SCAN_FORMAT = 1  # raise when a part's files change meaning: older work folders are then not reused
@@ -120,11 +121,23 @@ def _kill_hook(job: ScanJob) -> None:
     text = environment.read(KILL_HOOK).strip()
     if not text:
         return
-    folder = job.work / "parts"
-    finished = sum(1 for p in folder.glob("part*") if p.is_dir()) if folder.is_dir() else 0
+    if not text.isdigit():
+        raise UsageError(f"{KILL_HOOK}={text[:40]!r}: expected a whole number of parts")
+    folder = job.work / "datatrove" / "completions"  # datatrove's markers: what a rerun will skip
+    finished = sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
     if finished >= int(text):
         os.kill(job.main_pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Discard:
+    """A stream that drops what is written (never closed: loguru keeps the stream it was given)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
 
 
 class _QuietExecutor(LocalPipelineExecutor):
@@ -132,7 +145,8 @@ class _QuietExecutor(LocalPipelineExecutor):
     prepare shows its own progress lines."""
 
     def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1) -> Any:
-        with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+        # datatrove adds a loguru sink on sys.stderr as it is at this moment, per task
+        with contextlib.redirect_stderr(_Discard()):
             return super()._run_for_rank(rank, local_rank, node_rank)
 
 
@@ -153,6 +167,7 @@ def run_scan(job: ScanJob, workers: int, log: Log) -> int:
     finally:
         stop.set()
         watcher.join()
+        logger.remove()  # the sinks datatrove added while it ran
     return reused
 
 
@@ -164,7 +179,3 @@ def _report_progress(job: ScanJob, logging_dir: Path, stop: threading.Event, log
         if done != shown and done < len(job.parts):
             log(f"scanning: {done}/{len(job.parts)} parts done")
             shown = done
-
-
-def finished_parts(job: ScanJob) -> list[Path]:
-    return [part_folder(job.work / "parts", part) for part in job.parts]
