@@ -100,3 +100,16 @@ def test_executor_and_workers_flags_are_checked_in_one_line(tmp_path: Path) -> N
         assert result.exit_code == 2, (flags, result.output)
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], (flags, result.output)
+
+
+def test_a_bad_row_in_a_workers_part_is_one_line_and_leaves_no_parts(tmp_path: Path) -> None:
+    task = write_corpus(tmp_path)
+    lines = (tmp_path / "c1.jsonl").read_text().splitlines(keepends=True)
+    lines[200] = json.dumps({"text": 7}) + "\n"  # row 201, in the 7th part of the file
+    (tmp_path / "c1.jsonl").write_text("".join(lines))
+    result = CliRunner().invoke(app, ["data", "prepare", "--task", str(task), "--out", str(tmp_path / "o"),
+                                      "--workers", "2", "--rows-per-part", str(ROWS_PER_PART)])
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert "c1.jsonl, line 201 (row 201): field 'text' is int, not a string" in last, result.output
+    assert not list(tmp_path.glob(".o.*")), "neither the output's temp folder nor the scan's parts are left"

@@ -20,6 +20,7 @@ bench/data_buckets.py).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -45,7 +46,7 @@ from trainer.data.manifest import (MANIFEST_NAME, MANIFEST_VERSION, default_out_
 from trainer.data.parts import ROWS_PER_PART, plan_parts
 from trainer.data.pipeline import ScanJob, job_key, remember_settings, run_scan, work_folder
 from trainer.data.quality import CHECKS, STAT_COLUMNS, failed_check, merge_filters
-from trainer.data.scan import ColumnSpool, ScanSettings, UnitColumns, merge_parts
+from trainer.data.scan import ColumnSpool, Part, ScanSettings, UnitColumns, merge_parts
 from trainer.data.shards import SCHEMA, OutputDir, ShardWriter, shard_path
 from trainer.data.sources import expand_source_path, file_type_of
 from trainer.data.times import parse_time
@@ -175,9 +176,8 @@ def _check_selection(stage: StageSpec, source: DataSource, difficulty: Difficult
 # --- step 1: scan each file once, cut into parts, on every core -------------------------------------
 
 
-def _scan(entries: list[Entry], units: list[Unit], ctx: Context, out: Path, spool_root: Path) -> Path:
-    """Scan every unit's parts (trainer/data/pipeline.py) and merge each unit's parts into its
-    spool; returns the work folder, whose parts' token files the shards are written from."""
+def _scan_job(entries: list[Entry], units: list[Unit], ctx: Context, out: Path) -> tuple[ScanJob, list[list[Part]]]:
+    """The scan's tasks: every unit's parts, and what a worker needs to scan them."""
     planned = plan_parts([u.columns() for u in units], ctx.rows_per_part)
     tokenizer_path = Path(ctx.tokenizer.path)
     key = job_key(task_fingerprint(ctx.task), ctx.rows_per_part, tokenizer_path)
@@ -188,6 +188,24 @@ def _scan(entries: list[Entry], units: list[Unit], ctx: Context, out: Path, spoo
     remember_settings(key, ScanSettings(tokenizer=ctx.tokenizer, eos_id=ctx.eos_id,
                                         append_eos=ctx.task.data.append_eos, exact=ctx.task.data.dedup.exact,
                                         hasher=ctx.hasher, graders=ctx.graders))
+    return job, planned
+
+
+@contextlib.contextmanager
+def _kept_for_resume_only(work: Path) -> Iterator[None]:
+    """A prepare that stops on an error (a bad row, nothing left after filtering) removes its scan's
+    parts: fixing the cause changes the files or the task, so they could not be reused. A killed
+    prepare runs no cleanup: its parts stay for the next run."""
+    try:
+        yield
+    except Exception:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def _scan(job: ScanJob, planned: list[list[Part]], units: list[Unit], ctx: Context, spool_root: Path) -> None:
+    """Scan every unit's parts (trainer/data/pipeline.py) and merge each unit's parts into its
+    spool; the parts' token files, which the shards are written from, stay in the work folder."""
     t0 = time.perf_counter()
     run_scan(job, ctx.workers, ctx.log)
     seconds = time.perf_counter() - t0
@@ -196,7 +214,6 @@ def _scan(entries: list[Entry], units: list[Unit], ctx: Context, out: Path, spoo
             parts, job.work / "parts", spool_root / f"unit{unit.index:04d}")
         ctx.log(f"scanned {unit.path} ({unit.rows:,} rows, {len(parts)} part(s))")
     ctx.log(f"scan: {sum(u.rows for u in units):,} rows in {seconds:.1f} s on {ctx.workers} worker(s)")
-    return job.work
 
 
 # --- step 2: duplicates over the whole task ----------------------------------------------------------
@@ -422,6 +439,22 @@ def _prepare_split(stage: StageSpec, split: str, entries: list[Entry], ctx: Cont
     }
 
 
+def _prepare_stage(stage: StageSpec, entries: list[Entry], ctx: Context, out: Path, budget: int) -> dict[str, Any]:
+    """One stage's splits written, and its summary for the manifest."""
+    summary: dict[str, Any] = {"name": stage.name, "replay": dict(stage.replay)}
+    for split in SPLITS:
+        split_entries = [e for e in entries if e.stage is stage and e.split == split]
+        info = _prepare_split(stage, split, split_entries, ctx, out, budget)
+        if info is not None:
+            summary[split] = info
+    own = summary["train"]["tokens"] if "train" in summary else 0
+    summary["tokens"] = own
+    summary["samples"] = summary["train"]["samples"] if "train" in summary else 0
+    summary["tokens_with_replay"] = tokens_with_replay(own, stage.replay)
+    ctx.log(f"stage {stage.name}: {summary['samples']:,} samples, {own:,} tokens")
+    return summary
+
+
 def _bucket_report(edges: list[int], lengths: np.ndarray, counts: np.ndarray,
                    micro_batch_tokens: int) -> list[dict[str, Any]]:
     """Per length bucket: its samples, tokens, slots, padding and a length histogram (the manifest's)."""
@@ -558,22 +591,11 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
         for entry in entries:  # before any reading: rows of another format are trained from the raw source
             _check_text_rows(entry.source, base_dir)
         spool_root = output.tmp / "_spool"
-        work = _scan(entries, units, ctx, output.final, spool_root)
-        _resolve_duplicates(entries, units, ctx)
-        stages = []
-        for stage in task.stages:
-            summary: dict[str, Any] = {"name": stage.name, "replay": dict(stage.replay)}
-            for split in SPLITS:
-                split_entries = [e for e in entries if e.stage is stage and e.split == split]
-                info = _prepare_split(stage, split, split_entries, ctx, output.tmp, budget)
-                if info is not None:
-                    summary[split] = info
-            own = summary["train"]["tokens"] if "train" in summary else 0
-            summary["tokens"] = own
-            summary["samples"] = summary["train"]["samples"] if "train" in summary else 0
-            summary["tokens_with_replay"] = tokens_with_replay(own, stage.replay)
-            stages.append(summary)
-            say(f"stage {stage.name}: {summary['samples']:,} samples, {own:,} tokens")
+        job, planned = _scan_job(entries, units, ctx, output.final)
+        with _kept_for_resume_only(job.work):
+            _scan(job, planned, units, ctx, spool_root)
+            _resolve_duplicates(entries, units, ctx)
+            stages = [_prepare_stage(stage, entries, ctx, output.tmp, budget) for stage in task.stages]
         shutil.rmtree(spool_root, ignore_errors=True)
         manifest = {
             "version": MANIFEST_VERSION, "task": task.name, "fingerprint": fingerprint,
@@ -589,7 +611,7 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
             "seconds": round(time.perf_counter() - started, 2),
         }
         (output.tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
-    shutil.rmtree(work, ignore_errors=True)  # kept until now: a failed prepare resumes from its parts
+    shutil.rmtree(job.work, ignore_errors=True)  # kept until now: a killed prepare resumes from its parts
     return output.final, manifest
 
 

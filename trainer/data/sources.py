@@ -249,9 +249,21 @@ def read_line_range(path: Path, fmt: str, text_field: str, extra_fields: tuple[s
         # one block for the whole range: a row is never cut at a block boundary
         table = pa_json.read_json(io.BytesIO(raw), read_options=pa_json.ReadOptions(block_size=max(len(raw), 1 << 16)))
     except Exception as exc:  # pyarrow raises its own types
-        raise UsageError(_diagnose(path, fmt) or f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+        problem = _diagnose(path, fmt) or _range_problem(path, fmt, raw, first_row, text_field)
+        raise UsageError(problem or f"cannot read {path} (rows {first_row + 1} on): {type(exc).__name__}: {exc}") from None
     for lo in range(0, table.num_rows, batch_size):
         yield _row_batch(path, fmt, table.slice(lo, batch_size).to_pydict(), first_row + lo, text_field, extra_fields)
+
+
+def _range_problem(path: Path, fmt: str, raw: bytes, first_row: int, text_field: str) -> str | None:
+    """The first row of a range whose text field is missing or not a string (what makes pyarrow's
+    reader fail on a column's type), named by its line in the file; None when every text is one."""
+    rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    try:
+        _row_batch(path, fmt, {text_field: [row.get(text_field) for row in rows]}, first_row, text_field, ())
+    except UsageError as exc:
+        return str(exc)
+    return None
 
 
 def row_location(path: Path, fmt: str, row: int) -> str:
