@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import shutil
 import signal
@@ -179,3 +180,74 @@ def _report_progress(job: ScanJob, logging_dir: Path, stop: threading.Event, log
         if done != shown and done < len(job.parts):
             log(f"scanning: {done}/{len(job.parts)} parts done")
             shown = done
+
+
+# --- Slurm: the same tasks as a job array ------------------------------------------------------------
+
+
+@dataclass
+class SlurmOptions:
+    """The job array's resources: each array task scans one part on one core."""
+
+    partition: str
+    time: str = "04:00:00"
+    mem_per_cpu_gb: int = 4
+    array_parallelism: int = 64   # array tasks running at once (sbatch --array=0-N%P)
+    job_name: str = "advisor-prepare"
+
+
+def write_slurm_scripts(job: ScanJob, options: SlurmOptions, finish_command: str) -> dict[str, Path]:
+    """Write the scan's job array as datatrove writes it (its pickled executor, the ranks to run and
+    `launch_script.slurm`) and a finishing job (`finish.slurm`) that runs `finish_command`, plus
+    `submit.sh`, which submits both, the second after the first succeeds. Nothing is submitted.
+
+    datatrove 0.10 has no dry run: its own `launch_job` runs here with the one function that calls
+    sbatch replaced by one that keeps the script, so the scripts are exactly those it would submit."""
+    from datatrove.executor import slurm
+
+    logging_dir = job.work / "datatrove"
+    executor = slurm.SlurmPipelineExecutor(
+        [ScanStep(job)], tasks=len(job.parts), time=options.time, partition=options.partition, cpus_per_task=1,
+        mem_per_cpu_gb=options.mem_per_cpu_gb, workers=options.array_parallelism, job_name=options.job_name,
+        logging_dir=str(logging_dir), slurm_logs_folder=str(job.work / "slurm_logs"), requeue=True, qos="",
+        mail_type="NONE")
+    kept: list[str] = []
+
+    def keep_script(contents: str, job_id_retriever: Any, *args: str) -> str:
+        kept.append(contents)
+        return "0"
+
+    submit = slurm.launch_slurm_job
+    slurm.launch_slurm_job = keep_script
+    logger.remove()  # its log would say that a job was launched
+    try:
+        executor.launch_job()
+    finally:
+        slurm.launch_slurm_job = submit
+    paths = {"array": logging_dir / "launch_script.slurm", "finish": job.work / "finish.slurm",
+             "submit": job.work / "submit.sh"}
+    if not kept:  # every part was scanned before: only the finishing job is left
+        paths.pop("array")
+    paths["finish"].write_text(_finish_script(options, finish_command, job.work / "slurm_logs"))
+    arrays = math.ceil(len(executor.get_incomplete_ranks()) / executor.max_array_size)
+    paths["submit"].write_text(_submit_script(paths, arrays))
+    return paths
+
+
+def _finish_script(options: SlurmOptions, command: str, logs: Path) -> str:
+    return "\n".join([
+        "#!/bin/bash", f"#SBATCH --job-name={options.job_name}-finish", f"#SBATCH --partition={options.partition}",
+        f"#SBATCH --time={options.time}", "#SBATCH --nodes=1", "#SBATCH --cpus-per-task=1",
+        f"#SBATCH --mem-per-cpu={options.mem_per_cpu_gb}G", f"#SBATCH --output={logs}/finish-%j.out",
+        f"#SBATCH --error={logs}/finish-%j.out", "set -e", command, ""])
+
+
+def _submit_script(paths: dict[str, Path], arrays: int) -> str:
+    """Submit the array (in slices of datatrove's largest array, each with its RUN_OFFSET, as its
+    own launcher does), then the finishing job once every slice has succeeded."""
+    lines = ["#!/bin/bash", "set -e", "after=afterok"]
+    for offset in range(arrays if "array" in paths else 0):
+        lines += [f"scan=$(sbatch --parsable --export=ALL,RUN_OFFSET={offset} {paths['array']})",
+                  "after=\"$after:${scan%%;*}\""]
+    lines.append(f"sbatch --dependency=$after {paths['finish']}" if "array" in paths else f"sbatch {paths['finish']}")
+    return "\n".join(lines) + "\n"

@@ -44,7 +44,8 @@ from trainer.data.difficulty import Grader, band_index, band_names, check_spec, 
 from trainer.data.manifest import (MANIFEST_NAME, MANIFEST_VERSION, default_out_dir, task_fingerprint,
                                    tokens_with_replay)
 from trainer.data.parts import ROWS_PER_PART, plan_parts
-from trainer.data.pipeline import ScanJob, job_key, remember_settings, run_scan, work_folder
+from trainer.data.pipeline import (ScanJob, SlurmOptions, job_key, remember_settings, run_scan, work_folder,
+                                   write_slurm_scripts)
 from trainer.data.quality import CHECKS, STAT_COLUMNS, failed_check, merge_filters
 from trainer.data.scan import ColumnSpool, Part, ScanSettings, UnitColumns, merge_parts
 from trainer.data.shards import SCHEMA, OutputDir, ShardWriter, shard_path
@@ -563,30 +564,12 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
     `allow_code` lets a difficulty rule `module:function` import and run that code. The scan runs
     `workers` parts at a time; the output is the same for any number of workers."""
     started = time.perf_counter()
-    say = log or (lambda message: None)
-    base_dir = Path(task.base_dir)
     out = Path(out_dir) if out_dir else default_out_dir(task)
-    try:
-        entries, units = _plan_entries(task, base_dir)
-    except UsageError as exc:
-        command = generate_command(base_dir)
-        if "not found" in str(exc) and command:
-            raise UsageError(f"{exc} (generated data: `{command}` writes it)") from None
-        raise
-    fingerprint = task_fingerprint(task)
-    graders = {}
-    for entry in entries:  # first: a refused difficulty rule stops before any reading
-        if entry.grader_key not in graders:
-            graders[entry.grader_key] = Grader(entry.difficulty, base_dir, task.seq_len, allow_code)
-    tokenizer_path = resolve_tokenizer_path(task.data.tokenizer, task.model, base_dir)
-    tokenizer = TextTokenizer(tokenizer_path)
-    _check_vocab(task, tokenizer)
+    entries, units, ctx = _context(task, log, allow_code, workers, rows_per_part)
+    base_dir, tokenizer, fingerprint = ctx.base_dir, ctx.tokenizer, task_fingerprint(task)
+    tokenizer_path = Path(tokenizer.path)
     budget = micro_batch_tokens or task.data.buckets.micro_batch_tokens or 8 * task.seq_len
     dedup = task.data.dedup
-    hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
-    ctx = Context(task=task, base_dir=base_dir, tokenizer=tokenizer, eos_id=tokenizer.eos_id,
-                  hasher=hasher, graders=graders, log=say, workers=workers, rows_per_part=rows_per_part,
-                  allow_code=allow_code)
     with OutputDir(out, MANIFEST_NAME) as output:
         for entry in entries:  # before any reading: rows of another format are trained from the raw source
             _check_text_rows(entry.source, base_dir)
@@ -613,6 +596,45 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
         (output.tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
     shutil.rmtree(job.work, ignore_errors=True)  # kept until now: a killed prepare resumes from its parts
     return output.final, manifest
+
+
+def _context(task: TaskSpec, log: Log | None, allow_code: bool, workers: int,
+             rows_per_part: int) -> tuple[list[Entry], list[Unit], Context]:
+    """The plan of work and what the scan needs, every check that needs no reading done first."""
+    base_dir = Path(task.base_dir)
+    try:
+        entries, units = _plan_entries(task, base_dir)
+    except UsageError as exc:
+        command = generate_command(base_dir)
+        if "not found" in str(exc) and command:
+            raise UsageError(f"{exc} (generated data: `{command}` writes it)") from None
+        raise
+    graders = {}
+    for entry in entries:  # first: a refused difficulty rule stops before any reading
+        if entry.grader_key not in graders:
+            graders[entry.grader_key] = Grader(entry.difficulty, base_dir, task.seq_len, allow_code)
+    tokenizer = TextTokenizer(resolve_tokenizer_path(task.data.tokenizer, task.model, base_dir))
+    _check_vocab(task, tokenizer)
+    dedup = task.data.dedup
+    hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
+    ctx = Context(task=task, base_dir=base_dir, tokenizer=tokenizer, eos_id=tokenizer.eos_id, hasher=hasher,
+                  graders=graders, log=log or (lambda message: None), workers=workers, rows_per_part=rows_per_part,
+                  allow_code=allow_code)
+    return entries, units, ctx
+
+
+def write_slurm_job(task: TaskSpec, out_dir: Path | None, options: SlurmOptions, finish_command: str,
+                    log: Log | None = None, allow_code: bool = False,
+                    rows_per_part: int = ROWS_PER_PART) -> dict[str, Path]:
+    """Write, without submitting, the Slurm scripts of a prepare: the scan's tasks as a job array
+    (datatrove's), and a job after it that runs `finish_command` (the same prepare, which then finds
+    every part scanned and only merges and writes the shards). Returns the scripts' paths."""
+    out = Path(out_dir) if out_dir else default_out_dir(task)
+    entries, units, ctx = _context(task, log, allow_code, options.array_parallelism, rows_per_part)
+    for entry in entries:
+        _check_text_rows(entry.source, ctx.base_dir)
+    job, _ = _scan_job(entries, units, ctx, out)
+    return write_slurm_scripts(job, options, finish_command)
 
 
 def _check_vocab(task: TaskSpec, tokenizer: Any) -> None:
