@@ -10,8 +10,11 @@ times in turn (so that a slow spell of a shared machine hits all three alike); t
 - 1 worker: the file cut into parts of 10,000 rows, the tasks run one after another in-process;
 - 2 workers: the same parts on datatrove's pool of 2 processes.
 
-All three must keep and drop the same documents (checked). Peak memory is ru_maxrss of the
-prepare's process and of the largest of its children (a pool worker, or datatrove's manager process).
+All three must keep and drop the same documents (checked). CPU time is the prepare's and its
+descendants' (user and system; on a shared machine a way's wall time can fall only as far as its
+CPU time spread over the cores allows). Peak memory is ru_maxrss of the prepare's process and the
+largest VmHWM of its descendants (pool workers, datatrove's manager and forkserver), sampled from
+/proc every 0.2 s while it runs.
 
     python bench/data_prepare_scale.py [--documents 200000] [--repeats 3]
 """
@@ -37,16 +40,54 @@ from benchmarks_md import write_section  # noqa: E402
 from data_buckets import MICRO_BATCH_TOKENS, SEED, SEQ_LEN, write_corpus  # noqa: E402
 
 CHILD = textwrap.dedent("""
-    import json, resource, sys, time
+    import json, os, resource, sys, threading, time
+    from pathlib import Path
     from presets import load_task
     from trainer.data.prepare import prepare
+
+    TICK = os.sysconf("SC_CLK_TCK")
+    seen = {}  # pid -> (peak RSS KiB, CPU s): datatrove's workers are the forkserver's children,
+               # which getrusage(RUSAGE_CHILDREN) of this process never counts, so /proc is sampled
+
+    def descendants():
+        parent = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(stat.parent.name)] = int(fields[1])
+        found, frontier = set(), {os.getpid()}
+        while frontier:
+            frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - found
+            found |= frontier
+        return found
+
+    def sample(stop):
+        while not stop.wait(0.2):
+            for pid in descendants():
+                try:
+                    status = Path(f"/proc/{pid}/status").read_text()
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                hwm = next((int(l.split()[1]) for l in status.splitlines() if l.startswith("VmHWM:")), 0)
+                seen[pid] = (hwm, (int(fields[11]) + int(fields[12])) / TICK)
+
     task = load_task(sys.argv[1])
     workers, rows_per_part = int(sys.argv[3]), int(sys.argv[4])
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample, args=(stop,), daemon=True)
+    sampler.start()
     started = time.perf_counter()
     out, manifest = prepare(task, sys.argv[2], workers=workers, rows_per_part=rows_per_part)
     seconds = time.perf_counter() - started
-    print(json.dumps({"seconds": seconds, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                      "worker_peak_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+    stop.set()
+    sampler.join()
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"seconds": seconds, "peak_kib": me.ru_maxrss,
+                      "worker_peak_kib": max((hwm for hwm, _ in seen.values()), default=0),
+                      "cpu_s": me.ru_utime + me.ru_stime + sum(cpu for _, cpu in seen.values())}))
 """)
 
 PART_ROWS = 10_000
@@ -95,8 +136,8 @@ def main() -> None:
 def write_table(args: argparse.Namespace, runs: dict[str, list[dict]], truth: dict[str, int]) -> None:
     base = statistics.median(r["seconds"] for r in runs[ways(args.documents)[0][0]])
     one = statistics.median(r["seconds"] for r in runs["1 worker"])
-    lines = ["| way | median s | runs s | documents/s | vs single process | vs 1 worker | peak RSS MiB (prepare / "
-             "largest child) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| way | median s | runs s | documents/s | vs single process | vs 1 worker | CPU s (all processes) | "
+             "peak RSS MiB (prepare / largest child) |", "|---|---|---|---|---|---|---|---|"]
     for label, rs in runs.items():
         median = statistics.median(r["seconds"] for r in rs)
         peak = max(r["peak_kib"] for r in rs) / 1024
@@ -104,7 +145,7 @@ def write_table(args: argparse.Namespace, runs: dict[str, list[dict]], truth: di
         each = ", ".join(f"{r['seconds']:.1f}" for r in rs)
         lines.append(f"| {label} | {median:.1f} | {each} | "
                      f"{args.documents / median:,.0f} | {base / median:.2f}x | {one / median:.2f}x | "
-                     f"{peak:.0f} / {worker:.0f} |")
+                     f"{statistics.median(r['cpu_s'] for r in rs):.1f} | {peak:.0f} / {worker:.0f} |")
     outcome = next(iter(runs.values()))[0]["outcome"]
     dropped = outcome["dropped"]
     body = (f"Corpus: {args.documents:,} generated documents in one JSON-lines file (bench/data_buckets.py's "
