@@ -5,7 +5,9 @@ stages use it):
 
 1. scan (streaming, batch by batch): tokenise, measure length and character quality, hash for
    exact duplicates, MinHash for near duplicates, grade difficulty; spool the token ids and the
-   per-document numbers to disk;
+   per-document numbers to disk. Files are cut into parts (trainer/data/parts.py) scanned as
+   datatrove tasks on several processes (trainer/data/pipeline.py, trainer/data/scan.py), then
+   merged in row order, so steps 2 to 4 see the same columns whatever the number of workers;
 2. resolve duplicates over the whole task (eval files first, so a train document that repeats an
    eval document is dropped: decontamination); a document is judged by the thresholds of the
    stages that read it;
