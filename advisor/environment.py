@@ -35,6 +35,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "test can kill a run in the middle of one", "test hook"),
     Variable("ADVISOR_INJECT_FSYNC_FAILURE", "rank=R[,step=S]: that rank's fsync fails while it seals its "
              "checkpoint files (at step S's save only), to test that such a checkpoint is never sealed", "test hook"),
+    Variable("ADVISOR_PREPARE_KILL_AFTER_PARTS", "K: once K parts of `advisor data prepare`'s scan are "
+             "finished, the prepare and its worker are killed outright (SIGKILL), to test that the same command "
+             "resumes it", "test hook"),
     Variable("ADVISOR_PROFILE_SLOW_RANKS", "rank=factor,...: those ranks of `advisor profile` run that many "
              "times slower, to test straggler detection", "test hook"),
 )}

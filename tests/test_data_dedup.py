@@ -84,7 +84,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("dedup")
+    return _prepare_planted(tmp_path_factory.mktemp("dedup"))
+
+
+def _prepare_planted(tmp: Path, **options):
     rows, eval_rows, labels = planted_corpus()
     cut = rows.index({"__file__": 1})
     write_jsonl(tmp / "a0.jsonl", rows[:cut])
@@ -96,7 +99,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory):
                         "sources": [{"path": "a0.jsonl"}, {"path": "a1.jsonl"}],
                         "eval_sources": [{"path": "held_out.jsonl"}]}]}
     (tmp / "task.yaml").write_text(yaml.safe_dump(task))
-    out, manifest = prepare(load_task(str(tmp / "task.yaml")))
+    out, manifest = prepare(load_task(str(tmp / "task.yaml")), **options)
     texts = {("a0.jsonl", i): r["text"] for i, r in enumerate(rows[:cut])}
     texts |= {("a1.jsonl", i): r["text"] for i, r in enumerate(rows[cut + 1:])}
     return out, manifest, labels, texts, eval_rows
@@ -131,6 +134,33 @@ def test_all_planted_duplicates_are_removed_and_nothing_else(prepared) -> None:
 def test_eval_documents_are_kept_and_decontaminate_train(prepared) -> None:
     out, manifest, _, _, eval_rows = prepared
     assert kept_rows(out, manifest, "eval") == {("held_out.jsonl", i) for i in range(len(eval_rows))}
+
+
+def _shard_bytes(out: Path, manifest: dict) -> dict[str, bytes]:
+    return {s["path"]: (out / s["path"]).read_bytes() for stage in manifest["stages"] for split in ("train", "eval")
+            for s in stage[split]["shards"]}
+
+
+def _without_times(manifest: dict) -> dict:
+    """The manifest but for when it was written and where (the fingerprint hashes the files' paths)."""
+    same = {k: v for k, v in manifest.items() if k not in ("created", "seconds", "fingerprint", "sources")}
+    return same | {"sources": [(Path(s["path"]).name, s["rows"]) for s in manifest["sources"]]}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_scanning_in_parts_on_any_number_of_workers_keeps_and_drops_the_same_documents(
+        prepared, tmp_path: Path, workers: int) -> None:
+    """The files cut into parts of 40 rows (a0: 5 parts, a1: 2, the eval file: 1), scanned by 1 and
+    by 2 worker processes: the same kept and dropped sets as the labels and as one whole-file scan
+    (the fixture's), and byte-identical shards and manifest but for its timestamps."""
+    whole_out, whole_manifest, labels, _, _ = prepared
+    out, manifest, _, _, _ = _prepare_planted(tmp_path, workers=workers, rows_per_part=40)
+    assert kept_rows(out, manifest) == labels["kept"]
+    assert manifest["stages"][0]["train"]["dropped"] == {"exact_duplicate": len(labels["exact"]),
+                                                         "near_duplicate": len(labels["near"])}
+    assert _without_times(manifest) == _without_times(whole_manifest)
+    assert _shard_bytes(out, manifest) == _shard_bytes(whole_out, whole_manifest)
+    assert not list(tmp_path.glob(".*scan-*")), "the scan's work folder is removed once the output is whole"
 
 
 def test_minhash_estimates_jaccard_and_lsh_follows_the_s_curve() -> None:

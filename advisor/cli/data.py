@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import re
+import shlex
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -15,11 +19,11 @@ from advisor.errors import UsageError
 from advisor.specs import check_number
 from presets import load_task
 from trainer.data.demo_corpus import ensure_generated_data, generate_demo_corpus
-from trainer.data.manifest import read_manifest
+from trainer.data.manifest import default_out_dir, read_manifest
 
 # pyproject's `data` extra: what `advisor data prepare` and training on its shards import, and the
 # main job (`advisor run`) never does
-DATA_EXTRA = ("datasets", "pandas")
+DATA_EXTRA = ("datasets", "pandas", "datatrove")
 
 
 def require_data_extra(command: str) -> None:
@@ -32,6 +36,25 @@ def require_data_extra(command: str) -> None:
             missing.append(module)
     if missing:
         raise UsageError(f"{command} needs {' and '.join(missing)}: pip install -e \".[data]\"")
+
+
+EXECUTORS = ("local", "slurm")
+LATER_EXECUTORS = ("ray",)
+
+
+def check_executor(name: str, dry_run: bool, partition: Optional[str]) -> None:
+    if name in LATER_EXECUTORS:
+        raise UsageError(f"--executor {name}: not yet; this version runs the scan on this machine (--executor local) "
+                         "or writes a Slurm job (--executor slurm --dry-run)")
+    if name not in EXECUTORS:
+        raise UsageError(f"--executor {name[:40]!r}: unknown; use {', '.join(EXECUTORS)}")
+    if name == "slurm" and not dry_run:
+        raise UsageError("--executor slurm: submitting is not yet done here; --dry-run writes the job scripts and "
+                         "the command that submits them")
+    if name == "slurm" and not partition:
+        raise UsageError("--executor slurm needs --partition (the Slurm partition to run on)")
+    if dry_run and name != "slurm":
+        raise UsageError("--dry-run goes with --executor slurm (a local prepare has nothing to write aside)")
 
 
 data_app = typer.Typer(
@@ -50,30 +73,73 @@ def data_prepare(
     as_json: bool = typer.Option(False, "--json", help="print the manifest as one JSON object"),
     allow_code: bool = typer.Option(False, "--allow-code", help="let a difficulty rule `module:function` or "
                                                                 "`file.py:function` import and run that code"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="scan this many parts of the data at a time "
+                                                                  "(default: every core); the output is the same"),
+    executor: str = typer.Option("local", "--executor", help="where the scan runs: local (this machine's cores)"),
+    rows_per_part: Optional[int] = typer.Option(
+        None, "--rows-per-part", min=1, help="rows of a JSON-lines file per scan task, the unit of work and of "
+                                             "resume (default 10000)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="with --executor slurm: write the job scripts, submit "
+                                                          "nothing"),
+    partition: Optional[str] = typer.Option(None, "--partition", help="with --executor slurm: the partition"),
+    time_limit: str = typer.Option("04:00:00", "--time", help="with --executor slurm: each job's time limit"),
 ) -> None:
     """Clean (exact and MinHash near-duplicate removal, length and character-quality thresholds),
     grade by difficulty, bucket by length and write tokenised stage shards plus a manifest.
 
-    The folder is written aside and renamed at the end: it is whole or untouched.
+    The folder is written aside and renamed at the end: it is whole or untouched. The scan runs as
+    datatrove tasks on every core; a killed prepare, run again, resumes from the parts it finished.
     """
     def compute():
         if out is not None:
             check_out_folder(out)
+        check_executor(executor, dry_run, partition)
+        scan_workers = (os.cpu_count() or 1) if workers is None else workers
+        check_number(scan_workers, "--workers", ge=1)
         require_data_extra("advisor data prepare")
         from trainer.data.prepare import prepare  # deferred: imports datasets/pandas (an extra; 0.5 s at every start)
 
         spec = load_task(task)
+        if executor == "slurm":
+            return _write_slurm_job(spec, task, out, partition, time_limit, workers, rows_per_part, allow_code)
         log = None if as_json else (lambda message: err_console.print(message, style="dim", highlight=False))
         if ensure_generated_data(spec) and log:
             log(f"generated the {spec.name} task's data into {spec.base_dir}")
-        return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log, allow_code=allow_code)
+        return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log, allow_code=allow_code,
+                       workers=scan_workers, **({"rows_per_part": rows_per_part} if rows_per_part else {}))
 
-    folder, manifest = exit_on_error(compute)
+    result = exit_on_error(compute)
+    if executor == "slurm":
+        for name, path in result.items():
+            console.print(f"wrote {path} ({name})", soft_wrap=True)
+        console.print(f"submit with: bash {result['submit']}", soft_wrap=True)
+        return
+    folder, manifest = result
     if as_json:
         print(json.dumps(manifest))
         return
     render_data_manifest(manifest)
     console.print(f"wrote {folder}")
+
+
+def _write_slurm_job(spec, task: str, out: Optional[Path], partition: str, time_limit: str, workers: Optional[int],
+                     rows_per_part: Optional[int], allow_code: bool) -> dict[str, Path]:
+    """The scan as a Slurm job array and a finishing job: the same prepare, run where every part
+    is already scanned, merges and writes the shards."""
+    # deferred: pyarrow, datatrove and the tokenizer (the data extra; seconds at every start)
+    from trainer.data.parts import ROWS_PER_PART
+    from trainer.data.pipeline import SlurmOptions
+    from trainer.data.prepare import write_slurm_job
+
+    if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}", time_limit):
+        raise UsageError(f"--time {time_limit[:40]!r}: use minutes, [D-]HH:MM:SS or D-HH")
+    final = (out or default_out_dir(spec)).resolve()
+    task_arg = str(Path(task).resolve()) if Path(task).is_file() else task
+    rows = rows_per_part or ROWS_PER_PART
+    finish = shlex.join([sys.executable, "-m", "advisor.cli", "data", "prepare", "--task", task_arg, "--out", str(final),
+                         "--workers", "1", "--rows-per-part", str(rows)] + (["--allow-code"] if allow_code else []))
+    options = SlurmOptions(partition=partition, time=time_limit, array_parallelism=workers or 64)
+    return write_slurm_job(spec, final, options, finish, allow_code=allow_code, rows_per_part=rows)
 
 
 @data_app.command("stats")

@@ -5,7 +5,9 @@ stages use it):
 
 1. scan (streaming, batch by batch): tokenise, measure length and character quality, hash for
    exact duplicates, MinHash for near duplicates, grade difficulty; spool the token ids and the
-   per-document numbers to disk;
+   per-document numbers to disk. Files are cut into parts (trainer/data/parts.py) scanned as
+   datatrove tasks on several processes (trainer/data/pipeline.py, trainer/data/scan.py), then
+   merged in row order, so steps 2 to 4 see the same columns whatever the number of workers;
 2. resolve duplicates over the whole task (eval files first, so a train document that repeats an
    eval document is dropped: decontamination); a document is judged by the thresholds of the
    stages that read it;
@@ -20,13 +22,15 @@ bench/data_buckets.py).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -37,17 +41,21 @@ from presets import load_model
 from trainer.data import buckets as bucketing
 from trainer.data.demo_corpus import generate_command
 from trainer.data.formats import source_format
-from trainer.data.dedup import DocumentHasher, MinHashParams, exact_duplicates, exact_hash, near_duplicates, words
+from trainer.data.dedup import DocumentHasher, MinHashParams, exact_duplicates, near_duplicates
 from trainer.data.difficulty import Grader, band_index, band_names, check_spec, merge_difficulty
 from trainer.data.manifest import (MANIFEST_NAME, MANIFEST_VERSION, default_out_dir, task_fingerprint,
                                    tokens_with_replay)
-from trainer.data.quality import CHECKS, STAT_COLUMNS, document_stats, failed_check, merge_filters
+from trainer.data.parts import ROWS_PER_PART, plan_parts
+from trainer.data.pipeline import (ScanJob, SlurmOptions, job_key, remember_settings, run_scan, work_folder,
+                                   write_slurm_scripts)
+from trainer.data.quality import CHECKS, STAT_COLUMNS, failed_check, merge_filters
+from trainer.data.scan import ColumnSpool, Part, ScanSettings, UnitColumns, merge_parts
 from trainer.data.shards import SCHEMA, OutputDir, ShardWriter, shard_path
-from trainer.data.sources import expand_source_path, file_type_of, read_batches, row_location
+from trainer.data.sources import expand_source_path, file_type_of
+from trainer.data.times import parse_time
 from trainer.data.tokenizer import TextTokenizer, resolve_tokenizer_path
 
 SPLITS = ("train", "eval")
-_READ_BATCH = 1000
 _BLOCK = 65536
 NOT_DUPLICATE, EXACT_DUPLICATE, NEAR_DUPLICATE = 0, 1, 2
 
@@ -55,53 +63,6 @@ Log = Callable[[str], None]
 
 
 # --- the plan of work: which files, read how, for which stages ------------------------------------
-
-
-class ColumnSpool:
-    """Per-document numeric columns appended batch by batch to raw files, read back by row range."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-        self._files: dict[str, Any] = {}
-        self._layout: dict[str, tuple[np.dtype, int]] = {}
-
-    def append(self, name: str, values: np.ndarray) -> None:
-        values = np.ascontiguousarray(values)
-        if name not in self._files:
-            self._files[name] = open(self.folder / f"{name}.bin", "wb")
-            self._layout[name] = (values.dtype, int(np.prod(values.shape[1:], dtype=np.int64)))
-        self._files[name].write(values.tobytes())
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files = {}
-
-    def has(self, name: str) -> bool:
-        return name in self._layout
-
-    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        dtype, width = self._layout[name]
-        size = (self.folder / f"{name}.bin").stat().st_size // (dtype.itemsize * width)
-        stop = size if stop is None else min(stop, size)
-        count = max(0, stop - start)
-        values = np.fromfile(self.folder / f"{name}.bin", dtype=dtype, count=count * width,
-                             offset=start * width * dtype.itemsize)
-        return values.reshape(count, width) if width > 1 else values
-
-    def read_rows(self, name: str, rows: np.ndarray, block_rows: int = 65536) -> np.ndarray:
-        """Rows (sorted) of a wide column, reading the file block by block (flat memory)."""
-        dtype, width = self._layout[name]
-        out = np.empty((len(rows), width), dtype=dtype)
-        if not len(rows):
-            return out
-        for lo in range(int(rows[0]) // block_rows * block_rows, int(rows[-1]) + 1, block_rows):
-            sel = np.flatnonzero((rows >= lo) & (rows < lo + block_rows))
-            if len(sel):
-                block = self.read(name, lo, lo + block_rows)
-                out[sel] = block[rows[sel] - lo]
-        return out
 
 
 @dataclass
@@ -117,9 +78,13 @@ class Unit:
     graders: dict[str, int] = field(default_factory=dict)   # difficulty spec (json) -> grade column
     rows: int = 0
     spool: ColumnSpool | None = None
-    tokens_file: Path | None = None
+    tokens_files: list[Path] = field(default_factory=list)  # the token ids of its parts, in row order
     domain_values: dict[str, list[str]] = field(default_factory=dict)  # field -> code -> value
     duplicate: np.ndarray | None = None  # per row: NOT_DUPLICATE, EXACT_DUPLICATE, NEAR_DUPLICATE
+
+    def columns(self) -> UnitColumns:
+        return UnitColumns(path=self.path, fmt=self.fmt, text_field=self.text_field, domain_fields=self.domain_fields,
+                           time_fields=self.time_fields, graders=self.graders)
 
 
 @dataclass
@@ -144,6 +109,9 @@ class Context:
     hasher: DocumentHasher | None
     graders: dict[str, Grader]
     log: Log
+    workers: int = 1
+    rows_per_part: int = ROWS_PER_PART
+    allow_code: bool = False
 
 
 def _check_text_rows(source: DataSource, base_dir: Path) -> None:
@@ -208,77 +176,47 @@ def _check_selection(stage: StageSpec, source: DataSource, difficulty: Difficult
         parse_time(end, f"stage '{stage.name}' time window '{name}'")
 
 
-def parse_time(value: Any, where: str) -> float:
-    """A number (seconds, or any unit the user keeps to) or an ISO 8601 date/time (UTC if naive)."""
-    if isinstance(value, bool) or value is None:
-        raise UsageError(f"{where}: time {value!r} is not a number or an ISO date")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, (dt.date, dt.datetime)):
-        value = value.isoformat()
+# --- step 1: scan each file once, cut into parts, on every core -------------------------------------
+
+
+def _scan_job(entries: list[Entry], units: list[Unit], ctx: Context, out: Path) -> tuple[ScanJob, list[list[Part]]]:
+    """The scan's tasks: every unit's parts, and what a worker needs to scan them."""
+    planned = plan_parts([u.columns() for u in units], ctx.rows_per_part)
+    tokenizer_path = Path(ctx.tokenizer.path)
+    key = job_key(task_fingerprint(ctx.task), ctx.rows_per_part, tokenizer_path)
+    specs = {e.grader_key: e.difficulty for e in entries}
+    job = ScanJob(key=key, task=ctx.task, tokenizer_path=tokenizer_path, allow_code=ctx.allow_code, graders=specs,
+                  units=[u.columns() for u in units], parts=[p for parts in planned for p in parts],
+                  work=work_folder(out, key), main_pid=os.getpid())
+    remember_settings(key, ScanSettings(tokenizer=ctx.tokenizer, eos_id=ctx.eos_id,
+                                        append_eos=ctx.task.data.append_eos, exact=ctx.task.data.dedup.exact,
+                                        hasher=ctx.hasher, graders=ctx.graders))
+    return job, planned
+
+
+@contextlib.contextmanager
+def _kept_for_resume_only(work: Path) -> Iterator[None]:
+    """A prepare that stops on an error (a bad row, nothing left after filtering) removes its scan's
+    parts: fixing the cause changes the files or the task, so they could not be reused. A killed
+    prepare runs no cleanup: its parts stay for the next run."""
     try:
-        stamp = dt.datetime.fromisoformat(str(value))
-    except ValueError:
-        try:
-            return float(value)
-        except ValueError:
-            raise UsageError(f"{where}: time {value!r} is not a number or an ISO date") from None
-    if stamp.tzinfo is None:
-        stamp = stamp.replace(tzinfo=dt.timezone.utc)
-    return stamp.timestamp()
+        yield
+    except Exception:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
 
 
-# --- step 1: scan each file once ---------------------------------------------------------------------
-
-
-def _scan_unit(unit: Unit, ctx: Context, spool_root: Path) -> None:
-    dedup = ctx.task.data.dedup
-    unit.spool = spool = ColumnSpool(spool_root / f"unit{unit.index:04d}")
-    unit.tokens_file = spool.folder / "tokens.arrow"
-    domain_codes: dict[str, dict[str, int]] = {f: {} for f in unit.domain_fields}
-    grader_of = {column: ctx.graders[key] for key, column in unit.graders.items()}
-    needs_field = [g.spec.field for g in grader_of.values() if g.spec.by == "field" and g.spec.field]
-    extra = tuple(sorted(unit.domain_fields | unit.time_fields | set(needs_field)))
-    schema = pa.schema([("input_ids", pa.list_(pa.int32()))])
-    with pa.OSFile(str(unit.tokens_file), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        for batch in read_batches(unit.path, unit.fmt, unit.text_field, extra, _READ_BATCH):
-            def where(i: int, first: int = batch.first_row) -> str:
-                return row_location(unit.path, unit.fmt, first + i)
-
-            ids = ctx.tokenizer.encode(batch.texts)
-            if ctx.eos_id is not None and ctx.task.data.append_eos:
-                ids = [seq + [ctx.eos_id] for seq in ids]
-            lengths = np.fromiter((len(s) for s in ids), dtype=np.int32, count=len(ids))
-            docs_words = [words(t) for t in batch.texts]
-            stats = document_stats(batch.texts, docs_words)
-            spool.append("row", np.arange(batch.first_row, batch.first_row + len(batch), dtype=np.int64))
-            spool.append("n_tokens", lengths)
-            for name in STAT_COLUMNS:
-                spool.append(name, stats[name])
-            if dedup.exact:
-                spool.append("exact", np.fromiter((exact_hash(t) for t in batch.texts), dtype=np.uint64,
-                                                  count=len(batch)))
-            if dedup.near and ctx.hasher is not None:
-                signatures = ctx.hasher.signatures(docs_words)
-                spool.append("signature", signatures)
-                keys = ctx.hasher.band_keys(signatures)
-                for k in range(keys.shape[1]):
-                    spool.append(f"band{k}", keys[:, k])
-            for column, grader in grader_of.items():
-                values = batch.fields.get(grader.spec.field) if grader.spec.by == "field" else None
-                spool.append(f"grade{column}", grader.grade(batch.texts, ids, values, where))
-            for name in unit.time_fields:
-                spool.append(f"time:{name}", np.array(
-                    [parse_time(v, f"{where(i)}: field '{name}'") for i, v in enumerate(batch.fields[name])]))
-            for name in unit.domain_fields:
-                codes = domain_codes[name]
-                spool.append(f"domain:{name}", np.array(
-                    [-1 if v is None else codes.setdefault(str(v), len(codes)) for v in batch.fields[name]],
-                    dtype=np.int32))
-            writer.write_batch(pa.record_batch([pa.array(ids, type=pa.list_(pa.int32()))], schema=schema))
-            unit.rows += len(batch)
-    spool.close()
-    unit.domain_values = {name: list(codes) for name, codes in domain_codes.items()}
+def _scan(job: ScanJob, planned: list[list[Part]], units: list[Unit], ctx: Context, spool_root: Path) -> None:
+    """Scan every unit's parts (trainer/data/pipeline.py) and merge each unit's parts into its
+    spool; the parts' token files, which the shards are written from, stay in the work folder."""
+    t0 = time.perf_counter()
+    run_scan(job, ctx.workers, ctx.log)
+    seconds = time.perf_counter() - t0
+    for unit, parts in zip(units, planned):
+        unit.spool, unit.tokens_files, unit.rows, unit.domain_values = merge_parts(
+            parts, job.work / "parts", spool_root / f"unit{unit.index:04d}")
+        ctx.log(f"scanned {unit.path} ({unit.rows:,} rows, {len(parts)} part(s))")
+    ctx.log(f"scan: {sum(u.rows for u in units):,} rows in {seconds:.1f} s on {ctx.workers} worker(s)")
 
 
 # --- step 2: duplicates over the whole task ----------------------------------------------------------
@@ -504,6 +442,22 @@ def _prepare_split(stage: StageSpec, split: str, entries: list[Entry], ctx: Cont
     }
 
 
+def _prepare_stage(stage: StageSpec, entries: list[Entry], ctx: Context, out: Path, budget: int) -> dict[str, Any]:
+    """One stage's splits written, and its summary for the manifest."""
+    summary: dict[str, Any] = {"name": stage.name, "replay": dict(stage.replay)}
+    for split in SPLITS:
+        split_entries = [e for e in entries if e.stage is stage and e.split == split]
+        info = _prepare_split(stage, split, split_entries, ctx, out, budget)
+        if info is not None:
+            summary[split] = info
+    own = summary["train"]["tokens"] if "train" in summary else 0
+    summary["tokens"] = own
+    summary["samples"] = summary["train"]["samples"] if "train" in summary else 0
+    summary["tokens_with_replay"] = tokens_with_replay(own, stage.replay)
+    ctx.log(f"stage {stage.name}: {summary['samples']:,} samples, {own:,} tokens")
+    return summary
+
+
 def _bucket_report(edges: list[int], lengths: np.ndarray, counts: np.ndarray,
                    micro_batch_tokens: int) -> list[dict[str, Any]]:
     """Per length bucket: its samples, tokens, slots, padding and a length histogram (the manifest's)."""
@@ -524,10 +478,25 @@ def _bucket_report(edges: list[int], lengths: np.ndarray, counts: np.ndarray,
     return report
 
 
+def _token_batches(files: list[Path]) -> Iterator[pa.RecordBatch]:
+    """The token ids of a unit's parts, batch by batch, in row order."""
+    for file in files:
+        with pa.OSFile(str(file), "rb") as source, pa.ipc.open_stream(source) as reader:
+            yield from reader
+
+
+@dataclass
+class UnitRows:
+    """What every kept row of one unit is written with: its selection, band names, domains, source."""
+
+    sel: Selection
+    names: np.ndarray
+    domain: np.ndarray
+    source_name: str
+
+
 def _write_unit(entry: Entry, unit: Unit, sel: Selection, stage: StageSpec, split: str, edges: list[int],
                 group_names: list[str], writers: dict[tuple[int, int], ShardWriter], out: Path, ctx: Context) -> None:
-    seq_len = ctx.task.seq_len
-    names = np.array(band_names(entry.difficulty), dtype=object)
     try:
         source_name = str(unit.path.resolve().relative_to(ctx.base_dir.resolve()))
     except ValueError:
@@ -537,100 +506,81 @@ def _write_unit(entry: Entry, unit: Unit, sel: Selection, stage: StageSpec, spli
         domain_all = values[unit.spool.read(f"domain:{entry.source.domain_field}")]  # type: ignore[union-attr]
     else:
         domain_all = np.full(unit.rows, entry.source.domain, dtype=object)
-    edge_array = np.asarray(edges)
+    rows = UnitRows(sel=sel, names=np.array(band_names(entry.difficulty), dtype=object), domain=domain_all,
+                    source_name=source_name)
+
+    def writer_of(key: tuple[int, int]) -> ShardWriter:
+        if key not in writers:
+            writers[key] = ShardWriter(out / shard_path(stage.name, split, group_names[key[0]], edges[key[1]]))
+        return writers[key]
+
     row = 0
-    with pa.OSFile(str(unit.tokens_file), "rb") as source, pa.ipc.open_stream(source) as reader:
-        for batch in reader:
-            n = batch.num_rows
-            keep = sel.keep[row: row + n]
-            if keep.any():
-                kept = np.flatnonzero(keep)
-                ids = batch.column("input_ids")
-                offsets = np.asarray(ids.offsets)
-                values = np.asarray(ids.values)
-                lengths = (offsets[kept + 1] - offsets[kept]).astype(np.int64)
-                piece_doc, piece_index, piece_len = _chunk_lengths(lengths, seq_len)
-                piece_start = offsets[kept][piece_doc] + piece_index * seq_len
-                bucket = np.searchsorted(edge_array, piece_len, side="left")
-                doc_rows = kept[piece_doc] + row
-                group = sel.group[doc_rows]
-                for key in sorted(set(zip(group.tolist(), bucket.tolist()))):
-                    pick = np.flatnonzero((group == key[0]) & (bucket == key[1]))
-                    take_len = piece_len[pick]
-                    new_offsets = np.concatenate([[0], np.cumsum(take_len)]).astype(np.int32)
-                    gather = np.repeat(piece_start[pick] - new_offsets[:-1], take_len) + np.arange(new_offsets[-1])
-                    rows_in_unit = doc_rows[pick]
-                    record = pa.record_batch([
-                        pa.ListArray.from_arrays(pa.array(new_offsets), pa.array(values[gather], type=pa.int32())),
-                        pa.array(take_len, type=pa.int32()),
-                        pa.array(sel.grade[rows_in_unit], type=pa.float64()),
-                        pa.array(names[sel.band[rows_in_unit]].tolist(), type=pa.string()),
-                        pa.array([None if d is None else str(d) for d in domain_all[rows_in_unit]], type=pa.string()),
-                        pa.array([source_name] * len(pick), type=pa.string()),
-                        pa.array(rows_in_unit, type=pa.int64()),
-                        pa.array(piece_index[pick], type=pa.int32()),
-                    ], schema=SCHEMA)
-                    if key not in writers:
-                        path = out / shard_path(stage.name, split, group_names[key[0]], edges[key[1]])
-                        writers[key] = ShardWriter(path)
-                    writers[key].add(record)
-            row += n
+    for batch in _token_batches(unit.tokens_files):
+        _write_batch(batch, row, rows, np.asarray(edges), ctx.task.seq_len, writer_of)
+        row += batch.num_rows
+
+
+def _write_batch(batch: pa.RecordBatch, row: int, rows: UnitRows, edge_array: np.ndarray, seq_len: int,
+                 writer_of: Callable[[tuple[int, int]], ShardWriter]) -> None:
+    """The kept documents of one batch of token ids (its first row: `row`), cut into pieces, added
+    to the shard of each piece's group and length bucket."""
+    sel = rows.sel
+    keep = sel.keep[row: row + batch.num_rows]
+    if not keep.any():
+        return
+    kept = np.flatnonzero(keep)
+    ids = batch.column("input_ids")
+    offsets = np.asarray(ids.offsets)
+    values = np.asarray(ids.values)
+    lengths = (offsets[kept + 1] - offsets[kept]).astype(np.int64)
+    piece_doc, piece_index, piece_len = _chunk_lengths(lengths, seq_len)
+    piece_start = offsets[kept][piece_doc] + piece_index * seq_len
+    bucket = np.searchsorted(edge_array, piece_len, side="left")
+    doc_rows = kept[piece_doc] + row
+    group = sel.group[doc_rows]
+    for key in sorted(set(zip(group.tolist(), bucket.tolist()))):
+        pick = np.flatnonzero((group == key[0]) & (bucket == key[1]))
+        take_len = piece_len[pick]
+        new_offsets = np.concatenate([[0], np.cumsum(take_len)]).astype(np.int32)
+        gather = np.repeat(piece_start[pick] - new_offsets[:-1], take_len) + np.arange(new_offsets[-1])
+        rows_in_unit = doc_rows[pick]
+        writer_of(key).add(pa.record_batch([
+            pa.ListArray.from_arrays(pa.array(new_offsets), pa.array(values[gather], type=pa.int32())),
+            pa.array(take_len, type=pa.int32()),
+            pa.array(sel.grade[rows_in_unit], type=pa.float64()),
+            pa.array(rows.names[sel.band[rows_in_unit]].tolist(), type=pa.string()),
+            pa.array([None if d is None else str(d) for d in rows.domain[rows_in_unit]], type=pa.string()),
+            pa.array([rows.source_name] * len(pick), type=pa.string()),
+            pa.array(rows_in_unit, type=pa.int64()),
+            pa.array(piece_index[pick], type=pa.int32()),
+        ], schema=SCHEMA))
 
 
 # --- the entry point ---------------------------------------------------------------------------------
 
 
 def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int | None = None,
-            log: Log | None = None, allow_code: bool = False) -> tuple[Path, dict[str, Any]]:
+            log: Log | None = None, allow_code: bool = False, workers: int = 1,
+            rows_per_part: int = ROWS_PER_PART) -> tuple[Path, dict[str, Any]]:
     """Prepare every stage's shards and the manifest; returns (output folder, manifest).
-    `allow_code` lets a difficulty rule `module:function` import and run that code."""
+    `allow_code` lets a difficulty rule `module:function` import and run that code. The scan runs
+    `workers` parts at a time; the output is the same for any number of workers."""
     started = time.perf_counter()
-    say = log or (lambda message: None)
-    base_dir = Path(task.base_dir)
     out = Path(out_dir) if out_dir else default_out_dir(task)
-    try:
-        entries, units = _plan_entries(task, base_dir)
-    except UsageError as exc:
-        command = generate_command(base_dir)
-        if "not found" in str(exc) and command:
-            raise UsageError(f"{exc} (generated data: `{command}` writes it)") from None
-        raise
-    fingerprint = task_fingerprint(task)
-    graders = {}
-    for entry in entries:  # first: a refused difficulty rule stops before any reading
-        if entry.grader_key not in graders:
-            graders[entry.grader_key] = Grader(entry.difficulty, base_dir, task.seq_len, allow_code)
-    tokenizer_path = resolve_tokenizer_path(task.data.tokenizer, task.model, base_dir)
-    tokenizer = TextTokenizer(tokenizer_path)
-    _check_vocab(task, tokenizer)
+    entries, units, ctx = _context(task, log, allow_code, workers, rows_per_part)
+    base_dir, tokenizer, fingerprint = ctx.base_dir, ctx.tokenizer, task_fingerprint(task)
+    tokenizer_path = Path(tokenizer.path)
     budget = micro_batch_tokens or task.data.buckets.micro_batch_tokens or 8 * task.seq_len
     dedup = task.data.dedup
-    hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
-    ctx = Context(task=task, base_dir=base_dir, tokenizer=tokenizer, eos_id=tokenizer.eos_id,
-                  hasher=hasher, graders=graders, log=say)
     with OutputDir(out, MANIFEST_NAME) as output:
         for entry in entries:  # before any reading: rows of another format are trained from the raw source
             _check_text_rows(entry.source, base_dir)
         spool_root = output.tmp / "_spool"
-        for unit in units:
-            t0 = time.perf_counter()
-            _scan_unit(unit, ctx, spool_root)
-            say(f"scanned {unit.path} ({unit.rows:,} rows, {time.perf_counter() - t0:.1f} s)")
-        _resolve_duplicates(entries, units, ctx)
-        stages = []
-        for stage in task.stages:
-            summary: dict[str, Any] = {"name": stage.name, "replay": dict(stage.replay)}
-            for split in SPLITS:
-                split_entries = [e for e in entries if e.stage is stage and e.split == split]
-                info = _prepare_split(stage, split, split_entries, ctx, output.tmp, budget)
-                if info is not None:
-                    summary[split] = info
-            own = summary["train"]["tokens"] if "train" in summary else 0
-            summary["tokens"] = own
-            summary["samples"] = summary["train"]["samples"] if "train" in summary else 0
-            summary["tokens_with_replay"] = tokens_with_replay(own, stage.replay)
-            stages.append(summary)
-            say(f"stage {stage.name}: {summary['samples']:,} samples, {own:,} tokens")
+        job, planned = _scan_job(entries, units, ctx, output.final)
+        with _kept_for_resume_only(job.work):
+            _scan(job, planned, units, ctx, spool_root)
+            _resolve_duplicates(entries, units, ctx)
+            stages = [_prepare_stage(stage, entries, ctx, output.tmp, budget) for stage in task.stages]
         shutil.rmtree(spool_root, ignore_errors=True)
         manifest = {
             "version": MANIFEST_VERSION, "task": task.name, "fingerprint": fingerprint,
@@ -646,7 +596,47 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
             "seconds": round(time.perf_counter() - started, 2),
         }
         (output.tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+    shutil.rmtree(job.work, ignore_errors=True)  # kept until now: a killed prepare resumes from its parts
     return output.final, manifest
+
+
+def _context(task: TaskSpec, log: Log | None, allow_code: bool, workers: int,
+             rows_per_part: int) -> tuple[list[Entry], list[Unit], Context]:
+    """The plan of work and what the scan needs, every check that needs no reading done first."""
+    base_dir = Path(task.base_dir)
+    try:
+        entries, units = _plan_entries(task, base_dir)
+    except UsageError as exc:
+        command = generate_command(base_dir)
+        if "not found" in str(exc) and command:
+            raise UsageError(f"{exc} (generated data: `{command}` writes it)") from None
+        raise
+    graders = {}
+    for entry in entries:  # first: a refused difficulty rule stops before any reading
+        if entry.grader_key not in graders:
+            graders[entry.grader_key] = Grader(entry.difficulty, base_dir, task.seq_len, allow_code)
+    tokenizer = TextTokenizer(resolve_tokenizer_path(task.data.tokenizer, task.model, base_dir))
+    _check_vocab(task, tokenizer)
+    dedup = task.data.dedup
+    hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
+    ctx = Context(task=task, base_dir=base_dir, tokenizer=tokenizer, eos_id=tokenizer.eos_id, hasher=hasher,
+                  graders=graders, log=log or (lambda message: None), workers=workers, rows_per_part=rows_per_part,
+                  allow_code=allow_code)
+    return entries, units, ctx
+
+
+def write_slurm_job(task: TaskSpec, out_dir: Path | None, options: SlurmOptions, finish_command: str,
+                    log: Log | None = None, allow_code: bool = False,
+                    rows_per_part: int = ROWS_PER_PART) -> dict[str, Path]:
+    """Write, without submitting, the Slurm scripts of a prepare: the scan's tasks as a job array
+    (datatrove's), and a job after it that runs `finish_command` (the same prepare, which then finds
+    every part scanned and only merges and writes the shards). Returns the scripts' paths."""
+    out = Path(out_dir) if out_dir else default_out_dir(task)
+    entries, units, ctx = _context(task, log, allow_code, options.array_parallelism, rows_per_part)
+    for entry in entries:
+        _check_text_rows(entry.source, ctx.base_dir)
+    job, _ = _scan_job(entries, units, ctx, out)
+    return write_slurm_scripts(job, options, finish_command)
 
 
 def _check_vocab(task: TaskSpec, tokenizer: Any) -> None:

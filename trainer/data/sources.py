@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -187,24 +188,9 @@ def read_batches(path: Path, fmt: str, text_field: str, extra_fields: tuple[str,
         stream = _dataset_stream(path, fmt, **kwargs)
         rows_seen = 0
         for batch in stream.iter(batch_size=batch_size):
-            column_field = "text" if fmt == "text" else text_field
-            n = len(next(iter(batch.values()))) if batch else 0
-            texts = batch.get(column_field)
-            if texts is None:
-                raise UsageError(f"{row_location(path, fmt, rows_seen)}: no field '{text_field}' "
-                                 f"(fields: {', '.join(sorted(batch)) or 'none'})")
-            for i, text in enumerate(texts):
-                if text is None:  # `datasets` reads a missing field as null too
-                    raise UsageError(f"{row_location(path, fmt, rows_seen + i)}: no field '{text_field}' "
-                                     "(or it is null)")
-                if not isinstance(text, str):
-                    raise UsageError(f"{row_location(path, fmt, rows_seen + i)}: field '{text_field}' is "
-                                     f"{type(text).__name__}, not a string")
-            extras = {}
-            for name in extra_fields:
-                extras[name] = batch.get(name, [None] * n)
-            yield RowBatch(texts=texts, first_row=rows_seen, fields=extras)
-            rows_seen += n
+            row_batch = _row_batch(path, fmt, batch, rows_seen, text_field, extra_fields)
+            yield row_batch
+            rows_seen += len(row_batch)
     except UsageError:
         raise
     except UnicodeDecodeError as exc:
@@ -213,6 +199,71 @@ def read_batches(path: Path, fmt: str, text_field: str, extra_fields: tuple[str,
         raise UsageError(_diagnose(path, fmt) or f"cannot read {path}: {type(exc).__name__}: {exc}") from None
     except Exception as exc:  # pyarrow and datasets raise their own types
         raise UsageError(_diagnose(path, fmt) or f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+
+
+def _row_batch(path: Path, fmt: str, batch: dict[str, list[Any]], first_row: int, text_field: str,
+               extra_fields: tuple[str, ...]) -> RowBatch:
+    """Columns of one batch as a RowBatch, every text checked (present, a string)."""
+    column_field = "text" if fmt == "text" else text_field
+    n = len(next(iter(batch.values()))) if batch else 0
+    texts = batch.get(column_field)
+    if texts is None:
+        raise UsageError(f"{row_location(path, fmt, first_row)}: no field '{text_field}' "
+                         f"(fields: {', '.join(sorted(batch)) or 'none'})")
+    for i, text in enumerate(texts):
+        if text is None:  # `datasets` reads a missing field as null too
+            raise UsageError(f"{row_location(path, fmt, first_row + i)}: no field '{text_field}' (or it is null)")
+        if not isinstance(text, str):
+            raise UsageError(f"{row_location(path, fmt, first_row + i)}: field '{text_field}' is "
+                             f"{type(text).__name__}, not a string")
+    extras = {name: batch.get(name, [None] * n) for name in extra_fields}
+    return RowBatch(texts=texts, first_row=first_row, fields=extras)
+
+
+def line_offsets(path: Path, every: int) -> tuple[int, list[int]]:
+    """(rows, byte offset of rows 0, every, 2*every, ...) of a JSON-lines file, where a row is a
+    line holding more than white space (what the JSON-lines reader counts): where a range of rows
+    starts, so that a worker reads its rows without reading the ones before."""
+    rows, offsets, position = 0, [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                if rows % every == 0:
+                    offsets.append(position)
+                rows += 1
+            position += len(line)
+    return rows, offsets
+
+
+def read_line_range(path: Path, fmt: str, text_field: str, extra_fields: tuple[str, ...], batch_size: int,
+                    byte_range: tuple[int, int], first_row: int) -> Iterator[RowBatch]:
+    """The rows of a JSON-lines file between two byte offsets (row boundaries from `line_offsets`),
+    in batches, parsed by pyarrow's JSON reader as `datasets` parses the whole file."""
+    import pyarrow.json as pa_json
+
+    start, stop = byte_range
+    with open(path, "rb") as f:
+        f.seek(start)
+        raw = f.read(stop - start)
+    try:
+        # one block for the whole range: a row is never cut at a block boundary
+        table = pa_json.read_json(io.BytesIO(raw), read_options=pa_json.ReadOptions(block_size=max(len(raw), 1 << 16)))
+    except Exception as exc:  # pyarrow raises its own types
+        problem = _diagnose(path, fmt) or _range_problem(path, fmt, raw, first_row, text_field)
+        raise UsageError(problem or f"cannot read {path} (rows {first_row + 1} on): {type(exc).__name__}: {exc}") from None
+    for lo in range(0, table.num_rows, batch_size):
+        yield _row_batch(path, fmt, table.slice(lo, batch_size).to_pydict(), first_row + lo, text_field, extra_fields)
+
+
+def _range_problem(path: Path, fmt: str, raw: bytes, first_row: int, text_field: str) -> str | None:
+    """The first row of a range whose text field is missing or not a string (what makes pyarrow's
+    reader fail on a column's type), named by its line in the file; None when every text is one."""
+    rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    try:
+        _row_batch(path, fmt, {text_field: [row.get(text_field) for row in rows]}, first_row, text_field, ())
+    except UsageError as exc:
+        return str(exc)
+    return None
 
 
 def row_location(path: Path, fmt: str, row: int) -> str:

@@ -1,0 +1,253 @@
+"""The scan of `advisor data prepare` as a datatrove pipeline: one task per part, on every core.
+
+datatrove runs the tasks (`LocalPipelineExecutor`: a pool of worker processes) and records each
+finished task with a completion marker in its logging folder; a prepare that is killed and run
+again skips the tasks already marked. The work folder is named by a hash of everything that
+decides the parts (`job_key`), so a changed task or file never reuses a stale part.
+
+The scan itself is ours (`ScanStep` wraps trainer/data/scan.py): datatrove's own steps work on one
+document at a time as text, while the scan spools token ids, quality numbers, exact hashes, MinHash
+band keys and difficulty grades as columns that the whole-task duplicate resolution reads back;
+datatrove's MinHash stages write their own signature files and cluster ids, a later increment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import shutil
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from datatrove.executor.local import LocalPipelineExecutor
+from datatrove.pipeline.base import PipelineStep
+from loguru import logger
+
+from advisor import environment
+from advisor.errors import UsageError
+from advisor.task import DifficultySpec, TaskSpec
+from trainer.data.dedup import DocumentHasher, MinHashParams
+from trainer.data.difficulty import Grader
+from trainer.data.scan import Part, ScanSettings, UnitColumns, scan_part
+from trainer.data.tokenizer import TextTokenizer
+
+SCAN_FORMAT = 1  # raise when a part's files change meaning: older work folders are then not reused
+KILL_HOOK = "ADVISOR_PREPARE_KILL_AFTER_PARTS"
+_POLL_S = 1.0
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class ScanJob:
+    """What a worker process needs to scan parts: plain data, pickled to every worker."""
+
+    key: str
+    task: TaskSpec
+    tokenizer_path: Path
+    allow_code: bool
+    graders: dict[str, DifficultySpec]   # grader key -> its difficulty spec
+    units: list[UnitColumns]
+    parts: list[Part]                     # by index: task rank r scans parts[r]
+    work: Path
+    main_pid: int
+
+
+def job_key(fingerprint: str, rows_per_part: int, tokenizer_path: Path) -> str:
+    blob = f"{fingerprint}|{rows_per_part}|{tokenizer_path}|{SCAN_FORMAT}"
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def work_folder(out: Path, key: str) -> Path:
+    """Beside the output folder (the output is written aside and renamed; the work must outlive a
+    killed run). Work folders of other keys for the same output are stale and removed."""
+    out = Path(out).resolve()
+    for stale in out.parent.glob(f".{out.name}.scan-*"):
+        if stale.name != f".{out.name}.scan-{key}":
+            shutil.rmtree(stale, ignore_errors=True)
+    return out.parent / f".{out.name}.scan-{key}"
+
+
+_SETTINGS: dict[str, ScanSettings] = {}  # per process: a worker loads the tokenizer and graders once
+
+
+def remember_settings(key: str, settings: ScanSettings) -> None:
+    """Settings the calling process already built (tasks run in-process at one worker)."""
+    _SETTINGS[key] = settings
+
+
+def scan_settings(job: ScanJob) -> ScanSettings:
+    if job.key not in _SETTINGS:
+        dedup = job.task.data.dedup
+        tokenizer = TextTokenizer(job.tokenizer_path)
+        hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
+        graders = {key: Grader(spec, Path(job.task.base_dir), job.task.seq_len, job.allow_code)
+                   for key, spec in job.graders.items()}
+        _SETTINGS[job.key] = ScanSettings(tokenizer=tokenizer, eos_id=tokenizer.eos_id,
+                                          append_eos=job.task.data.append_eos, exact=dedup.exact,
+                                          hasher=hasher, graders=graders)
+    return _SETTINGS[job.key]
+
+
+class ScanStep(PipelineStep):
+    """Task r scans part r of the job. Written here rather than composed of datatrove's steps: see
+    the module's docstring."""
+
+    name = "scan parts"
+    type = "advisor"
+
+    def __init__(self, job: ScanJob) -> None:
+        super().__init__()
+        self.job = job
+
+    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Iterator[Any]:
+        job = self.job
+        _kill_hook(job)
+        part = job.parts[rank]
+        with self.track_time():
+            rows = scan_part(job.units[part.unit], part, scan_settings(job), job.work / "parts")
+        self.stat_update("documents", value=rows)
+        if data:
+            yield from data
+
+
+def _kill_hook(job: ScanJob) -> None:
+    """Test hook: once K parts are finished, kill the prepare and this worker outright (kill -9),
+    before the next part starts, so that a test can resume a prepare killed midway."""
+    text = environment.read(KILL_HOOK).strip()
+    if not text:
+        return
+    if not text.isdigit():
+        raise UsageError(f"{KILL_HOOK}={text[:40]!r}: expected a whole number of parts")
+    folder = job.work / "datatrove" / "completions"  # datatrove's markers: what a rerun will skip
+    finished = sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
+    if finished >= int(text):
+        os.kill(job.main_pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Discard:
+    """A stream that drops what is written (never closed: loguru keeps the stream it was given)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+class _QuietExecutor(LocalPipelineExecutor):
+    """datatrove's local executor, its console logging sent to the task log files only: the
+    prepare shows its own progress lines."""
+
+    def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1) -> Any:
+        # datatrove adds a loguru sink on sys.stderr as it is at this moment, per task
+        with contextlib.redirect_stderr(_Discard()):
+            return super()._run_for_rank(rank, local_rank, node_rank)
+
+
+def run_scan(job: ScanJob, workers: int, log: Log) -> int:
+    """Scan every part not finished before, `workers` at a time; returns how many were reused."""
+    logging_dir = job.work / "datatrove"
+    executor = _QuietExecutor([ScanStep(job)], tasks=len(job.parts), workers=max(1, min(workers, len(job.parts))),
+                              logging_dir=str(logging_dir))
+    reused = len(job.parts) - len(executor.get_incomplete_ranks())
+    if reused:
+        log(f"resuming: {reused} of {len(job.parts)} parts were scanned before")
+    logger.remove()  # datatrove logs through loguru to stderr; the task log files keep everything
+    stop = threading.Event()
+    watcher = threading.Thread(target=_report_progress, args=(job, logging_dir, stop, log), daemon=True)
+    watcher.start()
+    try:
+        executor.run()
+    finally:
+        stop.set()
+        watcher.join()
+        logger.remove()  # the sinks datatrove added while it ran
+    return reused
+
+
+def _report_progress(job: ScanJob, logging_dir: Path, stop: threading.Event, log: Log) -> None:
+    shown = -1
+    while not stop.wait(_POLL_S):
+        folder = logging_dir / "completions"
+        done = sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
+        if done != shown and done < len(job.parts):
+            log(f"scanning: {done}/{len(job.parts)} parts done")
+            shown = done
+
+
+# --- Slurm: the same tasks as a job array ------------------------------------------------------------
+
+
+@dataclass
+class SlurmOptions:
+    """The job array's resources: each array task scans one part on one core."""
+
+    partition: str
+    time: str = "04:00:00"
+    mem_per_cpu_gb: int = 4
+    array_parallelism: int = 64   # array tasks running at once (sbatch --array=0-N%P)
+    job_name: str = "advisor-prepare"
+
+
+def write_slurm_scripts(job: ScanJob, options: SlurmOptions, finish_command: str) -> dict[str, Path]:
+    """Write the scan's job array as datatrove writes it (its pickled executor, the ranks to run and
+    `launch_script.slurm`) and a finishing job (`finish.slurm`) that runs `finish_command`, plus
+    `submit.sh`, which submits both, the second after the first succeeds. Nothing is submitted.
+
+    datatrove 0.10 has no dry run: its own `launch_job` runs here with the one function that calls
+    sbatch replaced by one that keeps the script, so the scripts are exactly those it would submit."""
+    from datatrove.executor import slurm
+
+    logging_dir = job.work / "datatrove"
+    executor = slurm.SlurmPipelineExecutor(
+        [ScanStep(job)], tasks=len(job.parts), time=options.time, partition=options.partition, cpus_per_task=1,
+        mem_per_cpu_gb=options.mem_per_cpu_gb, workers=options.array_parallelism, job_name=options.job_name,
+        logging_dir=str(logging_dir), slurm_logs_folder=str(job.work / "slurm_logs"), requeue=True, qos="",
+        mail_type="NONE")
+    kept: list[str] = []
+
+    def keep_script(contents: str, job_id_retriever: Any, *args: str) -> str:
+        kept.append(contents)
+        return "0"
+
+    submit = slurm.launch_slurm_job
+    slurm.launch_slurm_job = keep_script
+    logger.remove()  # its log would say that a job was launched
+    try:
+        executor.launch_job()
+    finally:
+        slurm.launch_slurm_job = submit
+    paths = {"array": logging_dir / "launch_script.slurm", "finish": job.work / "finish.slurm",
+             "submit": job.work / "submit.sh"}
+    if not kept:  # every part was scanned before: only the finishing job is left
+        paths.pop("array")
+    paths["finish"].write_text(_finish_script(options, finish_command, job.work / "slurm_logs"))
+    arrays = math.ceil(len(executor.get_incomplete_ranks()) / executor.max_array_size)
+    paths["submit"].write_text(_submit_script(paths, arrays))
+    return paths
+
+
+def _finish_script(options: SlurmOptions, command: str, logs: Path) -> str:
+    return "\n".join([
+        "#!/bin/bash", f"#SBATCH --job-name={options.job_name}-finish", f"#SBATCH --partition={options.partition}",
+        f"#SBATCH --time={options.time}", "#SBATCH --nodes=1", "#SBATCH --cpus-per-task=1",
+        f"#SBATCH --mem-per-cpu={options.mem_per_cpu_gb}G", f"#SBATCH --output={logs}/finish-%j.out",
+        f"#SBATCH --error={logs}/finish-%j.out", "set -e", command, ""])
+
+
+def _submit_script(paths: dict[str, Path], arrays: int) -> str:
+    """Submit the array (in slices of datatrove's largest array, each with its RUN_OFFSET, as its
+    own launcher does), then the finishing job once every slice has succeeded."""
+    lines = ["#!/bin/bash", "set -e", "after=afterok"]
+    for offset in range(arrays if "array" in paths else 0):
+        lines += [f"scan=$(sbatch --parsable --export=ALL,RUN_OFFSET={offset} {paths['array']})",
+                  "after=\"$after:${scan%%;*}\""]
+    lines.append(f"sbatch --dependency=$after {paths['finish']}" if "array" in paths else f"sbatch {paths['finish']}")
+    return "\n".join(lines) + "\n"
