@@ -30,6 +30,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from advisor.remote_code import save_model_code
 from advisor.specs import ModelSpec
 from trainer.data.tokenizer import load_tokenizer
 
@@ -224,6 +225,7 @@ def _write_hf_model(config, weights: dict[str, torch.Tensor], dtype: torch.dtype
         tensors.pop("lm_head.weight", None)  # one storage in the model: from_pretrained ties it again
     save_torch_state_dict(tensors, str(out))
     config.save_pretrained(str(out))
+    save_model_code(config, out)  # a folder's own model (--trust-remote-code) keeps its code
     kept = Path(source) / GENERATION_CONFIG if source else None
     if kept is not None and kept.is_file():
         shutil.copy2(kept, out / GENERATION_CONFIG)

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from advisor.errors import UsageError
 from presets import PRESETS_DIR
 from trainer.data.demo_corpus import TOKENIZER_TRAINING_DOCUMENTS, iter_documents
-from trainer.remote_code import refuse_remote_code
+from advisor.remote_code import refuse_remote_code
 
 TOKENIZERS_DIR = PRESETS_DIR / "tokenizers"
 DEMO_VOCAB_SIZE = 2048
