@@ -69,6 +69,14 @@ def ensure_model_code(hf_config: dict[str, Any], source: str, trusted: bool, wha
         load_model_code(folder)
 
 
+def code_loaded(hf_config: dict[str, Any], source: str) -> bool:
+    """Whether this process loaded the code of the folder `hf_config` was read from: the verb that loaded
+    it had the opt-in, and what it calls (the timed steps of calibration and verification, which build
+    the model from a spec alone) builds the same model."""
+    folder = model_folder(source)
+    return folder is not None and _LOADED.get(str(hf_config.get("model_type"))) == folder
+
+
 def load_model_code(folder: Path) -> None:
     """Import the folder's config class and causal-LM class (its auto_map's AutoConfig and
     AutoModelForCausalLM) and register them with transformers' Auto classes under the config's model_type,

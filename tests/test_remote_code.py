@@ -17,6 +17,7 @@ from advisor.specs import Layout, ModelSpec
 from presets import load_model
 from trainer.data.tokenizer import load_tokenizer
 from trainer.model import build_model
+from trainer.run_identity import check_resume
 
 PLANTED = '''from pathlib import Path
 Path(__file__).with_name("ran.txt").write_text("the folder's code ran")
@@ -114,9 +115,17 @@ def test_a_folder_with_its_own_code_plans_and_trains_only_with_trust_remote_code
     _refused_naming_the_flag(runner.invoke(app, plan_args))
     assert not marker.exists() and not plan.exists()
 
+    estimate_args = ["estimate", "--model", str(folder), "--hardware", "cpu", "--gpus-per-node", "1", "--seq-len",
+                     str(SEQ), "--layout", "method=lora,mbs=2,gas=1", "--json"]
+    _refused_naming_the_flag(runner.invoke(app, estimate_args))
+    assert not marker.exists()
+
     planned = runner.invoke(app, [*plan_args, "--trust-remote-code"])
     assert planned.exit_code == 0, planned.output
     assert "TinyCustomConfig" in marker.read_text()  # the trace built the folder's own model
+    estimated = runner.invoke(app, [*estimate_args, "--trust-remote-code"])
+    assert estimated.exit_code == 0, estimated.output
+    assert json.loads(estimated.stdout)["memory"]["weights"] > 0
     marker.unlink()
 
     run = tmp_path / "run"
@@ -129,6 +138,11 @@ def test_a_folder_with_its_own_code_plans_and_trains_only_with_trust_remote_code
     assert trained.exit_code == 0, trained.output
     assert "TinyCustomConfig" in marker.read_text()  # the trainer built the folder's own model
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    # a resume must keep the run's --trust-remote-code setting (run.json's fingerprint holds it)
+    fingerprint = json.loads((run / "run.json").read_text())["fingerprint"]
+    assert fingerprint["trust_remote_code"] is True
+    with pytest.raises(UsageError, match="another --trust-remote-code setting"):
+        check_resume(run, {**fingerprint, "trust_remote_code": False})
     # the merged model keeps the folder's code beside its config, so that it loads again (with the opt-in)
     merged = run / "model" / "merged"
     assert json.loads((merged / "config.json").read_text())["auto_map"] == \

@@ -317,7 +317,8 @@ class _Run:
         # before the run dir is claimed: a refusal leaves no run
         check_weights(plan.model, options.weights, options.trust_remote_code)
         self.vocab = int(plan.model.hf_config.get("vocab_size", 0))
-        self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab, options.weights, options.template)
+        self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab, options.weights, options.template,
+                                       options.trust_remote_code)
         self.cache = run_dir / "data_cache"
         self.dev = device()
         self.memory = TensorMemory(self.dev)  # before the model is built: it counts what is allocated from now on
@@ -639,7 +640,8 @@ class _Run:
         directory = _stage_model_dir(self.run_dir, stage.spec.name)
         tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer.path
         weights = write_model(self.engine, directory, TORCH_DTYPES[self.layout.dtype], tokenizer, self.options.weights,
-                              merge=self.options.merge, chat_template=self.tokenizer.builtin_jinja)
+                              merge=self.options.merge, chat_template=self.tokenizer.builtin_jinja,
+                              trusted=self.options.trust_remote_code)
         self.events.write({"event": "model", "stage": stage.spec.name, "step": self.state.global_step,
                            "path": str(directory.relative_to(self.run_dir)),
                            "kind": "adapter" if self.layout.method in ("lora", "qlora") else "full"})

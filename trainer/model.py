@@ -22,7 +22,7 @@ from trainer.attention import register_document_attention
 from trainer.engines.base import device
 from trainer.materialize import build_on_meta, materialize, pending_init
 from trainer.recompute import apply_recomputation
-from advisor.remote_code import ensure_model_code, load_model_code, refuse_remote_code
+from advisor.remote_code import code_loaded, ensure_model_code, load_model_code, refuse_remote_code
 
 
 # What a saved config.json carries besides the model's computation: where and by what it was saved, the
@@ -41,8 +41,9 @@ def weights_config_differences(spec: ModelSpec, weights: str, trusted: bool = Fa
     from transformers import AutoConfig  # heavy: loaded only when weights are given
 
     if refuse_remote_code(Path(weights), "config.json", "--weights", trusted):
-        load_model_code(Path(weights))  # the plan's config may name the same classes: built by that code
-    ensure_model_code(spec.hf_config, spec.source, trusted, "the plan's model")
+        load_model_code(Path(weights))  # its model_type registered: the plan's config of that type reads with it
+    else:
+        ensure_model_code(spec.hf_config, spec.source, trusted, "the plan's model")
     planned = AutoConfig.for_model(**spec.hf_config).to_dict()
     given = AutoConfig.from_pretrained(weights, local_files_only=True, trust_remote_code=trusted).to_dict()
     return [f"{key}: {planned.get(key)} in the plan, {given.get(key)} in the weights"
@@ -77,7 +78,7 @@ def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None 
     # inside a training log; with it, the folder's classes are registered (advisor.remote_code)
     if weights and refuse_remote_code(Path(weights), "config.json", "--weights", trusted):
         load_model_code(Path(weights))
-    elif not weights:
+    elif not weights and not code_loaded(spec.hf_config, spec.source):
         ensure_model_code(spec.hf_config, spec.source, trusted, "the plan's model")
     config = (AutoConfig.from_pretrained(weights, local_files_only=True, trust_remote_code=trusted) if weights
               else AutoConfig.for_model(**spec.hf_config))

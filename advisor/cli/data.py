@@ -9,7 +9,8 @@ from typing import Optional
 
 import typer
 
-from advisor.cli.common import MAX_SCALE, check_out_folder, console, err_console, exit_on_error, print_or_render
+from advisor.cli.common import (MAX_SCALE, TRUST_REMOTE_CODE, check_out_folder, console, err_console, exit_on_error,
+                                print_or_render)
 from advisor.cli.render import render_data_manifest
 from advisor.errors import UsageError
 from advisor.specs import check_number
@@ -50,6 +51,7 @@ def data_prepare(
     as_json: bool = typer.Option(False, "--json", help="print the manifest as one JSON object"),
     allow_code: bool = typer.Option(False, "--allow-code", help="let a difficulty rule `module:function` or "
                                                                 "`file.py:function` import and run that code"),
+    trust_remote_code: bool = TRUST_REMOTE_CODE,
 ) -> None:
     """Clean (exact and MinHash near-duplicate removal, length and character-quality thresholds),
     grade by difficulty, bucket by length and write tokenised stage shards plus a manifest.
@@ -66,7 +68,8 @@ def data_prepare(
         log = None if as_json else (lambda message: err_console.print(message, style="dim", highlight=False))
         if ensure_generated_data(spec) and log:
             log(f"generated the {spec.name} task's data into {spec.base_dir}")
-        return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log, allow_code=allow_code)
+        return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log, allow_code=allow_code,
+                       trusted=trust_remote_code)
 
     folder, manifest = exit_on_error(compute)
     if as_json:

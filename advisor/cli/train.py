@@ -238,7 +238,7 @@ def _run(a: SimpleNamespace) -> dict | None:
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
             (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights,
                                                       a.dataset, data_reading.reading(a), a.template, a.lr_schedule,
-                                                      _fine_tune_flags(a)),
+                                                      _fine_tune_flags(a), a.trust_remote_code),
                                          out / "plan.yaml")
         elif a.steps is not None or a.tokens is not None:
             raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
@@ -310,7 +310,7 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, toke
                epochs: float | None, weights: str | None = None,
                dataset: str | None = None, reading: Reading = Reading(),
                template: str | None = None, lr_schedule: str | None = None,
-               flags: FineTuneFlags = FineTuneFlags()) -> tuple[Plan, Path | None]:
+               flags: FineTuneFlags = FineTuneFlags(), trusted: bool = False) -> tuple[Plan, Path | None]:
     """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
     plan; and the prepared-data folder the loop reads (None: raw files)."""
     if data is None:
@@ -324,7 +324,8 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, toke
     from trainer.one_stage import one_stage_plan
 
     plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights, datasets=names,
-                                    reading=reading, template=template, lr_schedule=lr_schedule, flags=flags)
+                                    reading=reading, template=template, lr_schedule=lr_schedule, flags=flags,
+                                    trusted=trusted)
     sources = plan.task.stages[0].sources if plan.task else []
     if len(sources) == 1:
         console.print(f"--data {data}: {sources[0].format} rows (detected from their fields)", highlight=False)

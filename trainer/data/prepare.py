@@ -581,9 +581,10 @@ def _write_unit(entry: Entry, unit: Unit, sel: Selection, stage: StageSpec, spli
 
 
 def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int | None = None,
-            log: Log | None = None, allow_code: bool = False) -> tuple[Path, dict[str, Any]]:
+            log: Log | None = None, allow_code: bool = False, trusted: bool = False) -> tuple[Path, dict[str, Any]]:
     """Prepare every stage's shards and the manifest; returns (output folder, manifest).
-    `allow_code` lets a difficulty rule `module:function` import and run that code."""
+    `allow_code` lets a difficulty rule `module:function` import and run that code; `trusted`
+    (--trust-remote-code) lets the tokenizer's and reference model's folders run theirs."""
     started = time.perf_counter()
     say = log or (lambda message: None)
     base_dir = Path(task.base_dir)
@@ -599,10 +600,10 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
     graders = {}
     for entry in entries:  # first: a refused difficulty rule stops before any reading
         if entry.grader_key not in graders:
-            graders[entry.grader_key] = Grader(entry.difficulty, base_dir, task.seq_len, allow_code)
+            graders[entry.grader_key] = Grader(entry.difficulty, base_dir, task.seq_len, allow_code, trusted)
     tokenizer_path = resolve_tokenizer_path(task.data.tokenizer, task.model, base_dir)
-    tokenizer = TextTokenizer(tokenizer_path)
-    _check_vocab(task, tokenizer)
+    tokenizer = TextTokenizer(tokenizer_path, trusted)
+    _check_vocab(task, tokenizer, trusted)
     budget = micro_batch_tokens or task.data.buckets.micro_batch_tokens or 8 * task.seq_len
     dedup = task.data.dedup
     hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
@@ -649,11 +650,11 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
     return output.final, manifest
 
 
-def _check_vocab(task: TaskSpec, tokenizer: Any) -> None:
+def _check_vocab(task: TaskSpec, tokenizer: Any, trusted: bool = False) -> None:
     if not task.model:
         return
     try:
-        vocab = load_model(task.model).hf_config.get("vocab_size")
+        vocab = load_model(task.model, trusted).hf_config.get("vocab_size")
     except UsageError:
         return
     if vocab and tokenizer.vocab_size > vocab:
