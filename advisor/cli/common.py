@@ -31,7 +31,8 @@ LAYOUT_HELP = "Layout keys (comma-separated key=value; left-out keys take defaul
 MAX_SCALE = 1000.0
 # Every verb that reads a user's model or tokenizer folder takes it: without it, a folder naming Python
 # code of its own (auto_map) is refused in one line (advisor/remote_code.py)
-TRUST_REMOTE_CODE = typer.Option(False, TRUST_FLAG, help=TRUST_HELP)
+# (its --no- form: how a launched worker receives the default, trainer/options.py `train_argv`)
+TRUST_REMOTE_CODE = typer.Option(False, f"{TRUST_FLAG}/--no-{TRUST_FLAG[2:]}", help=TRUST_HELP)
 
 # `--engine` of estimate, plan and report capacity: whose behaviour is priced
 PRICED_ENGINE_HELP = ("the engine whose behaviour is priced: ours (default: what `advisor train` runs), megatron "
