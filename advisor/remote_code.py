@@ -6,6 +6,7 @@ and registered with transformers' Auto classes, so that every place that builds 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -67,6 +68,18 @@ def ensure_model_code(hf_config: dict[str, Any], source: str, trusted: bool, wha
     folder = check_model_code(hf_config, source, trusted, what)
     if folder is not None:
         load_model_code(folder)
+
+
+def code_digest(hf_config: dict[str, Any], source: str) -> str:
+    """A short digest of the Python files of the folder whose code `hf_config` names ("" for a config
+    without any): what a cached result computed by that code is keyed by besides the config."""
+    folder = model_folder(source)
+    if not hf_config.get("auto_map") or folder is None:
+        return ""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def code_loaded(hf_config: dict[str, Any], source: str) -> bool:

@@ -13,6 +13,7 @@ from test_model_families import _tokenizer as write_word_tokenizer
 
 from advisor.cli import app
 from advisor.errors import UsageError
+from advisor.remote_code import code_digest
 from advisor.specs import Layout, ModelSpec
 from presets import load_model
 from trainer.data.tokenizer import load_tokenizer
@@ -149,3 +150,13 @@ def test_a_folder_with_its_own_code_plans_and_trains_only_with_trust_remote_code
         json.loads((folder / "config.json").read_text())["auto_map"]
     assert [(merged / name).read_text() for name in ("configuration_tiny.py", "modeling_tiny.py")] == \
         [(folder / name).read_text() for name in ("configuration_tiny.py", "modeling_tiny.py")]
+
+
+def test_a_cached_trace_of_a_folders_own_code_is_keyed_by_that_code(tmp_path: Path) -> None:
+    folder, _ = _custom_code_folder(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    source = str(folder / "config.json")
+    before = code_digest(config, source)
+    (folder / "modeling_tiny.py").write_text((folder / "modeling_tiny.py").read_text() + "\n# edited\n")
+    assert before and code_digest(config, source) not in ("", before)
+    assert code_digest({k: v for k, v in config.items() if k != "auto_map"}, source) == ""  # no code: keys unchanged
