@@ -15,11 +15,11 @@ from typing import Any
 from advisor.errors import UsageError
 
 TRUST_FLAG = "--trust-remote-code"
-# model_type -> the folder whose code this process loaded for it (load_model_code): a model written from
-# it gets that code beside its config.json (save_model_code)
-_LOADED: dict[str, Path] = {}
 TRUST_HELP = ("run the Python code a model or tokenizer folder names (its auto_map), as transformers' "
               "trust_remote_code=True does: read that code first, it runs with your permissions")
+# model_type -> the folder (resolved) whose code this process loaded for it (load_model_code): a model
+# written from it gets that code beside its config.json (save_model_code)
+_LOADED: dict[str, Path] = {}
 
 
 def own_code(folder: Path, file: str) -> dict[str, Any] | None:
@@ -87,7 +87,7 @@ def code_loaded(hf_config: dict[str, Any], source: str) -> bool:
     it had the opt-in, and what it calls (the timed steps of calibration and verification, which build
     the model from a spec alone) builds the same model."""
     folder = model_folder(source)
-    return folder is not None and _LOADED.get(str(hf_config.get("model_type"))) == folder
+    return folder is not None and _LOADED.get(str(hf_config.get("model_type"))) == folder.resolve()
 
 
 def load_model_code(folder: Path) -> None:
@@ -113,7 +113,7 @@ def load_model_code(folder: Path) -> None:
                                                     local_files_only=True)
         AutoConfig.register(model_type, config_class, exist_ok=True)
         AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
-        _LOADED[model_type] = folder
+        _LOADED[model_type] = folder.resolve()
     except Exception as exc:  # the folder's code may raise anything while it is imported
         raise UsageError(f"{TRUST_FLAG}: the code {folder} names does not load: {type(exc).__name__}: {exc}") \
             from None
