@@ -160,3 +160,22 @@ def test_a_cached_trace_of_a_folders_own_code_is_keyed_by_that_code(tmp_path: Pa
     (folder / "modeling_tiny.py").write_text((folder / "modeling_tiny.py").read_text() + "\n# edited\n")
     assert before and code_digest(config, source) not in ("", before)
     assert code_digest({k: v for k, v in config.items() if k != "auto_map"}, source) == ""  # no code: keys unchanged
+
+
+def test_a_tokenizer_folder_with_its_own_code_loads_it_only_with_trust_remote_code(tmp_path: Path) -> None:
+    folder, marker = tmp_path / "tokenizer-with-code", tmp_path / "tokenizer-code-ran.txt"
+    write_word_tokenizer(folder)
+    (folder / "tokenization_custom.py").write_text(
+        "from pathlib import Path\n\nfrom transformers import PreTrainedTokenizerFast\n\n\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        "        super().__init__(*args, **kwargs)\n"
+        f"        Path({str(marker)!r}).write_text('ran')\n")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="CustomTokenizer",
+                  auto_map={"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match="--trust-remote-code"):
+        load_tokenizer(folder)
+    assert not marker.exists()
+    assert type(load_tokenizer(folder, trusted=True)).__name__ == "CustomTokenizer" and marker.exists()
