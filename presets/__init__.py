@@ -21,6 +21,7 @@ import yaml
 from advisor import environment
 from advisor.errors import UsageError
 from advisor.profile import fingerprint_mismatch, looks_like_profile, profile_from_data
+from advisor.remote_code import ensure_model_code
 from advisor.specs import HardwareSpec, ModelSpec, parse_user_yaml, validate
 from advisor.task import TaskSpec, read_task_file
 
@@ -112,8 +113,10 @@ def load_hardware_file(path: Path) -> HardwareSpec:
     return validate(HardwareSpec, data, f"hardware file {path}")
 
 
-def load_model(ref: str) -> ModelSpec:
-    """A model preset name, an HF `config.json`, or a local model folder holding one."""
+def load_model(ref: str, trusted: bool = False) -> ModelSpec:
+    """A model preset name, an HF `config.json`, or a local model folder holding one. A config naming
+    Python code of its own (`auto_map`) is refused in one line unless `trusted` (--trust-remote-code),
+    which loads that code (advisor.remote_code): the trace builds the folder's own model."""
     path = Path(ref)
     if _is_dir(path):
         path = path / "config.json"
@@ -126,8 +129,10 @@ def load_model(ref: str) -> ModelSpec:
             raise UsageError(f"cannot read model config {path}: {exc}") from None
         if not isinstance(config, dict) or "model_type" not in config:
             raise UsageError(f"{path} is not a Hugging Face config.json (no 'model_type')")
-        return validate(ModelSpec, {"name": path.parent.name if path.name == "config.json" else path.stem,
+        spec = validate(ModelSpec, {"name": path.parent.name if path.name == "config.json" else path.stem,
                                     "hf_config": config, "source": str(path)}, f"model config {path}")
+        ensure_model_code(spec.hf_config, spec.source, trusted, "--model")
+        return spec
     if ref.endswith(".json") or "/" in ref:
         raise UsageError(f"model config not found: {ref}")
     data = preset_data("models", ref)

@@ -38,6 +38,7 @@ from pydantic import BaseModel, Field
 from advisor.errors import UsageError
 from advisor.capabilities import precision
 from advisor.model_depth import layer_kinds, per_layer_keys, with_layers
+from advisor.remote_code import code_digest
 from advisor.specs import DTYPE_BYTES, SELECTIVE_SAVED_OPS, Layout, ModelSpec
 from presets import cache_dir
 from profiler.attention_support import runnable_attention
@@ -839,7 +840,8 @@ def trace_model(
     # the FlashAttention contract runs packed rows as variable-length sequences: no mask, native GQA
     packed = packed and attention != "flash"
     args = _trace_args(model, seq, dtype, method, lora_rank, attention, device_type, packed)
-    path = _cache_dir() / f"{_trace_key(_stack_versions(), args)}.json"
+    # a folder's own model code is part of what was traced: another version of it is traced again
+    path = _cache_dir() / f"{_trace_key(_stack_versions() + code_digest(model.hf_config, model.source), args)}.json"
     if use_disk_cache:
         # the user's cache (exact versions), then the traces shipped for the presets (same
         # release lines: a cold `estimate` of a preset needs no transformers import)

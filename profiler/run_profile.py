@@ -71,6 +71,7 @@ class ProfileOptions:
     calibrate: bool = True
     cluster: ClusterOptions | None = None  # several nodes profiling together (profiler/cluster.py)
     straggler_threshold: float = DEFAULT_THRESHOLD
+    trust_remote_code: bool = False  # --model's folder may run its own Python code (auto_map)
 
 
 @dataclass
@@ -707,6 +708,8 @@ def _relaunch_under_torchrun(opts: ProfileOptions, nproc: int) -> None:
         args.append("--quick")
     if opts.model is not None:
         args += ["--model", opts.model.source if opts.model.source != "preset" else opts.model.name]
+    if opts.trust_remote_code:
+        args.append("--trust-remote-code")
     if subprocess.run(args).returncode != 0:
         raise UsageError(f"the profiling job under torchrun failed ({' '.join(args)})")
 
@@ -720,9 +723,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args()
-    opts = ProfileOptions(out=args.out, quick=args.quick, model=load_model(args.model) if args.model else None,
-                          device=args.device)
+    opts = ProfileOptions(out=args.out, quick=args.quick, device=args.device, trust_remote_code=args.trust_remote_code,
+                          model=load_model(args.model, args.trust_remote_code) if args.model else None)
     measured = run_profile(opts)  # no step runner here: this entry point only measures
     if measured is not None:
         measured.profile.write(args.out)

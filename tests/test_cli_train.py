@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 import trainer.launch
@@ -41,13 +42,15 @@ def _other_value(field: dataclasses.Field, root: Path):
     raise AssertionError(f"TrainOptions.{field.name}: teach this test a value of type {field.type}")
 
 
-def test_every_train_option_round_trips_through_a_launched_worker_argv(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("values", ["others", "defaults"])  # the defaults: a `--no-x` flag the verb must know
+def test_every_train_option_round_trips_through_a_launched_worker_argv(tmp_path, monkeypatch, values) -> None:
     plan_path = tmp_path / "plan.yaml"
     made = runner.invoke(app, ["plan", "--model", "demo-tiny", "--hardware", "cpu", "--gpus-per-node", "1",
                                "--out", str(plan_path)])
     assert made.exit_code == 0, made.output
     sent = TrainOptions(**{f.name: _other_value(f, tmp_path) for f in dataclasses.fields(TrainOptions)})
     assert all(getattr(sent, f.name) != f.default for f in dataclasses.fields(TrainOptions))
+    sent = sent if values == "others" else TrainOptions()
     plan = load_plan(plan_path).model_copy(update={"engine": "fsdp2"})
     command = launch_command(plan, plan_path, tmp_path / "run", False, sent, 2, 1, 0, "127.0.0.1", 29513)
     received = {}

@@ -58,8 +58,9 @@ class FileTokenizer:
     """A local tokenizer (the task's `data.tokenizer`, the --weights folder's, or the one shipped for
     the model preset). Chat templates are read through transformers, loaded on first use."""
 
-    def __init__(self, path: Path, template: str | None = None):
-        self._inner = TextTokenizer(path)
+    def __init__(self, path: Path, template: str | None = None, trusted: bool = False):
+        self._inner = TextTokenizer(path, trusted)
+        self.trusted = trusted  # --trust-remote-code: the folder's own tokenizer code may run
         if self._inner.eos_id is None:
             raise UsageError(f"tokenizer {path} has no end-of-text token to separate packed documents")
         self.eos_token_id = int(self._inner.eos_id)
@@ -82,7 +83,7 @@ class FileTokenizer:
     def _templates(self) -> HFRowTokenizer:
         """The transformers tokenizer of the same files, for its chat template (loaded on first use)."""
         if self._hf is None:
-            hf = load_tokenizer(self.path)
+            hf = load_tokenizer(self.path, self.trusted)
             if self.template:
                 hf = use_builtin_template(hf, self.template, str(self.path))
             self._hf = HFRowTokenizer(hf, str(self.path), self.eos_token_id)
@@ -101,10 +102,10 @@ class FileTokenizer:
 
 
 def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int, weights: str | None = None,
-                  template: str | None = None):
+                  template: str | None = None, trusted: bool = False):
     """The task's tokenizer, else the one in the --weights folder, else the model preset's shipped
     one, else bytes; with `template`, a built-in chat template (trainer/data/chat_templates.py)
-    instead of the tokenizer's own."""
+    instead of the tokenizer's own. `trusted`: --trust-remote-code."""
     configured = getattr(getattr(task, "data", None), "tokenizer", None)
     if not configured and weights and _has_tokenizer(Path(weights)):
         configured = str(Path(weights).resolve())
@@ -119,7 +120,7 @@ def tokenizer_for(task: TaskSpec, model_name: str, vocab_size: int, weights: str
             raise UsageError(f"--template {template} needs a tokenizer with the family's special tokens: set "
                              "`data: {tokenizer: FOLDER}` in the task or train from --weights FOLDER holding one") from None
         return ByteTokenizer()
-    tokenizer = FileTokenizer(path, template)
+    tokenizer = FileTokenizer(path, template, trusted)
     if tokenizer.vocab_size > vocab_size:
         raise UsageError(f"tokenizer {path} has {tokenizer.vocab_size} tokens, the model only {vocab_size}")
     return tokenizer

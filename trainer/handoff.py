@@ -30,6 +30,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from advisor.remote_code import save_model_code
 from advisor.specs import ModelSpec
 from trainer.data.tokenizer import load_tokenizer
 
@@ -166,14 +167,16 @@ def adapter_weights(engine) -> dict[str, torch.Tensor]:
 
 
 def write_model(engine, directory: Path, dtype: torch.dtype, tokenizer: Path | None, source: str | None,
-                merge: bool = False, chat_template: str | None = None) -> dict[str, torch.Tensor] | None:
+                merge: bool = False, chat_template: str | None = None,
+                trusted: bool = False) -> dict[str, torch.Tensor] | None:
     """Collective: the artifact of the engine's model in `directory` (written aside, renamed into
     place by rank 0). Full training: an HF model folder in `dtype`; LoRA/QLoRA: the peft adapter
     folder, with `merge` also `merged/`. `tokenizer` is the folder (or tokenizer.json) training
     read, None for the byte-level fallback (a README says so); `source` the --weights folder, whose
     generation config is kept; `chat_template` the built-in template training rendered chats with
     (`advisor train --template`), saved with the tokenizer so that inference renders them alike. Returns the full weights when it gathered them (every rank; rank
-    0's are whole), for the handoff of the same checkpoint to reuse."""
+    0's are whole), for the handoff of the same checkpoint to reuse. `trusted`: --trust-remote-code (the
+    tokenizer is loaded again to be saved)."""
     module = trained_module(engine)
     peft = _is_peft(module)
     adapters = adapter_weights(engine) if peft else None
@@ -186,8 +189,8 @@ def write_model(engine, directory: Path, dtype: torch.dtype, tokenizer: Path | N
             if weights is not None:
                 full = out / MERGED_DIR if peft else out
                 _write_hf_model(base.config, weights, dtype, full, source, getattr(base, "generation_config", None))
-                _write_tokenizer(tokenizer, full, chat_template)
-            _write_tokenizer(tokenizer, out, chat_template)
+                _write_tokenizer(tokenizer, full, chat_template, trusted)
+            _write_tokenizer(tokenizer, out, chat_template, trusted)
     return weights
 
 
@@ -224,6 +227,7 @@ def _write_hf_model(config, weights: dict[str, torch.Tensor], dtype: torch.dtype
         tensors.pop("lm_head.weight", None)  # one storage in the model: from_pretrained ties it again
     save_torch_state_dict(tensors, str(out))
     config.save_pretrained(str(out))
+    save_model_code(config, out)  # a folder's own model (--trust-remote-code) keeps its code
     kept = Path(source) / GENERATION_CONFIG if source else None
     if kept is not None and kept.is_file():
         shutil.copy2(kept, out / GENERATION_CONFIG)
@@ -231,13 +235,14 @@ def _write_hf_model(config, weights: dict[str, torch.Tensor], dtype: torch.dtype
         generation_config.save_pretrained(str(out))
 
 
-def _write_tokenizer(tokenizer: Path | None, out: Path, chat_template: str | None = None) -> None:
+def _write_tokenizer(tokenizer: Path | None, out: Path, chat_template: str | None = None,
+                     trusted: bool = False) -> None:
     """The tokenizer training read, as transformers saves it (with the chat template training used);
     the byte-level fallback has no files."""
     if tokenizer is None:
         (out / "README.md").write_text(BYTES_README)
         return
-    loaded = load_tokenizer(tokenizer)
+    loaded = load_tokenizer(tokenizer, trusted)
     if chat_template is not None:
         loaded.chat_template = chat_template
     loaded.save_pretrained(str(out))

@@ -203,7 +203,8 @@ def build_engine(model: ModelSpec, layout: Layout, device_type: str, engine: Eng
     """The engine `advisor train` runs `layout` with: the trainer's model, on `dev`, under the engine the
     capability declaration names, DeepSpeed configured as the plan's export. The timed steps
     (trainer/timed_steps.py: calibration, verification trials, benches) build theirs here too."""
-    built = build_model(model, layout, options.seed, options.weights, adapter)  # on meta: the engine fills its shards
+    # on meta: the engine fills its shards
+    built = build_model(model, layout, options.seed, options.weights, adapter, options.trust_remote_code)
     ds_config = None
     if traits(select_backend(layout, engine)).deepspeed:
         ds_config = model_deepspeed_config(model, device_type, layout)
@@ -313,9 +314,11 @@ class _Run:
         self.metrics = JsonLines(run_dir / "metrics.jsonl", self.main)
         self.events = JsonLines(run_dir / "events.jsonl", self.main)
         self.scalars = ScalarLog(run_dir / "tensorboard", self.main)  # opens lazily, after any purge is set
-        check_weights(plan.model, options.weights)  # before the run dir is claimed: a refusal leaves no run
+        # before the run dir is claimed: a refusal leaves no run
+        check_weights(plan.model, options.weights, options.trust_remote_code)
         self.vocab = int(plan.model.hf_config.get("vocab_size", 0))
-        self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab, options.weights, options.template)
+        self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab, options.weights, options.template,
+                                       options.trust_remote_code)
         self.cache = run_dir / "data_cache"
         self.dev = device()
         self.memory = TensorMemory(self.dev)  # before the model is built: it counts what is allocated from now on
@@ -637,7 +640,8 @@ class _Run:
         directory = _stage_model_dir(self.run_dir, stage.spec.name)
         tokenizer = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer.path
         weights = write_model(self.engine, directory, TORCH_DTYPES[self.layout.dtype], tokenizer, self.options.weights,
-                              merge=self.options.merge, chat_template=self.tokenizer.builtin_jinja)
+                              merge=self.options.merge, chat_template=self.tokenizer.builtin_jinja,
+                              trusted=self.options.trust_remote_code)
         self.events.write({"event": "model", "stage": stage.spec.name, "step": self.state.global_step,
                            "path": str(directory.relative_to(self.run_dir)),
                            "kind": "adapter" if self.layout.method in ("lora", "qlora") else "full"})

@@ -48,8 +48,8 @@ CACHE = "data_cache"
 PREPARED_VIEW = "prepared"  # the run dir's one-stage view of an `advisor data prepare` folder  # the run dir's cache of packed sequences, which the loop reads too (trainer/loop.py)
 
 
-# (--weights folder, --template name): what picks the tokenizer and its chat template (tokenizer_for)
-TokenizerChoice = tuple[str | None, str | None]
+# (--weights folder, --template name, --trust-remote-code): what picks the tokenizer and its chat template (tokenizer_for)
+TokenizerChoice = tuple[str | None, str | None, bool]
 
 
 def data_format(path: str) -> str | None:
@@ -76,12 +76,14 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
                    tokens: int | None, epochs: float | None = None,
                    weights: str | None = None, datasets: list[str] | None = None,
                    reading: Reading = Reading(), template: str | None = None,
-                   lr_schedule: str | None = None, flags: FineTuneFlags = FineTuneFlags()) -> tuple[Plan, Path | None]:
+                   lr_schedule: str | None = None, flags: FineTuneFlags = FineTuneFlags(),
+                   trusted: bool = False) -> tuple[Plan, Path | None]:
     """`plan` with a one-stage task over `data`, sized by `steps`, `tokens`, `epochs` or one pass; and
     the prepared-data folder the loop reads (None: raw files, read through the task's sources).
     With `datasets`, `data` is LLaMA-Factory's `dataset_info.json` (or its folder) and the stage
     reads those datasets (trainer/data/registry.py); a YAML `data` is an Axolotl config. `weights` and
-    `template` choose the tokenizer and its chat template as the loop does (`trainer.corpus.tokenizer_for`).
+    `template` choose the tokenizer and its chat template as the loop does (`trainer.corpus.tokenizer_for`;
+    `trusted`: --trust-remote-code).
     Its schedule, adapters and packing: `flags`, else fine-tuning's defaults from `weights`
     (trainer/fine_tune.py); `lr_schedule`, else the task's default."""
     if sum(budget is not None for budget in (steps, tokens, epochs)) > 1:
@@ -96,9 +98,10 @@ def one_stage_plan(plan: Plan, data: str, run_dir: Path, steps: int | None,
         task = settings(_task(plan, [], steps=1, tokenizer=read_manifest(Path(data))["tokenizer"]["path"]))
         view, one_pass = _prepared_view(Path(data), task, run_dir)
     else:
-        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, (weights, template), reading, settings), None
+        choice = (weights, template, trusted)
+        (task, one_pass), view = _raw_task(plan, data, datasets, run_dir, choice, reading, settings), None
     if steps is None and tokens is None:
-        one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir, (weights, template))
+        one_pass = one_pass if one_pass is not None else _raw_tokens(plan, task, run_dir, (weights, template, trusted))
         tokens = one_pass
     if steps is None:
         steps = max(1, math.ceil(tokens / layout.tokens_per_step))  # type: ignore[operator]

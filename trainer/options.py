@@ -34,6 +34,7 @@ class TrainOptions:
     data: str | None = None  # `advisor data prepare` folder; default: the task's data.out when fresh
     overwrite: bool = False  # a fresh start moves an old run in the run dir aside (else refuses it)
     timeout_s: float = 600.0  # process-group timeout: how long ranks wait for a dead peer
+    trust_remote_code: bool = False  # the folders' own Python code (auto_map) may run (--trust-remote-code)
 
 
 def flag(name: str) -> str:

@@ -50,7 +50,8 @@ RUN_CHAIN_IN_THE_WAY = (*IN_THE_WAY, "verify", "verify.json", "feedback.json", "
 # older run.json lacks is not compared (its run resumes as that trainer checked it).
 MUST_MATCH = {"task": "task", "seed": "seed", "model": "model", "seq_len": "sequence length",
               "global_batch": "global batch", "engine": "engine", "data_source": "data (its kind or content)",
-              "weights": "weights (their content)", "tokenizer": "tokenizer (its content)"}
+              "weights": "weights (their content)", "tokenizer": "tokenizer (its content)",
+              "trust_remote_code": "--trust-remote-code setting"}
 # Fields of a task's stage that size it: a resume may change them (`length`: loop.py checks the steps
 # already trained keep their learning rates); everything else of the task decides the stream.
 LENGTH_FIELDS = {"steps", "tokens", "epochs"}
@@ -125,6 +126,8 @@ def fingerprint(plan: Plan, layout: Layout, options: TrainOptions, prepared: Pat
             "tokenizer": digests.of_path(tokenizer) if tokenizer else "bytes",
             # a built-in chat template (--template) renders other tokens from the same files
             "template": options.template,
+            # whether the folders' own Python may run: a resume keeps what the run started with
+            "trust_remote_code": options.trust_remote_code,
             "length": {"steps": [stage.steps for stage in plan.stages], "epochs": epochs,
                        "max_steps_per_stage": options.max_steps_per_stage},
             "layout": layout.short(), "model_name": plan.model.name, "task_name": plan.task.name if plan.task else None}

@@ -126,7 +126,8 @@ def _fork_trial(plan: Plan, planned: PlannedLayout, steps: int, warmup: int, thr
             "peak_source": timed.peak_source}
 
 
-def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path, run_dir: Path) -> dict[str, Any]:
+def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path, run_dir: Path,
+                trusted: bool = False) -> dict[str, Any]:
     trial = candidate_plan(plan, planned, first_stage_only=True)
     if directory.exists():
         shutil.rmtree(directory)
@@ -135,7 +136,8 @@ def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path,
     (directory / "data_cache").symlink_to((run_dir / "data_cache").resolve())  # tokenise once for all trials
     plan_path = directory / "plan.yaml"
     trial.write(plan_path)
-    options = TrainOptions(max_steps_per_stage=steps, show_progress=False, eval_sequences=1, exact_match_prompts=0)
+    options = TrainOptions(max_steps_per_stage=steps, show_progress=False, eval_sequences=1, exact_match_prompts=0,
+                           trust_remote_code=trusted)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     run_training(trial, plan_path, directory, False, options, False, None, 0, "127.0.0.1", free_port())
@@ -148,9 +150,11 @@ def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path,
 
 
 def verify(plan: Plan, k: int, run_dir: Path, steps: int = 4, warmup: int = 2, say: Callable[[str], None] = print,
-           watch: Callable[[Trial, Path | None], contextlib.AbstractContextManager] = _no_watch) -> Verification:
+           watch: Callable[[Trial, Path | None], contextlib.AbstractContextManager] = _no_watch,
+           trusted: bool = False) -> Verification:
     """Measure the plan's top `k` layouts for `steps` steps each and pick the fastest measured; each
-    trial runs inside `watch(trial, its metrics.jsonl or None)` (the CLI's progress display)."""
+    trial runs inside `watch(trial, its metrics.jsonl or None)` (the CLI's progress display).
+    `trusted`: --trust-remote-code, passed to the trials' workers."""
     started = time.perf_counter()
     device_type = plan.hardware.device_type
     candidates = [plan.chosen, *plan.alternatives][:k]
@@ -170,7 +174,7 @@ def verify(plan: Plan, k: int, run_dir: Path, steps: int = 4, warmup: int = 2, s
                 if forked:
                     measured = _fork_trial(plan, planned, trial.steps, warmup, trial.threads)
                 else:
-                    measured = _loop_trial(plan, planned, trial.steps, directory, run_dir)
+                    measured = _loop_trial(plan, planned, trial.steps, directory, run_dir, trusted)
         except Exception as exc:  # an OOM or a back-end failure rules the candidate out, not the run
             trial.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             say(f"verify {rank}: failed ({trial.error})")

@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from advisor import environment
 from advisor.errors import UsageError
+from advisor.remote_code import TRUST_FLAG, TRUST_HELP
 from advisor.specs import LAYOUT_KEYS_HELP, MIN_COMPUTE_FRACTION, ModelSpec  # noqa: F401  (the verbs' default)
 from advisor.task import TaskSpec
 from trainer.data.manifest import manifest_stage_tokens
@@ -28,6 +29,10 @@ LAYOUT_HELP = "Layout keys (comma-separated key=value; left-out keys take defaul
 # `--scale` of `data generate-demo` (file sizes) and `curriculum compare` (token budgets): beyond it
 # the demo's files or runs outgrow any disk or day
 MAX_SCALE = 1000.0
+# Every verb that reads a user's model or tokenizer folder takes it: without it, a folder naming Python
+# code of its own (auto_map) is refused in one line (advisor/remote_code.py)
+# (its --no- form: how a launched worker receives the default, trainer/options.py `train_argv`)
+TRUST_REMOTE_CODE = typer.Option(False, f"{TRUST_FLAG}/--no-{TRUST_FLAG[2:]}", help=TRUST_HELP)
 
 # `--engine` of estimate, plan and report capacity: whose behaviour is priced
 PRICED_ENGINE_HELP = ("the engine whose behaviour is priced: ours (default: what `advisor train` runs), megatron "

@@ -13,7 +13,8 @@ from typing import Optional
 
 import typer
 
-from advisor.cli.common import MAX_SCALE, check_out_folder, console, err_console, exit_on_error, print_or_render
+from advisor.cli.common import (MAX_SCALE, TRUST_REMOTE_CODE, check_out_folder, console, err_console, exit_on_error,
+                                print_or_render)
 from advisor.cli.render import render_data_manifest
 from advisor.errors import UsageError
 from advisor.specs import check_number
@@ -83,6 +84,7 @@ def data_prepare(
                                                           "nothing"),
     partition: Optional[str] = typer.Option(None, "--partition", help="with --executor slurm: the partition"),
     time_limit: str = typer.Option("04:00:00", "--time", help="with --executor slurm: each job's time limit"),
+    trust_remote_code: bool = TRUST_REMOTE_CODE,
 ) -> None:
     """Clean (exact and MinHash near-duplicate removal, length and character-quality thresholds),
     grade by difficulty, bucket by length and write tokenised stage shards plus a manifest.
@@ -101,12 +103,14 @@ def data_prepare(
 
         spec = load_task(task)
         if executor == "slurm":
-            return _write_slurm_job(spec, task, out, partition, time_limit, workers, rows_per_part, allow_code)
+            return _write_slurm_job(spec, task, out, partition, time_limit, workers, rows_per_part, allow_code,
+                                    trust_remote_code)
         log = None if as_json else (lambda message: err_console.print(message, style="dim", highlight=False))
         if ensure_generated_data(spec) and log:
             log(f"generated the {spec.name} task's data into {spec.base_dir}")
         return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log, allow_code=allow_code,
-                       workers=scan_workers, **({"rows_per_part": rows_per_part} if rows_per_part else {}))
+                       workers=scan_workers, trusted=trust_remote_code,
+                       **({"rows_per_part": rows_per_part} if rows_per_part else {}))
 
     result = exit_on_error(compute)
     if executor == "slurm":
@@ -123,7 +127,7 @@ def data_prepare(
 
 
 def _write_slurm_job(spec, task: str, out: Optional[Path], partition: str, time_limit: str, workers: Optional[int],
-                     rows_per_part: Optional[int], allow_code: bool) -> dict[str, Path]:
+                     rows_per_part: Optional[int], allow_code: bool, trusted: bool) -> dict[str, Path]:
     """The scan as a Slurm job array and a finishing job: the same prepare, run where every part
     is already scanned, merges and writes the shards."""
     # deferred: pyarrow, datatrove and the tokenizer (the data extra; seconds at every start)
@@ -137,9 +141,10 @@ def _write_slurm_job(spec, task: str, out: Optional[Path], partition: str, time_
     task_arg = str(Path(task).resolve()) if Path(task).is_file() else task
     rows = rows_per_part or ROWS_PER_PART
     finish = shlex.join([sys.executable, "-m", "advisor.cli", "data", "prepare", "--task", task_arg, "--out", str(final),
-                         "--workers", "1", "--rows-per-part", str(rows)] + (["--allow-code"] if allow_code else []))
+                         "--workers", "1", "--rows-per-part", str(rows)] + (["--allow-code"] if allow_code else [])
+                        + (["--trust-remote-code"] if trusted else []))
     options = SlurmOptions(partition=partition, time=time_limit, array_parallelism=workers or 64)
-    return write_slurm_job(spec, final, options, finish, allow_code=allow_code, rows_per_part=rows)
+    return write_slurm_job(spec, final, options, finish, allow_code=allow_code, rows_per_part=rows, trusted=trusted)
 
 
 @data_app.command("stats")

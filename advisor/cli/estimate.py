@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from advisor.capabilities import config_shape, cost_engine, priced_engine_problem, runnable_problem, prices_ours
-from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, exit_on_error
+from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, TRUST_REMOTE_CODE, exit_on_error
 from advisor.cli.render import render_estimate
 from advisor.errors import UsageError
 from advisor.specs import (MAX_DEVICES_PER_NODE, MAX_NODES, Estimate, check_number, check_seq_fits, parse_layout_string,
@@ -39,12 +39,13 @@ def estimate(
                                 "the document mask and the expanded key/value heads that SDPA then keeps"),
     engine: str = typer.Option("ours", "--engine", help=PRICED_ENGINE_HELP),
     as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object (the contract)"),
+    trust_remote_code: bool = TRUST_REMOTE_CODE,
 ) -> None:
     exit_on_error(lambda: check_number(min_compute_fraction, "--min-compute-fraction", ge=0, le=1))
     exit_on_error(lambda: _check_layout_given(layout))
     result: Estimate = exit_on_error(
         lambda: estimate_layout(model, hardware, layout or "", nodes, gpus_per_node, seq_len, attention, packed,
-                                engine))
+                                engine, trust_remote_code))
     if as_json:
         print(result.model_dump_json())
         return
@@ -59,12 +60,13 @@ def _check_layout_given(layout: str | None) -> None:
 
 
 def estimate_layout(model: str, hardware: str, layout: str, nodes: int | None, gpus_per_node: int | None,
-                    seq_len: int | None, attention: str | None, packed: bool = False, engine: str = "ours") -> Estimate:
+                    seq_len: int | None, attention: str | None, packed: bool = False, engine: str = "ours",
+                    trusted: bool = False) -> Estimate:
     """Resolve the presets and the layout on its device count, then ask the cost model to price it
-    as `engine` (advisor.capabilities PRICED_ENGINES) runs it."""
+    as `engine` (advisor.capabilities PRICED_ENGINES) runs it. `trusted`: --trust-remote-code."""
     priced = cost_engine(engine)
     hw = load_hardware(hardware)
-    spec = load_model(model)
+    spec = load_model(model, trusted)
     if attention not in (None, "flash", "sdpa", "eager"):
         raise UsageError(f"--attention must be flash, sdpa or eager (got {attention})")
     per_node = gpus_per_node or hw.devices_per_node

@@ -10,8 +10,8 @@ import typer
 
 from advisor.capabilities import prices_ours
 from advisor.profile import load_profile, looks_like_profile
-from advisor.cli.common import (MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, check_out_folder, console, exit_on_error,
-                                stage_tokens)
+from advisor.cli.common import (MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, TRUST_REMOTE_CODE, check_out_folder,
+                                console, exit_on_error, stage_tokens)
 from advisor.cli.render import render_plan
 from advisor.errors import UsageError
 from advisor.specs import MAX_DEVICES_PER_NODE, MAX_LORA_RANK, MAX_NODES
@@ -65,6 +65,7 @@ def plan(
     export_dir: Optional[Path] = typer.Option(
         None, "--export", help="write deepspeed.json, accelerate.yaml, torchrun.sh, slurm.sbatch there"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: plans best first, solver"),
+    trust_remote_code: bool = TRUST_REMOTE_CODE,
 ) -> None:
     """Choose the layout (dp/tp/pp/vpp/sp, ZeRO, offload, micro-batch and accumulation, per-stage
     recomputation, layer split, method) with an ILP, rank the best, and say why.
@@ -73,7 +74,7 @@ def plan(
     """
     def compute():
         spec_task = load_task(task) if task else None
-        spec_model = load_model(model)
+        spec_model = load_model(model, trust_remote_code)
         opts = PlanOptions(
             model=spec_model, hardware=load_hardware(hardware), nodes=nodes, gpus_per_node=gpus_per_node,
             task=spec_task, stage_tokens=stage_tokens(spec_task, spec_model, seq_len), seq=seq_len, global_batch=global_batch, method=method, lora_rank=lora_rank,

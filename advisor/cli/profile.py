@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from advisor.cli.common import err_console, exit_on_error
+from advisor.cli.common import TRUST_REMOTE_CODE, err_console, exit_on_error
 from advisor.cli.progress import ProfileBar
 from advisor.cli.render import render_profile
 from presets import load_model
@@ -38,6 +38,7 @@ def profile(
         DEFAULT_THRESHOLD, "--straggler-threshold", help="a device or link this far below the median (0.2 = 20%) is "
         "listed as a straggler"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: the profile"),
+    trust_remote_code: bool = TRUST_REMOTE_CODE,
 ) -> None:
     """Measure this machine (devices, GEMM per dtype, memory, host<->device, CPU Adam, collectives),
     calibrate the cost model on a few real steps of --model, and write profile.json for --hardware.
@@ -55,9 +56,9 @@ def profile(
         from advisor.cli.compose import ProfileOptions, profile_this_machine
 
         resolve_device(device)  # refuse MPS and friends before drawing a progress bar
-        opts = ProfileOptions(out=out, quick=quick, model=load_model(model) if model else None, nproc=nproc,
-                              device=device, calibrate=calibrate, cluster=cluster,
-                              straggler_threshold=straggler_threshold)
+        opts = ProfileOptions(out=out, quick=quick, model=load_model(model, trust_remote_code) if model else None,
+                              nproc=nproc, device=device, calibrate=calibrate, cluster=cluster,
+                              straggler_threshold=straggler_threshold, trust_remote_code=trust_remote_code)
         columns = (TextColumn("{task.fields[detail]:<36}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn())
         # transient for a cluster: a failed meeting leaves its one line, not an empty bar

@@ -10,7 +10,8 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from advisor.capabilities import cost_engine, prices_ours
-from advisor.cli.common import PRICED_ENGINE_HELP, check_out_folder, console, err_console, exit_on_error, stage_tokens
+from advisor.cli.common import (PRICED_ENGINE_HELP, TRUST_REMOTE_CODE, check_out_folder, console, err_console,
+                                exit_on_error, stage_tokens)
 from advisor.cli.render import render_capacity
 from advisor.specs import check_number
 from presets import load_task
@@ -45,6 +46,7 @@ def report_capacity(
                                "job for Megatron-LM and says by how much and why ours is slower, beyond 10%"),
     out: Path = typer.Option(Path("capacity-report"), "--out", help="folder for capacity.html, capacity.md, charts/"),
     as_json: bool = typer.Option(False, "--json", help="print the table of options as one JSON object"),
+    trust_remote_code: bool = TRUST_REMOTE_CODE,
 ) -> None:
     """For every hardware x GPU count x method: the planner's best plan, its wall-clock time, GPU-hours,
     cost, MFU, memory headroom, checkpoint and failure overhead; the scaling knee; full against
@@ -68,12 +70,13 @@ def report_capacity(
             f"{flag} {value}" for flag, value in (("--price-per-gpu-hour", price), ("--deadline", deadline),
                                                   ("--seq-len", seq_len), ("--global-batch", global_batch),
                                                   ("--mtbf-hours", mtbf_hours)) if value is not None] + (
-            [f"--engine {engine}"] if not prices_ours(engine) else [])
+            [f"--engine {engine}"] if not prices_ours(engine) else []) + (
+            ["--trust-remote-code"] if trust_remote_code else [])
         cost_engine(engine)  # one line and exit 2 for an unknown engine
         extra = {"mtbf_hours": mtbf_hours} if mtbf_hours is not None else {}
         spec_task = load_task(task) if task else None
         req = CapacityRequest(
-            model=load_model(model), hardware=hws, gpu_counts=parse_counts(gpus),
+            model=load_model(model, trust_remote_code), hardware=hws, gpu_counts=parse_counts(gpus),
             methods=[m.strip() for m in method.split(",") if m.strip()], tokens=tokens, task=spec_task,
             stage_tokens=stage_tokens(spec_task), seq=seq_len, global_batch=global_batch,
             prices=prices, deadline_s=parse_duration(deadline) if deadline else None,

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from advisor.cli.common import check_run_dir, console, err_console, exit_on_error
+from advisor.cli.common import TRUST_REMOTE_CODE, check_run_dir, console, err_console, exit_on_error
 from advisor.cli.progress import RunProgress
 from advisor.cli.quiet import log_path, quiet_console
 from advisor.cli.render import format_seconds, render_verification, stage_results_lines
@@ -45,6 +45,7 @@ def run_all(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
     verbose: bool = typer.Option(False, "--verbose", help="also show third-party warnings and logs (torch, "
                                  "DeepSpeed, ...) on the console; they always go to RUN_DIR/logs/"),
+    trust_remote_code: bool = TRUST_REMOTE_CODE,
 ) -> None:
     """Profile, plan, verify, train, feed back and report in one command. With no options: the
     embedded demo (demo-tiny on a generated curriculum: language, arithmetic, instructions, then
@@ -56,7 +57,8 @@ def run_all(
 
         options = RunOptions(model=model, task=task, hardware=hardware, out=out,
                              max_steps_per_stage=max_steps_per_stage, seed=seed, verify=verify,
-                             verify_steps=verify_steps, feedback=feedback, force=force, keep_runs=keep_runs)
+                             verify_steps=verify_steps, feedback=feedback, force=force, keep_runs=keep_runs,
+                             trust_remote_code=trust_remote_code)
         result = exit_on_error(lambda: _run(options, as_json))
         if as_json:  # stdout carries the JSON alone: everything else went to the log or to stderr
             print(json.dumps(result, default=str), file=terminal)

@@ -94,6 +94,7 @@ class RunOptions:
     feedback: bool = True
     force: bool = False  # train a plan the cost model cannot price (see `_pricing`)
     keep_runs: int = 3  # previous runs kept in the run dir; older ones move into its trash/
+    trust_remote_code: bool = False  # the --model folder's own Python code (auto_map) may run
 
 
 def _cached_profile_path() -> Path:
@@ -166,7 +167,7 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     out = opts.out
     # every input is read and planned before the run dir is touched: a typo moves nothing aside
     task = load_task(_task_ref(opts, say))
-    model = load_model(opts.model or task.model or "demo-tiny")
+    model = load_model(opts.model or task.model or "demo-tiny", opts.trust_remote_code)
     with _timed(timings, "profile_s"):
         hardware, basis, profile_path = _hardware(opts, model, say, progress)
     with _timed(timings, "plan_s"):
@@ -180,7 +181,8 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     if opts.verify > 0:
         with _timed(timings, "verify_s"):
             verification = verify(plan, opts.verify, out, steps=opts.verify_steps, say=say,
-                                  watch=lambda trial, metrics: _trial_part(progress, trial, metrics))
+                                  watch=lambda trial, metrics: _trial_part(progress, trial, metrics),
+                                  trusted=opts.trust_remote_code)
             plan = _take_verified(plan, verification, out, show_verification)
             pricing = _pricing(plan, verification, profile_path, out)
         if pricing is not None and not pricing["priced"]:
@@ -321,7 +323,8 @@ def _train(plan: Plan, plan_path: Path, opts: RunOptions) -> dict[str, Any] | No
     """Train the plan in the run dir; the summary (rank 0's, when several processes trained)."""
     out = opts.out
     # the loop draws no bars of its own: the CLI's display follows metrics.jsonl (advisor/cli/progress.py)
-    options = TrainOptions(seed=opts.seed, max_steps_per_stage=opts.max_steps_per_stage, show_progress=False)
+    options = TrainOptions(seed=opts.seed, max_steps_per_stage=opts.max_steps_per_stage, show_progress=False,
+                           trust_remote_code=opts.trust_remote_code)
     return run_training(plan, plan_path, out, False, options, False, None, 0, "127.0.0.1", free_port())
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from advisor.cli import data_reading
-from advisor.cli.common import check_run_dir, console, exit_on_error
+from advisor.cli.common import TRUST_REMOTE_CODE, check_run_dir, console, exit_on_error
 from advisor.cli.data import require_data_extra
 from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.cli.quiet import log_path, quiet_console
@@ -20,6 +20,7 @@ from advisor.cli.render import format_seconds, stage_results_lines
 from advisor.errors import UsageError
 from advisor.capabilities import config_shape, runnable_problem, ENGINE_CHOICES
 from advisor.plan_file import Plan, load_plan
+from advisor.remote_code import check_model_code, ensure_model_code, refuse_remote_code
 from advisor.specs import check_number
 from advisor.task import LR_SCHEDULES, MAX_EPOCHS, MAX_ROWS
 from profiler.cluster import cluster_options
@@ -124,6 +125,7 @@ def train(
     dry_run: bool = OTHER_OPTIONS["dry_run"],
     as_json: bool = typer.Option(False, "--json", help="with --dry-run: print one JSON object"),
     verbose: bool = OTHER_OPTIONS["verbose"],
+    trust_remote_code: bool = TRUST_REMOTE_CODE,
 ) -> None:
     """Run a plan as staged, task-split training: per-stage learning-rate re-warm-up, a checkpoint at
     every stage end and on the planned cadence, loss-spike rollback, exact --resume."""
@@ -132,7 +134,7 @@ def train(
     if as_json and not dry_run:
         exit_on_error(_json_needs_dry_run)
     if dry_run:
-        return _dry_run(plan_file, engine, as_json, verbose)
+        return _dry_run(plan_file, engine, as_json, verbose, trust_remote_code)
     summary = exit_on_error(lambda: _run(args)) if launched else _launch(args)
     if summary and not launched:
         for line in stage_results_lines(summary):
@@ -185,6 +187,11 @@ def _check_inputs(a: SimpleNamespace) -> None:
     if not a.dry_run and not a.launched:
         check_run_dir(a.out)
         plan = load_plan(a.plan_file)  # read again by the run: milliseconds
+        # the folders' own code refused before anything is written (the run loads it, with the opt-in)
+        check_model_code(plan.model.hf_config, plan.model.source, a.trust_remote_code,
+                         "the plan's model")
+        if a.weights:
+            refuse_remote_code(Path(a.weights), "config.json", "--weights", a.trust_remote_code)
         for _, layout in plan.stage_layouts():
             check_lora_rank(layout, a.lora_rank)
         if plan.task is None:
@@ -199,13 +206,21 @@ def _json_needs_dry_run() -> None:
     raise UsageError("--json goes with --dry-run (a training run writes its results to the run directory)")
 
 
-def _dry_run(plan_file: Path, engine: str | None, as_json: bool, verbose: bool) -> None:
+def _dry_run(plan_file: Path, engine: str | None, as_json: bool, verbose: bool, trusted: bool) -> None:
     # deferred: the meta model needs torch and transformers (seconds), only for --dry-run
     from advisor.cli.dry_run import run_dry
 
     # third-party warnings of the model build are dropped with the scratch folder: no run dir is made
     with tempfile.TemporaryDirectory() as scratch, quiet_console(Path(scratch), verbose) as terminal:
-        exit_on_error(lambda: run_dry(_runnable(load_plan(plan_file), engine), as_json, terminal))
+        exit_on_error(lambda: run_dry(_with_model_code(_runnable(load_plan(plan_file), engine), trusted), as_json,
+                                      terminal))
+
+
+def _with_model_code(plan: Plan, trusted: bool) -> Plan:
+    """The plan, its model's own Python code (a folder's auto_map) loaded with --trust-remote-code, else
+    refused in one line: the run builds that model from its config."""
+    ensure_model_code(plan.model.hf_config, plan.model.source, trusted, "the plan's model")
+    return plan
 
 
 def _run(a: SimpleNamespace) -> dict | None:
@@ -215,7 +230,7 @@ def _run(a: SimpleNamespace) -> dict | None:
     from trainer.launch import run
 
     out = a.out
-    plan = _load_plan(a.plan_file, a.engine, a.data, a.launched)
+    plan = _with_model_code(_load_plan(a.plan_file, a.engine, a.data, a.launched), a.trust_remote_code)
     resumed = a.resume or restarted()  # a torchrun restart or Slurm requeue continues the run
     plan_path, prepared = a.plan_file, a.data
     if not a.launched:
@@ -223,7 +238,7 @@ def _run(a: SimpleNamespace) -> dict | None:
         if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
             (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights,
                                                       a.dataset, data_reading.reading(a), a.template, a.lr_schedule,
-                                                      _fine_tune_flags(a)),
+                                                      _fine_tune_flags(a), a.trust_remote_code),
                                          out / "plan.yaml")
         elif a.steps is not None or a.tokens is not None:
             raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
@@ -242,7 +257,7 @@ def _run(a: SimpleNamespace) -> dict | None:
                            epochs=a.epochs, exact_match_prompts=a.exact_match_prompts,
                            show_progress=a.show_progress and a.launched,
                            data=str(prepared.resolve()) if prepared else None, overwrite=a.overwrite,
-                           timeout_s=a.timeout_s)
+                           timeout_s=a.timeout_s, trust_remote_code=a.trust_remote_code)
     where = (a.nnodes, a.node_rank, a.master_addr, a.master_port)
     if a.launched:  # a worker: its output goes where the launching CLI sent it
         return run(plan, plan_path, out, resumed, options, a.launched, *where)
@@ -295,7 +310,7 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, toke
                epochs: float | None, weights: str | None = None,
                dataset: str | None = None, reading: Reading = Reading(),
                template: str | None = None, lr_schedule: str | None = None,
-               flags: FineTuneFlags = FineTuneFlags()) -> tuple[Plan, Path | None]:
+               flags: FineTuneFlags = FineTuneFlags(), trusted: bool = False) -> tuple[Plan, Path | None]:
     """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
     plan; and the prepared-data folder the loop reads (None: raw files)."""
     if data is None:
@@ -309,7 +324,8 @@ def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, toke
     from trainer.one_stage import one_stage_plan
 
     plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights, datasets=names,
-                                    reading=reading, template=template, lr_schedule=lr_schedule, flags=flags)
+                                    reading=reading, template=template, lr_schedule=lr_schedule, flags=flags,
+                                    trusted=trusted)
     sources = plan.task.stages[0].sources if plan.task else []
     if len(sources) == 1:
         console.print(f"--data {data}: {sources[0].format} rows (detected from their fields)", highlight=False)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from advisor.errors import UsageError
+from advisor.remote_code import refuse_remote_code
 from advisor.task import DifficultySpec
 
 _NUMBER_RE = re.compile(r"\d+(?:\.\d+)?")
@@ -106,15 +107,17 @@ class ReferenceLoss:
     `max_tokens`. Batches are padded on the right and the padding is masked out of the mean.
     """
 
-    def __init__(self, folder: Path, max_tokens: int, batch_size: int = 16) -> None:
+    def __init__(self, folder: Path, max_tokens: int, batch_size: int = 16, trusted: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         if not (folder / "config.json").is_file():
             raise UsageError(f"reference model {folder}: not a local model folder (no config.json)")
+        # its own Python code (auto_map) refused in one line, unless --trust-remote-code (`trusted`)
+        refuse_remote_code(folder, "config.json", "reference model", trusted)
         try:
             self.model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True,
-                                                              trust_remote_code=False)
+                                                              trust_remote_code=trusted)
         except Exception as exc:
             raise UsageError(f"cannot load reference model {folder}: {exc}") from None
         self.model.eval()
@@ -155,13 +158,15 @@ class ReferenceLoss:
 class Grader:
     """Grades a batch of documents by the stage's difficulty spec."""
 
-    def __init__(self, spec: DifficultySpec, base_dir: Path, max_tokens: int, allow_code: bool = False) -> None:
+    def __init__(self, spec: DifficultySpec, base_dir: Path, max_tokens: int, allow_code: bool = False,
+                 trusted: bool = False) -> None:
         self.spec = spec
         self._rule = load_rule(spec.rule, base_dir, allow_code) if spec.by == "rule" else None
         self._loss = None
         if spec.by == "loss":
             folder = Path(spec.reference_model)  # type: ignore[arg-type]
-            self._loss = ReferenceLoss(folder if folder.is_absolute() else base_dir / folder, max_tokens)
+            self._loss = ReferenceLoss(folder if folder.is_absolute() else base_dir / folder, max_tokens,
+                                       trusted=trusted)
 
     def grade(self, texts: Sequence[str], token_ids: Sequence[Sequence[int]], field_values: Sequence[Any] | None,
               where: Callable[[int], str]) -> np.ndarray:

@@ -51,6 +51,7 @@ class ScanJob:
     task: TaskSpec
     tokenizer_path: Path
     allow_code: bool
+    trusted: bool  # --trust-remote-code: the tokenizer's and reference model's own code
     graders: dict[str, DifficultySpec]   # grader key -> its difficulty spec
     units: list[UnitColumns]
     parts: list[Part]                     # by index: task rank r scans parts[r]
@@ -84,9 +85,9 @@ def remember_settings(key: str, settings: ScanSettings) -> None:
 def scan_settings(job: ScanJob) -> ScanSettings:
     if job.key not in _SETTINGS:
         dedup = job.task.data.dedup
-        tokenizer = TextTokenizer(job.tokenizer_path)
+        tokenizer = TextTokenizer(job.tokenizer_path, job.trusted)
         hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
-        graders = {key: Grader(spec, Path(job.task.base_dir), job.task.seq_len, job.allow_code)
+        graders = {key: Grader(spec, Path(job.task.base_dir), job.task.seq_len, job.allow_code, job.trusted)
                    for key, spec in job.graders.items()}
         _SETTINGS[job.key] = ScanSettings(tokenizer=tokenizer, eos_id=tokenizer.eos_id,
                                           append_eos=job.task.data.append_eos, exact=dedup.exact,

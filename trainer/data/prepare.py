@@ -112,6 +112,7 @@ class Context:
     workers: int = 1
     rows_per_part: int = ROWS_PER_PART
     allow_code: bool = False
+    trusted: bool = False  # --trust-remote-code: the tokenizer's and reference model's own code
 
 
 def _check_text_rows(source: DataSource, base_dir: Path) -> None:
@@ -185,7 +186,8 @@ def _scan_job(entries: list[Entry], units: list[Unit], ctx: Context, out: Path) 
     tokenizer_path = Path(ctx.tokenizer.path)
     key = job_key(task_fingerprint(ctx.task), ctx.rows_per_part, tokenizer_path)
     specs = {e.grader_key: e.difficulty for e in entries}
-    job = ScanJob(key=key, task=ctx.task, tokenizer_path=tokenizer_path, allow_code=ctx.allow_code, graders=specs,
+    job = ScanJob(key=key, task=ctx.task, tokenizer_path=tokenizer_path, allow_code=ctx.allow_code, trusted=ctx.trusted,
+                  graders=specs,
                   units=[u.columns() for u in units], parts=[p for parts in planned for p in parts],
                   work=work_folder(out, key), main_pid=os.getpid())
     remember_settings(key, ScanSettings(tokenizer=ctx.tokenizer, eos_id=ctx.eos_id,
@@ -561,13 +563,14 @@ def _write_batch(batch: pa.RecordBatch, row: int, rows: UnitRows, edge_array: np
 
 def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int | None = None,
             log: Log | None = None, allow_code: bool = False, workers: int = 1,
-            rows_per_part: int = ROWS_PER_PART) -> tuple[Path, dict[str, Any]]:
+            rows_per_part: int = ROWS_PER_PART, trusted: bool = False) -> tuple[Path, dict[str, Any]]:
     """Prepare every stage's shards and the manifest; returns (output folder, manifest).
-    `allow_code` lets a difficulty rule `module:function` import and run that code. The scan runs
-    `workers` parts at a time; the output is the same for any number of workers."""
+    `allow_code` lets a difficulty rule `module:function` import and run that code; `trusted`
+    (--trust-remote-code) lets the tokenizer's and reference model's folders run theirs. The scan
+    runs `workers` parts at a time; the output is the same for any number of workers."""
     started = time.perf_counter()
     out = Path(out_dir) if out_dir else default_out_dir(task)
-    entries, units, ctx = _context(task, log, allow_code, workers, rows_per_part)
+    entries, units, ctx = _context(task, log, allow_code, workers, rows_per_part, trusted)
     base_dir, tokenizer, fingerprint = ctx.base_dir, ctx.tokenizer, task_fingerprint(task)
     tokenizer_path = Path(tokenizer.path)
     budget = micro_batch_tokens or task.data.buckets.micro_batch_tokens or 8 * task.seq_len
@@ -601,7 +604,7 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
 
 
 def _context(task: TaskSpec, log: Log | None, allow_code: bool, workers: int,
-             rows_per_part: int) -> tuple[list[Entry], list[Unit], Context]:
+             rows_per_part: int, trusted: bool = False) -> tuple[list[Entry], list[Unit], Context]:
     """The plan of work and what the scan needs, every check that needs no reading done first."""
     base_dir = Path(task.base_dir)
     try:
@@ -614,36 +617,36 @@ def _context(task: TaskSpec, log: Log | None, allow_code: bool, workers: int,
     graders = {}
     for entry in entries:  # first: a refused difficulty rule stops before any reading
         if entry.grader_key not in graders:
-            graders[entry.grader_key] = Grader(entry.difficulty, base_dir, task.seq_len, allow_code)
-    tokenizer = TextTokenizer(resolve_tokenizer_path(task.data.tokenizer, task.model, base_dir))
-    _check_vocab(task, tokenizer)
+            graders[entry.grader_key] = Grader(entry.difficulty, base_dir, task.seq_len, allow_code, trusted)
+    tokenizer = TextTokenizer(resolve_tokenizer_path(task.data.tokenizer, task.model, base_dir), trusted)
+    _check_vocab(task, tokenizer, trusted)
     dedup = task.data.dedup
     hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
     ctx = Context(task=task, base_dir=base_dir, tokenizer=tokenizer, eos_id=tokenizer.eos_id, hasher=hasher,
                   graders=graders, log=log or (lambda message: None), workers=workers, rows_per_part=rows_per_part,
-                  allow_code=allow_code)
+                  allow_code=allow_code, trusted=trusted)
     return entries, units, ctx
 
 
 def write_slurm_job(task: TaskSpec, out_dir: Path | None, options: SlurmOptions, finish_command: str,
                     log: Log | None = None, allow_code: bool = False,
-                    rows_per_part: int = ROWS_PER_PART) -> dict[str, Path]:
+                    rows_per_part: int = ROWS_PER_PART, trusted: bool = False) -> dict[str, Path]:
     """Write, without submitting, the Slurm scripts of a prepare: the scan's tasks as a job array
     (datatrove's), and a job after it that runs `finish_command` (the same prepare, which then finds
     every part scanned and only merges and writes the shards). Returns the scripts' paths."""
     out = Path(out_dir) if out_dir else default_out_dir(task)
-    entries, units, ctx = _context(task, log, allow_code, options.array_parallelism, rows_per_part)
+    entries, units, ctx = _context(task, log, allow_code, options.array_parallelism, rows_per_part, trusted)
     for entry in entries:
         _check_text_rows(entry.source, ctx.base_dir)
     job, _ = _scan_job(entries, units, ctx, out)
     return write_slurm_scripts(job, options, finish_command)
 
 
-def _check_vocab(task: TaskSpec, tokenizer: Any) -> None:
+def _check_vocab(task: TaskSpec, tokenizer: Any, trusted: bool = False) -> None:
     if not task.model:
         return
     try:
-        vocab = load_model(task.model).hf_config.get("vocab_size")
+        vocab = load_model(task.model, trusted).hf_config.get("vocab_size")
     except UsageError:
         return
     if vocab and tokenizer.vocab_size > vocab:

@@ -17,16 +17,17 @@ from typing import Any, Iterator
 from advisor.errors import UsageError
 from presets import PRESETS_DIR
 from trainer.data.demo_corpus import TOKENIZER_TRAINING_DOCUMENTS, iter_documents
-from trainer.remote_code import refuse_remote_code
+from advisor.remote_code import refuse_remote_code
 
 TOKENIZERS_DIR = PRESETS_DIR / "tokenizers"
 DEMO_VOCAB_SIZE = 2048
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
 
-def load_tokenizer(path: Path) -> Any:
+def load_tokenizer(path: Path, trusted: bool = False) -> Any:
     """A transformers fast tokenizer from a folder (tokenizer.json, or any files AutoTokenizer
-    reads) or from a tokenizer.json file; local files only."""
+    reads) or from a tokenizer.json file; local files only. A folder naming Python code of its own
+    (`auto_map`) is refused unless `trusted` (--trust-remote-code), which runs that code."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
@@ -37,10 +38,12 @@ def load_tokenizer(path: Path) -> Any:
     else:
         raise UsageError(f"tokenizer not found: {path}")
     try:
-        refuse_remote_code(folder, "tokenizer_config.json", "tokenizer")
+        refuse_remote_code(folder, "tokenizer_config.json", "tokenizer", trusted)
         if (folder / "tokenizer_config.json").is_file() or not file.is_file():
-            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=trusted)
         return PreTrainedTokenizerFast(tokenizer_file=str(file))
+    except UsageError:
+        raise
     except Exception as exc:  # transformers raises many types for a broken folder
         raise UsageError(f"cannot load tokenizer from {path}: {type(exc).__name__}: {exc}") from None
 
@@ -53,7 +56,7 @@ class TextTokenizer:
     fast tokenizers wrap), which skips importing transformers and torch; anything else goes
     through `AutoTokenizer` (local files only)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, trusted: bool = False) -> None:
         path = Path(path)
         file = path if path.is_file() else path / "tokenizer.json"
         self.path = path
@@ -69,7 +72,7 @@ class TextTokenizer:
             self.vocab_size = self._fast.get_vocab_size(with_added_tokens=True)
             self.eos_id = self._find_eos(file.parent)
         else:
-            self._hf = load_tokenizer(path)
+            self._hf = load_tokenizer(path, trusted)
             self.vocab_size = len(self._hf)
             self.eos_id = self._hf.eos_token_id
 
