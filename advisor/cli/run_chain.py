@@ -31,7 +31,6 @@ from rich.console import Console
 
 from advisor.cli.common import MIN_COMPUTE_FRACTION, stage_tokens
 from advisor.cli.compose import profile_this_machine
-from trainer.native_ops import use_persistent_extensions_dir
 from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.cli.render import format_seconds
 from advisor.capabilities import config_shape, runnable_problem
@@ -51,6 +50,7 @@ from profiler.run_profile import ProfileOptions
 from reports.run_report import run_report
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.launch import run as run_training
+from trainer.native_ops import use_persistent_extensions_dir
 from trainer.options import TrainOptions
 from trainer.prepare import prepare_run
 from trainer.run_identity import RUN_CHAIN_IN_THE_WAY, move_aside, move_in_the_way_aside, retire_old_runs
