@@ -1,11 +1,12 @@
 """`advisor curriculum compare`: does splitting the objective pay on this task?
 
 Trains a small proxy under each curriculum variant (reports/curriculum_variants.py) at equal tokens,
-for several seeds, through the trainer's own entry (`trainer.launch.run`, what `advisor train` runs),
-and scores every run on each skill's held-out data at its end: eval loss (the trainer's stage-end
-evaluation) and, where the trainer's evaluation gives it, exact match. Across seeds it reports the
-mean and the spread of each, and recommends a variant only when its advantage exceeds the spread
-(`recommend`). From the staged runs' stage-end evaluations it measures forgetting and recovery.
+for several seeds, through the trainer's own entries (`trainer.prepare.prepare_run`, then
+`trainer.launch.run`, as `advisor train` runs them), and scores every run on each skill's held-out
+data at its end: eval loss (the trainer's stage-end evaluation) and, where the trainer's evaluation
+gives it, exact match. Across seeds it reports the mean and the spread of each, and recommends a
+variant only when its advantage exceeds the spread (`recommend`). From the staged runs' stage-end
+evaluations it measures forgetting and recovery.
 
 Spread: the sample standard deviation over seeds (ddof=1).
 """
@@ -97,18 +98,25 @@ def train_run(plan: Plan, run_dir: Path, seed: int, eval_sequences: int, cache: 
     # deferred: the trainer imports torch (seconds), which the CLI's other verbs never need
     from trainer.launch import DEFAULT_PORT, run
     from trainer.options import TrainOptions
+    from trainer.prepare import prepare_run
+    from trainer.run_lock import RunDirLock
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cache is not None and not (run_dir / "data_cache").exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        (run_dir / "data_cache").symlink_to(cache.resolve(), target_is_directory=True)
-    plan_path = run_dir / "plan.yaml"
-    plan.write(plan_path)
-    options = TrainOptions(seed=seed, eval_sequences=eval_sequences, show_progress=False, overwrite=True,
-                           keep_checkpoints=1)
-    started = time.perf_counter()
-    run(plan, plan_path, run_dir, False, options, False, None, 0, "127.0.0.1", DEFAULT_PORT)
-    return time.perf_counter() - started
+    lock = RunDirLock.take(run_dir)  # one launch per run dir, as `advisor train` holds it
+    try:
+        if cache is not None and not (run_dir / "data_cache").exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            (run_dir / "data_cache").symlink_to(cache.resolve(), target_is_directory=True)
+        # the trainer's run-time preparation, as `advisor train` does it (the old run moved aside)
+        plan = prepare_run(plan, run_dir, resumed=False, overwrite=True).plan
+        plan.write(run_dir / "plan.yaml")
+        options = TrainOptions(seed=seed, eval_sequences=eval_sequences, show_progress=False, overwrite=True,
+                               keep_checkpoints=1)
+        started = time.perf_counter()
+        run(plan, run_dir, False, options, None, 0, "127.0.0.1", DEFAULT_PORT)
+        return time.perf_counter() - started
+    finally:
+        lock.release()
 
 
 def plan_tokens(plan: Plan) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from advisor.cli import native_ops
+from trainer import native_ops
 from advisor.cli.progress import RunProgress, last_record
 from advisor.profile import cpu_model_name
 from advisor.specs import Layout

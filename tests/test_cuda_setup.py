@@ -88,10 +88,10 @@ def assert_bound_to_local_gpus(machine: FakeMachine, ranks: list[tuple[int, int]
 
 
 def launched_training_rank(monkeypatch, tmp_path, rank: int, local_rank: int) -> None:
-    """`advisor train --launched` as torchrun starts it on one rank, up to the training loop."""
+    """A training worker (trainer/worker.py) as torchrun starts it on one rank, up to the training loop."""
     as_torchrun_rank(monkeypatch, rank, local_rank)
     monkeypatch.setattr(launch, "train", lambda plan, out, resume, options: {})
-    launch.run(None, None, tmp_path, False, TrainOptions(show_progress=False), True, None, 0, "10.0.0.1", 29513)
+    launch.train_rank(None, tmp_path, False, TrainOptions(show_progress=False), distributed=True)
 
 
 def test_training_workers_of_two_nodes_take_their_local_gpu_and_bind_their_group_to_it(monkeypatch, tmp_path):
@@ -183,7 +183,7 @@ def test_a_single_gpu_run_in_process_gets_tf32_without_a_group(monkeypatch, tmp_
     machine = fake_machine(monkeypatch)
     monkeypatch.delenv("LOCAL_RANK")
     monkeypatch.setattr(launch, "train", lambda plan, out, resume, options: {})
-    launch._worker(None, tmp_path, False, TrainOptions(show_progress=False), distributed=False)
+    launch.train_rank(None, tmp_path, False, TrainOptions(show_progress=False), distributed=False)
     assert machine.current_devices == [cuda(0)] and machine.groups == []
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
 

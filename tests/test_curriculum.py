@@ -56,9 +56,7 @@ def test_a_stage_with_its_own_seq_len_gets_its_own_layout_and_trains_at_it(tmp_p
         return real_step(engine, batches, lr)
 
     monkeypatch.setattr(trainer.loop, "optimizer_step", recording_step)
-    plan.write(tmp_path / "plan.yaml")
-    summary = run(plan, tmp_path / "plan.yaml", tmp_path / "run", False, TrainOptions(show_progress=False), False,
-                  None, 0, "127.0.0.1", 29513)
+    summary = run(plan, tmp_path / "run", False, TrainOptions(show_progress=False), None, 0, "127.0.0.1", 29513)
     assert summary["finished"]
     per_stage = [seen[:4], seen[4:]]
     assert len(seen) == 8

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from test_trainer import _free_port, make_plan_file
+from trainer.launch_file import launch_file_path
 from trainer.run_lock import RunDirLock, lock_path
 
 
@@ -44,10 +45,10 @@ def test_a_second_launch_is_refused_and_killing_the_first_leaves_no_worker(tmp_p
     first = launch()
     try:
         deadline = time.time() + 120
-        while len(_processes_naming(f"{run} --launched")) < 2 and time.time() < deadline:
+        while len(_processes_naming(f"trainer.worker {launch_file_path(run)}")) < 2 and time.time() < deadline:
             assert first.poll() is None, first.stdout.read()
             time.sleep(0.2)
-        workers = _processes_naming(f"{run} --launched")
+        workers = _processes_naming(f"trainer.worker {launch_file_path(run)}")
         assert len(workers) >= 2, "the two workers never started"
         started = time.time()
         second = launch()

@@ -163,13 +163,13 @@ def test_a_torn_last_log_line_is_skipped_and_counted(tmp_path, monkeypatch, clea
 
 def _forked_rank(rank: int, world: int, port: int, plan_path: str, run_dir: str, resume: bool,
                  environment: dict[str, str]) -> None:
-    """One rank as `advisor train --launched` runs it (trainer.launch.run), forked from this process."""
+    """One rank as a training worker runs it (trainer/worker.py: `trainer.launch.train_rank`), forked from
+    this process."""
     from profiler.ranks import init_rank
 
     os.environ.update(environment)
-    init_rank(rank, world, port, distributed=False, threads=1)  # its environment; run() makes the group
-    trainer.launch.run(load_plan(plan_path), Path(plan_path), Path(run_dir), resume, QUIET, launched=True,
-                       nnodes=None, node_rank=0, master_addr="127.0.0.1", master_port=port)
+    init_rank(rank, world, port, distributed=False, threads=1)  # its environment; train_rank makes the group
+    trainer.launch.train_rank(load_plan(plan_path), Path(run_dir), resume, QUIET, distributed=True)
 
 
 def _train_forked(plan: Path, run: Path, resume: bool = False, **environment: str) -> None:
@@ -351,7 +351,7 @@ def test_the_process_group_gets_the_timeout_flag(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(trainer.launch.dist, "init_process_group", init_process_group)
     plan = load_plan(make_plan_file(tmp_path, steps=2))
     with pytest.raises(Crash):
-        trainer.launch._worker(plan, tmp_path / "run", False, TrainOptions(timeout_s=42.0), distributed=True)
+        trainer.launch.train_rank(plan, tmp_path / "run", False, TrainOptions(timeout_s=42.0), distributed=True)
     assert seen["timeout"].total_seconds() == 42.0 and seen["backend"] == "gloo"
 
 

@@ -44,8 +44,8 @@ RECORD_LAUNCH_ENV = textwrap.dedent("""
     for device in ("cuda", "cpu"):
         launch._cuda = lambda: device == "cuda"  # the machine the launcher believes it is on
         workers = []
-        launch.run(load_plan(plan_path), plan_path, plan_path.parent / "run", False, TrainOptions(), False, None,
-                   0, "127.0.0.1", 29999)
+        launch.run(load_plan(plan_path), plan_path.parent / "run", False, TrainOptions(), None, 0, "127.0.0.1",
+                   29999)
         record[device] = workers[0]
     print(json.dumps(record))
 """)
@@ -121,12 +121,11 @@ def _launched_threads(tmp_path: Path, monkeypatch, devices: int, threads_per_dev
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     monkeypatch.setattr(launch, "_cuda", lambda: False)
     seen: list[int] = []
-    monkeypatch.setattr(launch, "_worker", lambda *args, **kwargs: seen.append(torch.get_num_threads()) or {})
+    monkeypatch.setattr(launch, "train_rank", lambda *args, **kwargs: seen.append(torch.get_num_threads()) or {})
     monkeypatch.setattr(subprocess, "run", lambda command, env, check: seen.append(int(env["OMP_NUM_THREADS"]))
                         or subprocess.CompletedProcess(command, 0))
     before = torch.get_num_threads()
-    launch.run(plan, plan_path, tmp_path / "run", False, TrainOptions(show_progress=False), False, None, 0,
-               "127.0.0.1", 29999)
+    launch.run(plan, tmp_path / "run", False, TrainOptions(show_progress=False), None, 0, "127.0.0.1", 29999)
     assert torch.get_num_threads() == before  # the in-process run gives the caller its threads back
     return seen[0]
 

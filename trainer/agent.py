@@ -1,6 +1,6 @@
-"""torchrun's agent, bound to the CLI that launched it: `python -m trainer.agent PARENT_PID ARGS...`
+"""torchrun's agent, bound to the launcher that started it: `python -m trainer.agent PARENT_PID ARGS...`
 runs `torch.distributed.run` with ARGS after asking to die with PARENT_PID (trainer/run_lock.py), so
-that killing the CLI stops the agent, which stops its workers."""
+that killing the launcher (the CLI) stops the agent, which stops its workers."""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
 """Start the processes a plan needs and run the training loop in each.
 
-One device: in this process. Several: `torchrun` (the field's launcher) re-invokes
-`advisor train --launched`, on one node or, with --nnodes/--node-rank/--master-addr or Slurm's
-environment, on many. Workers use nccl on CUDA and gloo on CPU. When a rank runs out of memory
-and names the plan's next layout (trainer/oom.py), the launcher starts the ranks again with
---resume, and they continue from the last checkpoint with that layout.
+One device: in this process. Several: `torchrun` (the field's launcher) starts `python -m
+trainer.worker RUN/launch.json` (trainer/worker.py) in every rank, on one node or, with
+--nnodes/--node-rank/--master-addr or Slurm's environment, on many; the launch file
+(trainer/launch_file.py) carries the plan and the options. Workers use nccl on CUDA and gloo on CPU.
+When a rank runs out of memory and names the plan's next layout (trainer/oom.py), the launcher starts
+the ranks again with resume set, and they continue from the last checkpoint with that layout.
+Callers prepare the run dir first (trainer/prepare.py).
 """
 
 from __future__ import annotations
@@ -31,43 +33,36 @@ from advisor.specs import HardwareSpec
 from profiler.inventory import cpu_cores
 from profiler.ranks import free_port, init_device_and_group, slurm_topology
 from trainer import checkpoint
+from trainer.launch_file import LaunchFile, launch_file_path, write_launch_file
 from trainer.loop import JsonLines, train
 from trainer.oom import pending_relaunch
-from trainer.options import WORKER_LOG_ENV, TrainOptions, train_argv
-from trainer.run_lock import die_with_parent
+from trainer.options import WORKER_LOG_ENV, TrainOptions
 
 DEFAULT_PORT = 29513
 _RENDEZVOUS_TIMEOUT = re.compile(r"Timed out after (?P<seconds>\d+) seconds waiting for clients\. "
                                  r"(?P<joined>\d+)/(?P<nodes>\d+) clients joined")
 
 
-def launch_command(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOptions, nproc: int,
-                   nnodes: int, node_rank: int, master_addr: str, master_port: int) -> list[str]:
-    """torchrun re-invoking `advisor train --launched` with every option, and the plan's engine (it may
-    override the plan file's); its agent dies with this process (trainer/agent.py)."""
-    command = [sys.executable, "-m", "trainer.agent", str(os.getpid()), f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-               f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}",
-               # the nodes' rendezvous waits --timeout-s for a missing node, as the process group does
-               # for a dead rank (torchrun's static rendezvous otherwise waits 600 s)
-               f"--rdzv-conf=timeout={math.ceil(options.timeout_s)}",
-               "-m", "advisor.cli", "train", str(plan_path), "--out", str(out), "--launched", *train_argv(options),
-               "--engine", plan.engine]
-    if resume:
-        command.append("--resume")
-    return command
+def launch_command(launch_file: Path, timeout_s: float, nproc: int, nnodes: int, node_rank: int, master_addr: str,
+                   master_port: int) -> list[str]:
+    """torchrun starting the worker module on `launch_file` in every rank; its agent dies with this
+    process (trainer/agent.py)."""
+    return [sys.executable, "-m", "trainer.agent", str(os.getpid()), f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}",
+            # the nodes' rendezvous waits --timeout-s for a missing node, as the process group does
+            # for a dead rank (torchrun's static rendezvous otherwise waits 600 s)
+            f"--rdzv-conf=timeout={math.ceil(timeout_s)}",
+            "-m", "trainer.worker", str(launch_file)]
 
 
-def run(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOptions, launched: bool,
-        nnodes: int | None, node_rank: int, master_addr: str, master_port: int) -> dict | None:
+def run(plan: Plan, out: Path, resume: bool, options: TrainOptions, nnodes: int | None = None, node_rank: int = 0,
+        master_addr: str = "127.0.0.1", master_port: int = DEFAULT_PORT) -> dict | None:
     """Train the plan: one launch of ranks per segment of stages that share a layout
     (`advisor.plan_file.stage_segments`); each after the first resumes from the full weights the
-    previous one handed on. A launched worker runs the segment its run dir has reached."""
-    if launched:
-        die_with_parent(os.getppid())  # torchrun's agent: a worker outlives neither it nor the CLI
-        return _worker(plan, out, resume, options, distributed=True)
+    previous one handed on."""
     while True:
         segment = segment_of(plan, _next_stage(out) if resume else 0)
-        summary = _run_segment(plan, plan_path, out, resume, options, segment.layout.devices, nnodes, node_rank,
+        summary = _run_segment(plan, out, resume, options, segment.layout.devices, nnodes, node_rank,
                                master_addr, master_port)
         reached = _next_stage(out)
         if summary is not None and "segment_end" not in summary or not segment.end <= reached < len(plan.stages):
@@ -81,7 +76,7 @@ def _next_stage(out: Path) -> int:
     return int(json.loads((newest / "trainer.json").read_text())["stage"]) if newest is not None else 0
 
 
-def _run_segment(plan: Plan, plan_path: Path, out: Path, resume: bool, options: TrainOptions, devices: int,
+def _run_segment(plan: Plan, out: Path, resume: bool, options: TrainOptions, devices: int,
                  nnodes: int | None, node_rank: int, master_addr: str, master_port: int) -> dict | None:
     """The ranks of one segment: in this process for one device, else through torchrun (again, with
     --resume, after an out-of-memory fallback)."""
@@ -90,7 +85,7 @@ def _run_segment(plan: Plan, plan_path: Path, out: Path, resume: bool, options: 
         if zero:  # DeepSpeed needs a process group, even of one
             _single_process_group_env()
         with _cpu_threads(plan, ranks_on_node=1):
-            return _worker(plan, out, resume, options, distributed=bool(zero))
+            return train_rank(plan, out, resume, options, distributed=bool(zero))
     topology = slurm_topology()
     if topology and nnodes is None:
         nnodes, node_rank, master_addr = topology
@@ -102,10 +97,9 @@ def _run_segment(plan: Plan, plan_path: Path, out: Path, resume: bool, options: 
     if not _cuda():  # ranks share the CPU cores; oversubscribed OpenMP threads run 8x slower
         env["OMP_NUM_THREADS"] = str(cpu_threads(plan.hardware, nproc))
     while True:
-        command = launch_command(plan, plan_path, out, resume, options, nproc, nnodes, node_rank, master_addr,
-                                 master_port)
         started, log_offset = time.time(), _log_size()
-        result = subprocess.run(command, env=env, check=False)
+        result = _launch_ranks(LaunchFile(plan=plan, out=out, resume=resume, options=options), env, nproc, nnodes,
+                               node_rank, master_addr, master_port)
         if result.returncode == 0:  # rank 0 wrote the summary (None on a node that does not share its run dir)
             summary = out / "summary.json"
             if 0 < _next_stage(out) < len(plan.stages):  # a segment ended: the caller launches the next
@@ -118,6 +112,17 @@ def _run_segment(plan: Plan, plan_path: Path, out: Path, resume: bool, options: 
         # a rank ran out of memory and named the plan's next layout: restart every rank with it
         JsonLines(out / "events.jsonl", node_rank == 0).write(fallback["event"])
         resume = True
+
+
+def _launch_ranks(launch: LaunchFile, env: dict[str, str], nproc: int, nnodes: int, node_rank: int,
+                  master_addr: str, master_port: int) -> subprocess.CompletedProcess:
+    """torchrun's ranks of this node on `launch`, written to this node's launch file for the time they run."""
+    path = write_launch_file(launch_file_path(launch.out, node_rank), launch)
+    try:
+        command = launch_command(path, launch.options.timeout_s, nproc, nnodes, node_rank, master_addr, master_port)
+        return subprocess.run(command, env=env, check=False)
+    finally:
+        path.unlink(missing_ok=True)  # the run dir keeps no launch: the next one writes its own
 
 
 def _log_size() -> int:
@@ -197,7 +202,8 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _worker(plan: Plan, out: Path, resume: bool, options: TrainOptions, distributed: bool) -> dict:
+def train_rank(plan: Plan, out: Path, resume: bool, options: TrainOptions, distributed: bool) -> dict:
+    """This process's rank of the plan: in the launching process (one device), or in a worker."""
     # this rank's GPU (LOCAL_RANK) and group; a dead or stuck peer fails the collectives within the
     # timeout instead of torch's 10-30 minutes
     init_device_and_group(distributed=distributed, timeout_s=options.timeout_s)

@@ -1,14 +1,12 @@
-"""What a training run takes besides its plan, and the one way those options travel as argv.
+"""What a training run takes besides its plan.
 
-A multi-process run re-invokes `advisor train --launched` in every worker (trainer/launch.py), so the
-options cross a process boundary as command-line flags. `train_argv` is the only place that writes
-them; the train verb (advisor/cli/train.py) parses every one back. A field added here without a flag
-there fails tests/test_cli_train.py instead of silently taking its default in the workers.
+A multi-process run's workers receive these options whole, in the launch file the launcher writes
+(trainer/launch_file.py): a field added here reaches every rank without further code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 
 # Set by the CLI's quiet console (advisor/cli/quiet.py) while it routes output: the file workers'
@@ -36,20 +34,3 @@ class TrainOptions:
     timeout_s: float = 600.0  # process-group timeout: how long ranks wait for a dead peer
     trust_remote_code: bool = False  # the folders' own Python code (auto_map) may run (--trust-remote-code)
 
-
-def flag(name: str) -> str:
-    """The `advisor train` flag of a TrainOptions field: `max_steps_per_stage` -> `--max-steps-per-stage`."""
-    return "--" + name.replace("_", "-")
-
-
-def train_argv(options: TrainOptions) -> list[str]:
-    """`advisor train` flags that rebuild `options` exactly: every field, None ones left out (their
-    flag's default is None), booleans as `--x` / `--no-x`."""
-    argv: list[str] = []
-    for f in fields(options):
-        value = getattr(options, f.name)
-        if isinstance(value, bool):
-            argv.append(flag(f.name) if value else "--no-" + flag(f.name)[2:])
-        elif value is not None:
-            argv += [flag(f.name), str(value)]
-    return argv

@@ -140,7 +140,7 @@ def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path,
                            trust_remote_code=trusted)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    run_training(trial, plan_path, directory, False, options, False, None, 0, "127.0.0.1", free_port())
+    run_training(trial, directory, False, options, None, 0, "127.0.0.1", free_port())
     summary = json.loads((directory / "summary.json").read_text())
     shutil.rmtree(directory / "checkpoints", ignore_errors=True)
     steps_s = [json.loads(line)["step_s"] for line in (directory / "metrics.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""`python -m advisor.cli`: what launched training workers and the benches run."""
+"""`python -m advisor.cli`: what the tests and the benches run (training workers run trainer/worker.py)."""
 
 import sys
 

@@ -31,7 +31,7 @@ LAYOUT_HELP = "Layout keys (comma-separated key=value; left-out keys take defaul
 MAX_SCALE = 1000.0
 # Every verb that reads a user's model or tokenizer folder takes it: without it, a folder naming Python
 # code of its own (auto_map) is refused in one line (advisor/remote_code.py)
-# (its --no- form: how a launched worker receives the default, trainer/options.py `train_argv`)
+# (with its --no- form, so that a script can state the default explicitly)
 TRUST_REMOTE_CODE = typer.Option(False, f"{TRUST_FLAG}/--no-{TRUST_FLAG[2:]}", help=TRUST_HELP)
 
 # `--engine` of estimate, plan and report capacity: whose behaviour is priced

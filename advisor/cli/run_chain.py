@@ -31,7 +31,6 @@ from rich.console import Console
 
 from advisor.cli.common import MIN_COMPUTE_FRACTION, stage_tokens
 from advisor.cli.compose import profile_this_machine
-from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
 from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.cli.render import format_seconds
 from advisor.capabilities import config_shape, runnable_problem
@@ -51,7 +50,9 @@ from profiler.run_profile import ProfileOptions
 from reports.run_report import run_report
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.launch import run as run_training
+from trainer.native_ops import use_persistent_extensions_dir
 from trainer.options import TrainOptions
+from trainer.prepare import prepare_run
 from trainer.run_identity import RUN_CHAIN_IN_THE_WAY, move_aside, move_in_the_way_aside, retire_old_runs
 from trainer.verify import (STARTUP_S, Trial, Verification, apply, candidate_plan, trial_harness, training_threads,
                             verify, write_verification)
@@ -175,7 +176,10 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     say(f"plan: {plan.chosen.layout.short()}")
     _make_room(out, say, opts.keep_runs)
     candidates = [plan.chosen, *plan.alternatives][:max(1, opts.verify)]
-    build_cpu_comm_op([p.layout for p in candidates], plan.engine, say)
+    # the trainer's run-time preparation, once for the trials and the training; the run dir is claimed
+    # above under the chain's own rules (its trials write there first)
+    prepare_run(plan, out, resumed=False, overwrite=True, claim=False, layouts=[p.layout for p in candidates],
+                say=say)
     progress.expect(_estimate_s(plan, candidates if opts.verify else [], opts))
     verification = pricing = None
     if opts.verify > 0:
@@ -196,7 +200,7 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     plan_path = out / "plan.yaml"
     plan.write(plan_path)
     with _timed(timings, "train_s"), progress.training(plan, opts.max_steps_per_stage, out / "metrics.jsonl"):
-        summary = _train(plan, plan_path, opts)
+        summary = _train(plan, opts)
     events = [{"event": "verify", **asdict(t)} for t in (verification.trials if verification else [])]
     round_ = None
     if opts.feedback and profile_path is not None:
@@ -319,13 +323,13 @@ def _take_verified(plan: Plan, verification: Verification, out: Path,
     return apply(plan, verification)
 
 
-def _train(plan: Plan, plan_path: Path, opts: RunOptions) -> dict[str, Any] | None:
+def _train(plan: Plan, opts: RunOptions) -> dict[str, Any] | None:
     """Train the plan in the run dir; the summary (rank 0's, when several processes trained)."""
     out = opts.out
     # the loop draws no bars of its own: the CLI's display follows metrics.jsonl (advisor/cli/progress.py)
     options = TrainOptions(seed=opts.seed, max_steps_per_stage=opts.max_steps_per_stage, show_progress=False,
                            trust_remote_code=opts.trust_remote_code)
-    return run_training(plan, plan_path, out, False, options, False, None, 0, "127.0.0.1", free_port())
+    return run_training(plan, out, False, options, None, 0, "127.0.0.1", free_port())
 
 
 def _feed_back(profile_path: Path, new: list, out: Path, say: Callable[[str], None],

@@ -1,9 +1,9 @@
-"""`advisor train`: run a plan. Also what every launched worker runs, with the options as flags
-(trainer/options.py writes them; this verb reads every one back)."""
+"""`advisor train`: run a plan. The verb checks its flags, holds the run dir and routes output; the
+trainer prepares the run (trainer/prepare.py) and launches its ranks (trainer/launch.py), whose
+workers read their launch file (trainer/worker.py), never this verb."""
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +29,8 @@ from trainer.data.demo_corpus import ensure_generated_data
 from trainer.data.mixing import Reading
 from trainer.fine_tune import FineTuneFlags, check_lora_rank
 from trainer.options import TrainOptions
-from trainer.run_identity import move_in_the_way_aside, refuse_or_move_aside, restarted
+from trainer.prepare import OneStageRequest
+from trainer.run_identity import restarted
 
 DEFAULTS = TrainOptions()
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: a peer that long gone is not coming back
@@ -110,10 +111,9 @@ def train(
     node_rank: int = typer.Option(0, "--node-rank", min=0),
     master_addr: str = typer.Option("127.0.0.1", "--master-addr"),
     master_port: int = typer.Option(29513, "--master-port"),
-    launched: bool = typer.Option(False, "--launched", hidden=True, help="set by the launcher in each worker"),
     engine: Optional[str] = typer.Option(None, "--engine", help="sharded data-parallel back-end: auto (DeepSpeed "
                                          "for ZeRO, FSDP2 with tp>1), deepspeed or fsdp2; overrides the plan's"),
-    # The loop's other options: hidden, set by callers (verification trials) and passed on to the workers.
+    # The loop's other options: hidden, for tests and demos that tune the loop.
     clip: float = typer.Option(DEFAULTS.clip, "--clip", hidden=True, help="gradient-norm clip"),
     keep_checkpoints: int = typer.Option(DEFAULTS.keep_checkpoints, "--keep-checkpoints", min=1, hidden=True),
     max_rollbacks: int = typer.Option(DEFAULTS.max_rollbacks, "--max-rollbacks", min=0, hidden=True),
@@ -135,8 +135,8 @@ def train(
         exit_on_error(_json_needs_dry_run)
     if dry_run:
         return _dry_run(plan_file, engine, as_json, verbose, trust_remote_code)
-    summary = exit_on_error(lambda: _run(args)) if launched else _launch(args)
-    if summary and not launched:
+    summary = _launch(args)
+    if summary:
         for line in stage_results_lines(summary):
             console.print(line, highlight=False, soft_wrap=True)
         measured, predicted = summary["measured"], summary["predicted"]
@@ -184,7 +184,7 @@ def _check_inputs(a: SimpleNamespace) -> None:
     check_number(a.warmup_ratio, "--warmup-ratio", ge=0, le=0.99)
     check_number(a.lora_alpha, "--lora-alpha", gt=0, le=1e6)
     check_number(a.val_size, "--val-size", gt=0, le=MAX_ROWS)
-    if not a.dry_run and not a.launched:
+    if not a.dry_run:
         check_run_dir(a.out)
         plan = load_plan(a.plan_file)  # read again by the run: milliseconds
         # the folders' own code refused before anything is written (the run loads it, with the opt-in)
@@ -224,51 +224,41 @@ def _with_model_code(plan: Plan, trusted: bool) -> Plan:
 
 
 def _run(a: SimpleNamespace) -> dict | None:
-    """Launch the plan (or, in a launched worker, train its rank); the summary."""
+    """Prepare the run (trainer/prepare.py) and launch the plan; the summary."""
     # deferred: import torch/deepspeed (2.3 s), inside the quiet console so that their warnings are logged
-    from advisor.cli.native_ops import build_cpu_comm_op, use_persistent_extensions_dir
     from trainer.launch import run
+    from trainer.prepare import prepare_run
 
-    out = a.out
-    plan = _with_model_code(_load_plan(a.plan_file, a.engine, a.data, a.launched), a.trust_remote_code)
+    plan = _with_model_code(_load_plan(a.plan_file, a.engine, a.data), a.trust_remote_code)
     resumed = a.resume or restarted()  # a torchrun restart or Slurm requeue continues the run
-    plan_path, prepared = a.plan_file, a.data
-    if not a.launched:
-        _claim_run_dir(out, resumed, a.overwrite, a.node_rank)
-        if plan.task is None:  # one stage over --data, written into the run dir as the run's plan
-            (plan, prepared), plan_path = (_one_stage(plan, a.data, out, a.steps, a.tokens, a.epochs, a.weights,
-                                                      a.dataset, data_reading.reading(a), a.template, a.lr_schedule,
-                                                      _fine_tune_flags(a), a.trust_remote_code),
-                                         out / "plan.yaml")
-        elif a.steps is not None or a.tokens is not None:
-            raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
-                             "its stages")
-        elif data_reading.reading(a) != Reading():
-            raise UsageError("--mix, --mix-probs, --train-on-prompt and --mask-history read the --data of a plan "
-                             "made without --task; a task's sources set weight, train_on_prompt and mask_history")
-        elif a.lr_schedule is not None:
-            raise UsageError("--lr-schedule sets the schedule of a plan made without --task; this plan's task "
-                             "sets its own (its lr_schedule)")
+    prepared = prepare_run(plan, a.out, resumed=resumed, overwrite=a.overwrite, node_rank=a.node_rank, data=a.data,
+                           one_stage=_one_stage_request(a) if plan.task is None else None, say=_say)
+    plan = prepared.plan
     options = TrainOptions(seed=a.seed, clip=a.clip, keep_checkpoints=a.keep_checkpoints,
                            max_rollbacks=a.max_rollbacks, spike_lr_factor=a.spike_lr_factor,
                            spike_warmup_steps=a.spike_warmup_steps, eval_sequences=a.eval_sequences,
                            max_steps_per_stage=a.max_steps_per_stage, weights=a.weights, template=a.template,
-                           merge=a.merge,
-                           epochs=a.epochs, exact_match_prompts=a.exact_match_prompts,
-                           show_progress=a.show_progress and a.launched,
-                           data=str(prepared.resolve()) if prepared else None, overwrite=a.overwrite,
+                           merge=a.merge, epochs=a.epochs, exact_match_prompts=a.exact_match_prompts,
+                           show_progress=False,  # one display, drawn here from metrics.jsonl: the loop draws none
+                           data=str(prepared.data.resolve()) if prepared.data else None, overwrite=a.overwrite,
                            timeout_s=a.timeout_s, trust_remote_code=a.trust_remote_code)
-    where = (a.nnodes, a.node_rank, a.master_addr, a.master_port)
-    if a.launched:  # a worker: its output goes where the launching CLI sent it
-        return run(plan, plan_path, out, resumed, options, a.launched, *where)
-    use_persistent_extensions_dir()
-    build_cpu_comm_op([s.layout for s in plan.stages] or [plan.chosen.layout], plan.engine,
-                      lambda text: console.print(text, highlight=False))
-    # one display, drawn here from metrics.jsonl: the loop (here or in the workers) draws none
     with RunProgress(console, a.show_progress, "advisor train") as progress:
         progress.expect(training_estimate_s(plan, a.max_steps_per_stage))
-        with progress.training(plan, a.max_steps_per_stage, out / "metrics.jsonl"):
-            return run(plan, plan_path, out, resumed, options, a.launched, *where)
+        with progress.training(plan, a.max_steps_per_stage, a.out / "metrics.jsonl"):
+            return run(plan, a.out, resumed, options, a.nnodes, a.node_rank, a.master_addr, a.master_port)
+
+
+def _say(text: str) -> None:
+    console.print(text, highlight=False)
+
+
+def _one_stage_request(a: SimpleNamespace) -> OneStageRequest:
+    """The flags that make a plan without a task one stage over --data."""
+    names = [n.strip() for n in a.dataset.split(",") if n.strip()] if a.dataset is not None else None
+    if a.dataset is not None and not names:
+        raise UsageError("--dataset: name at least one dataset of the registry")
+    return OneStageRequest(a.data, a.steps, a.tokens, a.epochs, a.weights, names, data_reading.reading(a),
+                           a.template, a.lr_schedule, _fine_tune_flags(a), a.trust_remote_code)
 
 
 def _fine_tune_flags(a: SimpleNamespace) -> FineTuneFlags:
@@ -286,6 +276,12 @@ def _refuse_one_stage_flags(a: SimpleNamespace) -> None:
     if a.steps is not None or a.tokens is not None:
         raise UsageError("--steps and --tokens size a plan made without --task; this plan's task sizes "
                          "its stages")
+    if data_reading.reading(a) != Reading():
+        raise UsageError("--mix, --mix-probs, --train-on-prompt and --mask-history read the --data of a plan "
+                         "made without --task; a task's sources set weight, train_on_prompt and mask_history")
+    if a.lr_schedule is not None:
+        raise UsageError("--lr-schedule sets the schedule of a plan made without --task; this plan's task "
+                         "sets its own (its lr_schedule)")
     given = [flag for flag, value in (("--lr", a.lr), ("--warmup-ratio", a.warmup_ratio),
                                       ("--lora-alpha", a.lora_alpha), ("--lora-targets", a.lora_targets),
                                       ("--val-size", a.val_size), ("--no-packing", None if a.packing else True))
@@ -295,45 +291,15 @@ def _refuse_one_stage_flags(a: SimpleNamespace) -> None:
                          "(stage lr and warmup_ratio, adapter alpha and targets, eval_sources, packing)")
 
 
-def _load_plan(plan_file: Path, engine: str | None, data: Path | None, launched: bool):
-    """The plan to run: its task's generated data in place (once, by the launching process), the
-    `data` extra present for prepared shards, and --engine applied."""
+def _load_plan(plan_file: Path, engine: str | None, data: Path | None) -> Plan:
+    """The plan to run: its task's generated data in place, the `data` extra present for prepared
+    shards, and --engine applied."""
     plan = _runnable(load_plan(plan_file), engine)
-    if plan.task is not None and not launched and ensure_generated_data(plan.task):
+    if plan.task is not None and ensure_generated_data(plan.task):
         console.print(f"generated the {plan.task.name} task's data into {plan.task.base_dir}")
-    if data is not None and plan.task is not None and not launched:
+    if data is not None and plan.task is not None:
         require_data_extra("advisor train --data (prepared shards)")
     return plan
-
-
-def _one_stage(plan: Plan, data: Path | None, out: Path, steps: int | None, tokens: int | None,
-               epochs: float | None, weights: str | None = None,
-               dataset: str | None = None, reading: Reading = Reading(),
-               template: str | None = None, lr_schedule: str | None = None,
-               flags: FineTuneFlags = FineTuneFlags(), trusted: bool = False) -> tuple[Plan, Path | None]:
-    """A plan made without --task as one stage over --data (trainer/one_stage.py), saved as the run's
-    plan; and the prepared-data folder the loop reads (None: raw files)."""
-    if data is None:
-        raise UsageError("this plan has no task: give the data to train on with --data FILE, GLOB or FOLDER "
-                         "(JSON lines or array, parquet, CSV, text, a saved dataset or a prepared folder), "
-                         "or plan with --task")
-    names = [n.strip() for n in dataset.split(",") if n.strip()] if dataset is not None else None
-    if dataset is not None and not names:
-        raise UsageError("--dataset: name at least one dataset of the registry")
-    # deferred: reads and tokenizes the data (the counting pass of the default length)
-    from trainer.one_stage import one_stage_plan
-
-    plan, prepared = one_stage_plan(plan, str(data), out, steps, tokens, epochs, weights, datasets=names,
-                                    reading=reading, template=template, lr_schedule=lr_schedule, flags=flags,
-                                    trusted=trusted)
-    sources = plan.task.stages[0].sources if plan.task else []
-    if len(sources) == 1:
-        console.print(f"--data {data}: {sources[0].format} rows (detected from their fields)", highlight=False)
-    elif sources:  # datasets of a registry or an Axolotl config
-        kinds = ", ".join(f"{Path(s.path).name} ({s.format}, {s.weight:.0%})" for s in sources)
-        console.print(f"--data {data}: {kinds}, {reading.mix}", highlight=False)
-    plan.write(out / "plan.yaml")
-    return plan, prepared
 
 
 def _runnable(plan: Plan, engine: str | None) -> Plan:
@@ -350,15 +316,3 @@ def _runnable(plan: Plan, engine: str | None) -> Plan:
                 raise UsageError(f"this plan was made with --any-engine, for other engines: advisor train does "
                                  f"not run {'stage ' + name if name else 'its layout'} {layout.short()}: {problem}")
     return plan
-
-
-def _claim_run_dir(out: Path, resumed: bool, overwrite: bool, node_rank: int) -> None:
-    """Refuse a used run dir, or move its run aside, before any worker starts (a refusal is one line).
-    Only on the node of rank 0: another node's launcher may start after rank 0 has claimed the
-    directory for this very run."""
-    if node_rank == 0 and os.environ.get("SLURM_NODEID", "0") == "0":
-        moved = refuse_or_move_aside(out, resumed, overwrite)
-        if moved is not None:
-            console.print(f"moved the previous run in {out} aside to {moved}")
-        for aside in move_in_the_way_aside(out):  # a model/ or stages/ of no run: kept, under a dated name
-            console.print(f"moved {aside.name.split('.old-')[0]} in {out}, which holds no run, aside to {aside}")

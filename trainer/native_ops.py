@@ -1,7 +1,8 @@
 """DeepSpeed's CPU communication op, compiled once per machine instead of once per fresh home.
 
 `deepspeed.initialize` on CPU JIT-compiles `deepspeed_shm_comm` (30-45 s cold) into
-TORCH_EXTENSIONS_DIR, whose default lives under the home folder. The verbs point that variable at a
+TORCH_EXTENSIONS_DIR, whose default lives under the home folder. Run-time preparation
+(trainer/prepare.py, which every verb that trains calls) points that variable at a
 folder of the advisor's cache keyed on the CPU model (the build uses -march=native, so a folder
 shared by machines with other CPUs would load code they cannot run) and the Python and torch
 versions; every process started afterwards (forked ranks, torchrun workers) inherits it. Before the
