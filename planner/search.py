@@ -57,6 +57,9 @@ from profiler.model_trace import ModelTrace, trace_model
 
 RECOMPUTE_MODES = ("selective", "full")
 LP_BOUND_SLACK = 1e-6  # relative: HiGHS's feasibility tolerances move an LP optimum by far less
+# relative: `spread_bound` lies at or below the LP's optimum, which HiGHS's tolerances may move by
+# LP_BOUND_SLACK; a wider margin keeps it from passing the LP's bound (see `search`)
+SPREAD_SLACK = 10 * LP_BOUND_SLACK
 
 
 @dataclass
@@ -237,25 +240,26 @@ class _StageCoefficients:
     optimizer_moment: _Affine
     logits: float  # the loss's buffers, or DeepSpeed ZeRO-1/2's bucket and first gradient where larger
     regrown: float
-    regrown_gradients: _Affine  # with the regrown layer only (k plays no part)
     overlap: float
     host: _Affine
     host_capacity: float
-    # per_mb, compute, dp_comm, dp_hidden, update: read off the cost model's stage time on first use,
-    # since most shapes are refused on their memory alone (7 in 10 for llama3-70b on 256 GPUs)
+    fixed_per_layer: float  # bytes per layer of the backward-start moment that are not activations
+    # Read off the cost model on first use, once for a stage and the copies `_all_coefficients` makes
+    # of it (cached callables): most shapes are refused on their memory alone (7 in 10 for llama3-70b
+    # on 256 GPUs) and only the stage program reads the regrown gradients. The time terms are
+    # per_mb, compute, dp_comm, dp_hidden, update.
     time_terms: Callable[[], tuple[_Affine, ...]] = field(repr=False)
-    evaluated_times: tuple[_Affine, ...] | None = field(default=None, repr=False)
+    regrown_gradients_of: Callable[[], _Affine] = field(repr=False)  # with the regrown layer only (no k)
 
     def _time(self, term: int) -> _Affine:
-        if self.evaluated_times is None:
-            self.evaluated_times = self.time_terms()
-        return self.evaluated_times[term]
+        return self.time_terms()[term]
 
     per_mb = property(lambda self: self._time(0))
     compute = property(lambda self: self._time(1))
     dp_comm = property(lambda self: self._time(2))
     dp_hidden = property(lambda self: self._time(3))
     update = property(lambda self: self._time(4))
+    regrown_gradients = property(lambda self: self.regrown_gradients_of())
 
 
 def _memory_parts(m: StageMemory) -> tuple[float, float]:
@@ -272,21 +276,29 @@ def stage_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec, stag
     off the cost model at a few (n, k) points; `known`: (n, k) -> its memory, where already evaluated
     (`_cheap_refusal`)."""
     known = known or {}
-    mems = [known.get(nk) or stage_memory(trace, layout, hw, stage, *nk) for nk in ((0, 0), (1, 0), (1, 1), (2, 1))]
-    parts = [_memory_parts(m) for m in mems[:3]]
-    grads_per_layer = mems[3].regrown_gradients - mems[2].regrown_gradients
+    mems = [known.get(nk) or stage_memory(trace, layout, hw, stage, *nk) for nk in ((0, 0), (1, 0), (1, 1))]
+    parts = [_memory_parts(m) for m in mems]
+    m0, m1 = mems[:2]
+    fixed_per_layer = (m1.weights + m1.optimizer + m1.resident_gradients + m1.zero3_live) - (
+        m0.weights + m0.optimizer + m0.resident_gradients + m0.zero3_live)
 
+    @functools.cache
     def time_terms() -> tuple[_Affine, ...]:
         placement = Placement.of(layout, hw.devices_per_node)
         times = [_time_parts(stage_time(trace, layout, hw, placement, stage, n, k)) for n, k in ((0, 0), (1, 0), (1, 1))]
         return tuple(_affine(*(t[i] for t in times)) for i in range(5))
 
+    @functools.cache
+    def regrown_gradients() -> _Affine:
+        grads_per_layer = stage_memory(trace, layout, hw, stage, 2, 1).regrown_gradients - mems[2].regrown_gradients
+        return _Affine(mems[2].regrown_gradients - grads_per_layer, grads_per_layer, 0.0)
+
     return _StageCoefficients(
         backward_base=_affine(*(p[0] for p in parts)), optimizer_moment=_affine(*(p[1] for p in parts)),
         logits=max(mems[0].logits, mems[0].first_gradient), regrown=mems[2].regrown,
-        regrown_gradients=_Affine(mems[2].regrown_gradients - grads_per_layer, grads_per_layer, 0.0),
-        overlap=hw.efficiency.comm_overlap, host=_affine(*(m.host for m in mems[:3])),
-        host_capacity=mems[0].host_capacity, time_terms=time_terms,
+        overlap=hw.efficiency.comm_overlap, host=_affine(*(m.host for m in mems)),
+        host_capacity=mems[0].host_capacity, fixed_per_layer=fixed_per_layer, time_terms=time_terms,
+        regrown_gradients_of=regrown_gradients,
     )
 
 
@@ -334,11 +346,10 @@ def _all_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec,
     if pp <= 3:
         return kinds
     first, middle, last = kinds
-    act_per_layer = middle.backward_base.n - _non_activation_slope(trace, layout, hw)
+    act_per_layer = middle.backward_base.n - middle.fixed_per_layer
     act_per_recomputed = middle.backward_base.k
     base_flight = micro_batches_in_flight(1, layout)
     out = [first]
-    middle._time(0)  # evaluates the middle stage's time terms once, for all its copies below
     for s in range(1, pp - 1):
         scale = micro_batches_in_flight(s, layout) / base_flight
         base = middle.backward_base
@@ -348,15 +359,6 @@ def _all_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec,
         out.append(coeff)
     out.append(last)
     return out
-
-
-def _non_activation_slope(trace: ModelTrace, layout: Layout, hw: HardwareSpec) -> float:
-    """Per-layer bytes of the backward-start moment that are not activations (weights, optimizer,
-    resident gradients), read from the cost model with a layout whose stage holds no activations."""
-    m0 = stage_memory(trace, layout, hw, 1, 0, 0)
-    m1 = stage_memory(trace, layout, hw, 1, 1, 0)
-    return (m1.weights + m1.optimizer + m1.resident_gradients + m1.zero3_live) - (
-        m0.weights + m0.optimizer + m0.resident_gradients + m0.zero3_live)
 
 
 # ------------------------------------------------------------------------------------------
@@ -436,7 +438,24 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
     dp = mean(lambda c: c.dp_comm) * (1 - coeffs[0].overlap)
     # the step, (gas - 1/vpp) max_s t_s + sum_s t_s / vpp, is at least this at max >= mean
     step = (layout.gas + (pp - 1) / layout.vpp) * slot + dp + mean(lambda c: c.update)
-    return Bound(step, layout.gas * mean(lambda c: c.compute) / step, every_stage)
+    busiest_least = min(mean(lambda c: c.compute), _least_busy_compute(kinds, layout, layers))
+    return Bound(step, layout.gas * busiest_least / step, every_stage)
+
+
+def _least_busy_compute(kinds: list[_StageCoefficients], layout: Layout, layers: int) -> float:
+    """An upper bound on the least busy stage's useful compute over every integer split (each stage
+    holds at least vpp layers): the stage with the fewest layers holds at most floor(L / pp); where
+    pp > 3, the fewest among the pp - 2 middle stages (one kind) at most floor((L - 2 vpp) / (pp - 2)).
+    80 layers on 32 stages: 2, where the mean stage computes 2.5 and the first and last more."""
+    pp, vpp = layout.pp, layout.vpp
+    group, others = (kinds[1:2], 2) if pp > 3 else (kinds, 0)
+    fewest = (layers - others * vpp) // (pp - others)
+
+    def most(c: _StageCoefficients) -> float:  # affine in n, k <= n: an end of [vpp, fewest]
+        slope = c.compute.n + max(0.0, c.compute.k)
+        return c.compute.c + slope * max(vpp, fewest) if slope >= 0 else c.compute.c + slope * vpp
+
+    return max(most(c) for c in group)
 
 
 class StageProgram:
@@ -518,11 +537,7 @@ class StageProgram:
         # Some stage holds at least ceil(L / pp) layers, so each max-over-stages term is at least its
         # least value over stages at that many layers: valid for every integer split, and it closes
         # most of the LP's gap where the layers do not divide evenly (80 layers on 32 stages).
-        crowded = -(-layers // pp)
-        lower[slot] = _least_at(crowded, [(c.per_mb.c, c.per_mb.n, c.per_mb.k) for c in coeffs])
-        lower[dp] = _least_at(crowded, [((1 - c.overlap) * c.dp_comm.c, (1 - c.overlap) * c.dp_comm.n, 0.0)
-                                        for c in coeffs])
-        lower[update] = _least_at(crowded, [(c.update.c, c.update.n, c.update.k) for c in coeffs])
+        lower[slot], lower[dp], lower[update] = _crowded_floors(coeffs, layers)
         upper[2 * pp:slot] = 1
         integrality = np.zeros(width)
         integrality[:slot] = 1
@@ -613,9 +628,35 @@ class StageProgram:
         return float(self.objective @ values) + self.step_constant if values is not None else math.inf
 
     def _relaxation(self) -> np.ndarray | None:
-        """The LP relaxation's optimal columns, by HiGHS through scipy on the matrix itself: a bound
-        that orders the search, solved for ~20x more shapes than reach the ILP, where building each
-        as a PuLP model cost more than HiGHS's solve (the decision itself, `solve`, is PuLP's)."""
+        """The LP relaxation's optimal columns, by HiGHS on the matrix itself: a bound that orders the
+        search, solved for ~20x more shapes than reach the ILP, where building each as a PuLP model
+        cost more than HiGHS's solve (the decision itself, `solve`, is PuLP's). Through highspy where
+        it imports: scipy's `linprog` around the same HiGHS took twice the solve in checks and copies."""
+        if not _has_highspy():
+            return self._relaxation_by_scipy()
+        import highspy
+
+        infinite = highspy.kHighsInf
+        lp = highspy.HighsLp()
+        lp.num_row_, lp.num_col_ = self.rows.shape
+        lp.col_cost_, lp.col_lower_ = self.objective, self.lower
+        lp.col_upper_ = np.where(np.isfinite(self.upper), self.upper, infinite)
+        lp.row_lower_ = np.where(np.isfinite(self.row_lo), self.row_lo, -infinite)
+        lp.row_upper_ = np.where(np.isfinite(self.row_hi), self.row_hi, infinite)
+        columns, rows = np.nonzero(self.rows.T)  # column-wise, as HiGHS stores a matrix
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = np.searchsorted(columns, np.arange(lp.num_col_ + 1)).astype(np.int32)
+        lp.a_matrix_.index_, lp.a_matrix_.value_ = rows.astype(np.int32), self.rows[rows, columns]
+        solver = _lp_solver()
+        solver.clearModel()
+        solver.passModel(lp)
+        solver.run()
+        if solver.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        return np.array(solver.getSolution().col_value, dtype=float)
+
+    def _relaxation_by_scipy(self) -> np.ndarray | None:
+        """`_relaxation` where highspy does not import: scipy bundles its own HiGHS."""
         from scipy.optimize import linprog  # deferred: only `advisor plan` solves programs
 
         equal = self.row_lo == self.row_hi
@@ -648,6 +689,27 @@ class StageProgram:
         else:
             update_fields.update(recompute="none", recompute_layers=None)
         return self.layout.model_copy(update=update_fields)
+
+
+def _crowded_floors(coeffs: list[_StageCoefficients], layers: int) -> tuple[float, float, float]:
+    """Floors on the program's T, D and O: some stage holds at least ceil(L / pp) layers, so each
+    max-over-stages term is at least its least value over stages at that many layers."""
+    crowded = -(-layers // len(coeffs))
+    return (_least_at(crowded, [(c.per_mb.c, c.per_mb.n, c.per_mb.k) for c in coeffs]),
+            _least_at(crowded, [((1 - c.overlap) * c.dp_comm.c, (1 - c.overlap) * c.dp_comm.n, 0.0) for c in coeffs]),
+            _least_at(crowded, [(c.update.c, c.update.n, c.update.k) for c in coeffs]))
+
+
+def spread_bound(coeffs: list[_StageCoefficients], layout: Layout, layers: int) -> float:
+    """A lower bound on the stage program's optimum, LP relaxation included, read off its objective
+    with every row dropped but the column floors (`_crowded_floors`) and sum n = L: the fill and
+    drain term, sum_s per_mb_s / vpp, is at least every stage's constant plus L layers at the least
+    per-layer slope. Tighter than the mean-stage `lower_bound` where the layers do not divide evenly
+    (80 on 32 stages: the crowded stage holds 3, the mean 2.5), and far cheaper than the LP."""
+    slot, dp, update = _crowded_floors(coeffs, layers)
+    least_slope = min(c.per_mb.n + min(0.0, c.per_mb.k) for c in coeffs)
+    fill = (sum(c.per_mb.c for c in coeffs) + least_slope * layers) / layout.vpp
+    return (layout.gas - 1 / layout.vpp) * slot + fill + dp + update
 
 
 def _least_at(layers: int, terms: list[tuple[float, float, float]]) -> float:
@@ -685,6 +747,17 @@ def _has_highspy() -> bool:
         os.dup2(saved, 1)
         os.close(saved)
     return True
+
+
+@functools.cache
+def _lp_solver():
+    """One quiet, single-threaded HiGHS for the process's LP relaxations (each clears the last)."""
+    import highspy
+
+    solver = highspy.Highs()
+    solver.setOptionValue("output_flag", False)
+    solver.setOptionValue("threads", 1)
+    return solver
 
 
 def _solver(integral: bool):
@@ -738,20 +811,29 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
     # Best first over two bounds: a shape enters with its mean-stage bound; popped, it gets its LP
     # relaxation's bound and goes back; popped again, its ILP is solved. Stops when the K-th best plan
     # found beats every bound left, so it solves no ILP the single-bound search would have skipped.
-    queue: list[tuple[float, int, StageProgram | None, Layout]] = [
-        (b.step_s, i, None, layout) for i, (b, layout) in enumerate(candidates)]  # sorted: a heap
+    # Between the two, a shape whose `spread_bound` passes its mean-stage bound goes back with it
+    # first: most shapes of 80 layers on 32 stages then never need their LP. That bound lies below
+    # the LP's, so each shape's last bound, and the order ILPs are solved in, stay the LP's.
+    queue: list[tuple[float, int, int, StageProgram | None, Layout]] = [
+        (b.step_s, i, 0, None, layout) for i, (b, layout) in enumerate(candidates)]  # sorted: a heap
     read = [b.coefficients for b, _ in candidates]
     while queue:
-        bound, order, program, shape = heapq.heappop(queue)
+        bound, order, level, program, shape = heapq.heappop(queue)
         kth = sorted(s.step_s for s in found)[req.top_k - 1] if len(found) >= req.top_k else math.inf
         if bound >= kth:
             break
+        if level == 0:
+            read[order] = read[order] or _all_coefficients(trace, shape, hw)
+            spread = spread_bound(read[order], shape, trace.num_layers) * (1 - SPREAD_SLACK)
+            if spread > bound:
+                heapq.heappush(queue, (spread, order, 1, None, shape))
+                continue
         if program is None:
-            program = StageProgram(read[order] or _all_coefficients(trace, shape, hw), shape, trace.num_layers,
-                                   capacity, min_fraction)
+            program = StageProgram(read[order], shape, trace.num_layers, capacity, min_fraction)
             relaxed = program.relaxed_step_s()
             if relaxed < math.inf:  # the solver's tolerances: never let its bound pass the true one
-                heapq.heappush(queue, (max(bound, relaxed * (1 - LP_BOUND_SLACK)), order, program, shape))
+                mean_bound = candidates[order][0].step_s
+                heapq.heappush(queue, (max(mean_bound, relaxed * (1 - LP_BOUND_SLACK)), order, 2, program, shape))
             continue
         layout = program.solve(kth * (1 + LP_BOUND_SLACK))
         ilps += 1
