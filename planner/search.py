@@ -249,10 +249,16 @@ class _StageCoefficients:
     # on 256 GPUs) and only the stage program reads the regrown gradients. The time terms are
     # per_mb, compute, dp_comm, dp_hidden, update.
     time_terms: Callable[[], tuple[_Affine, ...]] = field(repr=False)
+    time_point: Callable[[int, int], tuple[float, ...]] = field(repr=False)  # the terms at one (n, k)
     regrown_gradients_of: Callable[[], _Affine] = field(repr=False)  # with the regrown layer only (no k)
 
     def _time(self, term: int) -> _Affine:
         return self.time_terms()[term]
+
+    def time_constant(self, term: int) -> float:
+        """The term at (n, k) = (0, 0), its affine's `c`, without the two other points: the mean-stage
+        bound reads the slopes of the first stage only (`lower_bound`)."""
+        return self.time_point(0, 0)[term]
 
     per_mb = property(lambda self: self._time(0))
     compute = property(lambda self: self._time(1))
@@ -283,9 +289,12 @@ def stage_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec, stag
         m0.weights + m0.optimizer + m0.resident_gradients + m0.zero3_live)
 
     @functools.cache
+    def time_point(n: int, k: int) -> tuple[float, ...]:
+        return _time_parts(stage_time(trace, layout, hw, Placement.of(layout, hw.devices_per_node), stage, n, k))
+
+    @functools.cache
     def time_terms() -> tuple[_Affine, ...]:
-        placement = Placement.of(layout, hw.devices_per_node)
-        times = [_time_parts(stage_time(trace, layout, hw, placement, stage, n, k)) for n, k in ((0, 0), (1, 0), (1, 1))]
+        times = [time_point(n, k) for n, k in ((0, 0), (1, 0), (1, 1))]
         return tuple(_affine(*(t[i] for t in times)) for i in range(5))
 
     @functools.cache
@@ -298,7 +307,7 @@ def stage_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec, stag
         logits=max(mems[0].logits, mems[0].first_gradient), regrown=mems[2].regrown,
         overlap=hw.efficiency.comm_overlap, host=_affine(*(m.host for m in mems)),
         host_capacity=mems[0].host_capacity, fixed_per_layer=fixed_per_layer, time_terms=time_terms,
-        regrown_gradients_of=regrown_gradients,
+        time_point=time_point, regrown_gradients_of=regrown_gradients,
     )
 
 
@@ -437,12 +446,28 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
         if saving <= 0 or excess > saving * layers:
             return None
         recomputed = excess / saving
-    slot = mean(lambda c: c.per_mb) + coeffs[0].per_mb.k * recomputed / pp
-    dp = mean(lambda c: c.dp_comm) * (1 - coeffs[0].overlap)
+    def mean_time(term: int) -> float:  # `mean` of a time term, read at the fewest points
+        return (sum(w * c.time_constant(term) for w, c in zip(counts, coeffs)) + coeffs[0]._time(term).n * layers) / pp
+
+    slot = mean_time(0) + coeffs[0].per_mb.k * recomputed / pp
+    dp = mean_time(2) * (1 - coeffs[0].overlap)
     # the step, (gas - 1/vpp) max_s t_s + sum_s t_s / vpp, is at least this at max >= mean
-    step = (layout.gas + (pp - 1) / layout.vpp) * slot + dp + mean(lambda c: c.update)
-    busiest_least = min(mean(lambda c: c.compute), _least_busy_compute(kinds, layout, layers))
-    return Bound(step, layout.gas * busiest_least / step, every_stage)
+    step = (layout.gas + (pp - 1) / layout.vpp) * slot + dp + mean_time(4)
+    return Bound(step, layout.gas * mean_time(1) / step, every_stage)
+
+
+def may_meet_compute_rule(bound: Bound, layout: Layout, layers: int, min_fraction: float) -> bool:
+    """Whether any split of the shape might keep every stage's compute >= `min_fraction` of the step:
+    the mean stage's share (`Bound.max_compute_fraction`), then the least busy stage's
+    (`_least_busy_compute`, read only for the shapes the first lets through)."""
+    least = min_fraction * (1 - 1e-9)
+    if bound.max_compute_fraction < least:
+        return False
+    if not min_fraction or bound.coefficients is None:
+        return True
+    every = bound.coefficients
+    kinds = every if layout.pp <= 3 else [every[0], every[1], every[-1]]  # the middle copies share times
+    return layout.gas * _least_busy_compute(kinds, layout, layers) / bound.step_s >= least
 
 
 def _least_busy_compute(kinds: list[_StageCoefficients], layout: Layout, layers: int) -> float:
@@ -806,7 +831,8 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
     hw = req.hardware
     capacity = hw.usable_bytes * (1 - req.memory_margin)
     shapes, candidates = bounded or bound_shapes(trace, req, method)
-    candidates = [(b, layout) for b, layout in candidates if b.max_compute_fraction >= min_fraction * (1 - 1e-9)]
+    candidates = [(b, layout) for b, layout in candidates
+                  if may_meet_compute_rule(b, layout, trace.num_layers, min_fraction)]
 
     found: list[Solution] = []
     seen: set[str] = set()
