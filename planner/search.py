@@ -260,12 +260,29 @@ class _StageCoefficients:
         bound reads the slopes of the first stage only (`lower_bound`)."""
         return self.time_point(0, 0)[term]
 
+    def time_slope(self, term: int) -> float:
+        """The term's affine's `n`, without the point at (1, 1) (read for `k` only)."""
+        return self.time_point(1, 0)[term] - self.time_point(0, 0)[term]
+
     per_mb = property(lambda self: self._time(0))
     compute = property(lambda self: self._time(1))
     dp_comm = property(lambda self: self._time(2))
     dp_hidden = property(lambda self: self._time(3))
     update = property(lambda self: self._time(4))
     regrown_gradients = property(lambda self: self.regrown_gradients_of())
+
+
+def _memo(function: Callable) -> Callable:
+    """`functools.cache` without its wrapper's bookkeeping, which cost more than it saved at three a
+    stage kind of each of thousands of shapes."""
+    results: dict = {}
+
+    def cached(*args):
+        if args not in results:
+            results[args] = function(*args)
+        return results[args]
+
+    return cached
 
 
 def _memory_parts(m: StageMemory) -> tuple[float, float]:
@@ -288,16 +305,16 @@ def stage_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec, stag
     fixed_per_layer = (m1.weights + m1.optimizer + m1.resident_gradients + m1.zero3_live) - (
         m0.weights + m0.optimizer + m0.resident_gradients + m0.zero3_live)
 
-    @functools.cache
+    @_memo
     def time_point(n: int, k: int) -> tuple[float, ...]:
         return _time_parts(stage_time(trace, layout, hw, Placement.of(layout, hw.devices_per_node), stage, n, k))
 
-    @functools.cache
+    @_memo
     def time_terms() -> tuple[_Affine, ...]:
         times = [time_point(n, k) for n, k in ((0, 0), (1, 0), (1, 1))]
         return tuple(_affine(*(t[i] for t in times)) for i in range(5))
 
-    @functools.cache
+    @_memo
     def regrown_gradients() -> _Affine:
         grads_per_layer = stage_memory(trace, layout, hw, stage, 2, 1).regrown_gradients - mems[2].regrown_gradients
         return _Affine(mems[2].regrown_gradients - grads_per_layer, grads_per_layer, 0.0)
@@ -447,9 +464,9 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
             return None
         recomputed = excess / saving
     def mean_time(term: int) -> float:  # `mean` of a time term, read at the fewest points
-        return (sum(w * c.time_constant(term) for w, c in zip(counts, coeffs)) + coeffs[0]._time(term).n * layers) / pp
+        return (sum(w * c.time_constant(term) for w, c in zip(counts, coeffs)) + coeffs[0].time_slope(term) * layers) / pp
 
-    slot = mean_time(0) + coeffs[0].per_mb.k * recomputed / pp
+    slot = mean_time(0) + (coeffs[0].per_mb.k * recomputed / pp if recomputed else 0.0)
     dp = mean_time(2) * (1 - coeffs[0].overlap)
     # the step, (gas - 1/vpp) max_s t_s + sum_s t_s / vpp, is at least this at max >= mean
     step = (layout.gas + (pp - 1) / layout.vpp) * slot + dp + mean_time(4)
