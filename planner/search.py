@@ -854,12 +854,12 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
     found: list[Solution] = []
     seen: set[str] = set()
     ilps = 0
-    # Best first over two bounds: a shape enters with its mean-stage bound; popped, it gets its LP
-    # relaxation's bound and goes back; popped again, its ILP is solved. Stops when the K-th best plan
-    # found beats every bound left, so it solves no ILP the single-bound search would have skipped.
-    # Between the two, a shape whose `spread_bound` passes its mean-stage bound goes back with it
-    # first: most shapes of 80 layers on 32 stages then never need their LP. That bound lies below
-    # the LP's, so each shape's last bound, and the order ILPs are solved in, stay the LP's.
+    # Best first over three bounds: a shape enters with its mean-stage bound; popped, it goes back with
+    # its `spread_bound` where that is higher (cheap: most shapes of 80 layers on 32 stages then never
+    # need an LP), then with its LP relaxation's; popped at that, its ILP is solved. Stops when the
+    # K-th best plan found beats every bound left, so it solves no ILP the single-bound search would
+    # have skipped. The spread bound lies below the LP's (with a margin for HiGHS's tolerances) and
+    # the LP's key is the mean-stage and LP bounds alone, so ILPs are solved in the two-bound order.
     queue: list[tuple[float, int, int, StageProgram | None, Layout]] = [
         (b.step_s, i, 0, None, layout) for i, (b, layout) in enumerate(candidates)]  # sorted: a heap
     read = [b.coefficients for b, _ in candidates]
