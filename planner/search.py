@@ -745,16 +745,64 @@ def _crowded_floors(coeffs: list[_StageCoefficients], layers: int) -> tuple[floa
             _least_at(crowded, [(c.update.c, c.update.n, c.update.k) for c in coeffs]))
 
 
-def spread_bound(coeffs: list[_StageCoefficients], layout: Layout, layers: int) -> float:
-    """A lower bound on the stage program's optimum, LP relaxation included, read off its objective
-    with every row dropped but the column floors (`_crowded_floors`) and sum n = L: the fill and
-    drain term, sum_s per_mb_s / vpp, is at least every stage's constant plus L layers at the least
-    per-layer slope. Tighter than the mean-stage `lower_bound` where the layers do not divide evenly
-    (80 on 32 stages: the crowded stage holds 3, the mean 2.5), and far cheaper than the LP."""
+def spread_bound(coeffs: list[_StageCoefficients], layout: Layout, layers: int, capacity: float) -> float:
+    """A lower bound on the stage program's optimum, LP relaxation included, from a relaxation of its
+    rows solved in closed form: the slot T is at least the column floor (`_crowded_floors`) and at
+    least the least T at which the stages, each held to its time and backward-start memory rows
+    (`_least_slot`), can take the L layers between them; the fill and drain term, sum_s per_mb_s /
+    vpp, is at least every stage's constant plus L layers at the least per-layer slope. Tighter than
+    the mean-stage `lower_bound` where the layers do not divide evenly (80 on 32 stages: the crowded
+    stage holds 3, the mean 2.5) or where the first stages' micro-batches in flight force them to
+    recompute, and far cheaper than the LP."""
     slot, dp, update = _crowded_floors(coeffs, layers)
+    slot = max(slot, _least_slot(coeffs, layout, layers, capacity))
     least_slope = min(c.per_mb.n + min(0.0, c.per_mb.k) for c in coeffs)
     fill = (sum(c.per_mb.c for c in coeffs) + least_slope * layers) / layout.vpp
     return (layout.gas - 1 / layout.vpp) * slot + fill + dp + update
+
+
+def _least_slot(coeffs: list[_StageCoefficients], layout: Layout, layers: int, capacity: float) -> float:
+    """The least T with sum_s n_s(T) >= L, n_s(T) the most layers stage s holds with per_mb_s <= T
+    and its backward-start row (recomputing the fewest layers that row needs, k >= 0 only): a
+    lower bound on the program's T. Each n_s(T) is piecewise linear in T, so the sum is evaluated at
+    every stage's breakpoints and solved between the two that straddle L. 0 (no bound) where a
+    stage's terms do not have the signs this assumes (time grows with n and k, recomputing frees)."""
+    per_mb = [c.per_mb for c in coeffs]
+    base = [c.backward_base for c in coeffs]
+    if any(t.n < 0 or t.k < 0 or b.n < 0 or b.k >= 0 for t, b in zip(per_mb, base)):
+        return 0.0
+    most = np.array([max(_most_layers(c, layers, capacity), layout.vpp) for c in coeffs], dtype=float)
+    c0, a, b = (np.array([getattr(t, x) for t in per_mb]) for x in ("c", "n", "k"))
+    beta, freed = np.array([m.n for m in base]), -np.array([m.k for m in base])
+    room = capacity - np.array([m.c + c.logits for m, c in zip(base, coeffs)])  # before any recompute
+    kept = np.where(room <= 0, 0.0, np.minimum(most, np.divide(room, beta, out=np.full_like(room, np.inf),
+                                                                where=beta > 0)))
+
+    def time(n: np.ndarray) -> np.ndarray:
+        return c0 + a * n + b * np.maximum(0.0, (beta * n - room) / freed)
+
+    knots = np.stack([time(np.zeros_like(most)), time(kept), time(most)])  # (3, stages)
+
+    def held(slot: float) -> float:  # sum_s n_s(slot), taking the upper value at a jump
+        t0, t1, t2 = knots
+        with np.errstate(divide="ignore", invalid="ignore"):
+            first = np.where(t1 > t0, kept * (slot - t0) / (t1 - t0), kept)
+            second = np.where(t2 > t1, kept + (most - kept) * (slot - t1) / (t2 - t1), most)
+        n = np.where(slot >= t2, most, np.where(slot >= t1, second, np.where(slot >= t0, first, 0.0)))
+        return float(n.sum())
+
+    points = np.unique(knots)
+    totals = [held(p) for p in points]
+    reach = next((i for i, total in enumerate(totals) if total >= layers), None)
+    if reach is None:
+        return math.inf  # the stages cannot hold L layers at any T
+    if reach == 0:
+        return float(points[0])
+    low, high = points[reach - 1], points[reach]
+    middle = (low + high) / 2  # the sum is linear between breakpoints: its slope there
+    slope = (held(middle) - totals[reach - 1]) / (middle - low)
+    crossing = low + (layers - totals[reach - 1]) / slope if slope > 0 else high
+    return float(min(max(crossing, low), high))
 
 
 def _least_at(layers: int, terms: list[tuple[float, float, float]]) -> float:
@@ -870,7 +918,7 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
             break
         if level == 0:
             read[order] = read[order] or _all_coefficients(trace, shape, hw)
-            spread = spread_bound(read[order], shape, trace.num_layers) * (1 - SPREAD_SLACK)
+            spread = spread_bound(read[order], shape, trace.num_layers, capacity) * (1 - SPREAD_SLACK)
             if spread > bound:
                 heapq.heappush(queue, (spread, order, 1, None, shape))
                 continue

@@ -3,6 +3,7 @@ against brute force, and the search's enumeration at command-line sizes no loop 
 
 import itertools
 import json
+import math
 import os
 import resource
 import subprocess
@@ -113,19 +114,28 @@ def test_the_lp_relaxation_is_the_same_through_highspy_and_through_scipy(monkeyp
     assert values[0.05] == float("inf") and values[1.0] <= values[0.7] < float("inf")
 
 
-@pytest.mark.parametrize("pp", [2, 3])
-def test_the_search_bounds_hold_for_every_split(pp) -> None:
+@pytest.mark.parametrize("pp, memory_share", [(2, 1.0), (3, 1.0), (2, 0.7)])
+def test_the_search_bounds_hold_for_every_split(pp, memory_share) -> None:
     """`spread_bound` (the shape's step before its LP) is at most the LP's optimum and the brute-force
-    optimum; the least busy stage's compute share the strict pass refuses by is at least the best any
-    split reaches (brute force), and, 4 layers on 3 stages, tighter than the mean stage's."""
+    optimum, and where memory forces the first stage to recompute (0.7 of the peak), its slot is
+    above the one without the memory rows; the least busy stage's compute share the strict pass refuses by is at least the
+    best any split reaches (brute force), and, 4 layers on 3 stages, tighter than the mean stage's."""
     trace = trace_model(TINY, SEQ, "bf16", attention="eager", device_type="cuda")
-    hw = hardware(1e6)
     shape = Layout(pp=pp, gas=4, recompute="full", dtype="bf16", seq=SEQ)
+    even = shape.model_copy(update={"stage_layers": [4 // pp] * pp if pp == 2 else [2, 1, 1],
+                                    "recompute_layers": [0] * pp})
+    peak = estimate_from_trace(trace, even, hardware(1e6)).memory.peak
+    hw = hardware(peak * memory_share / 2**20 if memory_share < 1 else 1e6)
     bound = search.lower_bound(trace, shape, hw, hw.usable_bytes)
     program = StageProgram(bound.coefficients, shape, trace.num_layers, hw.usable_bytes, 0.0)
     truth = best_split(trace, shape, hw)
-    spread = search.spread_bound(bound.coefficients, shape, trace.num_layers)
+    spread = search.spread_bound(bound.coefficients, shape, trace.num_layers, hw.usable_bytes)
     assert spread <= program.relaxed_step_s() * (1 + 1e-9) and spread <= truth * (1 + 1e-9)
+    least_slot = search._least_slot(bound.coefficients, shape, trace.num_layers, hw.usable_bytes)
+    unbounded_memory = search._least_slot(bound.coefficients, shape, trace.num_layers, math.inf)
+    assert least_slot > unbounded_memory if memory_share < 1 else least_slot == unbounded_memory
+    if memory_share < 1:
+        return  # the compute shares below need every split to fit without recomputing
     best_share = max(estimate_from_trace(trace, shape.model_copy(update={
         "stage_layers": split, "recompute_layers": [0] * pp}), hw).compute_fraction
         for split in compositions(trace.num_layers, pp))
