@@ -783,24 +783,25 @@ def _least_slot(coeffs: list[_StageCoefficients], layout: Layout, layers: int, c
 
     knots = np.stack([time(np.zeros_like(most)), time(kept), time(most)])  # (3, stages)
 
-    def held(slot: float) -> float:  # sum_s n_s(slot), taking the upper value at a jump
+    def held(slots: np.ndarray) -> np.ndarray:  # sum_s n_s(slot) at each slot, the upper value at a jump
         t0, t1, t2 = knots
+        slot = slots[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             first = np.where(t1 > t0, kept * (slot - t0) / (t1 - t0), kept)
             second = np.where(t2 > t1, kept + (most - kept) * (slot - t1) / (t2 - t1), most)
         n = np.where(slot >= t2, most, np.where(slot >= t1, second, np.where(slot >= t0, first, 0.0)))
-        return float(n.sum())
+        return n.sum(axis=1)
 
     points = np.unique(knots)
-    totals = [held(p) for p in points]
-    reach = next((i for i, total in enumerate(totals) if total >= layers), None)
-    if reach is None:
+    totals = held(points)
+    if totals[-1] < layers:
         return math.inf  # the stages cannot hold L layers at any T
+    reach = int(np.argmax(totals >= layers))
     if reach == 0:
         return float(points[0])
     low, high = points[reach - 1], points[reach]
     middle = (low + high) / 2  # the sum is linear between breakpoints: its slope there
-    slope = (held(middle) - totals[reach - 1]) / (middle - low)
+    slope = (float(held(np.array([middle]))[0]) - totals[reach - 1]) / (middle - low)
     crossing = low + (layers - totals[reach - 1]) / slope if slope > 0 else high
     return float(min(max(crossing, low), high))
 
