@@ -740,9 +740,10 @@ def _crowded_floors(coeffs: list[_StageCoefficients], layers: int) -> tuple[floa
     """Floors on the program's T, D and O: some stage holds at least ceil(L / pp) layers, so each
     max-over-stages term is at least its least value over stages at that many layers."""
     crowded = -(-layers // len(coeffs))
-    return (_least_at(crowded, [(c.per_mb.c, c.per_mb.n, c.per_mb.k) for c in coeffs]),
-            _least_at(crowded, [((1 - c.overlap) * c.dp_comm.c, (1 - c.overlap) * c.dp_comm.n, 0.0) for c in coeffs]),
-            _least_at(crowded, [(c.update.c, c.update.n, c.update.k) for c in coeffs]))
+    terms = [c.time_terms() for c in coeffs]  # per_mb, compute, dp_comm, dp_hidden, update: read once
+    return (_least_at(crowded, [(t[0].c, t[0].n, t[0].k) for t in terms]),
+            _least_at(crowded, [((1 - c.overlap) * t[2].c, (1 - c.overlap) * t[2].n, 0.0) for c, t in zip(coeffs, terms)]),
+            _least_at(crowded, [(t[4].c, t[4].n, t[4].k) for t in terms]))
 
 
 def spread_bound(coeffs: list[_StageCoefficients], layout: Layout, layers: int, capacity: float) -> float:
@@ -756,8 +757,9 @@ def spread_bound(coeffs: list[_StageCoefficients], layout: Layout, layers: int, 
     recompute, and far cheaper than the LP."""
     slot, dp, update = _crowded_floors(coeffs, layers)
     slot = max(slot, _least_slot(coeffs, layout, layers, capacity))
-    least_slope = min(c.per_mb.n + min(0.0, c.per_mb.k) for c in coeffs)
-    fill = (sum(c.per_mb.c for c in coeffs) + least_slope * layers) / layout.vpp
+    per_mb = [c.per_mb for c in coeffs]
+    least_slope = min(t.n + min(0.0, t.k) for t in per_mb)
+    fill = (sum(t.c for t in per_mb) + least_slope * layers) / layout.vpp
     return (layout.gas - 1 / layout.vpp) * slot + fill + dp + update
 
 
