@@ -7,11 +7,13 @@ fresh process: imports, planning, printing) <= 10 s. The second sweeps 8 to 4096
 Every figure is the median of 3; the first table lists each run too.
 
     python bench/plan_scaling.py [--save before.json] [--before before.json] [--no-write]
+                                 [--gpus 16,256] [--repeats 3]
 
 `--before` adds the figures of another checkout to the first table: run this script with
 PYTHONPATH=<that checkout>, from that checkout's folder, with `--save before.json --no-write` first.
-bench/plan_scaling_before.json holds the figures of a8e1b75 (scipy.optimize.milp), measured so
-just before this table's run.
+bench/plan_scaling_before.json holds the figures of the checkout before the change the note
+describes, measured so just before this table's run. `--gpus` times only those sizes of the first
+table (a quick check; with it the script writes nothing to docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -66,10 +68,10 @@ def command_runs(nodes: int, seq: int, batch: int) -> list[float]:
     return times
 
 
-def target_rows() -> list[dict]:
+def target_rows(sizes: tuple[int, ...] = TARGET_GPUS) -> list[dict]:
     trace_model(load_model("llama3-70b"), TARGET_SEQ, "bf16")  # warm the cache: time the search, not the trace
     rows = []
-    for gpus in TARGET_GPUS:
+    for gpus in sizes:
         nodes = gpus // 8
         solver_runs, plan = solve_runs(nodes, TARGET_SEQ, TARGET_BATCH)
         commands = command_runs(nodes, TARGET_SEQ, TARGET_BATCH)
@@ -123,16 +125,23 @@ def load_average() -> str:
 
 
 def main() -> None:
+    global REPEATS  # --repeats: the figures' runs, read by the functions above
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--save", type=Path, help="write the first table's figures here (JSON)")
     parser.add_argument("--before", type=Path, help="figures of another checkout (from --save) to compare")
     parser.add_argument("--no-write", action="store_true", help="leave docs/benchmarks.md alone")
+    parser.add_argument("--gpus", help="only these sizes of the first table, comma-separated (writes no docs)")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="runs per figure (median)")
     args = parser.parse_args()
+    REPEATS = args.repeats
     load_start = load_average()
-    rows = target_rows()
+    sizes = tuple(int(g) for g in args.gpus.split(",")) if args.gpus else TARGET_GPUS
+    if any(g % 8 for g in sizes):
+        parser.error("--gpus: whole nodes of 8")
+    rows = target_rows(sizes)
     if args.save:
         args.save.write_text(json.dumps(rows, indent=2) + "\n")
-    if args.no_write:
+    if args.no_write or args.gpus:
         return
     before = {r["gpus"]: r for r in json.loads(args.before.read_text())} if args.before else {}
     sweep = sweep_table()
@@ -144,12 +153,13 @@ def main() -> None:
     if before:
         same = all(f"{r['step_s']:.9g}" == f"{before[r['gpus']]['step_s']:.9g}" for r in rows if r["gpus"] in before)
         note += (f" The chosen step times {'equal' if same else 'DIFFER FROM'} the previous solver's to 9 digits "
-                 "(a tie in per-stage recompute counts may resolve differently: another HiGHS version; "
-                 "tests/test_plan_search.py checks the optimum against brute force). `a → b`: before (the stage "
-                 "ILP as matrices for scipy.optimize.milp, scipy's bundled HiGHS) → after (the same ILP modelled "
-                 "in PuLP once per shape, solved by HiGHS in process through highspy; divisors enumerated only "
-                 "up to what the layout rules allow; each shape's lower bound evaluates its stages' cost "
-                 "coefficients once instead of twice).")
+                 "(tests/test_plan_search.py checks the optimum against brute force). `a → b`: before (800e8fc: "
+                 "every shape's mean-stage bound read from 9 stage-time points, the strict pass solving the LP of "
+                 "shapes whose least busy stage cannot meet the compute rule, scipy's `linprog` for each LP) → "
+                 "after (the mean-stage bound reads the middle and last stages' times at one point, the memory "
+                 "row that refuses most shapes first; the strict pass refuses a shape whose stage with the fewest "
+                 "layers cannot meet the rule; a bound from the LP's column floors orders a shape before its LP, "
+                 "and the LP goes to highspy directly; the same shapes, ILPs and top 5 layouts).")
     body = (f"Issue 13's target, seq {TARGET_SEQ}, global batch {TARGET_BATCH}: solver <= 2 s and the whole "
             f"command <= 10 s at every size.\n\n{target_table(rows, before)}\n\nSweep at seq {SWEEP_SEQ} "
             f"(global batch max(1024, GPUs)):\n\n{sweep}{note}")

@@ -57,6 +57,9 @@ from profiler.model_trace import ModelTrace, trace_model
 
 RECOMPUTE_MODES = ("selective", "full")
 LP_BOUND_SLACK = 1e-6  # relative: HiGHS's feasibility tolerances move an LP optimum by far less
+# relative: `spread_bound` lies at or below the LP's optimum, which HiGHS's tolerances may move by
+# LP_BOUND_SLACK; a wider margin keeps it from passing the LP's bound (see `search`)
+SPREAD_SLACK = 10 * LP_BOUND_SLACK
 
 
 @dataclass
@@ -237,25 +240,49 @@ class _StageCoefficients:
     optimizer_moment: _Affine
     logits: float  # the loss's buffers, or DeepSpeed ZeRO-1/2's bucket and first gradient where larger
     regrown: float
-    regrown_gradients: _Affine  # with the regrown layer only (k plays no part)
     overlap: float
     host: _Affine
     host_capacity: float
-    # per_mb, compute, dp_comm, dp_hidden, update: read off the cost model's stage time on first use,
-    # since most shapes are refused on their memory alone (7 in 10 for llama3-70b on 256 GPUs)
+    fixed_per_layer: float  # bytes per layer of the backward-start moment that are not activations
+    # Read off the cost model on first use, once for a stage and the copies `_all_coefficients` makes
+    # of it (cached callables): most shapes are refused on their memory alone (7 in 10 for llama3-70b
+    # on 256 GPUs) and only the stage program reads the regrown gradients. The time terms are
+    # per_mb, compute, dp_comm, dp_hidden, update.
     time_terms: Callable[[], tuple[_Affine, ...]] = field(repr=False)
-    evaluated_times: tuple[_Affine, ...] | None = field(default=None, repr=False)
+    time_point: Callable[[int, int], tuple[float, ...]] = field(repr=False)  # the terms at one (n, k)
+    regrown_gradients_of: Callable[[], _Affine] = field(repr=False)  # with the regrown layer only (no k)
 
     def _time(self, term: int) -> _Affine:
-        if self.evaluated_times is None:
-            self.evaluated_times = self.time_terms()
-        return self.evaluated_times[term]
+        return self.time_terms()[term]
+
+    def time_constant(self, term: int) -> float:
+        """The term at (n, k) = (0, 0), its affine's `c`, without the two other points: the mean-stage
+        bound reads the slopes of the first stage only (`lower_bound`)."""
+        return self.time_point(0, 0)[term]
+
+    def time_slope(self, term: int) -> float:
+        """The term's affine's `n`, without the point at (1, 1) (read for `k` only)."""
+        return self.time_point(1, 0)[term] - self.time_point(0, 0)[term]
 
     per_mb = property(lambda self: self._time(0))
     compute = property(lambda self: self._time(1))
     dp_comm = property(lambda self: self._time(2))
     dp_hidden = property(lambda self: self._time(3))
     update = property(lambda self: self._time(4))
+    regrown_gradients = property(lambda self: self.regrown_gradients_of())
+
+
+def _memo(function: Callable) -> Callable:
+    """`functools.cache` without its wrapper's bookkeeping, which cost more than it saved at three a
+    stage kind of each of thousands of shapes."""
+    results: dict = {}
+
+    def cached(*args):
+        if args not in results:
+            results[args] = function(*args)
+        return results[args]
+
+    return cached
 
 
 def _memory_parts(m: StageMemory) -> tuple[float, float]:
@@ -272,21 +299,32 @@ def stage_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec, stag
     off the cost model at a few (n, k) points; `known`: (n, k) -> its memory, where already evaluated
     (`_cheap_refusal`)."""
     known = known or {}
-    mems = [known.get(nk) or stage_memory(trace, layout, hw, stage, *nk) for nk in ((0, 0), (1, 0), (1, 1), (2, 1))]
-    parts = [_memory_parts(m) for m in mems[:3]]
-    grads_per_layer = mems[3].regrown_gradients - mems[2].regrown_gradients
+    mems = [known.get(nk) or stage_memory(trace, layout, hw, stage, *nk) for nk in ((0, 0), (1, 0), (1, 1))]
+    parts = [_memory_parts(m) for m in mems]
+    m0, m1 = mems[:2]
+    fixed_per_layer = (m1.weights + m1.optimizer + m1.resident_gradients + m1.zero3_live) - (
+        m0.weights + m0.optimizer + m0.resident_gradients + m0.zero3_live)
 
+    @_memo
+    def time_point(n: int, k: int) -> tuple[float, ...]:
+        return _time_parts(stage_time(trace, layout, hw, Placement.of(layout, hw.devices_per_node), stage, n, k))
+
+    @_memo
     def time_terms() -> tuple[_Affine, ...]:
-        placement = Placement.of(layout, hw.devices_per_node)
-        times = [_time_parts(stage_time(trace, layout, hw, placement, stage, n, k)) for n, k in ((0, 0), (1, 0), (1, 1))]
+        times = [time_point(n, k) for n, k in ((0, 0), (1, 0), (1, 1))]
         return tuple(_affine(*(t[i] for t in times)) for i in range(5))
+
+    @_memo
+    def regrown_gradients() -> _Affine:
+        grads_per_layer = stage_memory(trace, layout, hw, stage, 2, 1).regrown_gradients - mems[2].regrown_gradients
+        return _Affine(mems[2].regrown_gradients - grads_per_layer, grads_per_layer, 0.0)
 
     return _StageCoefficients(
         backward_base=_affine(*(p[0] for p in parts)), optimizer_moment=_affine(*(p[1] for p in parts)),
         logits=max(mems[0].logits, mems[0].first_gradient), regrown=mems[2].regrown,
-        regrown_gradients=_Affine(mems[2].regrown_gradients - grads_per_layer, grads_per_layer, 0.0),
-        overlap=hw.efficiency.comm_overlap, host=_affine(*(m.host for m in mems[:3])),
-        host_capacity=mems[0].host_capacity, time_terms=time_terms,
+        overlap=hw.efficiency.comm_overlap, host=_affine(*(m.host for m in mems)),
+        host_capacity=mems[0].host_capacity, fixed_per_layer=fixed_per_layer, time_terms=time_terms,
+        time_point=time_point, regrown_gradients_of=regrown_gradients,
     )
 
 
@@ -306,22 +344,25 @@ def _cheap_refusal(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity
                    known: list[dict[tuple[int, int], StageMemory]]) -> bool:
     """Whether the shape fails the two memory rows that refuse most shapes of a large plan, read at
     the fewest points (the rest of its coefficients, and all of its times, are then never read): the
-    optimizer step (affine in n, flight-independent) on every stage with one layer and on the mean
-    stage, and the last stage with one recomputed layer beside the loss's buffers. `known` collects
-    the memory evaluated, by stage kind."""
+    last stage with one recomputed layer beside the loss's buffers (two points; alone it refuses 9
+    in 10 of these shapes for llama3-70b on 256 GPUs, so it goes first), then the optimizer step
+    (affine in n, flight-independent) on every stage with one layer and on the mean stage. `known`
+    collects the memory evaluated, by stage kind."""
     pp, kinds = layout.pp, _stage_kinds(layout.pp)
+    last = known[-1]
+    for nk in ((0, 0), (1, 1)):
+        last[nk] = stage_memory(trace, layout, hw, kinds[-1], *nk)
+    if _memory_parts(last[(1, 1)])[0] + max(last[(0, 0)].logits, last[(0, 0)].first_gradient) > capacity:
+        return True
     for stage, points in zip(kinds, known):
         for nk in ((0, 0), (1, 0)):
-            points[nk] = stage_memory(trace, layout, hw, stage, *nk)
+            if nk not in points:
+                points[nk] = stage_memory(trace, layout, hw, stage, *nk)
     counts = [1] * len(kinds) if pp <= 3 else [1, pp - 2, 1]
     empty = [points[(0, 0)].optimizer_step for points in known]
     one = [points[(1, 0)].optimizer_step for points in known]
     mean = (sum(w * e for w, e in zip(counts, empty)) + (one[0] - empty[0]) * trace.num_layers) / pp
-    if max(one) > capacity or mean > capacity:
-        return True
-    last = known[-1]
-    last[(1, 1)] = stage_memory(trace, layout, hw, kinds[-1], 1, 1)
-    return _memory_parts(last[(1, 1)])[0] + max(last[(0, 0)].logits, last[(0, 0)].first_gradient) > capacity
+    return max(one) > capacity or mean > capacity
 
 
 def _all_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec,
@@ -334,11 +375,10 @@ def _all_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec,
     if pp <= 3:
         return kinds
     first, middle, last = kinds
-    act_per_layer = middle.backward_base.n - _non_activation_slope(trace, layout, hw)
+    act_per_layer = middle.backward_base.n - middle.fixed_per_layer
     act_per_recomputed = middle.backward_base.k
     base_flight = micro_batches_in_flight(1, layout)
     out = [first]
-    middle._time(0)  # evaluates the middle stage's time terms once, for all its copies below
     for s in range(1, pp - 1):
         scale = micro_batches_in_flight(s, layout) / base_flight
         base = middle.backward_base
@@ -348,15 +388,6 @@ def _all_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec,
         out.append(coeff)
     out.append(last)
     return out
-
-
-def _non_activation_slope(trace: ModelTrace, layout: Layout, hw: HardwareSpec) -> float:
-    """Per-layer bytes of the backward-start moment that are not activations (weights, optimizer,
-    resident gradients), read from the cost model with a layout whose stage holds no activations."""
-    m0 = stage_memory(trace, layout, hw, 1, 0, 0)
-    m1 = stage_memory(trace, layout, hw, 1, 1, 0)
-    return (m1.weights + m1.optimizer + m1.resident_gradients + m1.zero3_live) - (
-        m0.weights + m0.optimizer + m0.resident_gradients + m0.zero3_live)
 
 
 # ------------------------------------------------------------------------------------------
@@ -432,11 +463,44 @@ def lower_bound(trace: ModelTrace, layout: Layout, hw: HardwareSpec, capacity: f
         if saving <= 0 or excess > saving * layers:
             return None
         recomputed = excess / saving
-    slot = mean(lambda c: c.per_mb) + coeffs[0].per_mb.k * recomputed / pp
-    dp = mean(lambda c: c.dp_comm) * (1 - coeffs[0].overlap)
+    def mean_time(term: int) -> float:  # `mean` of a time term, read at the fewest points
+        return (sum(w * c.time_constant(term) for w, c in zip(counts, coeffs)) + coeffs[0].time_slope(term) * layers) / pp
+
+    slot = mean_time(0) + (coeffs[0].per_mb.k * recomputed / pp if recomputed else 0.0)
+    dp = mean_time(2) * (1 - coeffs[0].overlap)
     # the step, (gas - 1/vpp) max_s t_s + sum_s t_s / vpp, is at least this at max >= mean
-    step = (layout.gas + (pp - 1) / layout.vpp) * slot + dp + mean(lambda c: c.update)
-    return Bound(step, layout.gas * mean(lambda c: c.compute) / step, every_stage)
+    step = (layout.gas + (pp - 1) / layout.vpp) * slot + dp + mean_time(4)
+    return Bound(step, layout.gas * mean_time(1) / step, every_stage)
+
+
+def may_meet_compute_rule(bound: Bound, layout: Layout, layers: int, min_fraction: float) -> bool:
+    """Whether any split of the shape might keep every stage's compute >= `min_fraction` of the step:
+    the mean stage's share (`Bound.max_compute_fraction`), then the least busy stage's
+    (`_least_busy_compute`, read only for the shapes the first lets through)."""
+    least = min_fraction * (1 - 1e-9)
+    if bound.max_compute_fraction < least:
+        return False
+    if not min_fraction or bound.coefficients is None:
+        return True
+    every = bound.coefficients
+    kinds = every if layout.pp <= 3 else [every[0], every[1], every[-1]]  # the middle copies share times
+    return layout.gas * _least_busy_compute(kinds, layout, layers) / bound.step_s >= least
+
+
+def _least_busy_compute(kinds: list[_StageCoefficients], layout: Layout, layers: int) -> float:
+    """An upper bound on the least busy stage's useful compute over every integer split (each stage
+    holds at least vpp layers): the stage with the fewest layers holds at most floor(L / pp); where
+    pp > 3, the fewest among the pp - 2 middle stages (one kind) at most floor((L - 2 vpp) / (pp - 2)).
+    80 layers on 32 stages: 2, where the mean stage computes 2.5 and the first and last more."""
+    pp, vpp = layout.pp, layout.vpp
+    group, others = (kinds[1:2], 2) if pp > 3 else (kinds, 0)
+    fewest = (layers - others * vpp) // (pp - others)
+
+    def most(c: _StageCoefficients) -> float:  # affine in n, k <= n: an end of [vpp, fewest]
+        slope = c.compute.n + max(0.0, c.compute.k)
+        return c.compute.c + slope * max(vpp, fewest) if slope >= 0 else c.compute.c + slope * vpp
+
+    return max(most(c) for c in group)
 
 
 class StageProgram:
@@ -518,11 +582,7 @@ class StageProgram:
         # Some stage holds at least ceil(L / pp) layers, so each max-over-stages term is at least its
         # least value over stages at that many layers: valid for every integer split, and it closes
         # most of the LP's gap where the layers do not divide evenly (80 layers on 32 stages).
-        crowded = -(-layers // pp)
-        lower[slot] = _least_at(crowded, [(c.per_mb.c, c.per_mb.n, c.per_mb.k) for c in coeffs])
-        lower[dp] = _least_at(crowded, [((1 - c.overlap) * c.dp_comm.c, (1 - c.overlap) * c.dp_comm.n, 0.0)
-                                        for c in coeffs])
-        lower[update] = _least_at(crowded, [(c.update.c, c.update.n, c.update.k) for c in coeffs])
+        lower[slot], lower[dp], lower[update] = _crowded_floors(coeffs, layers)
         upper[2 * pp:slot] = 1
         integrality = np.zeros(width)
         integrality[:slot] = 1
@@ -613,9 +673,35 @@ class StageProgram:
         return float(self.objective @ values) + self.step_constant if values is not None else math.inf
 
     def _relaxation(self) -> np.ndarray | None:
-        """The LP relaxation's optimal columns, by HiGHS through scipy on the matrix itself: a bound
-        that orders the search, solved for ~20x more shapes than reach the ILP, where building each
-        as a PuLP model cost more than HiGHS's solve (the decision itself, `solve`, is PuLP's)."""
+        """The LP relaxation's optimal columns, by HiGHS on the matrix itself: a bound that orders the
+        search, solved for ~20x more shapes than reach the ILP, where building each as a PuLP model
+        cost more than HiGHS's solve (the decision itself, `solve`, is PuLP's). Through highspy where
+        it imports: scipy's `linprog` around the same HiGHS took twice the solve in checks and copies."""
+        if not _has_highspy():
+            return self._relaxation_by_scipy()
+        import highspy
+
+        infinite = highspy.kHighsInf
+        lp = highspy.HighsLp()
+        lp.num_row_, lp.num_col_ = self.rows.shape
+        lp.col_cost_, lp.col_lower_ = self.objective, self.lower
+        lp.col_upper_ = np.where(np.isfinite(self.upper), self.upper, infinite)
+        lp.row_lower_ = np.where(np.isfinite(self.row_lo), self.row_lo, -infinite)
+        lp.row_upper_ = np.where(np.isfinite(self.row_hi), self.row_hi, infinite)
+        columns, rows = np.nonzero(self.rows.T)  # column-wise, as HiGHS stores a matrix
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = np.searchsorted(columns, np.arange(lp.num_col_ + 1)).astype(np.int32)
+        lp.a_matrix_.index_, lp.a_matrix_.value_ = rows.astype(np.int32), self.rows[rows, columns]
+        solver = _lp_solver()
+        solver.clearModel()
+        solver.passModel(lp)
+        solver.run()
+        if solver.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        return np.array(solver.getSolution().col_value, dtype=float)
+
+    def _relaxation_by_scipy(self) -> np.ndarray | None:
+        """`_relaxation` where highspy does not import: scipy bundles its own HiGHS."""
         from scipy.optimize import linprog  # deferred: only `advisor plan` solves programs
 
         equal = self.row_lo == self.row_hi
@@ -648,6 +734,78 @@ class StageProgram:
         else:
             update_fields.update(recompute="none", recompute_layers=None)
         return self.layout.model_copy(update=update_fields)
+
+
+def _crowded_floors(coeffs: list[_StageCoefficients], layers: int) -> tuple[float, float, float]:
+    """Floors on the program's T, D and O: some stage holds at least ceil(L / pp) layers, so each
+    max-over-stages term is at least its least value over stages at that many layers."""
+    crowded = -(-layers // len(coeffs))
+    terms = [c.time_terms() for c in coeffs]  # per_mb, compute, dp_comm, dp_hidden, update: read once
+    return (_least_at(crowded, [(t[0].c, t[0].n, t[0].k) for t in terms]),
+            _least_at(crowded, [((1 - c.overlap) * t[2].c, (1 - c.overlap) * t[2].n, 0.0) for c, t in zip(coeffs, terms)]),
+            _least_at(crowded, [(t[4].c, t[4].n, t[4].k) for t in terms]))
+
+
+def spread_bound(coeffs: list[_StageCoefficients], layout: Layout, layers: int, capacity: float) -> float:
+    """A lower bound on the stage program's optimum, LP relaxation included, from a relaxation of its
+    rows solved in closed form: the slot T is at least the column floor (`_crowded_floors`) and at
+    least the least T at which the stages, each held to its time and backward-start memory rows
+    (`_least_slot`), can take the L layers between them; the fill and drain term, sum_s per_mb_s /
+    vpp, is at least every stage's constant plus L layers at the least per-layer slope. Tighter than
+    the mean-stage `lower_bound` where the layers do not divide evenly (80 on 32 stages: the crowded
+    stage holds 3, the mean 2.5) or where the first stages' micro-batches in flight force them to
+    recompute, and far cheaper than the LP."""
+    slot, dp, update = _crowded_floors(coeffs, layers)
+    slot = max(slot, _least_slot(coeffs, layout, layers, capacity))
+    per_mb = [c.per_mb for c in coeffs]
+    least_slope = min(t.n + min(0.0, t.k) for t in per_mb)
+    fill = (sum(t.c for t in per_mb) + least_slope * layers) / layout.vpp
+    return (layout.gas - 1 / layout.vpp) * slot + fill + dp + update
+
+
+def _least_slot(coeffs: list[_StageCoefficients], layout: Layout, layers: int, capacity: float) -> float:
+    """The least T with sum_s n_s(T) >= L, n_s(T) the most layers stage s holds with per_mb_s <= T
+    and its backward-start row (recomputing the fewest layers that row needs, k >= 0 only): a
+    lower bound on the program's T. Each n_s(T) is piecewise linear in T, so the sum is evaluated at
+    every stage's breakpoints and solved between the two that straddle L. 0 (no bound) where a
+    stage's terms do not have the signs this assumes (time grows with n and k, recomputing frees)."""
+    per_mb = [c.per_mb for c in coeffs]
+    base = [c.backward_base for c in coeffs]
+    if any(t.n < 0 or t.k < 0 or b.n < 0 or b.k >= 0 for t, b in zip(per_mb, base)):
+        return 0.0
+    most = np.array([max(_most_layers(c, layers, capacity), layout.vpp) for c in coeffs], dtype=float)
+    c0, a, b = (np.array([getattr(t, x) for t in per_mb]) for x in ("c", "n", "k"))
+    beta, freed = np.array([m.n for m in base]), -np.array([m.k for m in base])
+    room = capacity - np.array([m.c + c.logits for m, c in zip(base, coeffs)])  # before any recompute
+    kept = np.where(room <= 0, 0.0, np.minimum(most, np.divide(room, beta, out=np.full_like(room, np.inf),
+                                                                where=beta > 0)))
+
+    def time(n: np.ndarray) -> np.ndarray:
+        return c0 + a * n + b * np.maximum(0.0, (beta * n - room) / freed)
+
+    knots = np.stack([time(np.zeros_like(most)), time(kept), time(most)])  # (3, stages)
+
+    def held(slots: np.ndarray) -> np.ndarray:  # sum_s n_s(slot) at each slot, the upper value at a jump
+        t0, t1, t2 = knots
+        slot = slots[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            first = np.where(t1 > t0, kept * (slot - t0) / (t1 - t0), kept)
+            second = np.where(t2 > t1, kept + (most - kept) * (slot - t1) / (t2 - t1), most)
+        n = np.where(slot >= t2, most, np.where(slot >= t1, second, np.where(slot >= t0, first, 0.0)))
+        return n.sum(axis=1)
+
+    points = np.unique(knots)
+    totals = held(points)
+    if totals[-1] < layers:
+        return math.inf  # the stages cannot hold L layers at any T
+    reach = int(np.argmax(totals >= layers))
+    if reach == 0:
+        return float(points[0])
+    low, high = points[reach - 1], points[reach]
+    middle = (low + high) / 2  # the sum is linear between breakpoints: its slope there
+    slope = (float(held(np.array([middle]))[0]) - totals[reach - 1]) / (middle - low)
+    crossing = low + (layers - totals[reach - 1]) / slope if slope > 0 else high
+    return float(min(max(crossing, low), high))
 
 
 def _least_at(layers: int, terms: list[tuple[float, float, float]]) -> float:
@@ -685,6 +843,17 @@ def _has_highspy() -> bool:
         os.dup2(saved, 1)
         os.close(saved)
     return True
+
+
+@functools.cache
+def _lp_solver():
+    """One quiet, single-threaded HiGHS for the process's LP relaxations (each clears the last)."""
+    import highspy
+
+    solver = highspy.Highs()
+    solver.setOptionValue("output_flag", False)
+    solver.setOptionValue("threads", 1)
+    return solver
 
 
 def _solver(integral: bool):
@@ -730,28 +899,38 @@ def search(req: PlanRequest, method: str, min_fraction: float, trace: ModelTrace
     hw = req.hardware
     capacity = hw.usable_bytes * (1 - req.memory_margin)
     shapes, candidates = bounded or bound_shapes(trace, req, method)
-    candidates = [(b, layout) for b, layout in candidates if b.max_compute_fraction >= min_fraction * (1 - 1e-9)]
+    candidates = [(b, layout) for b, layout in candidates
+                  if may_meet_compute_rule(b, layout, trace.num_layers, min_fraction)]
 
     found: list[Solution] = []
     seen: set[str] = set()
     ilps = 0
-    # Best first over two bounds: a shape enters with its mean-stage bound; popped, it gets its LP
-    # relaxation's bound and goes back; popped again, its ILP is solved. Stops when the K-th best plan
-    # found beats every bound left, so it solves no ILP the single-bound search would have skipped.
-    queue: list[tuple[float, int, StageProgram | None, Layout]] = [
-        (b.step_s, i, None, layout) for i, (b, layout) in enumerate(candidates)]  # sorted: a heap
+    # Best first over three bounds: a shape enters with its mean-stage bound; popped, it goes back with
+    # its `spread_bound` where that is higher (cheap: most shapes of 80 layers on 32 stages then never
+    # need an LP), then with its LP relaxation's; popped at that, its ILP is solved. Stops when the
+    # K-th best plan found beats every bound left, so it solves no ILP the single-bound search would
+    # have skipped. The spread bound lies below the LP's (with a margin for HiGHS's tolerances) and
+    # the LP's key is the mean-stage and LP bounds alone, so ILPs are solved in the two-bound order.
+    queue: list[tuple[float, int, int, StageProgram | None, Layout]] = [
+        (b.step_s, i, 0, None, layout) for i, (b, layout) in enumerate(candidates)]  # sorted: a heap
     read = [b.coefficients for b, _ in candidates]
     while queue:
-        bound, order, program, shape = heapq.heappop(queue)
+        bound, order, level, program, shape = heapq.heappop(queue)
         kth = sorted(s.step_s for s in found)[req.top_k - 1] if len(found) >= req.top_k else math.inf
         if bound >= kth:
             break
+        if level == 0:
+            read[order] = read[order] or _all_coefficients(trace, shape, hw)
+            spread = spread_bound(read[order], shape, trace.num_layers, capacity) * (1 - SPREAD_SLACK)
+            if spread > bound:
+                heapq.heappush(queue, (spread, order, 1, None, shape))
+                continue
         if program is None:
-            program = StageProgram(read[order] or _all_coefficients(trace, shape, hw), shape, trace.num_layers,
-                                   capacity, min_fraction)
+            program = StageProgram(read[order], shape, trace.num_layers, capacity, min_fraction)
             relaxed = program.relaxed_step_s()
             if relaxed < math.inf:  # the solver's tolerances: never let its bound pass the true one
-                heapq.heappush(queue, (max(bound, relaxed * (1 - LP_BOUND_SLACK)), order, program, shape))
+                mean_bound = candidates[order][0].step_s
+                heapq.heappush(queue, (max(mean_bound, relaxed * (1 - LP_BOUND_SLACK)), order, 2, program, shape))
             continue
         layout = program.solve(kth * (1 + LP_BOUND_SLACK))
         ilps += 1

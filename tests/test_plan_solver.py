@@ -3,6 +3,7 @@ against brute force, and the search's enumeration at command-line sizes no loop 
 
 import itertools
 import json
+import math
 import os
 import resource
 import subprocess
@@ -93,3 +94,54 @@ def test_plan_at_huge_batch_or_cluster_finishes(sizes, code) -> None:
     elif "--nodes" not in sizes:
         assert len(done.stderr.strip().splitlines()) == 1 and "--global-batch" in done.stderr
     assert cpu_s <= 10, f"{cpu_s:.1f} s of CPU"
+
+
+def test_the_lp_relaxation_is_the_same_through_highspy_and_through_scipy(monkeypatch) -> None:
+    """The search's LP bound, solved by highspy on the matrix itself, equals scipy's `linprog` on the
+    same program (the fallback where highspy does not import), fitting or not."""
+    trace = trace_model(TINY, SEQ, "bf16", attention="eager", device_type="cuda")
+    shape = Layout(pp=2, gas=4, recompute="full", dtype="bf16", seq=SEQ)
+    keep_all = shape.model_copy(update={"stage_layers": [2, 2], "recompute_layers": [0, 0]})
+    peak = estimate_from_trace(trace, keep_all, hardware(1e6)).memory.peak
+    values = {}
+    for share in (1.0, 0.7, 0.05):  # 0.05: nothing fits
+        hw = hardware(peak * share / 2**20)
+        program = StageProgram(_all_coefficients(trace, shape, hw), shape, trace.num_layers, hw.usable_bytes, 0.0)
+        values[share] = program.relaxed_step_s()
+        assert program._relaxation_by_scipy() is None if share == 0.05 else (
+            float(program.objective @ program._relaxation_by_scipy()) + program.step_constant
+            == pytest.approx(values[share], rel=1e-9))
+    assert values[0.05] == float("inf") and values[1.0] <= values[0.7] < float("inf")
+
+
+@pytest.mark.parametrize("pp, memory_share", [(2, 1.0), (3, 1.0), (2, 0.7)])
+def test_the_search_bounds_hold_for_every_split(pp, memory_share) -> None:
+    """`spread_bound` (the shape's step before its LP) is at most the LP's optimum and the brute-force
+    optimum, and where memory forces the first stage to recompute (0.7 of the peak), its slot is
+    above the one without the memory rows; the least busy stage's compute share the strict pass refuses by is at least the
+    best any split reaches (brute force), and, 4 layers on 3 stages, tighter than the mean stage's."""
+    trace = trace_model(TINY, SEQ, "bf16", attention="eager", device_type="cuda")
+    shape = Layout(pp=pp, gas=4, recompute="full", dtype="bf16", seq=SEQ)
+    even = shape.model_copy(update={"stage_layers": [4 // pp] * pp if pp == 2 else [2, 1, 1],
+                                    "recompute_layers": [0] * pp})
+    peak = estimate_from_trace(trace, even, hardware(1e6)).memory.peak
+    hw = hardware(peak * memory_share / 2**20 if memory_share < 1 else 1e6)
+    bound = search.lower_bound(trace, shape, hw, hw.usable_bytes)
+    program = StageProgram(bound.coefficients, shape, trace.num_layers, hw.usable_bytes, 0.0)
+    truth = best_split(trace, shape, hw)
+    spread = search.spread_bound(bound.coefficients, shape, trace.num_layers, hw.usable_bytes)
+    assert spread <= program.relaxed_step_s() * (1 + 1e-9) and spread <= truth * (1 + 1e-9)
+    least_slot = search._least_slot(bound.coefficients, shape, trace.num_layers, hw.usable_bytes)
+    unbounded_memory = search._least_slot(bound.coefficients, shape, trace.num_layers, math.inf)
+    assert least_slot > unbounded_memory if memory_share < 1 else least_slot == unbounded_memory
+    if memory_share < 1:
+        return  # the compute shares below need every split to fit without recomputing
+    best_share = max(estimate_from_trace(trace, shape.model_copy(update={
+        "stage_layers": split, "recompute_layers": [0] * pp}), hw).compute_fraction
+        for split in compositions(trace.num_layers, pp))
+    assert search.may_meet_compute_rule(bound, shape, trace.num_layers, best_share)
+    least_busy = shape.gas * search._least_busy_compute(bound.coefficients, shape, trace.num_layers) / bound.step_s
+    assert best_share <= least_busy * (1 + 1e-9)
+    if pp == 3:  # the stage with the fewest layers holds 1, the mean 4/3
+        assert least_busy < bound.max_compute_fraction
+        assert not search.may_meet_compute_rule(bound, shape, trace.num_layers, least_busy * 1.01)

@@ -15,8 +15,11 @@ import base64
 import html
 import json
 import math
+import os
 import re
 import statistics
+import subprocess
+import sys
 import time
 from html.parser import HTMLParser
 from pathlib import Path
@@ -317,6 +320,49 @@ def test_capacity_report_plans_each_option_once_and_in_bounded_time(capacity) ->
     # the bound only catches pathologies on a shared, loaded machine
     assert capacity.seconds < 60, capacity.seconds
     assert len(capacity.json["options"]) == len(HARDWARE) * len(GPUS) * len(METHODS)
+
+
+# Runs the command in a fresh process (pytest's own has torch loaded, where the report must not fork),
+# with `plan_option` wrapped to write the id of the process that plans each option; each option
+# holds its worker a little, so that both workers of the pool take one
+_PLANNING_PROCESSES = """
+import os, sys, time
+import reports.capacity as capacity
+from advisor.cli import app
+
+planned = capacity.plan_option
+
+
+def recorded(*args):
+    with open(sys.argv[1], "a") as log:
+        log.write(f"{os.getpid()}\\n")
+    time.sleep(0.3)
+    return planned(*args)
+
+
+capacity.plan_option = recorded
+print(os.getpid())
+app(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_capacity_jobs_plans_in_that_many_processes(jobs, tmp_path) -> None:
+    """`--jobs N` plans the options in N worker processes, `--jobs 1` in the command's own (issue 30: it
+    ran in one process, silently, while the planner loaded torch)."""
+    log = tmp_path / "pids.txt"
+    done = subprocess.run([sys.executable, "-c", _PLANNING_PROCESSES, str(log), "report", "capacity", "--model",
+                           "llama3-8b", "--tokens", "1e10", "--hardware", "h100-80g", "--gpus", "8,16",
+                           "--out", str(tmp_path / "cap"), "--jobs", str(jobs)],
+                          capture_output=True, text=True, timeout=300, env=os.environ)
+    assert done.returncode == 0, done.stderr[-2000:]
+    command = int(done.stdout.splitlines()[0])
+    planners = [int(line) for line in log.read_text().split()]
+    # four options (8 and 16 GPUs, full and LoRA), then the command itself prices the recommended
+    # one as Megatron-LM runs it
+    assert len(planners) == 5 and planners[-1] == command
+    options = planners[:-1]
+    assert (set(options) == {command}) if jobs == 1 else (len(set(options)) == jobs and command not in options)
 
 
 def test_options_that_do_not_fit_are_listed_with_the_planners_reason_and_fixes(tmp_path) -> None:
