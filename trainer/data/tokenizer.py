@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from advisor.errors import UsageError
 from presets import PRESETS_DIR
-from trainer.data.demo_corpus import TOKENIZER_TRAINING_DOCUMENTS, iter_documents
+from trainer.data.demo_tokenizer_corpus import tokenizer_training_texts
 from trainer.remote_code import refuse_remote_code
 
 TOKENIZERS_DIR = PRESETS_DIR / "tokenizers"
@@ -128,9 +128,7 @@ def load_demo_tokenizer() -> Any:
 
 
 def _demo_training_texts(seed: int) -> Iterator[str]:
-    for name, count in TOKENIZER_TRAINING_DOCUMENTS.items():
-        for doc in iter_documents(name, seed, count):
-            yield doc["text"]
+    return tokenizer_training_texts(seed)
 
 
 def train_demo_tokenizer(out_dir: Path = TOKENIZERS_DIR / "demo-tiny", seed: int = 0) -> Path:
