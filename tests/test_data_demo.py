@@ -111,3 +111,29 @@ def test_demo_tokenizer_fits_demo_tiny_and_round_trips() -> None:
 def test_shipped_tokenizer_is_what_the_code_trains(tmp_path: Path) -> None:
     train_demo_tokenizer(tmp_path)
     assert (tmp_path / "tokenizer.json").read_bytes() == (TOKENIZERS_DIR / "demo-tiny" / "tokenizer.json").read_bytes()
+
+
+def test_every_held_out_prompt_is_scorable_and_answered_by_its_stage_data(demo_dir: Path) -> None:
+    """What exact match reads (the scorer's own pairs) is what training saw, token for token, and each
+    held-out prompt's one right answer is in its stage's training file: a model that learnt the skill
+    from its stage can score 100%."""
+    from trainer.corpus import read_answer_pairs
+
+    tok = load_demo_tokenizer()
+    task = load_task(str(demo_dir / "task.yaml"))
+    scored = {}
+    for stage in task.stages:
+        trained = {r["prompt"]: r["completion"] for s in stage.sources for r in read(demo_dir / s.path) if "prompt" in r}
+        for source in stage.eval_sources:
+            rows = read(demo_dir / source.path)
+            pairs = read_answer_pairs(source, demo_dir, tok, len(rows))
+            if source.format == "text":
+                assert pairs == []  # language has nothing to match
+                continue
+            assert len(pairs) == len(rows)
+            for row, (prompt, answer) in zip(rows, pairs):
+                as_trained = tok(row["text"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                assert [*prompt, *answer] == as_trained
+                assert tok.decode(answer[:-1]) == row["completion"] == trained[row["prompt"]]
+            scored[stage.name] = len(rows)
+    assert set(scored) == {"reasoning", "instructions"} and min(scored.values()) >= 64  # --exact-match-prompts
