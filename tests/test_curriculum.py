@@ -73,10 +73,10 @@ def test_variants_train_at_equal_tokens_and_one_pot_pools_by_tokens_drawn() -> N
     steps = {name: task_steps(spec) for name, spec in variants.items()}
     assert set(steps.values()) == {task_steps(task)}, steps
     # drawn by the task as written: language 32k + 30% of mixed's 48k; arithmetic 320k + 30% of 48k;
-    # instructions 256k; mixed's own 40% of 48k
-    expected = {"language": 46_400, "arithmetic": 334_400, "instructions": 256_000, "mixed": 19_200}
+    # instructions 320k; mixed's own 40% of 48k
+    expected = {"language": 46_400, "arithmetic": 334_400, "instructions": 320_000, "mixed": 19_200}
     pooled = {Path(src.path).stem: src.weight for src in pooled_mixture(task)}
-    assert pooled == pytest.approx({k: v / 656_000 for k, v in expected.items()})
+    assert pooled == pytest.approx({k: v / 720_000 for k, v in expected.items()})
     assert [s.name for s in variants["staged"].stages] == ["language", "reasoning", "instructions"]
     assert all(not s.replay and not s.ramp_steps for s in variants["staged"].stages)
     # the fair protocol: every variant under WSD, every stage at one peak rate with one warm-up and floor
@@ -86,15 +86,15 @@ def test_variants_train_at_equal_tokens_and_one_pot_pools_by_tokens_drawn() -> N
     as_written = variants["staged+replay+mixed"].stages
     assert [(s.name, s.sources, s.replay, s.tokens) for s in as_written] == \
         [(s.name, s.sources, s.replay, s.tokens) for s in task.stages]
-    # late-mix: 32 + 313 + 250 + 47 = 642 steps of 4 x 256 tokens, 64 of decay (10%, rounded): the pooled
-    # mixture for 578, then the later skills' data (reasoning 320k, instructions 256k, mixed's own 40%
+    # late-mix: 32 + 313 + 313 + 47 = 705 steps of 4 x 256 tokens, 70 of decay (10%, rounded): the pooled
+    # mixture for 635, then the later skills' data (reasoning 320k, instructions 320k, mixed's own 40%
     # of 48k) with 30% replay of the pool
-    assert task_steps(task) == 642
+    assert task_steps(task) == 705
     late = variants["late-mix"].stages
     assert [s.name for s in late] == ["language", "reasoning", "instructions", "mixed", "late-mix"]
-    assert late[-1].tokens == 64 * 4 * 256 and late[-1].replay == {"mixed": 0.3} and not late[-1].eval_sources
+    assert late[-1].tokens == 70 * 4 * 256 and late[-1].replay == {"mixed": 0.3} and not late[-1].eval_sources
     assert {Path(src.path).stem: src.weight for src in late[-1].sources} == pytest.approx(
-        {"arithmetic": 320 / 595.2, "instructions": 256 / 595.2, "mixed": 19.2 / 595.2})
+        {"arithmetic": 320 / 659.2, "instructions": 320 / 659.2, "mixed": 19.2 / 659.2})
     assert all(s.sources == variants["one-pot"].stages[0].sources for s in late[:-1])
 
 
