@@ -267,6 +267,25 @@ class AdapterSpec(BaseModel):
                                       "v_proj] (default: every linear layer)")
 
 
+class SpikeGuardSpec(BaseModel):
+    """When the trainer reads a step as a loss spike and rolls back (trainer/spike.py). After a warm-up
+    window a value is a spike when it crosses every margin given for it: its running mean plus
+    `*_sigmas` running deviations, and `*_ratio` times that mean. A null margin is not applied; both
+    null turn that check off. A non-finite loss or gradient norm is always a spike.
+
+    The defaults suit a large model's slow descent. A small model that learns a skill in a few steps
+    moves its gradient norm several-fold by design; a looser `grad_norm_ratio` keeps such a task
+    guarded without reading its learning as spikes."""
+
+    model_config = SPEC_CONFIG
+
+    loss_sigmas: Optional[float] = Field(6.0, gt=0, le=1e6, description="running deviations above the mean loss")
+    loss_ratio: Optional[float] = Field(1.5, gt=1, le=1e6, description="times the running mean loss")
+    grad_norm_sigmas: Optional[float] = Field(8.0, gt=0, le=1e6,
+                                              description="running deviations above the mean gradient norm")
+    grad_norm_ratio: Optional[float] = Field(3.0, gt=1, le=1e6, description="times the running mean gradient norm")
+
+
 LrSchedule = Literal["rewarm_cosine", "wsd", "constant"]
 LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
 
@@ -296,6 +315,8 @@ class TaskSpec(BaseModel):
     packing: bool = Field(True, description="several examples share a sequence (false: one example per sequence, "
                           "padded)")
     adapter: AdapterSpec = Field(default_factory=AdapterSpec, description="LoRA/QLoRA alpha and target modules")
+    spike_guard: SpikeGuardSpec = Field(default_factory=SpikeGuardSpec,
+                                        description="when a step is read as a loss spike (rolled back)")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "TaskSpec":

@@ -70,27 +70,29 @@ def test_variants_train_at_equal_tokens_and_one_pot_pools_by_tokens_drawn() -> N
     variants = variant_tasks(task)
     steps = {name: task_steps(spec) for name, spec in variants.items()}
     assert set(steps.values()) == {task_steps(task)}, steps
-    # drawn by the task as written: language 160k + 30% of mixed's 60k; arithmetic 80k + 30% of 60k;
-    # instructions 60k; mixed's own 40% of 60k
-    expected = {"language": 178_000, "arithmetic": 98_000, "instructions": 60_000, "mixed": 24_000}
+    # drawn by the task as written: language 32k + 30% of mixed's 48k; arithmetic 320k + 30% of 48k;
+    # instructions 320k; mixed's own 40% of 48k
+    expected = {"language": 46_400, "arithmetic": 334_400, "instructions": 320_000, "mixed": 19_200}
     pooled = {Path(src.path).stem: src.weight for src in pooled_mixture(task)}
-    assert pooled == pytest.approx({k: v / 360_000 for k, v in expected.items()})
+    assert pooled == pytest.approx({k: v / 720_000 for k, v in expected.items()})
     assert [s.name for s in variants["staged"].stages] == ["language", "reasoning", "instructions"]
     assert all(not s.replay and not s.ramp_steps for s in variants["staged"].stages)
     # the fair protocol: every variant under WSD, every stage at one peak rate with one warm-up and floor
     for spec in variants.values():
         assert spec.lr_schedule == "wsd"
-        assert {(s.lr, s.warmup_steps, s.min_lr_ratio) for s in spec.stages} == {(1e-3, 20, 0.1)}
+        assert {(s.lr, s.warmup_steps, s.min_lr_ratio) for s in spec.stages} == {(2e-3, 10, 0.1)}
     as_written = variants["staged+replay+mixed"].stages
     assert [(s.name, s.sources, s.replay, s.tokens) for s in as_written] == \
         [(s.name, s.sources, s.replay, s.tokens) for s in task.stages]
-    # late-mix: 90 steps, 9 of decay (10%): the pooled mixture for 81, then the later skills' data
-    # (reasoning 80k, instructions 60k, mixed's own 40% of 60k) with 30% replay of the pool
+    # late-mix: 32 + 313 + 313 + 47 = 705 steps of 4 x 256 tokens, 70 of decay (10%, rounded): the pooled
+    # mixture for 635, then the later skills' data (reasoning 320k, instructions 320k, mixed's own 40%
+    # of 48k) with 30% replay of the pool
+    assert task_steps(task) == 705
     late = variants["late-mix"].stages
     assert [s.name for s in late] == ["language", "reasoning", "instructions", "mixed", "late-mix"]
-    assert late[-1].tokens == 9 * 16 * 256 and late[-1].replay == {"mixed": 0.3} and not late[-1].eval_sources
+    assert late[-1].tokens == 70 * 4 * 256 and late[-1].replay == {"mixed": 0.3} and not late[-1].eval_sources
     assert {Path(src.path).stem: src.weight for src in late[-1].sources} == pytest.approx(
-        {"arithmetic": 80 / 164, "instructions": 60 / 164, "mixed": 24 / 164})
+        {"arithmetic": 320 / 659.2, "instructions": 320 / 659.2, "mixed": 19.2 / 659.2})
     assert all(s.sources == variants["one-pot"].stages[0].sources for s in late[:-1])
 
 

@@ -475,7 +475,7 @@ class _Run:
                             options, self.dev, self.task.adapter)
 
     def _fresh_guard(self) -> SpikeGuard:
-        return SpikeGuard(warmup_steps=self.options.spike_warmup_steps)
+        return SpikeGuard.for_task(self.task.spike_guard, self.options.spike_warmup_steps)
 
     def _make_stream(self, index: int) -> Any:
         ramp = self.task.stages[index].ramp_steps

@@ -3,8 +3,9 @@
 A step is a spike when its loss or gradient norm is not finite, or (after a warm-up window) the
 loss or the gradient norm crosses its threshold: its running mean plus so many running standard
 deviations, and so many times that mean (gradient norms are noisy early in a stage: both margins
-must be crossed). Running statistics are exponential moving averages updated with good steps
-only, so a spike does not excuse the next.
+must be crossed). The margins are the task's `spike_guard` (advisor/task.py `SpikeGuardSpec`).
+Running statistics are exponential moving averages updated with good steps only, so a spike does
+not excuse the next.
 The decision is taken from values already all-reduced (the loss is averaged over data-parallel
 ranks before it reaches the guard), so every rank agrees without another collective.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from advisor.task import SpikeGuardSpec
 
 
 @dataclass
@@ -44,20 +47,26 @@ class _RunningStat:
 @dataclass(frozen=True)
 class _Threshold:
     """A value is out of line when it exceeds its running mean by `sigmas` deviations *and* by
-    `ratio` times the mean (one margin alone trips on the noise early in a stage)."""
+    `ratio` times the mean (one margin alone trips on the noise early in a stage). A margin that is
+    None is not applied; with neither, nothing finite is out of line."""
 
-    sigmas: float
-    ratio: float
+    sigmas: float | None
+    ratio: float | None
 
     def limit(self, stat: _RunningStat) -> float:
-        return max(stat.mean + self.sigmas * stat.std, stat.mean * self.ratio)
+        margins = [stat.mean + self.sigmas * stat.std] if self.sigmas is not None else []
+        margins += [stat.mean * self.ratio] if self.ratio is not None else []
+        return max(margins, default=math.inf)
+
+
+_DEFAULTS = SpikeGuardSpec()
 
 
 @dataclass
 class SpikeGuard:
     warmup_steps: int = 20
-    loss_threshold: _Threshold = _Threshold(sigmas=6.0, ratio=1.5)
-    grad_threshold: _Threshold = _Threshold(sigmas=8.0, ratio=3.0)
+    loss_threshold: _Threshold = _Threshold(sigmas=_DEFAULTS.loss_sigmas, ratio=_DEFAULTS.loss_ratio)
+    grad_threshold: _Threshold = _Threshold(sigmas=_DEFAULTS.grad_norm_sigmas, ratio=_DEFAULTS.grad_norm_ratio)
     decay: float = 0.8  # ~5-step memory: the reference follows a falling loss closely
     loss: _RunningStat = field(init=False)
     grad: _RunningStat = field(init=False)
@@ -65,6 +74,13 @@ class SpikeGuard:
     def __post_init__(self) -> None:
         self.loss = _RunningStat(self.decay)
         self.grad = _RunningStat(self.decay)
+
+    @classmethod
+    def for_task(cls, spec: SpikeGuardSpec, warmup_steps: int) -> "SpikeGuard":
+        """The guard a task's `spike_guard` setting asks for."""
+        return cls(warmup_steps=warmup_steps,
+                   loss_threshold=_Threshold(sigmas=spec.loss_sigmas, ratio=spec.loss_ratio),
+                   grad_threshold=_Threshold(sigmas=spec.grad_norm_sigmas, ratio=spec.grad_norm_ratio))
 
     def check(self, loss: float, grad_norm: float) -> str | None:
         """The reason this step is a spike, or None (and the statistics absorb the step)."""

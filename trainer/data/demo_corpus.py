@@ -3,10 +3,12 @@
 Three sub-tasks, as the source article orders them:
 - general language: English-like paragraphs from a small grammar and vocabulary shipped here,
   with a long-tailed number of sentences per paragraph;
-- arithmetic reasoning: multi-step problems with worked steps, graded by the number of steps
-  (field `steps`, 1 to 4);
-- instruction following: reverse, uppercase, count a letter, first letters, sort words, repeat
-  (field `kind`); the mixed stage gets fresh instructions of its own (mixed.jsonl).
+- arithmetic reasoning: one single-digit addition or subtraction with the answer alone, graded by
+  whether the sum carries past 9 (field `carry`);
+- instruction following: a word's opposite, a word repeated, the number after a digit (field
+  `kind`); the mixed stage gets fresh instructions of its own (mixed.jsonl).
+Each skill is a short fixed format over a small set of facts, so that demo-tiny learns it within its
+stage on a laptop CPU and the stage-end exact match shows it (and its forgetting and healing).
 Arithmetic and instruction rows also carry `prompt` and `completion` (`text` is the two joined): the
 stage-end evaluation answers the eval files' prompts greedily and scores them by exact match.
 Each has a train file and an eval file (drawn from another random stream), written as jsonl under
@@ -117,67 +119,53 @@ def language_document(rng: random.Random) -> dict:
     return {"text": " ".join(sentence(rng, past) for _ in range(paragraph_sentences(rng)))}
 
 
-# --- arithmetic reasoning -----------------------------------------------------------------------------
+# --- the skills: short fixed formats that demo-tiny learns within its stage ------------------------
+# Each answer is a few tokens drawn from a small set of facts or a fixed rule, so that a 4M-parameter
+# model trained for a few dozen steps on 2 CPU cores answers most held-out prompts exactly (the
+# stage-end evaluation scores greedy exact match). The held-out prompts are fresh draws of the same
+# facts: exact match measures whether the stage taught its skill, not generalisation beyond it.
 
-def arithmetic_problem(rng: random.Random, steps: int) -> dict:
-    """`steps` operations applied left to right, with the worked steps in the answer."""
-    top = (999, 500, 200, 100)[min(steps, 4) - 1]
-    value = rng.randint(2, top)
-    expression = str(value)
-    worked = []
-    for _ in range(steps):
-        op = rng.choice("+-*") if steps > 1 else rng.choice("+-")
-        operand = rng.randint(2, 9) if op == "*" else rng.randint(2, top)
-        if op == "-" and operand > value:
-            op = "+"
-        result = value + operand if op == "+" else value - operand if op == "-" else value * operand
-        worked.append(f"{value}{op}{operand}={result}.")
-        expression = f"({expression}){op}{operand}" if len(worked) > 1 else f"{expression}{op}{operand}"
-        value = result
-    prompt = f"Q: {expression}=? A:"
-    completion = f" {value}" if steps == 1 else f" {' '.join(worked)} The answer is {value}."
-    return {"text": prompt + completion, "prompt": prompt, "completion": completion, "steps": steps}
+def arithmetic_problem(rng: random.Random, carry: bool) -> dict:
+    """One single-digit addition or subtraction, the answer alone; `carry`: an addition past 9
+    (two answer digits: the harder band)."""
+    while True:
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        if rng.random() < 0.5:
+            question, answer = f"{a}+{b}", a + b
+        else:
+            a, b = max(a, b), min(a, b)
+            question, answer = f"{a}-{b}", a - b
+        if (answer > 9) == carry:
+            break
+    prompt = f"Q: {question}=? A:"
+    completion = f" {answer}"
+    return {"text": prompt + completion, "prompt": prompt, "completion": completion, "carry": int(carry)}
 
 
 def arithmetic_document(rng: random.Random) -> dict:
-    return arithmetic_problem(rng, rng.choices((1, 2, 3, 4), weights=(4, 3, 2, 1))[0])
+    return arithmetic_problem(rng, rng.random() < 0.25)
 
 
-# --- instruction following ----------------------------------------------------------------------------
-
-def _phrase(rng: random.Random) -> str:
-    """Mostly three or four words, so that instructions rarely repeat exactly."""
-    size = rng.choices((1, 2, 3, 4), weights=(1, 3, 4, 2))[0]
-    if size == 1:
-        return rng.choice(NOUNS + ADJECTIVES + PLACES)
-    words = [rng.choice(ADJECTIVES) for _ in range(size - 1)] + [rng.choice(NOUNS)]
-    if size == 4 and rng.random() < 0.5:
-        words = [rng.choice(ADJECTIVES), rng.choice(NOUNS), rng.choice(PREPOSITIONS), rng.choice(PLACES)]
-    return " ".join(words)
+# adjective pairs from the grammar's vocabulary: each word's opposite
+OPPOSITES = [("big", "small"), ("old", "new"), ("happy", "sad"), ("bright", "dark"), ("warm", "cold"),
+             ("quick", "slow"), ("loud", "quiet"), ("hard", "soft"), ("tall", "short"), ("heavy", "light"),
+             ("wild", "calm"), ("sweet", "sharp")]
+OPPOSITE = {**dict(OPPOSITES), **{b: a for a, b in OPPOSITES}}
 
 
 def instruction_document(rng: random.Random) -> dict:
-    kind = rng.choice(("reverse", "uppercase", "count", "first_letters", "sort", "repeat"))
-    phrase = _phrase(rng)
-    noun = "word" if " " not in phrase else "text"
-    if kind == "reverse":
-        instruction, response = f"reverse the {noun} '{phrase}'.", phrase[::-1]
-    elif kind == "uppercase":
-        instruction, response = f"write '{phrase}' in uppercase.", phrase.upper()
-    elif kind == "count":
-        letter = rng.choice(phrase.replace(" ", ""))
-        instruction, response = f"count the letter '{letter}' in '{phrase}'.", str(phrase.count(letter))
-    elif kind == "first_letters":
-        sentence_words = _clause(rng, past=False).split()
-        phrase = " ".join(sentence_words)
-        instruction, response = f"give the first letter of each word in '{phrase}'.", "".join(w[0] for w in sentence_words)
-    elif kind == "sort":
-        items = rng.sample(NOUNS, rng.randint(3, 6))
-        instruction, response = f"sort the words '{' '.join(items)}' alphabetically.", " ".join(sorted(items))
+    """One of three instruction templates, each with one right answer: a word's opposite (a fact to
+    remember), a word repeated (a copy) and the number after a digit (counting on)."""
+    kind = rng.choice(("opposite", "repeat", "next"))
+    if kind == "opposite":
+        word = rng.choice(sorted(OPPOSITE))
+        instruction, response = f"give the opposite of {word}.", OPPOSITE[word]
+    elif kind == "repeat":
+        word = rng.choice(NOUNS)
+        instruction, response = f"repeat the word {word}.", word
     else:
-        times = rng.randint(2, 4)
-        instruction = f"repeat the {noun} '{phrase}' {('two', 'three', 'four')[times - 2]} times."
-        response = " ".join([phrase] * times)
+        digit = rng.randint(0, 8)
+        instruction, response = f"count on from {digit}.", str(digit + 1)
     prompt, completion = f"Instruction: {instruction}\nResponse:", f" {response}"
     return {"text": prompt + completion, "prompt": prompt, "completion": completion, "kind": kind}
 
@@ -197,17 +185,16 @@ DEMO_FILES: dict[str, tuple[Generator, int]] = {
     "mixed.jsonl": (instruction_document, 7),
 }
 # mean tokens per document with the demo-tiny tokenizer, end of text included (measured on 35k+ each)
-TOKENS_PER_DOCUMENT = {language_document: 56.3, arithmetic_document: 27.3, instruction_document: 22.3}
+TOKENS_PER_DOCUMENT = {language_document: 56.3, arithmetic_document: 10.1, instruction_document: 14.7}
 # extra documents for the share that deduplication removes (short instructions repeat; mixed.jsonl
 # also repeats some of instructions.jsonl)
 DUPLICATE_ALLOWANCE = {"instructions.jsonl": 0.03, "mixed.jsonl": 0.05}
 EVAL_MARGIN = 1.1  # an eval file holds a little more than the stage's eval_tokens
-# what the shipped tokenizer (presets/tokenizers/demo-tiny) was trained on: fixed, so that it can be
-# rebuilt byte for byte whatever the task budgets become
-TOKENIZER_TRAINING_DOCUMENTS = {"language.jsonl": 8_900, "arithmetic.jsonl": 9_200, "instructions.jsonl": 6_125}
+# the shipped tokenizer was trained on the version-2 corpus: trainer/data/demo_tokenizer_corpus.py
 # Bump when a generator's output changes: corpora generated into the cache before are then rewritten.
 # 2: arithmetic and instruction rows carry `prompt` and `completion` (text = prompt + completion, as before)
-GENERATOR_VERSION = 2
+# 3: learnable skills: single-digit arithmetic with the answer alone; opposite, repeat and count-on instructions
+GENERATOR_VERSION = 3
 STAMP_NAME = ".generated.json"  # in the cache folder: what its files were generated from, written last
 DEMO_SEED = 0  # the preset's data: one seed, so that every run on every machine reads the same files
 

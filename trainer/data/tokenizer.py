@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from advisor.errors import UsageError
-from presets import PRESETS_DIR
-from trainer.data.demo_corpus import TOKENIZER_TRAINING_DOCUMENTS, iter_documents
 from advisor.remote_code import refuse_remote_code
+from presets import PRESETS_DIR
+from trainer.data.demo_tokenizer_corpus import tokenizer_training_texts
 
 TOKENIZERS_DIR = PRESETS_DIR / "tokenizers"
 DEMO_VOCAB_SIZE = 2048
@@ -131,9 +131,7 @@ def load_demo_tokenizer() -> Any:
 
 
 def _demo_training_texts(seed: int) -> Iterator[str]:
-    for name, count in TOKENIZER_TRAINING_DOCUMENTS.items():
-        for doc in iter_documents(name, seed, count):
-            yield doc["text"]
+    return tokenizer_training_texts(seed)
 
 
 def train_demo_tokenizer(out_dir: Path = TOKENIZERS_DIR / "demo-tiny", seed: int = 0) -> Path:
