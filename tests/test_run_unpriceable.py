@@ -21,6 +21,7 @@ from advisor.specs import Layout
 from planner.feedback import (MAX_PRICE_MISS, can_price, observation, predict_step, price_miss, refitted_hardware,
                               with_efficiency)
 from presets import load_hardware, load_model
+from trainer import native_ops
 from trainer.verify import Trial, Verification, choose
 
 from test_run import _profile as shared_profile  # a 2-core CPU profile, shared with the run tests
@@ -106,7 +107,7 @@ def chain(monkeypatch, tmp_path):
         chosen, reason = choose(trials)
         return Verification(trials=trials, chosen_rank=chosen, seconds=0.1, steps=steps, reason=reason)
 
-    def fake_train(plan, plan_path, opts):
+    def fake_train(plan, opts):
         seen["trained"] += 1
         return {"steps": 1, "measured": {"step_s": 1.0}, "predicted": {"step_s": 1.0}}
 
@@ -116,7 +117,7 @@ def chain(monkeypatch, tmp_path):
 
     monkeypatch.setattr(run_chain, "verify", fake_verify)
     monkeypatch.setattr(run_chain, "_train", fake_train)
-    monkeypatch.setattr(run_chain, "build_cpu_comm_op", lambda layouts, engine, say: None)
+    monkeypatch.setattr(native_ops, "build_cpu_comm_op", lambda layouts, engine, say: None)
     monkeypatch.setattr(run_chain, "_task_ref", lambda opts, say: "demo")  # no data generated into the cache
     monkeypatch.setattr(run_chain, "run_report", lambda out: (None, Report()))
     seen["out"] = tmp_path / "run"
