@@ -65,17 +65,12 @@ Log = Callable[[str], None]
 # --- the plan of work: which files, read how, for which stages ------------------------------------
 
 
-@dataclass
-class Unit:
-    """One source file, read once for every stage that uses it."""
+@dataclass(kw_only=True)
+class Unit(UnitColumns):
+    """One source file, read once for every stage that uses it: what its scan reads (UnitColumns) and
+    what the scan found."""
 
     index: int
-    path: Path
-    fmt: str
-    text_field: str
-    domain_fields: set[str] = field(default_factory=set)
-    time_fields: set[str] = field(default_factory=set)
-    graders: dict[str, int] = field(default_factory=dict)   # difficulty spec (json) -> grade column
     rows: int = 0
     spool: ColumnSpool | None = None
     tokens_files: list[Path] = field(default_factory=list)  # the token ids of its parts, in row order
