@@ -42,9 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from advisor.capabilities import engine_for  # noqa: E402
+from specs.capabilities import engine_for  # noqa: E402
 from benchmarks_md import write_section  # noqa: E402
-from advisor.specs import HardwareSpec, Layout, ModelSpec  # noqa: E402
+from specs.core import HardwareSpec, Layout, ModelSpec  # noqa: E402
 from planner.cost_model import estimate_from_trace  # noqa: E402
 from planner.export import deepspeed_config  # noqa: E402
 from presets import load_hardware  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from advisor.specs import Layout, ModelSpec
+from specs.core import Layout, ModelSpec
 from planner.cost_model import stage_memory
 from presets import load_hardware
 from profiler.model_trace import trace_model
@@ -23,7 +23,7 @@ from profiler.tensor_memory import TensorMemory
 from trainer.chunked_loss import install_chunked_loss
 from trainer.engines.base import autocast_forward
 from trainer.model import build_filled_model
-from advisor.capabilities import LOSS_CHUNK_TOKENS
+from specs.capabilities import LOSS_CHUNK_TOKENS
 from benchmarks_md import write_section  # noqa: E402
 
 VOCABULARIES = (32000, 128256)

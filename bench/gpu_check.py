@@ -223,8 +223,8 @@ def advisor_run(out: Path, device_type: str) -> list[str]:
 
 
 def row(index: int, text: str, model, hardware, steps: int, warmup: int, device_type: str) -> str:
-    from advisor.capabilities import config_shape, runnable_problem
-    from advisor.specs import resolve_layout
+    from specs.capabilities import config_shape, runnable_problem
+    from specs.core import resolve_layout
     from planner.cost_model import estimate
     from trainer.timed_steps import time_layout
 
@@ -243,7 +243,7 @@ def row(index: int, text: str, model, hardware, steps: int, warmup: int, device_
 
 def layout_rows(model, hardware, layouts: list[str], first: int, started: float, args, smoke: bool) -> list[str]:
     """A table row per layout (`row`), within the budget; an 8B layout the card cannot hold is skipped."""
-    from advisor.specs import resolve_layout
+    from specs.core import resolve_layout
     from planner.cost_model import estimate
 
     rows = []
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> list[str]:
 
     import torch
 
-    from advisor.specs import ModelSpec
+    from specs.core import ModelSpec
     from presets import load_hardware
 
     started = time.perf_counter()

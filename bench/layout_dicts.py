@@ -1,12 +1,12 @@
 """The memory benches' layouts, written as short dicts (``world, zero, mbs, seq, gas, recompute,
-method, dtype``), and the `advisor.specs.Layout` each one is: what `advisor train` runs for it
+method, dtype``), and the `specs.core.Layout` each one is: what `advisor train` runs for it
 (trainer/timed_steps.py measures that). The model is the `demo-tiny` preset."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from advisor.specs import Layout
+from specs.core import Layout
 from presets import load_model
 from trainer.engines import select_backend
 from trainer.engines.plain import DDP_SETTINGS  # noqa: F401  (re-exported: the memory bench records it)
@@ -24,7 +24,7 @@ def normalize_layout(layout: LayoutDict) -> LayoutDict:
 
 
 def trainer_layout(layout: LayoutDict) -> Layout:
-    """The `advisor.specs.Layout` of a layout dict."""
+    """The `specs.core.Layout` of a layout dict."""
     full = normalize_layout(layout)
     return Layout(dp=full["world"], zero=full["zero"], mbs=full["mbs"], seq=full["seq"], gas=full["gas"],
                   recompute=full["recompute"], method=full["method"], dtype=full["dtype"])

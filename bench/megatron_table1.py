@@ -23,11 +23,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 from benchmarks_md import write_section  # noqa: E402
 from paper_tables import MEGATRON_SEQ_LEN, MEGATRON_TABLE1, MEGATRON_VOCAB  # noqa: E402
 
-from advisor.specs import Estimate, HardwareSpec, Layout, ModelSpec  # noqa: E402
+from specs.core import Estimate, HardwareSpec, Layout, ModelSpec  # noqa: E402
 from megatron_schedule import replay  # noqa: E402
 from planner import compute_time, megatron2021, optimizer_step  # noqa: E402
 from planner.cost_model import Placement, default_split, estimate, stage_time, step_seconds  # noqa: E402
-from advisor.engine_traits import MEGATRON  # noqa: E402
+from specs.engine_traits import MEGATRON  # noqa: E402
 from presets import load_hardware  # noqa: E402
 from profiler.model_trace import trace_model  # noqa: E402
 

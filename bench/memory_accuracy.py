@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks_md import write_section  # noqa: E402
 from measure_memory import DEFAULT_LAYOUTS, measure_peak, normalize_layout  # noqa: E402
 
-from advisor.specs import Layout  # noqa: E402
+from specs.core import Layout  # noqa: E402
 from planner.cost_model import estimate  # noqa: E402
 from presets import load_hardware, load_model  # noqa: E402
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from benchmarks_md import write_section  # noqa: E402
 from paper_tables import MEGATRON_SEQ_LEN, MEGATRON_TABLE1, MEGATRON_VOCAB  # noqa: E402
 
-from advisor.specs import Layout, ModelSpec  # noqa: E402
+from specs.core import Layout, ModelSpec  # noqa: E402
 from planner.cost_model import estimate  # noqa: E402
 from planner.plan import PlanOptions, make_plan  # noqa: E402
 from presets import load_hardware  # noqa: E402

@@ -160,7 +160,7 @@ def measure_every_layout(layouts: list, steps: int) -> tuple[dict[str, float], l
 
 def measured_tokens_per_s(layout_text: str, measured: dict[str, float], tokens_per_step: int) -> float | None:
     """The measured tokens/s of a layout `advisor run` printed; None if the trial did not measure it."""
-    from advisor.specs import Layout, parse_layout_string
+    from specs.core import Layout, parse_layout_string
 
     layout = Layout(**parse_layout_string(layout_text))
     step = measured.get(key(layout))

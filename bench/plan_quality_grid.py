@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks_md import write_section  # noqa: E402
 
-from advisor.specs import Layout, ModelSpec, parse_layout_string  # noqa: E402
+from specs.core import Layout, ModelSpec, parse_layout_string  # noqa: E402
 
 GOAL = 0.95
 SEQ = 512

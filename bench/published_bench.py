@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from advisor.engine_traits import FSDP_BF16, MEGATRON  # noqa: E402
-from advisor.specs import HardwareSpec, Layout, ModelSpec  # noqa: E402
+from specs.engine_traits import FSDP_BF16, MEGATRON  # noqa: E402
+from specs.core import HardwareSpec, Layout, ModelSpec  # noqa: E402
 from bench.published_runs import ROWS, PublishedRun  # noqa: E402
 from megatron_table1 import megatron_2021, paper_flops_per_iteration  # noqa: E402
 from planner.cost_model import estimate  # noqa: E402

@@ -29,8 +29,8 @@ from benchmarks_md import write_section  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from advisor.cli import app  # noqa: E402
-from advisor.profile import load_profile  # noqa: E402
-from advisor.specs import Layout, parse_layout_string  # noqa: E402
+from specs.profile import load_profile  # noqa: E402
+from specs.core import Layout, parse_layout_string  # noqa: E402
 from presets import load_model  # noqa: E402
 from trainer.timed_steps import time_layout  # noqa: E402
 

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import lsq_linear
 
-from advisor.profile import Calibration, CalibrationStep, HardwareProfile
-from advisor.specs import Efficiency, HardwareSpec, Layout
+from specs.profile import Calibration, CalibrationStep, HardwareProfile
+from specs.core import Efficiency, HardwareSpec, Layout
 from planner.cost_model import estimate_from_trace
 from profiler.calibration_steps import CalibrationSteps
-from advisor.model_depth import layer_count_key
+from specs.model_depth import layer_count_key
 from profiler.model_trace import ModelTrace, trace_model
 
 # name -> (Efficiency field, reciprocal?, bounds of the unknown)

@@ -7,7 +7,7 @@ buffer once (Thakur, Rabenseifner and Gropp 2005, the ring costs in Table 1).
 
 from __future__ import annotations
 
-from advisor.specs import HardwareSpec
+from specs.core import HardwareSpec
 
 
 def link(hardware: HardwareSpec, spans_nodes: bool, op: str = "all_reduce") -> tuple[float, float]:

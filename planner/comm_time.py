@@ -1,17 +1,17 @@
 """What a step communicates and how much of it hides: tensor-parallel collectives per micro-batch
 (as the trainer's DTensor plan runs them, or Megatron-LM's four), pipeline sends between stages, and
 the data-parallel reduction of gradients and gathering of weights, per engine trait
-(advisor/engine_traits.py), priced with planner/collectives.py on the ranks' placement."""
+(specs/engine_traits.py), priced with planner/collectives.py on the ranks' placement."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from advisor.capabilities import COLUMN_PARALLEL, ROW_PARALLEL
-from advisor.engine_traits import traits
-from advisor.layout_rules import tp_crosses_nodes
-from advisor.specs import (
+from specs.capabilities import COLUMN_PARALLEL, ROW_PARALLEL
+from specs.engine_traits import traits
+from specs.layout_rules import tp_crosses_nodes
+from specs.core import (
     DTYPE_BYTES,
     HardwareSpec,
     Layout,
@@ -53,7 +53,7 @@ def tp_collectives(layout: Layout, engine: str, layers: int, recomputed: int, fi
 
     Megatron (Shoeybi et al. 2019) fuses q/k/v and gate/up: each block all-reduces once forward and
     once backward, 4 per layer, its vocab-parallel embedding and head one each, and recomputation
-    re-runs the 2 forward ones. The trainer's DTensor plan (`advisor.capabilities`) splits every HF
+    re-runs the 2 forward ones. The trainer's DTensor plan (`specs.capabilities`) splits every HF
     projection on its own. Without sequence parallelism each row-parallel output is all-reduced
     forward, and each column-parallel module all-reduces its own input gradient backward: 7 per
     Llama layer. With it, each block gathers its input once and reduce-scatters its output, and

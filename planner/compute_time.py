@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from advisor.capabilities import tf32_gemms
-from advisor.engine_traits import traits
-from advisor.specs import (
+from specs.capabilities import tf32_gemms
+from specs.engine_traits import traits
+from specs.core import (
     DTYPE_BYTES,
     HardwareSpec,
     Layout,

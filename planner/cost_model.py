@@ -6,17 +6,17 @@ tensors) and applies the parallel layout analytically, pipeline stage by pipelin
 stage's memory (planner/stage_memory.py over planner/memory.py's model states and activations), its
 micro-batch's compute (planner/compute_time.py), what it communicates (planner/comm_time.py) and its
 optimizer step (planner/optimizer_step.py), every engine as its traits declare it
-(advisor/engine_traits.py). This module composes them into the step and the estimate.
+(specs/engine_traits.py). This module composes them into the step and the estimate.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from advisor.engine_traits import traits
-from advisor.errors import UsageError
-from advisor.layout_rules import layout_problem, tp_crosses_nodes
-from advisor.specs import (
+from specs.engine_traits import traits
+from specs.errors import UsageError
+from specs.layout_rules import layout_problem, tp_crosses_nodes
+from specs.core import (
     DTYPE_BYTES,
     SELECTIVE_POLICY,
     Estimate,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from advisor.specs import GiB, Estimate, HardwareSpec, Layout
+from specs.core import GiB, Estimate, HardwareSpec, Layout
 
 _FIELDS = ("dp", "tp", "pp", "vpp", "sp", "zero", "offload", "mbs", "gas", "recompute", "method")
 

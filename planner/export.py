@@ -15,10 +15,10 @@ from pathlib import Path
 
 import yaml
 
-from advisor.capabilities import engine_for
-from advisor.engine_traits import traits
-from advisor.plan_file import Plan
-from advisor.specs import GiB, Layout, MemoryEstimate, ModelSpec, safe_name
+from specs.capabilities import engine_for
+from specs.engine_traits import traits
+from specs.plan_file import Plan
+from specs.core import GiB, Layout, MemoryEstimate, ModelSpec, safe_name
 from planner.cost_model import engine_of, estimate_from_trace
 from planner.stage_memory import zero_bucket_elems
 from planner.memory import logits_fp32_bytes
@@ -64,7 +64,7 @@ def model_deepspeed_config(model: ModelSpec, device_type: str, layout: Layout) -
 
 
 def accelerate_config(plan: Plan, layout: Layout) -> dict | None:
-    """accelerate's config for the engine that runs `layout` (advisor.capabilities.engine_for), or
+    """accelerate's config for the engine that runs `layout` (specs.capabilities.engine_for), or
     None where accelerate would run something else: its tensor and pipeline parallelism is not the
     DTensor plan and torch.distributed.pipelining schedule the trainer runs and the cost model prices,
     so a file for those layouts would launch an unpriced layout."""

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from advisor.errors import UsageError
-from advisor.profile import Feedback, FeedbackRound, HardwareProfile, Observation, load_profile
-from advisor.specs import HardwareSpec, Layout, ModelSpec, parse_layout_string
+from specs.errors import UsageError
+from specs.profile import Feedback, FeedbackRound, HardwareProfile, Observation, load_profile
+from specs.core import HardwareSpec, Layout, ModelSpec, parse_layout_string
 from planner.calibration import fit_to_steps, with_factors
 from planner.cost_model import estimate_from_trace
 from presets import load_model

@@ -5,18 +5,18 @@ The search keeps only layouts with the fixed values (`SearchSpace.fixed`); the k
 enumerate (the method, the dtype, the sequence length) become the request's own. A fix that no
 runnable layout satisfies is refused before any ILP runs, with the line of the rule that binds:
 the device arithmetic, the model's structure, or the capability declaration
-(`advisor.capabilities.runnable_problem`, the trainer's own judge).
+(`specs.capabilities.runnable_problem`, the trainer's own judge).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from advisor.capabilities import config_shape, runnable_problem
-from advisor.errors import UsageError
-from advisor.layout_rules import (ModelShape, layout_problem, pipeline_problem, tensor_parallel_problem,
+from specs.capabilities import config_shape, runnable_problem
+from specs.errors import UsageError
+from specs.layout_rules import (ModelShape, layout_problem, pipeline_problem, tensor_parallel_problem,
                                   tp_crosses_nodes)
-from advisor.specs import Layout, ModelSpec, parse_layout_string
+from specs.core import Layout, ModelSpec, parse_layout_string
 
 # What the search enumerates (SearchSpace.fixed filters them) ...
 SHAPE_KEYS = ("dp", "tp", "pp", "vpp", "sp", "zero", "offload", "mbs", "gas")

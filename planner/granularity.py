@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 
-from advisor.plan_file import Plan, StagePlan
-from advisor.specs import Estimate, Layout
-from advisor.task import StageSpec, TaskSpec
+from specs.plan_file import Plan, StagePlan
+from specs.core import Estimate, Layout
+from specs.task import StageSpec, TaskSpec
 from planner.time_to_train import RESTART_S, checkpoint_write_s, time_to_train, young_interval_s
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from advisor.capabilities import LOSS_CHUNK_TOKENS
-from advisor.specs import HardwareSpec, Layout
+from specs.capabilities import LOSS_CHUNK_TOKENS
+from specs.core import HardwareSpec, Layout
 from profiler.model_trace import BlockTrace
 
 # Kernels the chunked loss (trainer/chunked_loss.py) launches per chunk of LOSS_CHUNK_TOKENS beyond

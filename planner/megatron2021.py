@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from advisor.specs import DTYPE_BYTES, Layout
+from specs.core import DTYPE_BYTES, Layout
 from profiler.model_trace import ModelTrace
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from advisor.capabilities import LOSS_CHUNK_TOKENS, autocast_kept_dtype, chunked_loss, engine_for, precision
-from advisor.capabilities import fsdp_shards  # declared beside `precision`; the cost model reads it here
-from advisor.engine_traits import traits  # how each engine keeps its state, declared once
-from advisor.specs import DTYPE_BYTES, Layout
+from specs.capabilities import LOSS_CHUNK_TOKENS, autocast_kept_dtype, chunked_loss, engine_for, precision
+from specs.capabilities import fsdp_shards  # declared beside `precision`; the cost model reads it here
+from specs.engine_traits import traits  # how each engine keeps its state, declared once
+from specs.core import DTYPE_BYTES, Layout
 from profiler.model_trace import NF4_BYTES_PER_PARAM, BlockTrace, ModelTrace
 
 # What bitsandbytes keeps once per quantised tensor besides its blocks, all fp32: the 16-value NF4
@@ -49,7 +49,7 @@ class ModelStates:
 
 def master_weights(layout: Layout, engine: str) -> bool:
     """Whether the optimizer keeps a separate fp32 copy of the weights it updates, as the engine runs
-    the layout's dtype (advisor.capabilities `precision`): DeepSpeed ZeRO does (its fp32 partitions;
+    the layout's dtype (specs.capabilities `precision`): DeepSpeed ZeRO does (its fp32 partitions;
     ZeRO paper, section 3.1: K = 12), and so does Megatron-LM. The other engines keep the weights
     they update in fp32 and compute in 16 bits through autocast or FSDP2's MixedPrecisionPolicy:
     the fp32 weights are the master, there is no separate copy."""
@@ -60,18 +60,18 @@ def stored_dtype_bytes(layout: Layout, engine: str) -> int:
     """Bytes per element of the trainable weights an engine stores, and of their gradients: fp32
     wherever the weights are the optimizer's master (fp32 layouts, bf16-mixed through autocast or
     FSDP2), the layout's 16-bit dtype where DeepSpeed keeps a 16-bit module beside its fp32 master
-    (advisor.capabilities `precision`)."""
+    (specs.capabilities `precision`)."""
     return precision(layout, engine).weight_bytes
 
 
 def autocasts(layout: Layout, engine: str) -> bool:
-    """Whether `engine` runs `layout` under autocast (advisor.capabilities `precision`); Megatron-LM,
+    """Whether `engine` runs `layout` under autocast (specs.capabilities `precision`); Megatron-LM,
     priced for published runs, casts its module instead."""
     return precision(layout, engine).autocast
 
 
 def autocast_kept_bytes(layout: Layout, engine: str) -> int:
-    """Bytes per element of what autocast keeps in fp32 (advisor.capabilities `autocast_kept_dtype`):
+    """Bytes per element of what autocast keeps in fp32 (specs.capabilities `autocast_kept_dtype`):
     the hidden states between decoder layers (a pipeline's boundary activation) and a trainable
     weight's gradient as backward produces it; the layout's dtype where nothing autocasts."""
     return DTYPE_BYTES[autocast_kept_dtype(layout, engine)]
@@ -90,7 +90,7 @@ def model_state_bytes(
     engine: str | None = None,
 ) -> ModelStates:
     """Weights, gradients and optimizer states on one device, for `params` held by its shard, as
-    `engine` (advisor.capabilities.engine_for; None: the one that runs `layout` by default) keeps them.
+    `engine` (specs.capabilities.engine_for; None: the one that runs `layout` by default) keeps them.
 
     `params` and `trainable` are counted after tensor/pipeline splitting but before ZeRO;
     `quantizable` is the frozen part that QLoRA stores in NF4 (decoder linear layers), in
@@ -188,7 +188,7 @@ def micro_batches_in_flight(stage: int, layout: Layout) -> float:
 
 def activation_blocks(trace: ModelTrace, layout: Layout, engine: str | None = None) -> tuple[BlockTrace, BlockTrace]:
     """The traced decoder layer and head as `engine` computes `layout`: under autocast (fp32
-    residual stream and norm inputs, 16-bit GEMM outputs: advisor.capabilities `precision`) the
+    residual stream and norm inputs, 16-bit GEMM outputs: specs.capabilities `precision`) the
     trace's autocast blocks, else its 16-bit (or fp32) module's."""
     engine = engine or engine_for(layout)
     if trace.autocast is not None and autocasts(layout, engine):
@@ -218,7 +218,7 @@ def layer_activation_bytes(trace: ModelTrace, layout: Layout, recompute: str | N
     Replicated tensors (LayerNorm inputs, dropout masks after row-parallel linears) are divided by
     tp only with sequence parallelism; tensors inside TP regions always are (Korthikanti et al.
     2022, Table 2). Full recomputation keeps the layer's input only (sequence-sharded under sp).
-    Selective recomputation (`advisor.specs.SELECTIVE_POLICY`) keeps that input plus the outputs
+    Selective recomputation (`specs.core.SELECTIVE_POLICY`) keeps that input plus the outputs
     of the GEMMs and the attention kernel, as the trace measured them under the same op list.
     """
     recompute = recompute or layout.recompute
@@ -254,7 +254,7 @@ def vocab_shards(layout: Layout, engine: str | None = None) -> int:
 
 
 def loss_runs_chunked(trace: ModelTrace, layout: Layout, engine: str | None = None) -> bool:
-    """Whether the trainer computes this layout's loss chunk by chunk (advisor.capabilities
+    """Whether the trainer computes this layout's loss chunk by chunk (specs.capabilities
     `chunked_loss`, trainer/chunked_loss.py) rather than through HF's loss over the whole logits."""
     engine = engine or engine_for(layout)
     return traits(engine).eager and chunked_loss(layout, engine,  # type: ignore[arg-type]

@@ -5,8 +5,8 @@ where measured), and the offload's host<->device copies with the part of them a 
 from __future__ import annotations
 
 
-from advisor.engine_traits import traits
-from advisor.specs import (
+from specs.engine_traits import traits
+from specs.core import (
     DTYPE_BYTES,
     HardwareSpec,
     Layout,

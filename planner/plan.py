@@ -12,14 +12,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from advisor.capabilities import PRICED_ENGINE_LIMITS, attention_implementation, config_shape, cost_engine, runnable_problem, prices_ours
-from advisor.errors import UsageError
-from advisor.plan_file import (DEFAULT_CHECKPOINT_WRITE_GBS, DEFAULT_MTBF_HOURS, Plan, PlanAssumptions, PlannedLayout,
+from specs.capabilities import PRICED_ENGINE_LIMITS, attention_implementation, config_shape, cost_engine, runnable_problem, prices_ours
+from specs.errors import UsageError
+from specs.plan_file import (DEFAULT_CHECKPOINT_WRITE_GBS, DEFAULT_MTBF_HOURS, Plan, PlanAssumptions, PlannedLayout,
                                StagePlan)
-from advisor.profile import ClusterProfile
-from advisor.specs import (MAX_BATCH, MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, GiB, HardwareSpec, Layout, ModelSpec,
+from specs.profile import ClusterProfile
+from specs.core import (MAX_BATCH, MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, GiB, HardwareSpec, Layout, ModelSpec,
                            check_number, check_seq_fits)
-from advisor.task import TaskSpec
+from specs.task import TaskSpec
 from planner.explain import preset_note, why
 from planner.fix import REQUEST_KEYS, check_fix, describe
 from planner.granularity import restage
@@ -66,7 +66,7 @@ class PlanOptions:
     price_per_gpu_hour: float | None = None
     min_compute_fraction: float = MIN_COMPUTE_FRACTION
     top_k: int = 5
-    mtbf_hours: float = DEFAULT_MTBF_HOURS  # per node (advisor.plan_file PlanAssumptions)
+    mtbf_hours: float = DEFAULT_MTBF_HOURS  # per node (specs.plan_file PlanAssumptions)
     checkpoint_write_gbs: float = DEFAULT_CHECKPOINT_WRITE_GBS  # per node, to the checkpoint file system
     restart_s: float = RESTART_S  # per failure
     per_stage_devices: bool = False
@@ -75,11 +75,11 @@ class PlanOptions:
     attention: str | None = None
     dtype: str | None = None
     space: SearchSpace = field(default_factory=SearchSpace)
-    # `--fix`: layout keys held fixed (advisor.specs.parse_layout_string's values; planner/fix.py)
+    # `--fix`: layout keys held fixed (specs.core.parse_layout_string's values; planner/fix.py)
     fix: dict[str, Any] = field(default_factory=dict)
     # `--any-engine`: plan over everything the cost model prices, not only what `advisor train` runs
     any_engine: bool = False
-    # `--engine`: whose behaviour is priced (advisor.capabilities PRICED_ENGINES); a published engine
+    # `--engine`: whose behaviour is priced (specs.capabilities PRICED_ENGINES); a published engine
     # plans as --any-engine does, every layout priced as that engine runs it
     priced_engine: str = "ours"
     # a cluster profile's per-device and per-link figures (the hardware prices its slowest), and the

@@ -39,10 +39,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from advisor.errors import UsageError
-from advisor.capabilities import runnable_problem
-from advisor.layout_rules import layout_problem, pipeline_problem, tensor_parallel_problem, tp_crosses_nodes
-from advisor.specs import MAX_BATCH, MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, HardwareSpec, Layout, ModelSpec
+from specs.errors import UsageError
+from specs.capabilities import runnable_problem
+from specs.layout_rules import layout_problem, pipeline_problem, tensor_parallel_problem, tp_crosses_nodes
+from specs.core import MAX_BATCH, MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, HardwareSpec, Layout, ModelSpec
 from planner.cost_model import (
     Placement,
     StageTime,
@@ -64,7 +64,7 @@ SPREAD_SLACK = 10 * LP_BOUND_SLACK
 
 @dataclass
 class SearchSpace:
-    """What the search may choose. Every layout it returns also passes `advisor.capabilities`
+    """What the search may choose. Every layout it returns also passes `specs.capabilities`
     (what `advisor train` runs, on the engine `engine` selects) unless `runnable_only` is off: then
     it plans for other engines too (Megatron-style sp and interleaving), and says so in the plan."""
 
@@ -183,7 +183,7 @@ def _candidate_shapes(trace: ModelTrace, req: PlanRequest, method: str, runs) ->
             per_replica = req.global_batch // dp
             for mbs in _divisors(per_replica, space.max_micro_batch):
                 gas = per_replica // mbs
-                if gas > MAX_BATCH:  # more micro-steps than a layout may hold (advisor.specs MAX_BATCH)
+                if gas > MAX_BATCH:  # more micro-steps than a layout may hold (specs.core MAX_BATCH)
                     continue
                 vpps = [1] + [v for v in range(2, space.max_vpp + 1)
                               if pp > 1 and not pipeline_problem(pp, v, gas, None, trace.num_layers)]
@@ -576,7 +576,7 @@ class StageProgram:
                 row(terms, low=-gas * c.compute.c + min_fraction * self.step_constant)
         lower = np.zeros(width)
         upper = np.full(width, np.inf)
-        # each device holds vpp chunks of at least one layer (advisor.specs.chunk_layers)
+        # each device holds vpp chunks of at least one layer (specs.core.chunk_layers)
         lower[:pp], upper[:pp] = layout.vpp, np.maximum(most, layout.vpp)
         upper[pp:2 * pp] = layers
         # Some stage holds at least ceil(L / pp) layers, so each max-over-stages term is at least its

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from advisor.engine_traits import traits
-from advisor.specs import (
+from specs.engine_traits import traits
+from specs.core import (
     GiB,
     HardwareSpec,
     Layout,

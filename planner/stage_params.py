@@ -5,9 +5,9 @@ the layout. Shared by the cost model's memory, compute and communication terms."
 from __future__ import annotations
 
 
-from advisor.capabilities import ENGINE_CHOICES, engine_for
-from advisor.layout_rules import ModelShape
-from advisor.specs import (
+from specs.capabilities import ENGINE_CHOICES, engine_for
+from specs.layout_rules import ModelShape
+from specs.core import (
     Layout,
 )
 from planner.memory import (
@@ -66,5 +66,5 @@ def device_params(trace: ModelTrace, layout: Layout, engine: str, layers: int,
 
 def engine_of(layout: Layout, engine: str = "auto") -> str:
     """The engine that runs `layout`: `engine` is the plan's choice (auto, deepspeed, fsdp2; see
-    advisor.capabilities.engine_for) or already an engine's name."""
+    specs.capabilities.engine_for) or already an engine's name."""
     return engine_for(layout, engine) if engine in ENGINE_CHOICES else engine

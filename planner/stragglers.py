@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import statistics
 
-from advisor.errors import UsageError
-from advisor.profile import ClusterProfile, DeviceRate, Straggler
-from advisor.specs import HardwareSpec
+from specs.errors import UsageError
+from specs.profile import ClusterProfile, DeviceRate, Straggler
+from specs.core import HardwareSpec
 from profiler.stragglers import pace, straggles
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from advisor.plan_file import DEFAULT_RESTART_S
-from advisor.specs import DTYPE_BYTES, Estimate, Layout
+from specs.plan_file import DEFAULT_RESTART_S
+from specs.core import DTYPE_BYTES, Estimate, Layout
 
 RESTART_S = DEFAULT_RESTART_S  # re-queue, reload the last checkpoint, rebuild NCCL communicators: 10 minutes
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import yaml
 
-from advisor import environment
-from advisor.errors import UsageError
-from advisor.profile import fingerprint_mismatch, looks_like_profile, profile_from_data
-from advisor.remote_code import ensure_model_code
-from advisor.specs import HardwareSpec, ModelSpec, parse_user_yaml, validate
-from advisor.task import TaskSpec, read_task_file
+from specs import environment
+from specs.errors import UsageError
+from specs.profile import fingerprint_mismatch, looks_like_profile, profile_from_data
+from specs.remote_code import ensure_model_code
+from specs.core import HardwareSpec, ModelSpec, parse_user_yaml, validate
+from specs.task import TaskSpec, read_task_file
 
 PRESETS_DIR = Path(__file__).resolve().parent
 KINDS = ("hardware", "models", "tasks")
@@ -116,7 +116,7 @@ def load_hardware_file(path: Path) -> HardwareSpec:
 def load_model(ref: str, trusted: bool = False) -> ModelSpec:
     """A model preset name, an HF `config.json`, or a local model folder holding one. A config naming
     Python code of its own (`auto_map`) is refused in one line unless `trusted` (--trust-remote-code),
-    which loads that code (advisor.remote_code): the trace builds the folder's own model."""
+    which loads that code (specs.remote_code): the trace builds the folder's own model."""
     path = Path(ref)
     if _is_dir(path):
         path = path / "config.json"

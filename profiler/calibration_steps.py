@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from advisor.capabilities import config_shape, runnable_problem
-from advisor.layout_rules import ModelShape
-from advisor.specs import Layout, ModelSpec
-from advisor.model_depth import first_layers, layer_count_key
+from specs.capabilities import config_shape, runnable_problem
+from specs.layout_rules import ModelShape
+from specs.core import Layout, ModelSpec
+from specs.model_depth import first_layers, layer_count_key
 
 CALIBRATION_LAYERS = 2  # decoder layers that run (at the model's full width)
 # The first steps run slower while glibc raises its mmap threshold and caches warm up.

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 
 DEFAULT_PORT = 29514
 DEFAULT_TIMEOUT_S = 120.0

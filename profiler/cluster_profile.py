@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from advisor.profile import ClusterProfile, DeviceRate, LinkRate, NodeInventory
-from advisor.specs import HardwareSpec
+from specs.profile import ClusterProfile, DeviceRate, LinkRate, NodeInventory
+from specs.core import HardwareSpec
 from profiler.stragglers import describe, device_name, find_stragglers, pace
 
 

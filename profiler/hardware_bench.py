@@ -36,8 +36,8 @@ import torch
 
 from profiler.gemm_shapes import GemmShape, linear_gemms, model_gemm_shapes, square_gemm_shapes  # noqa: F401 (hb.X)
 from profiler.model_trace import attention_model_flops
-from advisor import environment
-from advisor.errors import UsageError
+from specs import environment
+from specs.errors import UsageError
 
 # nccl-tests' bus-bandwidth definitions: bytes through each device's link per byte of buffer,
 # and latency steps of the ring, for a group of n ranks.

@@ -9,7 +9,7 @@ counted by the trace's own kernel log (`profiler.model_trace.kernel_log`), so th
 op and the ops the cost model multiplies it by are the same ops.
 
 The step runs as the trainer's bf16 engines run one on a GPU: fp32 weights, forward and loss under
-bf16 autocast, backward (advisor.capabilities `precision`); elsewhere in fp32. A CPU records the
+bf16 autocast, backward (specs.capabilities `precision`); elsewhere in fp32. A CPU records the
 figure but prices none of it: there the host is the device, and its calibrated rates hold that time.
 """
 

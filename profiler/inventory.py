@@ -14,8 +14,8 @@ import socket
 import subprocess
 from pathlib import Path
 
-from advisor.errors import UsageError
-from advisor.profile import HostFingerprint, Inventory, cpu_model_name
+from specs.errors import UsageError
+from specs.profile import HostFingerprint, Inventory, cpu_model_name
 
 GiB = 1024**3
 

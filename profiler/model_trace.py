@@ -35,11 +35,11 @@ from typing import Any, Iterator, Literal
 
 from pydantic import BaseModel, Field
 
-from advisor.errors import UsageError
-from advisor.capabilities import precision
-from advisor.model_depth import layer_kinds, per_layer_keys, with_layers
-from advisor.remote_code import code_digest
-from advisor.specs import DTYPE_BYTES, SELECTIVE_SAVED_OPS, Layout, ModelSpec
+from specs.errors import UsageError
+from specs.capabilities import precision
+from specs.model_depth import layer_kinds, per_layer_keys, with_layers
+from specs.remote_code import code_digest
+from specs.core import DTYPE_BYTES, SELECTIVE_SAVED_OPS, Layout, ModelSpec
 from presets import cache_dir
 from profiler.attention_support import runnable_attention
 
@@ -111,7 +111,7 @@ class BlockTrace(BaseModel):
 
 class AutocastBlocks(BaseModel):
     """A decoder layer and the head as bf16-mixed computes them on the engines that autocast (fp32
-    parameters, forward and loss under torch.autocast: advisor.capabilities `precision`): the residual
+    parameters, forward and loss under torch.autocast: specs.capabilities `precision`): the residual
     stream and the norms' inputs stay fp32, the GEMMs' outputs are 16-bit, and autocast keeps a 16-bit
     copy of every weight it casts (`BlockTrace.cast_weight_bytes`)."""
 
@@ -549,7 +549,7 @@ def kernel_log() -> Any:
 
 def traced_under_autocast(dtype: str, method: str) -> bool:
     """Whether a trace of `dtype` and `method` also traces the step as the engines that autocast run
-    it (advisor.capabilities `precision`): fp32 parameters, forward and loss under torch.autocast
+    it (specs.capabilities `precision`): fp32 parameters, forward and loss under torch.autocast
     (`AutocastBlocks`)."""
     return dtype != "fp32" and precision(Layout(dtype=dtype, method=method), "plain").autocast  # type: ignore[arg-type]
 

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from advisor import environment
-from advisor.errors import UsageError
-from advisor.specs import MAX_NODES
+from specs import environment
+from specs.errors import UsageError
+from specs.core import MAX_NODES
 
 
 def free_port() -> int:

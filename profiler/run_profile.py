@@ -30,9 +30,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from advisor.errors import UsageError
-from advisor.profile import HardwareProfile, Inventory, Measurement, NodeInventory, load_profile
-from advisor.specs import COLLECTIVE_OPS, Efficiency, HardwareSpec, LinkFigures, ModelSpec, SizeCurve
+from specs.errors import UsageError
+from specs.profile import HardwareProfile, Inventory, Measurement, NodeInventory, load_profile
+from specs.core import COLLECTIVE_OPS, Efficiency, HardwareSpec, LinkFigures, ModelSpec, SizeCurve
 from presets import load_hardware, load_model
 from profiler import hardware_bench as hb
 from profiler.calibration_steps import CalibrationSteps, StepRunner, fit_layouts, measure_calibration_steps

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-from advisor.profile import DeviceRate, LinkRate, Straggler
+from specs.profile import DeviceRate, LinkRate, Straggler
 
 DEFAULT_THRESHOLD = 0.2  # 20% below the median: beyond the run-to-run noise of a quiet GPU node
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from multiprocessing import get_context
 from typing import Any, Callable
 
-from advisor.capabilities import prices_ours
-from advisor.errors import UsageError
-from advisor.specs import MIN_COMPUTE_FRACTION, GiB, Estimate, HardwareSpec, Layout, ModelSpec
-from advisor.task import TaskSpec
+from specs.capabilities import prices_ours
+from specs.errors import UsageError
+from specs.core import MIN_COMPUTE_FRACTION, GiB, Estimate, HardwareSpec, Layout, ModelSpec
+from specs.task import TaskSpec
 from planner.time_to_train import RESTART_S, FailureOverhead, checkpoint_write_s, time_to_train
 from planner.plan import InfeasiblePlan, PlanOptions, default_global_batch, make_plan
 from presets import pricing_band
@@ -53,7 +53,7 @@ class CapacityRequest:
     restart_s: float = RESTART_S
     min_compute_fraction: float = MIN_COMPUTE_FRACTION
     command: str = ""
-    # `--engine`: whose behaviour is priced (advisor.capabilities PRICED_ENGINES)
+    # `--engine`: whose behaviour is priced (specs.capabilities PRICED_ENGINES)
     priced_engine: str = "ours"
 
     def __post_init__(self) -> None:

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from advisor.errors import UsageError
-from advisor.model_depth import first_layers, layer_count_key
-from advisor.plan_file import Plan, load_plan
-from advisor.specs import HardwareSpec, ModelSpec
-from advisor.task import TaskSpec
+from specs.errors import UsageError
+from specs.model_depth import first_layers, layer_count_key
+from specs.plan_file import Plan, load_plan
+from specs.core import HardwareSpec, ModelSpec
+from specs.task import TaskSpec
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from reports.curriculum_variants import VARIANTS, mixed_stage, scaled, skills, variant_tasks

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import math
 
-from advisor.errors import UsageError
-from advisor.task import DataSource, StageSpec, TaskSpec
+from specs.errors import UsageError
+from specs.task import DataSource, StageSpec, TaskSpec
 
 VARIANTS = ("one-pot", "staged", "staged+replay", "staged+replay+mixed", "late-mix")
 RAMP_FRACTION = 0.2  # of a stage's steps, when it sets no ramp_steps of its own

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from advisor.capabilities import prices_ours
-from advisor.specs import GiB
+from specs.capabilities import prices_ours
+from specs.core import GiB
 from reports import charts
 from reports.capacity import (CHECKPOINT_WRITE_GBS, COST_SLACK, METHOD_WORDS, SCALING_EFFICIENCY_RULE,
                               SLOWER_THAN_MEGATRON, CapacityReport, CapacityRequest, Option)

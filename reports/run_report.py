@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from advisor.errors import UsageError
-from advisor.plan_file import Plan, load_plan
-from advisor.specs import GiB, read_user_yaml
+from specs.errors import UsageError
+from specs.plan_file import Plan, load_plan
+from specs.core import GiB, read_user_yaml
 from reports import charts
 from reports.document import Cell, Document, Table, format_number, num, pct, text
 from reports.skill_story import Scores, skill_stories

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from advisor.plan_file import load_plan
+from specs.plan_file import load_plan
 from test_trainer import CONFIG, WORDS, make_plan_file, read_jsonl
 from trainer.loop import TrainOptions, train
 
@@ -157,7 +157,7 @@ def test_lora_on_chat_data_loads_back_with_peft_at_the_trainers_eval_loss(tmp_pa
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from advisor.specs import ModelSpec
+    from specs.core import ModelSpec
     from planner.plan import PlanOptions, make_plan
     from presets import load_hardware, load_task
     from trainer.corpus import FileTokenizer, load_rows

@@ -17,10 +17,10 @@ import yaml
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.errors import UsageError
-from advisor.plan_file import load_plan
-from advisor.task import STAGE_NAME_RULE
-from advisor.specs import MAX_ALIASED_VALUES, parse_user_yaml
+from specs.errors import UsageError
+from specs.plan_file import load_plan
+from specs.task import STAGE_NAME_RULE
+from specs.core import MAX_ALIASED_VALUES, parse_user_yaml
 from planner.plan import PlanOptions, make_plan
 from presets import PRESETS_DIR, load_hardware, load_model, load_task
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from advisor.capabilities import precision
+from specs.capabilities import precision
 from advisor.cli import app
-from advisor.errors import UsageError
-from advisor.specs import Layout, ModelSpec, parse_layout_string
+from specs.errors import UsageError
+from specs.core import Layout, ModelSpec, parse_layout_string
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,

@@ -17,8 +17,8 @@ from typing import Callable
 import pytest
 
 from advisor.cli.compose import time_layout_steps
-from advisor.profile import HardwareProfile
-from advisor.specs import Layout, ModelSpec
+from specs.profile import HardwareProfile
+from specs.core import Layout, ModelSpec
 from planner import calibration
 from planner.cost_model import estimate_from_trace
 from profiler.calibration_steps import CalibrationSteps, measure_calibration_steps

@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.errors import UsageError
-from advisor.task import TaskSpec
+from specs.errors import UsageError
+from specs.task import TaskSpec
 from trainer.batch import IGNORE
 from trainer.corpus import tokenizer_for
 from trainer.data.chat_templates import BUILTIN_TEMPLATES, TEMPLATE_NAMES
@@ -149,7 +149,7 @@ def test_train_with_a_builtin_template_on_chat_rows(tmp_path: Path, tokenizer_di
 def test_a_template_is_part_of_the_runs_identity(tmp_path: Path) -> None:
     """--resume with another template would train other tokens from the same files: refused as
     another run's data; everything else about the run's identity stays as it was."""
-    from advisor.plan_file import load_plan
+    from specs.plan_file import load_plan
     from test_trainer import make_plan_file
     from trainer.file_digests import FileDigests
     from trainer.options import TrainOptions

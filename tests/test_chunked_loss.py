@@ -4,8 +4,8 @@ planner/memory.py prices it (independent truth: the CPU allocator counter), and 
 import pytest
 import torch
 
-from advisor.capabilities import LOSS_CHUNK_TOKENS, chunked_loss
-from advisor.specs import Layout, ModelSpec
+from specs.capabilities import LOSS_CHUNK_TOKENS, chunked_loss
+from specs.core import Layout, ModelSpec
 from planner.compute_time import loss_recompute_flops
 from planner.stage_memory import stage_memory
 from presets import load_hardware

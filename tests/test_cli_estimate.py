@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.specs import LAYOUT_KEYS_HELP
+from specs.core import LAYOUT_KEYS_HELP
 
 runner = CliRunner()
 
@@ -111,8 +111,8 @@ def test_presets_lists_the_shipped_hardware_and_models() -> None:
 
 
 def test_a_layout_advisor_train_does_not_run_is_priced_with_the_declarations_reason() -> None:
-    from advisor.capabilities import config_shape, runnable_problem
-    from advisor.specs import Layout
+    from specs.capabilities import config_shape, runnable_problem
+    from specs.core import Layout
     from presets import load_model
 
     layout = "tp=2,zero=1,offload=optimizer,mbs=1,gas=8"

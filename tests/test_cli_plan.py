@@ -8,11 +8,11 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from advisor.capabilities import ENGINES, engine_for
+from specs.capabilities import ENGINES, engine_for
 from advisor.cli import app
-from advisor.errors import UsageError
-from advisor.plan_file import load_plan
-from advisor.specs import Layout, resolve_layout
+from specs.errors import UsageError
+from specs.plan_file import load_plan
+from specs.core import Layout, resolve_layout
 from planner.cost_model import estimate
 from planner.time_to_train import young_interval_s
 from presets import load_hardware, load_model

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import trainer.launch
 import trainer.worker
 from advisor.cli import app
-from advisor.plan_file import load_plan
+from specs.plan_file import load_plan
 from test_trainer import make_plan_file
 from trainer.data.chat_templates import TEMPLATE_NAMES
 from trainer.launch_file import LaunchFile, launch_file_path, read_launch_file, write_launch_file

@@ -17,8 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.errors import UsageError
-from advisor.profile import load_profile
+from specs.errors import UsageError
+from specs.profile import load_profile
 from planner.plan import PlanOptions, make_plan
 from presets import load_model
 from profiler.hardware_bench import SLOW_RANKS_ENV
@@ -206,7 +206,7 @@ def test_a_one_node_profile_in_a_two_node_plan_says_which_inter_node_figures_are
 def test_node_pairs_unequal_nodes_and_exclusion_pricing() -> None:
     """Without processes: the rounds cover every node pair once with disjoint pairs; unequal nodes are
     reported; --exclude reprices each figure at the slowest device and link kept."""
-    from advisor.specs import HardwareSpec
+    from specs.core import HardwareSpec
     from planner.stragglers import priced_without
     from presets import load_hardware
     from profiler.cluster_bench import crossing_bytes, pair_rounds

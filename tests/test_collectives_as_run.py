@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from advisor.specs import Layout, ModelSpec
+from specs.core import Layout, ModelSpec
 from planner import collectives
 from planner.comm_time import tp_collectives
 from planner.cost_model import estimate_from_trace

@@ -7,7 +7,7 @@ global batch and random `--fix` constraints. The planner chooses under those con
 chosen layout trains 3 optimizer steps on forked ranks running the real loop
 (`trainer.loop.train`, as torchrun's workers do), and its fp32 losses must equal a 1-process
 unsplit run of the same model within 1e-5. Pinned examples make sure every feature the
-declaration (`advisor/capabilities.py`) allows is covered whatever Hypothesis draws.
+declaration (`specs/capabilities.py`) allows is covered whatever Hypothesis draws.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from advisor.capabilities import ENGINES, config_shape, runnable_problem
-from advisor.errors import UsageError
-from advisor.plan_file import Plan, load_plan
-from advisor.specs import Layout, ModelSpec
-from advisor.task import TaskSpec
+from specs.capabilities import ENGINES, config_shape, runnable_problem
+from specs.errors import UsageError
+from specs.plan_file import Plan, load_plan
+from specs.core import Layout, ModelSpec
+from specs.task import TaskSpec
 from planner.plan import PlanOptions, make_plan
 from presets import load_hardware
 

@@ -17,8 +17,8 @@ from rich.console import Console
 
 from trainer import native_ops
 from advisor.cli.progress import RunProgress, last_record
-from advisor.profile import cpu_model_name
-from advisor.specs import Layout
+from specs.profile import cpu_model_name
+from specs.core import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 

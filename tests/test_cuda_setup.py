@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from advisor.specs import Layout
+from specs.core import Layout
 from profiler import run_profile
 from trainer import launch, timed_steps
 from trainer.options import TrainOptions

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import trainer.loop
-from advisor.plan_file import stage_segments
-from advisor.specs import ModelSpec
+from specs.plan_file import stage_segments
+from specs.core import ModelSpec
 from planner.plan import PlanOptions, make_plan
 from presets import load_hardware, load_task
 from reports.curriculum import Stat, forgetting, RunResult, recommend

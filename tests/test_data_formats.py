@@ -13,8 +13,8 @@ import yaml
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.errors import UsageError
-from advisor.task import DataSource, TaskSpec
+from specs.errors import UsageError
+from specs.task import DataSource, TaskSpec
 from trainer.batch import IGNORE
 from trainer.corpus import load_rows, tokenizer_for
 from trainer.data.formats import detect_format, prompt_and_answer, render_example
@@ -189,7 +189,7 @@ def test_train_with_data_detects_the_format_and_refuses_mixed_rows_in_one_line(t
     good = tmp_path / "good.jsonl"
     good.write_text("".join(json.dumps({"prompt": f"what is {i}", "completion": "the sky is blue " * 3}) + "\n"
                             for i in range(40)))
-    from advisor.plan_file import load_plan
+    from specs.plan_file import load_plan
     from trainer.one_stage import one_stage_plan
 
     one_stage, _ = one_stage_plan(load_plan(plan), str(good), tmp_path / "run2", steps=1, tokens=None)
@@ -220,7 +220,7 @@ def test_packed_documents_see_only_themselves(tmp_path, tokenizer_dir, attn) -> 
 
     from trainer.batch import MicroBatch
     from trainer.engines.plain import PlainEngine
-    from advisor.specs import Layout
+    from specs.core import Layout
     from trainer.stream import pack_examples
 
     examples = _examples(_tokenizer(tmp_path / "tok"))
@@ -270,7 +270,7 @@ def _packed_rows(folder: Path):
 
 def _losses(layout, packed, rank_of_data) -> list[float]:
     """Two optimizer steps of `layout` on the four packed rows; each step's mean micro-batch loss."""
-    from advisor.specs import ModelSpec
+    from specs.core import ModelSpec
     from trainer.batch import MicroBatch
     from trainer.engines import make_engine
     from trainer.model import build_model
@@ -292,7 +292,7 @@ def _losses(layout, packed, rank_of_data) -> list[float]:
 
 
 def _rank_packed(rank: int, world: int, port: int, out_dir: str) -> None:
-    from advisor.specs import Layout
+    from specs.core import Layout
     from profiler.ranks import finish_rank, init_rank
 
     init_rank(rank, world, port, distributed=True, threads=1)
@@ -310,7 +310,7 @@ def test_sharded_and_pipeline_engines_keep_packed_documents_apart(tmp_path) -> N
     import torch.distributed.fsdp  # noqa: F401  (imported before forking)
     import torch.distributed.pipelining  # noqa: F401
 
-    from advisor.specs import Layout
+    from specs.core import Layout
     from profiler.ranks import free_port, launch
 
     packed = _packed_rows(tmp_path / "tok")
@@ -325,8 +325,8 @@ def test_sharded_and_pipeline_engines_keep_packed_documents_apart(tmp_path) -> N
 
 
 def test_a_chat_task_trains_and_evaluates_on_its_answers(tmp_path, tokenizer_dir) -> None:
-    from advisor.plan_file import load_plan
-    from advisor.specs import ModelSpec
+    from specs.plan_file import load_plan
+    from specs.core import ModelSpec
     from planner.plan import PlanOptions, make_plan
     from presets import load_hardware
     from trainer.loop import train

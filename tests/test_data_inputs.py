@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.errors import UsageError
-from advisor.specs import safe_name
-from advisor.task import DataSource, TaskSpec
+from specs.errors import UsageError
+from specs.core import safe_name
+from specs.task import DataSource, TaskSpec
 from presets import load_task
 from trainer.corpus import ByteTokenizer, load_source
 from trainer.data.prepare import prepare
@@ -109,7 +109,7 @@ def test_out_holding_anything_else_is_refused_and_kept(prepared_once, damage: st
 
 def test_stages_whose_names_look_alike_keep_their_own_shards(tmp_path: Path) -> None:
     """Names that would clean to one folder (`a b`, `a_b`; `A`, `a`) are refused when the task is read
-    (advisor/task.py STAGE_NAME_RULE, tests/test_bad_inputs.py); names one character apart stay apart."""
+    (specs/task.py STAGE_NAME_RULE, tests/test_bad_inputs.py); names one character apart stay apart."""
     write_rows(tmp_path / "one.jsonl", [f"alpha words number {i}" for i in range(12)])
     write_rows(tmp_path / "two.jsonl", [f"beta other number {i} and more" for i in range(20)])
     stages = [{"name": "a.b", "tokens": 100, "sources": [{"path": "one.jsonl"}]},

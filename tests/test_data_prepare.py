@@ -15,7 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.errors import UsageError
+from specs.errors import UsageError
 from presets import load_task
 from trainer.data import manifest_stage_tokens
 from trainer.data.manifest import read_manifest

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import yaml
 
-from advisor.task import QualityFilters
+from specs.task import QualityFilters
 from presets import load_task
 from trainer.data.prepare import prepare
 from trainer.data.quality import CHECKS, document_stats, merge_filters

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from advisor.errors import UsageError
-from advisor.task import DataSource, TaskSpec
+from specs.errors import UsageError
+from specs.task import DataSource, TaskSpec
 from trainer.batch import IGNORE
 from trainer.corpus import load_rows, tokenizer_for
 from trainer.data import json_array
@@ -469,7 +469,7 @@ def _registry_and_plan(tmp_path: Path) -> tuple[Path, Path]:
 def test_a_one_stage_plan_reads_registry_datasets_concatenated(tmp_path, tokenizer_dir) -> None:
     """What `advisor train --data data/dataset_info.json --dataset a,b` calls: one stage over both
     datasets, each weighed by its share of the sequences they pack into (LLaMA-Factory concatenates)."""
-    from advisor.plan_file import load_plan
+    from specs.plan_file import load_plan
     from trainer.one_stage import one_stage_plan
 
     data, plan = _registry_and_plan(tmp_path)
@@ -493,7 +493,7 @@ def test_advisor_train_hands_dataset_names_to_the_one_stage_plan(tmp_path, monke
 
     import trainer.one_stage
     from advisor.cli import app
-    from advisor.errors import UsageError
+    from specs.errors import UsageError
 
     seen = []
 
@@ -726,7 +726,7 @@ def test_bad_mixing_and_loss_flags_exit_2_in_one_line(tmp_path, flags, message) 
 def test_interleaved_registry_datasets_are_drawn_by_their_probabilities(tmp_path, tokenizer_dir) -> None:
     """`--mix interleave --mix-probs 0.25,0.75`: the stage draws its sequences from the datasets by
     those probabilities, and one pass ends when the first runs out (min n_i / p_i sequences)."""
-    from advisor.plan_file import load_plan
+    from specs.plan_file import load_plan
     from trainer.data.mixing import Reading
     from trainer.one_stage import one_stage_plan
     from trainer.stream import EpochOrder

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from advisor.specs import Layout, ModelSpec
+from specs.core import Layout, ModelSpec
 from planner.cost_model import stage_memory
 from presets import load_hardware
 from profiler.model_trace import trace_model

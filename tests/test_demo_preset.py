@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from advisor.cli import app
 from advisor.cli.data import DATA_EXTRA
 from advisor.cli.run_chain import RunOptions, _task_ref
-from advisor.errors import UsageError
+from specs.errors import UsageError
 from presets import cache_dir, generated_data_dir, load_task
 from trainer.corpus import ByteTokenizer, load_source
 from trainer.data.demo_corpus import DEMO_FILES, STAMP_NAME, ensure_generated_data, generate_demo_corpus

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from advisor.capabilities import DOCUMENT_ATTENTION, attention_implementation
+from specs.capabilities import DOCUMENT_ATTENTION, attention_implementation
 from trainer import attention
 from trainer.attention import document_bounds, register_document_attention
 

@@ -10,10 +10,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from advisor.capabilities import ENGINES
+from specs.capabilities import ENGINES
 from advisor.cli import app
-from advisor.plan_file import load_plan
-from advisor.specs import Layout, ModelSpec
+from specs.plan_file import load_plan
+from specs.core import Layout, ModelSpec
 from trainer.dry_run import _rank_states, meta_model
 
 runner = CliRunner()

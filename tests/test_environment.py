@@ -1,4 +1,4 @@
-"""Every environment variable that steers the advisor is declared once (advisor/environment.py, issue
+"""Every environment variable that steers the advisor is declared once (specs/environment.py, issue
 30) and read through it; a value that does not parse is one line and exit 2 (issue 31)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from advisor import environment
-from advisor.errors import UsageError
+from specs import environment
+from specs.errors import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ["advisor", "presets", "profiler", "planner", "trainer", "reports"]

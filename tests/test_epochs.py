@@ -94,7 +94,7 @@ def test_prepared_micro_batches_are_read_in_epochs_too() -> None:
 def test_a_stage_takes_exactly_one_budget_and_epochs_is_one() -> None:
     from pydantic import ValidationError
 
-    from advisor.task import StageSpec
+    from specs.task import StageSpec
 
     assert StageSpec(name="chat", epochs=2).epochs == 2
     for budgets in ({"epochs": 2, "tokens": 100}, {"epochs": 1, "steps": 3}, {}):
@@ -106,7 +106,7 @@ def test_the_planner_sizes_an_epochs_stage_from_its_data_when_it_can_read_it(tmp
     import json
 
     from advisor.cli.common import stage_tokens
-    from advisor.specs import ModelSpec
+    from specs.core import ModelSpec
     from planner.plan import PlanOptions, make_plan
     from presets import load_hardware, load_task
     from trainer.corpus import ByteTokenizer, load_source
@@ -140,8 +140,8 @@ stages:
 def test_train_epochs_without_a_task_is_one_stage_of_that_many_passes(tmp_path) -> None:
     import json
 
-    from advisor.errors import UsageError
-    from advisor.specs import ModelSpec
+    from specs.errors import UsageError
+    from specs.core import ModelSpec
     from planner.plan import PlanOptions, make_plan
     from presets import load_hardware
     from trainer.one_stage import one_stage_plan

@@ -123,7 +123,7 @@ stages:
 
 
 def test_a_run_reports_exact_match_per_skill_and_epochs_per_source(tmp_path) -> None:
-    from advisor.specs import ModelSpec
+    from specs.core import ModelSpec
     from planner.plan import PlanOptions, make_plan
     from presets import load_hardware, load_task
     from trainer.corpus import ByteTokenizer, load_source
@@ -174,7 +174,7 @@ def _random_weights(root: Path) -> Path:
 
 
 def _rank_decode(rank: int, world: int, port: int, folders: list[str], layout: dict, choice: str, out: str) -> None:
-    from advisor.specs import Layout, ModelSpec
+    from specs.core import Layout, ModelSpec
     from profiler.ranks import finish_rank, init_rank
     from trainer.engines import make_engine
     from trainer.model import build_model

@@ -17,10 +17,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from advisor.capabilities import engine_for
+from specs.capabilities import engine_for
 from advisor.cli import app
-from advisor.plan_file import load_plan
-from advisor.specs import Layout, ModelSpec
+from specs.plan_file import load_plan
+from specs.core import Layout, ModelSpec
 from planner.export import deepspeed_config, export
 from planner.plan import PlanOptions, make_plan
 from presets import load_hardware, load_model, load_task

@@ -25,9 +25,9 @@ import torch
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.errors import UsageError
-from advisor.specs import Layout
-from advisor.task import AdapterSpec, DataSource, StageSpec, TaskSpec
+from specs.errors import UsageError
+from specs.core import Layout
+from specs.task import AdapterSpec, DataSource, StageSpec, TaskSpec
 from trainer.batch import IGNORE
 from trainer.corpus import ByteTokenizer, load_rows, read_answer_pairs
 from trainer.fine_tune import FineTuneFlags, fine_tune_task
@@ -86,7 +86,7 @@ def test_a_lora_rank_other_than_the_plans_is_refused() -> None:
 
 def test_lora_alpha_and_targets_reach_the_adapters() -> None:
     from trainer.model import build_model
-    from advisor.specs import ModelSpec
+    from specs.core import ModelSpec
 
     spec, layout = ModelSpec(name="tiny", hf_config=CONFIG), Layout(method="lora", lora_rank=4, dtype="fp32")
     model = build_model(spec, layout, 0, adapter=AdapterSpec(alpha=12, targets=["q_proj", "v_proj"]))

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.errors import UsageError
-from advisor.plan_file import Plan, load_plan
-from advisor.profile import PROFILE_VERSION, load_profile
-from advisor.specs import LAYOUT_KEYS_HELP, resolve_layout
+from specs.errors import UsageError
+from specs.plan_file import Plan, load_plan
+from specs.profile import PROFILE_VERSION, load_profile
+from specs.core import LAYOUT_KEYS_HELP, resolve_layout
 from planner.plan import PlanOptions, make_plan
 from presets import PRESETS_DIR, load_hardware, load_hardware_file, load_model, load_task
 

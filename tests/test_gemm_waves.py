@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from advisor.specs import Layout, ModelSpec
+from specs.core import Layout, ModelSpec
 from conftest import gpt_config
 from planner import megatron2021
 from planner.compute_time import wave_efficiency
 from planner.cost_model import Placement, stage_time
-from advisor.engine_traits import MEGATRON
+from specs.engine_traits import MEGATRON
 from presets import load_hardware
 from profiler.model_trace import trace_model
 

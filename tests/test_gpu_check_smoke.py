@@ -31,7 +31,7 @@ def test_the_gpu_check_runs_its_rows_through_the_trainers_timed_steps_on_cpu() -
     assert packed and float(packed[-1].strip("|").split("|")[-1]) < 1e-4, done.stdout[-3000:]
 
     # the GPU rows themselves: each a valid one-device layout the cost model prices for the 1B model
-    from advisor.specs import ModelSpec, resolve_layout
+    from specs.core import ModelSpec, resolve_layout
     from planner.cost_model import estimate
     from presets import load_hardware
 

@@ -13,8 +13,8 @@ import torch.utils.flop_counter as flop_counter
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.plan_file import load_plan
-from advisor.specs import ModelSpec
+from specs.plan_file import load_plan
+from specs.core import ModelSpec
 from profiler.model_trace import trace_model
 from test_trainer import make_plan_file, read_jsonl
 from trainer.loop import TrainOptions, train

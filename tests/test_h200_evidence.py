@@ -4,7 +4,7 @@ priced from the `h200-141g` preset: step within 15%, peak within 5% (issue 29).
 Rows 1 and 2 set the preset's host time per kernel (`host_op_s`: 30.8 and 31.6 us), so they check
 that one figure holds both; rows 3-5 are predictions. The rows were measured through the trainer as
 it stood before issue 28: the plain engine cast the
-model to bf16 and ran Adam on it (no fp32 master) with TF32 off, which `advisor.capabilities`
+model to bf16 and ran Adam on it (no fp32 master) with TF32 off, which `specs.capabilities`
 keeps as the priced-only engine `plain-pure16`; ZeRO-2 with offload ran on DeepSpeed as it still
 does. TinyLlama's architecture with 32 key-value heads (the GQA model could not be traced then),
 attention priced as SDPA, as bench/gpu_check.py priced it.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from advisor.engine_traits import PURE16_PLAIN
-from advisor.specs import ModelSpec, resolve_layout
+from specs.engine_traits import PURE16_PLAIN
+from specs.core import ModelSpec, resolve_layout
 from bench.gpu_check import LLAMA_1B
 from planner.cost_model import estimate
 from presets import load_hardware

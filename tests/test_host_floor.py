@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from advisor.specs import ModelSpec, resolve_layout
+from specs.core import ModelSpec, resolve_layout
 from planner.cost_model import estimate
 from presets import load_hardware
 from profiler.model_trace import trace_model

@@ -1,9 +1,10 @@
 """The house rules that keep the packages readable, checked on every CI run.
 
-Layers import only downwards: advisor's specs and file formats -> presets -> profiler -> planner ->
-trainer -> reports -> the CLI (advisor.cli, the one composition root). import-linter checks the
-contract declared in pyproject.toml; the AST checks below also see imports inside functions, and
-check that the contract's bottom layer names every spec module (a new one cannot slip out of it).
+Layers import only downwards: specs (the shared models and file formats) -> presets -> profiler ->
+planner -> trainer -> reports -> advisor (the CLI verbs and the compositions, the one composition
+root). Each layer is a top-level package, so the folders show the order. import-linter checks the
+contract declared in pyproject.toml; the AST checks below also see imports inside functions, and check
+that the contract names every package as one layer (a new package cannot slip out of it).
 """
 
 import ast
@@ -15,14 +16,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ["advisor", "presets", "profiler", "planner", "trainer", "reports", "advisor.cli"]
-PACKAGES = ["advisor", "presets", "profiler", "planner", "trainer", "reports"]
+LAYERS = ["specs", "presets", "profiler", "planner", "trainer", "reports", "advisor"]
+PACKAGES = LAYERS
 LONG_FUNCTION_LINES = 80
 
 
 def _layer(module: str) -> int:
-    if module == "advisor.cli" or module.startswith("advisor.cli."):
-        return LAYERS.index("advisor.cli")
     return LAYERS.index(module.split(".")[0])
 
 
@@ -120,12 +119,24 @@ def test_no_function_is_longer_than_80_lines(package: str) -> None:
     assert not long, "\n".join(long)
 
 
-def test_import_linter_layers_contract_holds_and_covers_every_spec_module() -> None:
+def test_no_lower_package_imports_the_cli_package() -> None:
+    """The CLI's package sits on top (issue 30): nothing below it imports `advisor`, at module top or
+    inside a function."""
+    below = [f"{path.relative_to(ROOT)}:{node.lineno} {imported}" for module, path in _modules().items()
+             if not module.startswith("advisor")
+             for node, imported in _project_imports(ast.parse(path.read_text())) if imported.split(".")[0] == "advisor"]
+    assert not below, "\n".join(below)
+    assert (ROOT / "advisor" / "cli").is_dir() and not [p for p in (ROOT / "advisor").glob("*.py")
+                                                     if p.name != "__init__.py"], "advisor holds the CLI only"
+
+
+def test_import_linter_layers_contract_holds_and_names_every_package_as_a_layer() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     (contract,) = [c for c in config["contracts"] if c["type"] == "layers"]
-    bottom = {name.strip() for name in contract["layers"][-1].replace("|", ":").split(":")}
-    specs = {m for m in _modules() if m.startswith("advisor.") and _layer(m) == 0}
-    assert bottom == specs, "the contract's bottom layer must list exactly advisor's spec modules"
+    assert contract["layers"] == LAYERS[::-1], "the contract lists the packages top to bottom"
+    assert sorted(config["root_packages"]) == sorted(LAYERS)
+    found = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name not in ("tests", "bench"))
+    assert found == sorted(LAYERS), f"a package outside the layers: {found}"
     done = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command as c; c()",
                            "--no-cache"], cwd=ROOT,
                           capture_output=True, text=True)
@@ -147,13 +158,13 @@ def test_the_planner_and_the_capacity_report_load_no_torch() -> None:
     assert result.stdout.strip() == "[]", result.stdout[:400]
 
 
-ENGINE_DECLARATION = {"advisor/capabilities.py", "advisor/engine_traits.py"}
+ENGINE_DECLARATION = {"specs/capabilities.py", "specs/engine_traits.py"}
 
 
 def _engine_name_comparisons(path: Path) -> list[str]:
     """Comparisons of a value with an engine's name (a literal, or the declaration's constants)."""
-    from advisor.capabilities import PRICED_ENGINES
-    from advisor.engine_traits import TRAITS
+    from specs.capabilities import PRICED_ENGINES
+    from specs.engine_traits import TRAITS
 
     names = set(TRAITS) | set(PRICED_ENGINES)
     constants = {"MEGATRON", "FSDP_BF16", "PURE16_PLAIN", "OURS"}
@@ -177,8 +188,8 @@ def _engine_name_comparisons(path: Path) -> list[str]:
 
 def test_no_code_outside_the_declaration_compares_an_engines_name() -> None:
     """Engine knowledge is declared once (issue 30): the cost model, the memory model, the exports, the
-    dry run, the trainer and the CLI read an engine's traits (advisor/engine_traits.py) or its
-    capabilities (advisor/capabilities.py), never its name."""
+    dry run, the trainer and the CLI read an engine's traits (specs/engine_traits.py) or its
+    capabilities (specs/capabilities.py), never its name."""
     found = []
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):

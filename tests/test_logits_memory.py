@@ -7,7 +7,7 @@ which is the case the cost model used to under-price (by a logits-sized fp32 buf
 import pytest
 import torch
 
-from advisor.specs import Layout, ModelSpec
+from specs.core import Layout, ModelSpec
 from planner.cost_model import stage_memory
 from planner.memory import loss_chunks, tied_embedding_gradient_copies
 from presets import load_hardware

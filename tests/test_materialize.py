@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from advisor.specs import Layout, ModelSpec
+from specs.core import Layout, ModelSpec
 
 CONFIG = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 272, "max_position_embeddings": 128}

@@ -4,7 +4,7 @@ from the trace's own FLOPs and parameter counts."""
 
 import pytest
 
-from advisor.specs import Layout, ModelSpec, SizeCurve
+from specs.core import Layout, ModelSpec, SizeCurve
 from planner.compute_time import loss_recompute_flops
 from planner.cost_model import estimate_from_trace
 from planner.optimizer_step import optimizer_tensors

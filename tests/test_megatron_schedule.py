@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from advisor.specs import Layout, ModelSpec
+from specs.core import Layout, ModelSpec
 from bench.megatron_table1 import predicted_tflops
 from megatron_schedule import makespan, messages_sent, replay
 from paper_tables import MEGATRON_SEQ_LEN, MEGATRON_TABLE1, MEGATRON_VOCAB
 from planner.cost_model import Placement, StageTime, default_split, stage_time, step_seconds
-from advisor.engine_traits import MEGATRON
+from specs.engine_traits import MEGATRON
 from presets import load_hardware
 from profiler.model_trace import trace_model
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from advisor.errors import UsageError
-from advisor.model_depth import first_layers, layer_kinds, per_layer_keys, with_layers
-from advisor.specs import ModelSpec
+from specs.errors import UsageError
+from specs.model_depth import first_layers, layer_kinds, per_layer_keys, with_layers
+from specs.core import ModelSpec
 from profiler.model_trace import trace_model
 
 # Gemma-2-like: sliding and full attention alternate; Laguna-like per-layer head counts; Qwen-MoE's

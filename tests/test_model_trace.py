@@ -5,7 +5,7 @@ import pytest
 from conftest import gpt_config
 from paper_tables import KORTHIKANTI_TABLE2
 
-from advisor.specs import Layout, ModelSpec
+from specs.core import Layout, ModelSpec
 from planner.memory import layer_activation_bytes, micro_batches_in_flight
 from profiler.model_trace import trace_model
 
@@ -26,7 +26,7 @@ ROWS = [  # (Table 2 row, sequence parallel, recompute)
     ("tensor_sequence_parallel", True, "none"),
     ("full_recompute", False, "full"),
 ]
-# "selective" is torch's op-level policy (advisor.specs.SELECTIVE_POLICY), not Table 2's attention-core
+# "selective" is torch's op-level policy (specs.core.SELECTIVE_POLICY), not Table 2's attention-core
 # variant: a GPT layer keeps its input (2sbh bytes) and its GEMM outputs, c_attn 3h and c_fc 4h inside
 # the TP region, the two c_proj h outside it (2 bytes each); eager attention's batched matmuls and the
 # dropout masks are recomputed. Sequence parallelism also splits the input and the c_proj outputs.

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import trainer.loop as loop
-from advisor.capabilities import config_shape, runnable_problem
-from advisor.plan_file import load_plan
-from advisor.specs import Layout, ModelSpec
+from specs.capabilities import config_shape, runnable_problem
+from specs.plan_file import load_plan
+from specs.core import Layout, ModelSpec
 from test_trainer import CONFIG, make_plan_file, read_jsonl
 from trainer.loop import TrainOptions, train
 from trainer.model import build_filled_model

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from advisor.specs import Layout, ModelSpec
+from specs.core import Layout, ModelSpec
 from planner.cost_model import stage_memory
 from planner.plan import PlanOptions, _request
 from presets import load_hardware, load_task

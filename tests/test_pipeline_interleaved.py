@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from advisor.capabilities import ENGINES, config_shape, runnable_problem
-from advisor.layout_rules import pipeline_problem
-from advisor.plan_file import load_plan
-from advisor.specs import Layout, ModelSpec, chunk_layers
+from specs.capabilities import ENGINES, config_shape, runnable_problem
+from specs.layout_rules import pipeline_problem
+from specs.plan_file import load_plan
+from specs.core import Layout, ModelSpec, chunk_layers
 from planner.memory import micro_batches_in_flight
 from test_trainer import CONFIG, make_plan_file
 from test_trainer_parallel import _train_forked
@@ -90,7 +90,7 @@ def _schedule_peak_activations(layout: Layout, layers: int, rank: int, recompute
 
 @pytest.mark.parametrize("pp, vpp, gas", [(2, 2, 4), (3, 2, 3), (4, 3, 8), (2, 4, 2)])
 def test_priced_in_flight_activations_equal_torchs_schedule_on_even_chunks_and_bound_it_otherwise(pp, vpp, gas) -> None:
-    from advisor.specs import layers_per_stage
+    from specs.core import layers_per_stage
 
     kept = 0.25  # what a recomputed layer keeps, relative to a whole layer's activations
     for layers in range(pp * vpp, 3 * pp * vpp + 1):
@@ -124,7 +124,7 @@ def test_the_declaration_admits_interleaving_and_zero3_under_pp() -> None:
 def test_stage_split_ilp_equals_brute_force_for_uneven_interleaved_splits(memory_share) -> None:
     import itertools
 
-    from advisor.errors import UsageError
+    from specs.errors import UsageError
     from planner.cost_model import estimate_from_trace
     from planner.search import StageProgram, _all_coefficients
     from profiler.model_trace import trace_model

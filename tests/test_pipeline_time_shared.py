@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from advisor.specs import Layout
+from specs.core import Layout
 from planner.cost_model import StageTime, micro_batches_seconds
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from advisor.plan_file import PlanAssumptions, load_plan
+from specs.plan_file import PlanAssumptions, load_plan
 from planner.granularity import restage
 from planner.plan import PlanOptions, make_plan
 from presets import load_hardware, load_model, load_task

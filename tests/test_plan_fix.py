@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from advisor.capabilities import config_shape, runnable_problem
+from specs.capabilities import config_shape, runnable_problem
 from advisor.cli import app
-from advisor.plan_file import load_plan
-from advisor.specs import Layout
+from specs.plan_file import load_plan
+from specs.core import Layout
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from presets import load_hardware, load_model

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from advisor.errors import UsageError
-from advisor.specs import HardwareSpec, Layout, ModelSpec
-from advisor.capabilities import runnable_problem
+from specs.errors import UsageError
+from specs.core import HardwareSpec, Layout, ModelSpec
+from specs.capabilities import runnable_problem
 from planner.cost_model import estimate_from_trace, model_shape
 from planner.search import PlanRequest, SearchSpace, search
 from profiler.model_trace import trace_model
@@ -39,7 +39,7 @@ def compositions(total: int, parts: int):
 def brute_force(trace, hw: HardwareSpec, devices: int, batch: int, min_fraction: float, margin: float,
                 runnable_only: bool = False):
     """Every layout of the space with every split and recompute count, scored by the cost model;
-    `runnable_only`: only those `advisor train` runs (advisor/capabilities.py)."""
+    `runnable_only`: only those `advisor train` runs (specs/capabilities.py)."""
     capacity = hw.usable_bytes * (1 - margin)
     best = None
     layers = trace.num_layers

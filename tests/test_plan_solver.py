@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from advisor.errors import UsageError
-from advisor.specs import Layout
+from specs.errors import UsageError
+from specs.core import Layout
 from planner import search
 from planner.cost_model import estimate_from_trace
 from planner.search import StageProgram, _all_coefficients, _divisors

@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.errors import UsageError
-from advisor.specs import Layout
+from specs.errors import UsageError
+from specs.core import Layout
 from planner.cost_model import estimate, estimate_from_trace
 from presets import load_hardware, load_model
 from profiler import run_profile as rp
@@ -22,7 +22,7 @@ from profiler.calibration_steps import calibration_model, fit_layouts
 from planner.calibration import decompose, fit_factors, fit_to_steps, with_factors
 from profiler.hardware_bench import RING_FACTORS, fit_alpha_beta
 from profiler.model_trace import trace_model
-from advisor.profile import HardwareProfile, Inventory, Measurement, load_profile
+from specs.profile import HardwareProfile, Inventory, Measurement, load_profile
 from profiler.inventory import this_host
 
 runner = CliRunner()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from advisor.specs import ModelSpec
+from specs.core import ModelSpec
 from planner.calibration import fit_to_steps, with_factors
 from planner.cost_model import estimate_from_trace
 from presets import load_hardware

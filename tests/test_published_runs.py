@@ -49,8 +49,8 @@ def test_the_fsdp_engine_reduces_gradients_in_bf16_where_ours_reduces_in_fp32() 
     """llm-foundry's FSDP (mixed precision PURE) and fms-fsdp (bfSixteen) reduce in bf16: of ZeRO-3's
     three collectives per micro-batch (two bf16 gathers, one reduce-scatter of gradients the size of
     the weights), the reduction halves, so the traffic is 3/4 of our FSDP2's (fp32 reductions)."""
-    from advisor.engine_traits import FSDP_BF16
-    from advisor.specs import Layout
+    from specs.engine_traits import FSDP_BF16
+    from specs.core import Layout
     from planner.cost_model import estimate
     from presets import load_hardware, load_model
 

@@ -8,8 +8,8 @@ import torch
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.plan_file import load_plan
-from advisor.specs import Layout, ModelSpec
+from specs.plan_file import load_plan
+from specs.core import Layout, ModelSpec
 from planner.cost_model import stage_memory
 from planner.plan import PlanOptions, make_plan
 from presets import load_hardware, load_task
@@ -98,7 +98,7 @@ def test_qlora_keeps_the_plans_recomputation(recompute: str) -> None:
 
 
 def test_a_training_forward_after_a_backward_that_missed_the_adapters_is_refused() -> None:
-    from advisor.errors import UsageError
+    from specs.errors import UsageError
     from trainer.model import build_model
 
     model = build_model(MODEL, _qlora_layout(), seed=0)

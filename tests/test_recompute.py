@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from advisor.specs import SELECTIVE_SAVED_OPS, Layout, ModelSpec
+from specs.core import SELECTIVE_SAVED_OPS, Layout, ModelSpec
 from test_trainer_parallel import unsplit_losses  # noqa: F401 (fixture)
 from trainer.recompute import recomputed_layer_indices
 

@@ -12,9 +12,9 @@ from test_model_families import DIMS, SEQ, WORDS, runner
 from test_model_families import _tokenizer as write_word_tokenizer
 
 from advisor.cli import app
-from advisor.errors import UsageError
-from advisor.remote_code import code_digest
-from advisor.specs import Layout, ModelSpec
+from specs.errors import UsageError
+from specs.remote_code import code_digest
+from specs.core import Layout, ModelSpec
 from presets import load_model
 from trainer.data.tokenizer import load_tokenizer
 from trainer.model import build_model

@@ -30,7 +30,7 @@ import yaml
 from typer.testing import CliRunner
 
 from advisor.cli import app
-from advisor.specs import GiB
+from specs.core import GiB
 from presets import load_task
 from browser import render
 from planner.time_to_train import time_to_train

@@ -9,18 +9,18 @@ import random
 
 import pytest
 
-from advisor.capabilities import config_shape, runnable_problem
+from specs.capabilities import config_shape, runnable_problem
 from advisor.cli.run_chain import TRAINER_SPACE, RunOptions, run_chain, trainable_plan
-from advisor.errors import UsageError
-from advisor.plan_file import load_plan
-from advisor.specs import Layout
+from specs.errors import UsageError
+from specs.plan_file import load_plan
+from specs.core import Layout
 from presets import load_task
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from presets import load_hardware, load_model
 from planner.feedback import (feed_back, observation, predict_step, refit, refit_checked,
                                relative_errors, rms, with_efficiency)
-from advisor.profile import Feedback, HardwareProfile, HostFingerprint, Inventory, load_profile
+from specs.profile import Feedback, HardwareProfile, HostFingerprint, Inventory, load_profile
 from trainer.verify import Trial, Verification, apply, choose, verify
 
 from test_trainer import make_plan_file  # the tiny model's plan file, shared with the trainer's tests
@@ -187,7 +187,7 @@ def test_verification_trials_time_what_the_trainer_runs() -> None:
     import statistics
 
     from test_trainer import CONFIG
-    from advisor.specs import ModelSpec
+    from specs.core import ModelSpec
     from trainer.engines import make_engine
     from trainer.loop import TrainOptions
     from trainer.model import build_model

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from advisor.errors import UsageError
-from advisor.plan_file import load_plan
+from specs.errors import UsageError
+from specs.plan_file import load_plan
 from test_trainer import make_plan_file
 from trainer.loop import TrainOptions, train
 from trainer.run_identity import IN_THE_WAY, claim, move_in_the_way_aside

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 import advisor.cli.run_chain as run_chain
 from advisor.cli import app
-from advisor.profile import load_profile
-from advisor.specs import Layout
+from specs.profile import load_profile
+from specs.core import Layout
 from planner.feedback import (MAX_PRICE_MISS, can_price, observation, predict_step, price_miss, refitted_hardware,
                               with_efficiency)
 from presets import load_hardware, load_model

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from advisor.plan_file import load_plan
+from specs.plan_file import load_plan
 from test_trainer import make_plan_file, read_jsonl
 from trainer.loop import TrainOptions, train
 from trainer.schedule import wsd_lr
@@ -104,7 +104,7 @@ def test_the_task_schema_takes_the_schedule_and_the_ramp(tmp_path) -> None:
     assert task.lr_schedule == "wsd" and task.stages[1].ramp_steps == 3
     data["lr_schedule"] = "linear"
     path.write_text(yaml.safe_dump(data))
-    from advisor.errors import UsageError
+    from specs.errors import UsageError
 
     with pytest.raises(UsageError, match="lr_schedule"):
         load_task(str(path))
@@ -116,7 +116,7 @@ def test_which_trained_steps_a_longer_run_leaves_at_their_rates() -> None:
     Written out: WSD's stable phase does (a run stopped before its decay, lengthened: the decay moves
     later), its decay does not; cosine re-warm-up decays over the stage, so a longer stage changes
     the rate from the first step after the warm-up; constant holds the rate whatever the length."""
-    from advisor.task import StageSpec, TaskSpec
+    from specs.task import StageSpec, TaskSpec
     from trainer.schedule import first_changed_rate
 
     def task(schedule: str) -> TaskSpec:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from advisor.specs import Layout, ModelSpec
+from specs.core import Layout, ModelSpec
 from test_trainer import CONFIG
 from test_trainer_parallel import STEPS, _plan, _train_forked, unsplit_losses  # noqa: F401 (fixture)
 

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from advisor.errors import UsageError
-from advisor.specs import Layout, parse_layout_string, resolve_layout
+from specs.errors import UsageError
+from specs.core import Layout, parse_layout_string, resolve_layout
 from presets import PRESETS_DIR, load_hardware, load_model, load_task, preset_data, preset_names
 
 
@@ -137,7 +137,7 @@ def test_a_model_config_with_nan_is_refused(tmp_path) -> None:
     (lambda p: p["solver"].update(seconds=float("inf")), "solver: seconds is not a finite number"),
 ])
 def test_plan_file_numbers_are_finite_and_bounded(tmp_path, change, message: str) -> None:
-    from advisor.plan_file import load_plan
+    from specs.plan_file import load_plan
     from planner.plan import PlanOptions, make_plan
 
     plan = make_plan(PlanOptions(model=load_model("demo-tiny"), hardware=load_hardware("a100-80g"), gpus_per_node=1,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from advisor.errors import UsageError
-from advisor.task import SpikeGuardSpec, read_task_file
+from specs.errors import UsageError
+from specs.task import SpikeGuardSpec, read_task_file
 from presets import load_task
 from trainer.spike import SpikeGuard
 

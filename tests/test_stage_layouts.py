@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from advisor.plan_file import load_plan, stage_segments
-from advisor.specs import Layout, ModelSpec
+from specs.plan_file import load_plan, stage_segments
+from specs.core import Layout, ModelSpec
 from planner.plan import PlanOptions, make_plan
 from presets import load_hardware, load_task
 from test_trainer import CONFIG, write_task

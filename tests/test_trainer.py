@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from advisor.plan_file import load_plan
+from specs.plan_file import load_plan
 from planner.plan import PlanOptions, make_plan
-from advisor.specs import ModelSpec
+from specs.core import ModelSpec
 from presets import load_task
 from presets import load_hardware
 from trainer.loop import TrainOptions, train

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from advisor.errors import UsageError
-from advisor.plan_file import load_plan
-from advisor.specs import ModelSpec
+from specs.errors import UsageError
+from specs.plan_file import load_plan
+from specs.core import ModelSpec
 from presets import load_task
 from planner.plan import PlanOptions, make_plan
 from presets import load_hardware

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from advisor.errors import UsageError
-from advisor.plan_file import load_plan
-from advisor.specs import Layout, ModelSpec, layers_per_stage
+from specs.errors import UsageError
+from specs.plan_file import load_plan
+from specs.core import Layout, ModelSpec, layers_per_stage
 from test_trainer import CONFIG, _free_port, make_plan_file, read_jsonl
 
 UNSPLIT = {"dp": 1, "tp": 1, "pp": 1, "mbs": 1, "gas": 4, "zero": 0, "dtype": "fp32"}

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 import trainer.launch
 import trainer.loop as loop
 from advisor.cli import app
-from advisor.errors import UsageError
-from advisor.plan_file import load_plan
+from specs.errors import UsageError
+from specs.plan_file import load_plan
 from test_trainer import _free_port, make_plan_file, read_jsonl
 from profiler.tensor_memory import load_counter
 from trainer import checkpoint

@@ -28,8 +28,8 @@ RECORD_LAUNCH_ENV = textwrap.dedent("""
     import json, os, subprocess, sys
     from pathlib import Path
     import advisor.cli.run_chain, advisor.cli.compose  # the verb's imports (the profiler, verify, timed steps)
-    from advisor.plan_file import load_plan
-    from advisor.specs import Layout
+    from specs.plan_file import load_plan
+    from specs.core import Layout
     from trainer import launch
     from trainer.engines.deepspeed_zero import import_deepspeed
     from trainer.options import TrainOptions
@@ -111,7 +111,7 @@ def _launched_threads(tmp_path: Path, monkeypatch, devices: int, threads_per_dev
     """The CPU threads one rank of a `devices`-rank plan trains with, on hardware whose device is
     `threads_per_device` threads (a profile) or undefined (a preset), with OMP_NUM_THREADS=7 set by
     the user: the in-process rank's torch threads, or the launched ranks' OMP_NUM_THREADS."""
-    from advisor.plan_file import load_plan
+    from specs.plan_file import load_plan
     from trainer import launch
     from trainer.options import TrainOptions
 

@@ -3,7 +3,7 @@
 import pytest
 from paper_tables import ZERO_TABLE1, ZERO_TABLE1_PRINTED
 
-from advisor.specs import Layout
+from specs.core import Layout
 from planner.memory import model_state_bytes
 
 COLUMNS = {"baseline_gb": 0, "os_gb": 1, "os_g_gb": 2, "os_g_p_gb": 3}
@@ -72,7 +72,7 @@ def test_qlora_stores_frozen_linear_weights_in_nf4() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# per engine: what each of the trainer's engines keeps (advisor.capabilities.engine_for)
+# per engine: what each of the trainer's engines keeps (specs.capabilities.engine_for)
 
 
 def test_plain_engine_keeps_fp32_weights_and_moments_in_bf16() -> None:
@@ -137,7 +137,7 @@ def _held_after_one_step(layout: Layout, choice: str) -> dict[str, int]:
     the optimizer step (Adam's moments exist from then on)."""
     import torch
 
-    from advisor.specs import ModelSpec
+    from specs.core import ModelSpec
     from trainer.engines import make_engine
     from trainer.model import build_model
 
@@ -177,7 +177,7 @@ def _priced(params: float, layout: Layout, engine: str):
 def _stage_params(rank: int, layout: Layout) -> int:
     """Parameters this rank's pipeline stage holds (whole model when pp = 1), from the unsplit model's
     names: stage 0 the embedding and first layer, stage 1 the second layer, final norm and head."""
-    from advisor.specs import ModelSpec
+    from specs.core import ModelSpec
     from trainer.model import build_model
 
     model = build_model(ModelSpec(name="tiny", hf_config=TINY), Layout(**FP32), seed=0)  # meta: shapes only

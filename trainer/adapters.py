@@ -14,9 +14,9 @@ from functools import partial
 
 import torch
 
-from advisor.errors import UsageError
-from advisor.specs import Layout
-from advisor.task import AdapterSpec
+from specs.errors import UsageError
+from specs.core import Layout
+from specs.task import AdapterSpec
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.engines.base import device
 

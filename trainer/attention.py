@@ -13,7 +13,7 @@ does not continue by one, as transformers' own packed-sequence test reads them):
   nor varlen FlashAttention (CUDA only) trains on a CPU.
 
 Anything else (a padding mask, a KV cache's decode step) runs transformers' own SDPA path. Which
-models run this kernel is declared once, in `advisor.capabilities.attention_implementation`.
+models run this kernel is declared once, in `specs.capabilities.attention_implementation`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from advisor.capabilities import DOCUMENT_ATTENTION
+from specs.capabilities import DOCUMENT_ATTENTION
 
 
 def document_bounds(position_ids: torch.Tensor) -> torch.Tensor:

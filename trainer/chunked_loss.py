@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from advisor.capabilities import LOSS_CHUNK_TOKENS
+from specs.capabilities import LOSS_CHUNK_TOKENS
 from trainer.batch import IGNORE
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from advisor.errors import UsageError
-from advisor.task import DataSource, StageSpec, TaskSpec
+from specs.errors import UsageError
+from specs.task import DataSource, StageSpec, TaskSpec
 from trainer.data.chat_templates import builtin_template, use_builtin_template
 from trainer.data.demo_corpus import generate_command
 from trainer.data.formats import (BadRow, HFRowTokenizer, LossRule, prompt_and_answer, render_example,

@@ -1,7 +1,7 @@
 """`advisor train PLAN --dry-run`: every stage's layout checked against this trainer on the meta
 device (no devices, no data), and what each rank would hold.
 
-The checks are the trainer's own: the capability declaration (`advisor.capabilities`, as
+The checks are the trainer's own: the capability declaration (`specs.capabilities`, as
 `make_engine` calls it), the built model's module layout (`check_parallel_layout`, as the TP and
 pipeline engines call it) and the pipeline cut (`layers_per_stage`). The model is built on the
 meta device, so a 405B model costs seconds and no memory.
@@ -24,11 +24,11 @@ from typing import Any, Iterable
 
 import torch
 
-from advisor.capabilities import COLUMN_PARALLEL, ROW_PARALLEL, check_runnable, config_shape, engine_for
-from advisor.engine_traits import traits
-from advisor.errors import UsageError
-from advisor.plan_file import Plan
-from advisor.specs import Layout, ModelSpec, layers_per_stage
+from specs.capabilities import COLUMN_PARALLEL, ROW_PARALLEL, check_runnable, config_shape, engine_for
+from specs.engine_traits import traits
+from specs.errors import UsageError
+from specs.plan_file import Plan
+from specs.core import Layout, ModelSpec, layers_per_stage
 from planner.cost_model import default_split, stage_memory
 from planner.memory import model_state_bytes
 from profiler.attention_support import SDPA, runnable_attention

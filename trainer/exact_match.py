@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from advisor.task import TaskSpec
+from specs.task import TaskSpec
 from trainer.corpus import read_answer_pairs
 
 # A pipeline engine's model is its chunks run in turn (trainer/engines/pipeline.py PipelineForward):

@@ -1,6 +1,6 @@
 """The settings of a fine-tune: a plan made without `--task`, trained over `--data` from `--weights`.
 
-A task's defaults (advisor/task.py: lr 3e-4, 20 warm-up steps) are pre-training's. Fine-tuning a
+A task's defaults (specs/task.py: lr 3e-4, 20 warm-up steps) are pre-training's. Fine-tuning a
 trained model wants others, the ones fine-tuning recipes use: LoRA and QLoRA around 2e-4, full
 fine-tuning around 1e-5 (a rate that high would undo what the weights learned), a warm-up that is
 a share of the run's own steps (a fixed 20 steps is the whole of a short run), then cosine decay to
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from advisor.errors import UsageError
-from advisor.specs import Layout
-from advisor.task import AdapterSpec, DataSource, TaskSpec
+from specs.errors import UsageError
+from specs.core import Layout
+from specs.task import AdapterSpec, DataSource, TaskSpec
 
 LEARNING_RATES = {"full": 1e-5, "lora": 2e-4, "qlora": 2e-4}
 WARMUP_RATIO = 0.1

@@ -1,7 +1,7 @@
 """The full model weights at a segment boundary, in the one format every engine reads back.
 
 A curriculum stage may run its own layout: other devices, another method, other degrees
-(`advisor.plan_file.stage_segments`). Engines' own checkpoints do not cross that line: DeepSpeed's
+(`specs.plan_file.stage_segments`). Engines' own checkpoints do not cross that line: DeepSpeed's
 partitions, FSDP2's and the pipeline's DCP shards and a LoRA model's adapters each describe one
 layout. So the last checkpoint of a segment also holds `model/`: the full weights under Hugging
 Face's parameter names (LoRA adapters merged into their base), in the training's master precision,
@@ -30,8 +30,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from advisor.remote_code import save_model_code
-from advisor.specs import ModelSpec
+from specs.remote_code import save_model_code
+from specs.core import ModelSpec
 from trainer.data.tokenizer import load_tokenizer
 
 HANDOFF_DIR = "model"

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from advisor import environment
-from advisor.errors import UsageError
-from advisor.plan_file import Plan, segment_of
-from advisor.specs import HardwareSpec
+from specs import environment
+from specs.errors import UsageError
+from specs.plan_file import Plan, segment_of
+from specs.core import HardwareSpec
 from profiler.inventory import cpu_cores
 from profiler.ranks import free_port, init_device_and_group, slurm_topology
 from trainer import checkpoint
@@ -58,7 +58,7 @@ def launch_command(launch_file: Path, timeout_s: float, nproc: int, nnodes: int,
 def run(plan: Plan, out: Path, resume: bool, options: TrainOptions, nnodes: int | None = None, node_rank: int = 0,
         master_addr: str = "127.0.0.1", master_port: int = DEFAULT_PORT) -> dict | None:
     """Train the plan: one launch of ranks per segment of stages that share a layout
-    (`advisor.plan_file.stage_segments`); each after the first resumes from the full weights the
+    (`specs.plan_file.stage_segments`); each after the first resumes from the full weights the
     previous one handed on."""
     while True:
         segment = segment_of(plan, _next_stage(out) if resume else 0)

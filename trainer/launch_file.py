@@ -16,8 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from advisor.errors import UsageError
-from advisor.plan_file import Plan
+from specs.errors import UsageError
+from specs.plan_file import Plan
 from trainer.options import TrainOptions
 
 LAUNCH_FILE_VERSION = 1

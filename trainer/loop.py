@@ -25,12 +25,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from advisor.errors import TrainingStopped, UsageError
-from advisor.engine_traits import traits
-from advisor.capabilities import EngineChoice
-from advisor.plan_file import Plan, StagePlan, load_plan, segment_of
-from advisor.specs import Layout, ModelSpec
-from advisor.task import AdapterSpec, StageSpec, check_stage_name
+from specs.errors import TrainingStopped, UsageError
+from specs.engine_traits import traits
+from specs.capabilities import EngineChoice
+from specs.plan_file import Plan, StagePlan, load_plan, segment_of
+from specs.core import Layout, ModelSpec
+from specs.task import AdapterSpec, StageSpec, check_stage_name
 from planner.export import model_deepspeed_config
 from profiler.hardware_bench import TORCH_DTYPES
 from profiler.tensor_memory import TensorMemory

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 
 PENDING = "pending_init"  # the attribute of a meta-built model that says how to fill it
 

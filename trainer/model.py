@@ -11,18 +11,18 @@ from pathlib import Path
 
 import torch
 
-from advisor.capabilities import DOCUMENT_ATTENTION, attention_implementation
-from advisor.errors import UsageError
-from advisor.specs import Layout, ModelSpec
+from specs.capabilities import DOCUMENT_ATTENTION, attention_implementation
+from specs.errors import UsageError
+from specs.core import Layout, ModelSpec
 from profiler.attention_support import runnable_attention
-from advisor.task import AdapterSpec
+from specs.task import AdapterSpec
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.adapters import apply_lora
 from trainer.attention import register_document_attention
 from trainer.engines.base import device
 from trainer.materialize import build_on_meta, materialize, pending_init
 from trainer.recompute import apply_recomputation
-from advisor.remote_code import code_loaded, ensure_model_code, load_model_code, refuse_remote_code
+from specs.remote_code import code_loaded, ensure_model_code, load_model_code, refuse_remote_code
 
 
 # What a saved config.json carries besides the model's computation: where and by what it was saved, the
@@ -75,7 +75,7 @@ def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None 
 
     torch.manual_seed(seed)
     # refused at once without the opt-in, rather than transformers asking "run the custom code? [y/N]"
-    # inside a training log; with it, the folder's classes are registered (advisor.remote_code)
+    # inside a training log; with it, the folder's classes are registered (specs.remote_code)
     if weights and refuse_remote_code(Path(weights), "config.json", "--weights", trusted):
         load_model_code(Path(weights))
     elif not weights and not code_loaded(spec.hf_config, spec.source):
@@ -90,7 +90,7 @@ def build_model(spec: ModelSpec, layout: Layout, seed: int, weights: str | None 
     model = build_on_meta(lambda: AutoModelForCausalLM.from_config(config, attn_implementation=attention,
                                                                    dtype=torch.float32), seed, weights)
     if layout.dtype != "fp32" and layout.zero == 0 and layout.method != "full":
-        # LoRA/QLoRA: the frozen base in 16 bits, peft's adapters in fp32 (advisor.capabilities
+        # LoRA/QLoRA: the frozen base in 16 bits, peft's adapters in fp32 (specs.capabilities
         # `precision`: frozen16). Full fine-tuning keeps fp32 weights whatever the dtype: autocast or
         # FSDP2's MixedPrecisionPolicy computes in 16 bits, DeepSpeed casts itself from its config.
         model = model.to(TORCH_DTYPES[layout.dtype])

@@ -21,10 +21,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from advisor.errors import UsageError
-from advisor.engine_traits import traits
-from advisor.profile import cpu_model_name
-from advisor.specs import Layout
+from specs.errors import UsageError
+from specs.engine_traits import traits
+from specs.profile import cpu_model_name
+from specs.core import Layout
 from presets import cache_dir
 from trainer.engines import select_backend
 

@@ -28,9 +28,9 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from advisor.errors import UsageError
-from advisor.plan_file import Plan
-from advisor.task import DataPrepSpec, DataSource, StageSpec, TaskSpec
+from specs.errors import UsageError
+from specs.plan_file import Plan
+from specs.task import DataPrepSpec, DataSource, StageSpec, TaskSpec
 from planner.granularity import restage
 from trainer.corpus import load_source, source_format, tokenizer_for
 from trainer.data.manifest import MANIFEST_NAME, read_manifest, task_fingerprint

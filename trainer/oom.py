@@ -6,7 +6,7 @@ only what the running processes can change in place: micro-batch size, accumulat
 recomputation and offload. Anything that needs another world size, another parallel shape or
 another engine (ZeRO stage, method, dtype) cannot load the same checkpoint in the same processes
 and is skipped, with the reason recorded; so is any layout the trainer does not run for this model
-(`advisor.capabilities.runnable_problem`, the judge the planner's search and `make_engine` use).
+(`specs.capabilities.runnable_problem`, the judge the planner's search and `make_engine` use).
 
 The loop leaves the `except` block before it rebuilds: until then the exception's traceback keeps
 the failed step's frames, and with them its activations and gradients, alive.
@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from advisor import environment
-from advisor.capabilities import config_shape, runnable_problem
-from advisor.errors import UsageError
-from advisor.plan_file import Plan
-from advisor.specs import Layout
+from specs import environment
+from specs.capabilities import config_shape, runnable_problem
+from specs.errors import UsageError
+from specs.plan_file import Plan
+from specs.core import Layout
 
 ENV = "ADVISOR_INJECT_OOM"
 RELAUNCH = "oom_relaunch.json"  # in the run dir: the layout the launcher restarts the ranks with

@@ -1,14 +1,14 @@
 """Apply a plan's parallel degrees to an HF decoder model with PyTorch's own pieces.
 
 In torchtitan's order and spirit: one device mesh owns the degrees (``ParallelMesh``, built
-from ``advisor.specs.Layout``), then small ``apply_*`` functions each do one thing, applied in a
+from ``specs.core.Layout``), then small ``apply_*`` functions each do one thing, applied in a
 fixed order by ``parallelize``: tensor parallelism (DTensor ``parallelize_module``), then
 sharded data parallelism (FSDP2 ``fully_shard``, gathering 16-bit weights from fp32 shards);
 without it the weights stay fp32 and the engine computes under autocast (``trainer.engines.base``).
 With ``sp``, sequence parallelism runs inside the tensor-parallel step (``apply_tensor_parallel``,
 ``apply_sequence_parallel_ends``). Activation checkpointing is applied when the model is built
 (``trainer.recompute``), since every engine, DeepSpeed's included, needs it. What these engines run is declared in
-``advisor.capabilities``; ``check_parallel_layout`` adds what only the built model shows.
+``specs.capabilities``; ``check_parallel_layout`` adds what only the built model shows.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from advisor.capabilities import COLUMN_PARALLEL, ROW_PARALLEL, SEQUENCE_PARALLEL_NORMS
-from advisor.errors import UsageError
-from advisor.specs import Layout
+from specs.capabilities import COLUMN_PARALLEL, ROW_PARALLEL, SEQUENCE_PARALLEL_NORMS
+from specs.errors import UsageError
+from specs.core import Layout
 from profiler.hardware_bench import TORCH_DTYPES
 
 
@@ -67,7 +67,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def check_parallel_layout(model: torch.nn.Module, layout: Layout) -> None:
-    """What the declaration (advisor/capabilities.py, checked in `make_engine`) cannot see from a
+    """What the declaration (specs/capabilities.py, checked in `make_engine`) cannot see from a
     config: the Llama-style module layout that tensor and pipeline parallelism cut."""
     decoder_layers(model)
     if layout.tp > 1:
@@ -212,5 +212,5 @@ def parallelize(module: torch.nn.Module, mesh: ParallelMesh, layout: Layout, lay
     if layout.dp > 1:
         apply_fsdp(module, fsdp_units(), mesh.mesh["dp"], reshard_after_forward=reshard_after_forward,
                    param_dtype=compute_dtype(module, layout))
-    # without FSDP2 the weights stay fp32 and the engine computes under autocast (advisor.capabilities
+    # without FSDP2 the weights stay fp32 and the engine computes under autocast (specs.capabilities
     # `precision`): a cast of the module itself would leave AdamW bf16 weights and moments

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from advisor.errors import UsageError
-from advisor.plan_file import Plan
-from advisor.specs import Layout
+from specs.errors import UsageError
+from specs.plan_file import Plan
+from specs.core import Layout
 from trainer.data.mixing import Reading
 from trainer.fine_tune import FineTuneFlags
 from trainer.run_identity import move_in_the_way_aside, refuse_or_move_aside

@@ -25,8 +25,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from advisor.errors import UsageError
-from advisor.task import TaskSpec
+from specs.errors import UsageError
+from specs.task import TaskSpec
 from trainer.data.manifest import default_out_dir, read_manifest, task_fingerprint
 from trainer.batch import MicroBatch
 from trainer.data.shards import stage_shards

@@ -1,10 +1,10 @@
 """Activation recomputation of the decoder layers a plan recomputes, as the cost model prices it.
 
 "full" checkpoints whole decoder layers (only each layer's input is kept). "selective" is torch's
-op-level selective activation checkpointing (`advisor.specs.SELECTIVE_POLICY`): inside a
+op-level selective activation checkpointing (`specs.core.SELECTIVE_POLICY`): inside a
 checkpointed layer the outputs of the GEMMs and of the attention kernel are cached in forward and
 handed back when backward re-runs the layer, so only the element-wise ops (norms, rotary,
-activations, residual adds) run twice. The op list is `advisor.specs.SELECTIVE_SAVED_OPS`, which
+activations, residual adds) run twice. The op list is `specs.core.SELECTIVE_SAVED_OPS`, which
 the trace (`profiler.model_trace`) reads too, so what is priced is what is kept.
 
 Applied when the model is built, for every engine (DeepSpeed's included), before LoRA wraps it.
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from advisor.specs import SELECTIVE_SAVED_OPS, Layout, chunk_layers, layers_per_stage
+from specs.core import SELECTIVE_SAVED_OPS, Layout, chunk_layers, layers_per_stage
 
 
 def selective_policy() -> Callable[..., Any]:

@@ -25,10 +25,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from advisor import environment
-from advisor.errors import UsageError
-from advisor.plan_file import Plan
-from advisor.specs import Layout
+from specs import environment
+from specs.errors import UsageError
+from specs.plan_file import Plan
+from specs.core import Layout
 from trainer.data.sources import expand_source_path, file_type_of
 from trainer.file_digests import FileDigests, combined
 from trainer.options import TrainOptions

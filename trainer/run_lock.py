@@ -18,7 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

@@ -19,7 +19,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from advisor.task import TaskSpec
+    from specs.task import TaskSpec
 
 
 def stage_lr(step_in_stage: int, stage_steps: int, peak: float, warmup: int, min_ratio: float) -> float:

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from advisor import environment
-from advisor.errors import UsageError
+from specs import environment
+from specs.errors import UsageError
 
 MANIFEST = "manifest.json"
 DELAY_ENV = "ADVISOR_CHECKPOINT_DELAY_S"

@@ -3,7 +3,7 @@
 A step is a spike when its loss or gradient norm is not finite, or (after a warm-up window) the
 loss or the gradient norm crosses its threshold: its running mean plus so many running standard
 deviations, and so many times that mean (gradient norms are noisy early in a stage: both margins
-must be crossed). The margins are the task's `spike_guard` (advisor/task.py `SpikeGuardSpec`).
+must be crossed). The margins are the task's `spike_guard` (specs/task.py `SpikeGuardSpec`).
 Running statistics are exponential moving averages updated with good steps only, so a spike does
 not excuse the next.
 The decision is taken from values already all-reduced (the loss is averaged over data-parallel
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from advisor.task import SpikeGuardSpec
+from specs.task import SpikeGuardSpec
 
 
 @dataclass

@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from advisor.capabilities import EngineChoice, check_runnable, config_shape
-from advisor.engine_traits import traits
-from advisor.specs import Layout, ModelSpec
+from specs.capabilities import EngineChoice, check_runnable, config_shape
+from specs.engine_traits import traits
+from specs.core import Layout, ModelSpec
 from profiler.ranks import finish_rank, free_port, init_rank, launch
 from trainer.batch import MicroBatch
 from trainer.engines import device, select_backend

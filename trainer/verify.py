@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 import torch
 
-from advisor.plan_file import Plan, PlannedLayout
-from advisor.specs import HardwareSpec, Layout
+from specs.plan_file import Plan, PlannedLayout
+from specs.core import HardwareSpec, Layout
 from planner.granularity import restage
 from profiler.ranks import free_port
 from trainer.launch import cpu_threads, run as run_training

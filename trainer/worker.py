@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from advisor import environment
-from advisor.errors import UsageError
+from specs import environment
+from specs.errors import UsageError
 from trainer.launch_file import read_launch_file
 from trainer.run_lock import die_with_parent
 

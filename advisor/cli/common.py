@@ -11,11 +11,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from advisor import environment
-from advisor.errors import UsageError
-from advisor.remote_code import TRUST_FLAG, TRUST_HELP
-from advisor.specs import LAYOUT_KEYS_HELP, MIN_COMPUTE_FRACTION, ModelSpec  # noqa: F401  (the verbs' default)
-from advisor.task import TaskSpec
+from specs import environment
+from specs.errors import UsageError
+from specs.remote_code import TRUST_FLAG, TRUST_HELP
+from specs.core import LAYOUT_KEYS_HELP, MIN_COMPUTE_FRACTION, ModelSpec  # noqa: F401  (the verbs' default)
+from specs.task import TaskSpec
 from trainer.data.manifest import manifest_stage_tokens
 
 console = Console()
@@ -30,7 +30,7 @@ LAYOUT_HELP = "Layout keys (comma-separated key=value; left-out keys take defaul
 # the demo's files or runs outgrow any disk or day
 MAX_SCALE = 1000.0
 # Every verb that reads a user's model or tokenizer folder takes it: without it, a folder naming Python
-# code of its own (auto_map) is refused in one line (advisor/remote_code.py)
+# code of its own (auto_map) is refused in one line (specs/remote_code.py)
 # (with its --no- form, so that a script can state the default explicitly)
 TRUST_REMOTE_CODE = typer.Option(False, f"{TRUST_FLAG}/--no-{TRUST_FLAG[2:]}", help=TRUST_HELP)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from advisor.profile import HardwareProfile
-from advisor.specs import Layout, ModelSpec
+from specs.profile import HardwareProfile
+from specs.core import Layout, ModelSpec
 from planner.calibration import calibrate
 from profiler.run_profile import ProfileOptions, run_profile
 from trainer.oom import is_oom

@@ -16,8 +16,8 @@ from rich.table import Table
 
 from advisor.cli.common import MAX_SCALE, check_out_folder, console, exit_on_error
 from advisor.cli.quiet import quiet_console
-from advisor.errors import UsageError
-from advisor.specs import check_number
+from specs.errors import UsageError
+from specs.core import check_number
 from presets import load_hardware, load_model, load_task
 from reports import curriculum as cc
 from reports.curriculum_variants import VARIANTS

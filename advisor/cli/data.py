@@ -16,8 +16,8 @@ import typer
 from advisor.cli.common import (MAX_SCALE, TRUST_REMOTE_CODE, check_out_folder, console, err_console, exit_on_error,
                                 print_or_render)
 from advisor.cli.render import render_data_manifest
-from advisor.errors import UsageError
-from advisor.specs import check_number
+from specs.errors import UsageError
+from specs.core import check_number
 from presets import load_task
 from trainer.data.demo_corpus import ensure_generated_data, generate_demo_corpus
 from trainer.data.manifest import default_out_dir, read_manifest

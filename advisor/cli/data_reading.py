@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import typer
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 from trainer.data.chat_templates import TEMPLATE_NAMES
 from trainer.data.mixing import Reading, check_mix, parse_probabilities
 

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from advisor.cli.common import console
 from advisor.cli.render import format_gib
-from advisor.plan_file import Plan
+from specs.plan_file import Plan
 from trainer.dry_run import LayoutCheck, dry_run, where
 
 

@@ -6,11 +6,11 @@ from typing import Optional
 
 import typer
 
-from advisor.capabilities import config_shape, cost_engine, priced_engine_problem, runnable_problem, prices_ours
+from specs.capabilities import config_shape, cost_engine, priced_engine_problem, runnable_problem, prices_ours
 from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, TRUST_REMOTE_CODE, exit_on_error
 from advisor.cli.render import render_estimate
-from advisor.errors import UsageError
-from advisor.specs import (MAX_DEVICES_PER_NODE, MAX_NODES, Estimate, check_number, check_seq_fits, parse_layout_string,
+from specs.errors import UsageError
+from specs.core import (MAX_DEVICES_PER_NODE, MAX_NODES, Estimate, check_number, check_seq_fits, parse_layout_string,
                            resolve_layout)
 from planner.cost_model import estimate as run_estimate
 from presets import load_hardware, load_model
@@ -63,7 +63,7 @@ def estimate_layout(model: str, hardware: str, layout: str, nodes: int | None, g
                     seq_len: int | None, attention: str | None, packed: bool = False, engine: str = "ours",
                     trusted: bool = False) -> Estimate:
     """Resolve the presets and the layout on its device count, then ask the cost model to price it
-    as `engine` (advisor.capabilities PRICED_ENGINES) runs it. `trusted`: --trust-remote-code."""
+    as `engine` (specs.capabilities PRICED_ENGINES) runs it. `trusted`: --trust-remote-code."""
     priced = cost_engine(engine)
     hw = load_hardware(hardware)
     spec = load_model(model, trusted)

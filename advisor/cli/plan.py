@@ -8,13 +8,13 @@ from typing import Any, Optional
 
 import typer
 
-from advisor.capabilities import prices_ours
-from advisor.profile import load_profile, looks_like_profile
+from specs.capabilities import prices_ours
+from specs.profile import load_profile, looks_like_profile
 from advisor.cli.common import (MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, TRUST_REMOTE_CODE, check_out_folder,
                                 console, exit_on_error, stage_tokens)
 from advisor.cli.render import render_plan
-from advisor.errors import UsageError
-from advisor.specs import MAX_DEVICES_PER_NODE, MAX_LORA_RANK, MAX_NODES
+from specs.errors import UsageError
+from specs.core import MAX_DEVICES_PER_NODE, MAX_LORA_RANK, MAX_NODES
 from presets import load_task
 from planner.export import export
 from planner.fix import parse_fix

@@ -9,7 +9,7 @@ from typing import Any
 from rich.table import Table
 
 from advisor.cli.common import console
-from advisor.specs import Estimate, GiB, Layout
+from specs.core import Estimate, GiB, Layout
 from profiler.stragglers import pace, straggles
 from reports.skill_story import percent, skill_stories, story_line
 

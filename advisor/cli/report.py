@@ -9,11 +9,11 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from advisor.capabilities import cost_engine, prices_ours
+from specs.capabilities import cost_engine, prices_ours
 from advisor.cli.common import (PRICED_ENGINE_HELP, TRUST_REMOTE_CODE, check_out_folder, console, err_console,
                                 exit_on_error, stage_tokens)
 from advisor.cli.render import render_capacity
-from advisor.specs import check_number
+from specs.core import check_number
 from presets import load_task
 from planner.plan import parse_duration
 from presets import load_hardware, load_model

@@ -33,17 +33,17 @@ from advisor.cli.common import MIN_COMPUTE_FRACTION, stage_tokens
 from advisor.cli.compose import profile_this_machine
 from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.cli.render import format_seconds
-from advisor.capabilities import config_shape, runnable_problem
-from advisor.errors import UsageError
-from advisor.plan_file import Plan
-from advisor.specs import HardwareSpec, ModelSpec
-from advisor.task import TaskSpec
+from specs.capabilities import config_shape, runnable_problem
+from specs.errors import UsageError
+from specs.plan_file import Plan
+from specs.core import HardwareSpec, ModelSpec
+from specs.task import TaskSpec
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from presets import cache_dir, load_hardware, load_model, load_task
 from planner.feedback import (MAX_PRICE_MISS, can_price, feed_back, observation, predict_step, price_miss,
                                refitted_hardware)
-from advisor.profile import FeedbackRound, fingerprint_mismatch, load_profile, looks_like_profile
+from specs.profile import FeedbackRound, fingerprint_mismatch, load_profile, looks_like_profile
 from profiler.inventory import this_host
 from profiler.ranks import free_port
 from profiler.run_profile import ProfileOptions
@@ -61,7 +61,7 @@ DEMO_TASK = "demo"  # the task preset `advisor run` trains when no --task is giv
 PROFILE_MAX_AGE_S = 7 * 86400
 DEFAULT_VERIFY = 3  # candidates measured before training (0: train the planner's choice untested)
 DEFAULT_VERIFY_STEPS = 4  # per candidate; the first 2 warm up and are left out
-# What `run` lets the planner choose: what the trainer's engines run (advisor/capabilities.py);
+# What `run` lets the planner choose: what the trainer's engines run (specs/capabilities.py);
 # `trainable_plan` re-checks a plan the user handed in.
 TRAINER_SPACE = SearchSpace()
 

@@ -17,12 +17,12 @@ from advisor.cli.data import require_data_extra
 from advisor.cli.progress import RunProgress, training_estimate_s
 from advisor.cli.quiet import log_path, quiet_console
 from advisor.cli.render import format_seconds, stage_results_lines
-from advisor.errors import UsageError
-from advisor.capabilities import config_shape, runnable_problem, ENGINE_CHOICES
-from advisor.plan_file import Plan, load_plan
-from advisor.remote_code import check_model_code, ensure_model_code, refuse_remote_code
-from advisor.specs import check_number
-from advisor.task import LR_SCHEDULES, MAX_EPOCHS, MAX_ROWS
+from specs.errors import UsageError
+from specs.capabilities import config_shape, runnable_problem, ENGINE_CHOICES
+from specs.plan_file import Plan, load_plan
+from specs.remote_code import check_model_code, ensure_model_code, refuse_remote_code
+from specs.core import check_number
+from specs.task import LR_SCHEDULES, MAX_EPOCHS, MAX_ROWS
 from profiler.cluster import cluster_options
 from trainer.data.chat_templates import builtin_template
 from trainer.data.demo_corpus import ensure_generated_data

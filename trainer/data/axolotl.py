@@ -21,9 +21,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from advisor.errors import UsageError
-from advisor.specs import read_user_yaml
-from advisor.task import DataSource
+from specs.errors import UsageError
+from specs.core import read_user_yaml
+from specs.task import DataSource
 from trainer.data.registry import local_data, mapping
 
 AXOLOTL_TYPES = ("alpaca", "chat_template", "completion")

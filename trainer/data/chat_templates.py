@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from advisor.errors import UsageError
-from advisor.task import TaskSpec
+from specs.errors import UsageError
+from specs.task import TaskSpec
 from presets import GENERATED_TASK_DATA, PRESETS_DIR, generated_data_dir, load_task
 
 # --- a small English-like grammar -------------------------------------------------------------------

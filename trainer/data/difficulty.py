@@ -17,9 +17,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from advisor.errors import UsageError
-from advisor.remote_code import refuse_remote_code
-from advisor.task import DifficultySpec
+from specs.errors import UsageError
+from specs.remote_code import refuse_remote_code
+from specs.task import DifficultySpec
 
 _NUMBER_RE = re.compile(r"\d+(?:\.\d+)?")
 _WORD_RE = re.compile(r"\w+")

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 from trainer.data.chat_templates import TEMPLATE_NAMES
 from trainer.data.messages import BadRow, chat_message, refuse_media, sharegpt_messages, text_of, tool_list
 from trainer.data.sources import expand_source_path, file_type_of, read_rows
@@ -76,7 +76,7 @@ class LossRule:
 
     @classmethod
     def of(cls, source: Any) -> "LossRule":
-        """A task source's rule (advisor/task.py DataSource's switches)."""
+        """A task source's rule (specs/task.py DataSource's switches)."""
         return cls(bool(source.train_on_prompt), bool(source.mask_history),
                    tuple(source.roles_to_train or cls.roles))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 
 HOLDOUT_SEED = 0x5EED  # fixed: the split belongs to the data, not to the run's --seed
 

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 
 CHUNK_CHARS = 1 << 20
 MAX_ROW_CHARS = 256 << 20  # one row bigger than this is not training data

@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from advisor.errors import UsageError
-from advisor.task import TaskSpec
+from specs.errors import UsageError
+from specs.task import TaskSpec
 from trainer.data.sources import expand_source_path, file_type_of
 
 MANIFEST_NAME = "manifest.json"

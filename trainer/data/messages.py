@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 
 MEDIA_FIELDS = ("images", "image", "videos", "video", "audios", "audio")
 MEDIA_PARTS = {"image", "image_url", "input_image", "video", "video_url", "audio", "input_audio", "audio_url"}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 
 MIXES = ("concat", "interleave", "interleave_under", "interleave_over")
 PROBABILITY_SUM_TOLERANCE = 1e-6

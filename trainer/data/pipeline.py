@@ -28,9 +28,9 @@ from datatrove.executor.local import LocalPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from loguru import logger
 
-from advisor import environment
-from advisor.errors import UsageError
-from advisor.task import DifficultySpec, TaskSpec
+from specs import environment
+from specs.errors import UsageError
+from specs.task import DifficultySpec, TaskSpec
 from trainer.data.dedup import DocumentHasher, MinHashParams
 from trainer.data.difficulty import Grader
 from trainer.data.scan import Part, ScanSettings, UnitColumns, scan_part

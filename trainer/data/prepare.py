@@ -35,8 +35,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from advisor.errors import UsageError
-from advisor.task import DataSource, DifficultySpec, QualityFilters, StageSpec, TaskSpec
+from specs.errors import UsageError
+from specs.task import DataSource, DifficultySpec, QualityFilters, StageSpec, TaskSpec
 from presets import load_model
 from trainer.data import buckets as bucketing
 from trainer.data.demo_corpus import generate_command

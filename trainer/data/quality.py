@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from advisor.task import QualityFilters
+from specs.task import QualityFilters
 
 # flag bits of a character class table
 _ALPHA, _DIGIT, _SPACE, _BAD = 1, 2, 4, 8

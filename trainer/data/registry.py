@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from advisor.errors import UsageError
-from advisor.task import DataSource
+from specs.errors import UsageError
+from specs.task import DataSource
 
 REGISTRY_NAME = "dataset_info.json"
 COLUMNS = {

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from advisor.errors import UsageError
-from advisor.specs import safe_name
+from specs.errors import UsageError
+from specs.core import safe_name
 from trainer.data.manifest import read_manifest
 
 SCHEMA = pa.schema([

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 from trainer.data.json_array import JsonArrayColumns, read_json_array
 from trainer.data.sniff import is_saved_dataset, json_layout, sniff_file_type
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 
 
 def parse_time(value: Any, where: str) -> float:

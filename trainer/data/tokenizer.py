@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from advisor.errors import UsageError
-from advisor.remote_code import refuse_remote_code
+from specs.errors import UsageError
+from specs.remote_code import refuse_remote_code
 from presets import PRESETS_DIR
 from trainer.data.demo_tokenizer_corpus import tokenizer_training_texts
 

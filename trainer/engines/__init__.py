@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 import torch
 
-from advisor.capabilities import EngineChoice, EngineName, check_runnable, engine_for, config_shape
-from advisor.engine_traits import traits
-from advisor.errors import UsageError
-from advisor.specs import Layout
+from specs.capabilities import EngineChoice, EngineName, check_runnable, engine_for, config_shape
+from specs.engine_traits import traits
+from specs.errors import UsageError
+from specs.core import Layout
 from trainer.engines.base import Engine, device
 from trainer.engines.deepspeed_zero import DeepSpeedEngine
 from trainer.engines.pipeline import PipelineEngine
@@ -26,7 +26,7 @@ from trainer.engines.sharded import ShardedEngine
 __all__ = ["Engine", "EngineChoice", "device", "make_engine", "select_backend"]
 
 def select_backend(layout: Layout, engine: str = "auto") -> EngineName:
-    """Which engine runs `layout`: the declaration's `engine_for` (advisor/capabilities.py)."""
+    """Which engine runs `layout`: the declaration's `engine_for` (specs/capabilities.py)."""
     return engine_for(layout, engine)
 
 

@@ -1,6 +1,6 @@
 """The contract every engine keeps with the training loop, and what the engines share.
 
-An engine owns a model and its optimizer under one parallel layout (``advisor.specs.Layout``,
+An engine owns a model and its optimizer under one parallel layout (``specs.core.Layout``,
 the single source of truth for degrees, as ``ParallelDims`` is in torchtitan). The loop only
 ever calls the five operations of ``Engine``, whichever back-end runs: plain torch or DDP,
 DeepSpeed ZeRO, the DTensor sharded engine (TP, FSDP2) or the pipeline.
@@ -15,8 +15,8 @@ from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
-from advisor.capabilities import EngineName, chunked_loss, precision
-from advisor.specs import Layout
+from specs.capabilities import EngineName, chunked_loss, precision
+from specs.core import Layout
 from profiler.ranks import local_device
 from trainer.batch import MicroBatch, as_micro_batch
 from profiler.hardware_bench import TORCH_DTYPES
@@ -115,7 +115,7 @@ def device() -> torch.device:
 
 
 def use_declared_loss(model: torch.nn.Module, layout: Layout, engine: EngineName) -> None:
-    """Give `model` the loss the declaration names for `engine` and `layout` (advisor.capabilities
+    """Give `model` the loss the declaration names for `engine` and `layout` (specs.capabilities
     `chunked_loss`), the one the cost model prices: the chunked cross-entropy where it runs, else
     HF's loss over the whole logits."""
     if chunked_loss(layout, engine, model.config.model_type, int(model.config.hidden_size)):
@@ -123,7 +123,7 @@ def use_declared_loss(model: torch.nn.Module, layout: Layout, engine: EngineName
 
 
 def compute_context(layout: Layout, engine: EngineName) -> contextlib.AbstractContextManager[Any]:
-    """Where the declaration says `engine` autocasts `layout` (advisor.capabilities `precision`:
+    """Where the declaration says `engine` autocasts `layout` (specs.capabilities `precision`:
     bf16-mixed without FSDP2 or DeepSpeed), ``torch.autocast`` in the layout's 16-bit dtype over the
     fp32 weights; elsewhere nothing (fp32, or an engine that casts the weights itself)."""
     if precision(layout, engine).autocast:

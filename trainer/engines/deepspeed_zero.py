@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from advisor.errors import UsageError
-from advisor.specs import Layout
+from specs.errors import UsageError
+from specs.core import Layout
 from trainer.batch import MicroBatch, as_micro_batch
 from trainer.engines.base import device, state_bytes, use_declared_loss
 from trainer.engines.optimizer import set_learning_rate

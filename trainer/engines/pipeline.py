@@ -1,6 +1,6 @@
 """Pipeline parallelism through ``torch.distributed.pipelining``, with FSDP2 over the
 data-parallel sub-mesh for DP x PP and tensor parallelism inside each stage for tp > 1. With
-vpp > 1 each rank holds vpp model chunks (virtual stages rank + k*pp, `advisor.specs.chunk_layers`)
+vpp > 1 each rank holds vpp model chunks (virtual stages rank + k*pp, `specs.core.chunk_layers`)
 run by the interleaved 1F1B schedule.
 
 ``micro_step`` defers the work: the schedule runs all of a step's micro-batches at once, on the
@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from advisor.capabilities import autocast_kept_dtype
-from advisor.specs import Layout, chunk_layers
+from specs.capabilities import autocast_kept_dtype
+from specs.core import Layout, chunk_layers
 from profiler.hardware_bench import TORCH_DTYPES
 from trainer.batch import MicroBatch, as_micro_batch, concat
 from trainer.engines.base import DTensorState, compute_context, device
@@ -77,7 +77,7 @@ class PipelineChunk(torch.nn.Module):
 
 def cut_chunks(model: torch.nn.Module, layout: Layout, device_index: int) -> list[PipelineChunk]:
     """This device's chunks, virtual stages device_index + k*pp for k < vpp (the layers of
-    `advisor.specs.chunk_layers`). The HF model is pruned to what the device holds, so that it
+    `specs.core.chunk_layers`). The HF model is pruned to what the device holds, so that it
     keeps no other layer and serves as the one module that names the device's parameters (DCP
     checkpoints, state counts)."""
     split = chunk_layers(len(decoder_layers(model)), layout)
@@ -167,7 +167,7 @@ class PipelineEngine(DTensorState):
     """This rank's chunks of the pipeline, its schedule over ``gas`` micro-batches of ``mbs``
     sequences, FSDP2 over the data-parallel sub-mesh and TP inside each chunk.
 
-    Schedules (what `advisor.layout_rules.pipeline_problem` admits and planner/memory.py
+    Schedules (what `specs.layout_rules.pipeline_problem` admits and planner/memory.py
     `micro_batches_in_flight` prices): 1F1B, GPipe when gas < pp (which 1F1B cannot fill), and
     with vpp > 1 chunks per rank torch's `ScheduleInterleaved1F1B` (Megatron's interleaved 1F1B,
     the schedule the bubble (pp - 1)/vpp and the warm-up memory are priced for; the zero-bubble
@@ -176,7 +176,7 @@ class PipelineEngine(DTensorState):
     ZeRO across pipeline replicas as priced: zero 1/2 keep the weights gathered through the step
     (resharding after forward would make every micro-batch pay another all-gather, torchtitan);
     zero 3 reshards them after every micro-batch's forward and backward (`_sharded_stage_class`).
-    zero 0 runs without replicas only (advisor/capabilities.py): FSDP2 would shard the optimizer.
+    zero 0 runs without replicas only (specs/capabilities.py): FSDP2 would shard the optimizer.
     """
 
     def __init__(self, model: torch.nn.Module, layout: Layout, clip: float, weight_decay: float = 0.0):

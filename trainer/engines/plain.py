@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from advisor.specs import Layout
+from specs.core import Layout
 from trainer.batch import MicroBatch
 from trainer.checkpoint import load_distributed, saved_ranks, universal_state
 from trainer.engines.base import autocast_forward, device, forward_backward, state_bytes, use_declared_loss

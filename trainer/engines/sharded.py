@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from advisor.specs import Layout
+from specs.core import Layout
 from trainer.batch import MicroBatch
 from trainer.engines.base import DTensorState, autocast_forward, device, forward_backward, use_declared_loss
 from trainer.engines.optimizer import adamw, clip_sharded_grad_norm, optimizer_step

@@ -18,7 +18,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
 from yaml.events import AliasEvent
 from yaml.nodes import MappingNode, Node, SequenceNode
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 
 GiB = 1024**3
 
@@ -38,7 +38,7 @@ SELECTIVE_POLICY = (
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Method = Literal["full", "lora", "qlora"]
 # The loss a run computes: "chunked" is what `advisor train` runs (trainer/chunked_loss.py wherever
-# advisor.capabilities `chunked_loss` allows it, HF's loss elsewhere); "hf" is transformers' own
+# specs.capabilities `chunked_loss` allows it, HF's loss elsewhere); "hf" is transformers' own
 # `ForCausalLMLoss` over the whole logits, what a user's HF Trainer or accelerate script runs.
 LossKind = Literal["chunked", "hf"]
 
@@ -49,7 +49,7 @@ READ_CONFIG = ConfigDict(allow_inf_nan=False)
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 # dtype=bf16 is bf16-mixed: fp32 weights, gradients and Adam moments, bf16 compute (how each engine
-# runs it: advisor/capabilities.py `precision`). Pure bf16 training (Lightning's "bf16-true": bf16
+# runs it: specs/capabilities.py `precision`). Pure bf16 training (Lightning's "bf16-true": bf16
 # weights and bf16 Adam moments, no fp32 master) is refused: an AdamW update below half of bf16's
 # spacing at a weight rounds away (2e-5 on a weight of 0.02, where the spacing is 2^-13 = 1.2e-4),
 # and the stochastic rounding that would keep it (torchao) is not installed here.
@@ -785,4 +785,4 @@ class Estimate(BaseModel):
     notes: list[str] = Field(default_factory=list)
     engine: str | None = Field(
         None, description="the engine whose behaviour was priced: one of ours (plain, deepspeed, fsdp2, "
-                          "pipeline) or a published one (megatron); advisor.capabilities PRICED_ENGINES")
+                          "pipeline) or a published one (megatron); specs.capabilities PRICED_ENGINES")

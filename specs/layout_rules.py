@@ -1,6 +1,6 @@
 """Which layouts can exist for a model: the structural rules, checked in one place.
 
-`Layout`'s own validator (advisor/specs.py) refuses combinations that make no sense for any model
+`Layout`'s own validator (specs/core.py) refuses combinations that make no sense for any model
 (sp without tp, vpp without pp, offload without ZeRO...). The rules here need the model's shape:
 tensor parallelism splits attention heads, key/value heads and the MLP width, a pipeline needs a
 decoder layer per stage (per chunk when interleaved). The planner's search skips what breaks
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from advisor.specs import Layout
+from specs.core import Layout
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def pipeline_problem(pp: int, vpp: int, gas: int, stage_layers: list[int] | None
     """Why this pipeline cannot cut a model of `num_layers` decoder layers (None: it can).
 
     Interleaving (vpp > 1) runs torch's `ScheduleInterleaved1F1B`: each device holds vpp chunks of
-    at least one layer each, split as `advisor.specs.chunk_layers` says (uneven splits
+    at least one layer each, split as `specs.core.chunk_layers` says (uneven splits
     allowed). The schedule runs gas // pp rounds and needs gas divisible by them; we ask for gas
     divisible by pp, so that every round is pp micro-batches: the schedule whose warm-up and
     bubble the cost model prices (Narayanan et al. 2021, section 2.2). Without interleaving any

@@ -13,7 +13,7 @@ import json
 from collections import Counter
 from typing import Any
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 # top-level lists that may happen to be as long as the model is deep without describing its layers

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from advisor.errors import UsageError
-from advisor.specs import check_number
+from specs.errors import UsageError
+from specs.core import check_number
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
 def read(name: str, default: str = "") -> str:
     """The variable's value (`default` when unset). Only declared names may be read."""
     if name not in VARIABLES:
-        raise KeyError(f"{name} is not declared in advisor/environment.py")
+        raise KeyError(f"{name} is not declared in specs/environment.py")
     return os.environ.get(name, default)
 
 

@@ -2,11 +2,11 @@
 the memory model, the exports, the dry run and the trainer instead of the engine's name.
 
 An engine here is a name the cost model prices: the four engines `advisor train` runs (plain/DDP,
-DeepSpeed, FSDP2, pipeline; which one runs a layout is `advisor.capabilities.engine_for`), and the
+DeepSpeed, FSDP2, pipeline; which one runs a layout is `specs.capabilities.engine_for`), and the
 priced-only ones: published engines (Megatron-LM as Narayanan et al. 2021 ran it; PyTorch FSDP as
 llm-foundry and fms-fsdp ran theirs) and the plain engine as it trained before issue 28 (the H200
 evidence was measured with it). What each engine *runs* (features, dtypes, ZeRO stages) is
-`advisor.capabilities.ENGINES`; how it runs them is here. No code outside these two modules compares
+`specs.capabilities.ENGINES`; how it runs them is here. No code outside these two modules compares
 an engine's name (tests/test_layers.py checks it).
 """
 

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
-from advisor.errors import UsageError
-from advisor.specs import (MAX_BATCH, MAX_DEGREE, MAX_SEQ, MAX_STEPS, MAX_TOKENS, SPEC_CONFIG, Method,
+from specs.errors import UsageError
+from specs.core import (MAX_BATCH, MAX_DEGREE, MAX_SEQ, MAX_STEPS, MAX_TOKENS, SPEC_CONFIG, Method,
                            read_user_yaml, validate)
 
 MAX_TEXT = 10**12  # characters or tokens of one document

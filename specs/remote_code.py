@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from advisor.errors import UsageError
+from specs.errors import UsageError
 
 TRUST_FLAG = "--trust-remote-code"
 TRUST_HELP = ("run the Python code a model or tokenizer folder names (its auto_map), as transformers' "

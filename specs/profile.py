@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from advisor.errors import UsageError
-from advisor.specs import READ_CONFIG, SPEC_CONFIG, FiniteDict, HardwareSpec, Layout, _format_validation_error
+from specs.errors import UsageError
+from specs.core import READ_CONFIG, SPEC_CONFIG, FiniteDict, HardwareSpec, Layout, _format_validation_error
 
 PROFILE_VERSION = 1
 

@@ -9,11 +9,11 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, Field
 
-from advisor.errors import UsageError
-from advisor.specs import (MAX_DEGREE, MAX_DEVICES_PER_NODE, MAX_NODES, MAX_STEPS, MAX_TOKENS, MIN_COMPUTE_FRACTION,
+from specs.errors import UsageError
+from specs.core import (MAX_DEGREE, MAX_DEVICES_PER_NODE, MAX_NODES, MAX_STEPS, MAX_TOKENS, MIN_COMPUTE_FRACTION,
                            SPEC_CONFIG, Estimate, FiniteDict, HardwareSpec, Layout, ModelSpec, read_user_yaml,
                            refuse_non_finite, validate)
-from advisor.task import StageName, TaskSpec
+from specs.task import StageName, TaskSpec
 
 PLAN_VERSION = 1
 MAX_SECONDS = 1e12  # a step, a checkpoint write, a stage in hours: beyond any run, yet finite
@@ -90,14 +90,14 @@ class Plan(BaseModel):
     notes: list[str] = Field(default_factory=list)
     attention: str = Field(
         "sdpa", description="the attention kernel advisor train's models run on this hardware "
-                            "(advisor.capabilities.attention_implementation): advisor_documents trains "
+                            "(specs.capabilities.attention_implementation): advisor_documents trains "
                             "packed rows through varlen FlashAttention, with no s x s mask")
     runnable_here: bool = Field(
         True, description="false: planned with --any-engine over every engine the cost model prices "
                           "(Megatron/NeMo layouts); `advisor train` refuses it")
     assumptions: PlanAssumptions = Field(default_factory=PlanAssumptions)
     priced_engine: str = Field(
-        "ours", description="whose behaviour the plan's figures price (advisor.capabilities PRICED_ENGINES): ours, "
+        "ours", description="whose behaviour the plan's figures price (specs.capabilities PRICED_ENGINES): ours, "
                             "or a published engine (megatron), planned for that engine and not runnable here")
 
     def stage_layouts(self) -> list[tuple[str | None, Layout]]:

@@ -4,7 +4,7 @@ both read, so that what the planner may choose is exactly what the trainer runs.
 Every layout runs on exactly one engine (`engine_for`). Each engine declares, in `ENGINES`, the
 features it runs *as the cost model prices them*; a feature that would run as something else
 (selective recomputation run as full, QLoRA run as 16-bit LoRA) is absent until it runs as priced.
-`runnable_problem` is the single judge: the structural rules of `advisor.layout_rules` (does the
+`runnable_problem` is the single judge: the structural rules of `specs.layout_rules` (does the
 model split this way at all?), then the engine's declaration (does this trainer run it?). The
 planner skips every layout it refuses; the trainer refuses the same layouts with the same line.
 Whoever teaches an engine a new feature adds it here, and both sides follow.
@@ -16,10 +16,10 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from advisor.engine_traits import FSDP_BF16, MEGATRON, PURE16_PLAIN, TRAITS, EngineName, runs_as, traits
-from advisor.errors import UsageError
-from advisor.layout_rules import ModelShape, layout_problem
-from advisor.specs import DTYPE_BYTES, Layout
+from specs.engine_traits import FSDP_BF16, MEGATRON, PURE16_PLAIN, TRAITS, EngineName, runs_as, traits
+from specs.errors import UsageError
+from specs.layout_rules import ModelShape, layout_problem
+from specs.core import DTYPE_BYTES, Layout
 
 EngineChoice = Literal["auto", "deepspeed", "fsdp2"]
 ENGINE_CHOICES: tuple[str, ...] = ("auto", "deepspeed", "fsdp2")
@@ -80,7 +80,7 @@ ENGINES: dict[EngineName, EngineCapability] = {
 
 # The engine whose behaviour a price is for (`--engine` of estimate, plan and report capacity):
 # ours, what `advisor train` runs (the engine `engine_for` picks per layout), or one that produced
-# published runs, priced here and never run (advisor.engine_traits: MEGATRON, FSDP_BF16).
+# published runs, priced here and never run (specs.engine_traits: MEGATRON, FSDP_BF16).
 OURS = "ours"
 PRICED_ENGINES: dict[str, str] = {
     "ours": "our engines, as advisor train runs the layout (plain/DDP, DeepSpeed, FSDP2, pipeline)",
