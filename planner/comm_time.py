@@ -12,10 +12,10 @@ from specs.capabilities import COLUMN_PARALLEL, ROW_PARALLEL
 from specs.engine_traits import traits
 from specs.layout_rules import tp_crosses_nodes
 from specs.core import (
-    DTYPE_BYTES,
-    HardwareSpec,
-    Layout,
-)
+                        DTYPE_BYTES,
+                        HardwareSpec,
+                        Layout,
+                        )
 from planner import collectives
 from planner.memory import (
     ADAPTER_BYTES,

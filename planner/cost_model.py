@@ -17,17 +17,17 @@ from specs.engine_traits import traits
 from specs.errors import UsageError
 from specs.layout_rules import layout_problem, tp_crosses_nodes
 from specs.core import (
-    DTYPE_BYTES,
-    SELECTIVE_POLICY,
-    Estimate,
-    HardwareSpec,
-    Layout,
-    ModelSize,
-    ModelSpec,
-    ThroughputEstimate,
-    TimeEstimate,
-    layers_per_stage,
-)
+                        DTYPE_BYTES,
+                        SELECTIVE_POLICY,
+                        Estimate,
+                        HardwareSpec,
+                        Layout,
+                        ModelSize,
+                        ModelSpec,
+                        ThroughputEstimate,
+                        TimeEstimate,
+                        layers_per_stage,
+                        )
 from planner import megatron2021
 from planner.memory import vocab_shards
 from profiler.model_trace import ModelTrace, trace_model
