@@ -36,7 +36,8 @@ from reports.curriculum_variants import VARIANTS, mixed_stage, scaled, skills, v
 LR_FACTORS = (0.5, 1.0, 2.0)
 SCHEDULE_PROTOCOL = ("WSD for every variant (one warm-up, every stage at one peak rate, one linear decay over the "
                      "run's last wsd_decay_fraction of steps); the peak rate tuned per variant on seed 0 over the "
-                     "same grid (lowest final mean eval loss), the other seeds at the rate chosen")
+                     "same grid (lowest final mean eval loss), the other seeds at the rate chosen; the spike guard "
+                     "rolls back non-finite steps only, so every variant trains every step of its schedule")
 SUMMARY_METRIC = "mean eval loss over the skills"
 MAX_MICRO_BATCH = 4  # one process on a CPU: micro-batches of 4 step faster than one of 16 (bench/curriculum.py)
 
