@@ -30,6 +30,7 @@ from specs.task import TaskSpec
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from reports.curriculum_variants import VARIANTS, mixed_stage, scaled, skills, variant_tasks
+from trainer.run_lock import die_with_parent
 
 # The rate grid: every variant is tried at these factors of the task's rate and keeps its best, so
 # that no variant loses to a rate that suits another (the schedule is WSD for all: curriculum_variants)
@@ -364,8 +365,9 @@ def chosen_lrs(runs: list[RunResult], scored: list[str]) -> dict[str, float]:
     return {name: lr for name, (lr, _) in chosen.items()}
 
 
-def _in_parallel(jobs: list[tuple], workers: int, gpus: int):
-    """`train_run` over `jobs`, `workers` processes at a time; the wall times in the jobs' order."""
+def _in_parallel(jobs: list[tuple], workers: int, gpus: int, work: Callable[..., Any] = train_run):
+    """`work` (a run's training) over `jobs`, `workers` processes at a time; the results in the jobs'
+    order. The workers die with this process: a stopped comparison leaves no training behind."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -374,15 +376,16 @@ def _in_parallel(jobs: list[tuple], workers: int, gpus: int):
     for index in range(workers):
         devices.put(index)
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
-                             initargs=(devices, workers, gpus)) as pool:
-        futures = [pool.submit(train_run, *job) for job in jobs]
+                             initargs=(devices, workers, gpus, os.getpid())) as pool:
+        futures = [pool.submit(work, *job) for job in jobs]
         for future in futures:
             yield future.result()
 
 
-def _worker_init(devices, workers: int, gpus: int) -> None:
+def _worker_init(devices, workers: int, gpus: int, parent: int) -> None:
     """A comparison worker: its own GPU where there are several, else its share of the CPU cores
     (oversubscribed OpenMP threads run several times slower: docs/notes-cpu-stack.md)."""
+    die_with_parent(parent)
     index = devices.get()
     if gpus >= workers:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(index)

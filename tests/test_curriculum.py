@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -254,3 +255,34 @@ def test_every_variant_runs_under_the_comparisons_guard_which_lets_a_mixed_batch
 
     assert first_spike(demo.spike_guard).startswith("loss 0.88 above")
     assert first_spike(COMPARISON_GUARD).startswith("non-finite loss nan")
+
+
+def test_a_killed_comparison_leaves_no_worker_training(tmp_path) -> None:
+    """SIGKILL the process that runs a comparison's pool while a worker trains: the worker (spawned, so
+    out of its signal path) goes with it instead of training on (they were found orphaned, training)."""
+    script, started = tmp_path / "pool.py", tmp_path / "started"
+    script.write_text("import os, sys, time\nfrom pathlib import Path\nfrom reports.curriculum import _in_parallel\n"
+                      "def work(marker):\n    Path(marker).write_text(str(os.getpid()))\n    time.sleep(120)\n"
+                      "if __name__ == '__main__':\n    list(_in_parallel([(sys.argv[1],)], 1, 0, work))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    parent = subprocess.Popen([sys.executable, str(script), str(started)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        worker = int(started.read_text())
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), f"worker {worker} outlived its comparison"
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
