@@ -163,8 +163,7 @@ def write_table(args: argparse.Namespace, runs: dict[str, list[dict]], truth: di
             f"and dropped {dropped.get('exact_duplicate', 0):,} exact / {dropped.get('near_duplicate', 0):,} near "
             f"duplicates. Load average (1 min) after each run: {_loads(runs)} on {os.cpu_count()} cores.\n\n" +
             "\n".join(lines) +
-            "\n\nThe scan (tokenise, quality numbers, hashes, grades) and datatrove's MinHash signatures run on the "
-            "workers, then its MinHash buckets (one task per band) on the same pool; the merge, the clusters, "
+            "\n\nThe scan (tokenise, quality numbers, hashes, MinHash, grades) is what runs on the workers; the merge, "
             "duplicate resolution over the whole corpus, bucketing and shard writing stay in the prepare's process.")
     write_section("data_prepare_scale", "Data preparation on every core: scan tasks at 1 and 2 workers",
                   f"python bench/data_prepare_scale.py --documents {args.documents} --repeats {args.repeats}", body)
