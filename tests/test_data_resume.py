@@ -94,7 +94,7 @@ def test_a_prepare_killed_midway_resumes_to_the_uninterrupted_output(tmp_path: P
 def test_executor_and_workers_flags_are_checked_in_one_line(tmp_path: Path) -> None:
     task = write_corpus(tmp_path)
     runner = CliRunner()
-    for flags, message in ((["--executor", "ray"], "not yet"),
+    for flags, message in ((["--ray-address", "auto"], "--ray-address goes with --executor ray"),
                            (["--executor", "dask"], "unknown"), (["--workers", "0"], "--workers 0")):
         result = runner.invoke(app, ["data", "prepare", "--task", str(task), "--out", str(tmp_path / "o"), *flags])
         assert result.exit_code == 2, (flags, result.output)

@@ -39,14 +39,18 @@ def require_data_extra(command: str) -> None:
         raise UsageError(f"{command} needs {' and '.join(missing)}: pip install -e \".[data]\"")
 
 
-EXECUTORS = ("local", "slurm")
-LATER_EXECUTORS = ("ray",)
+def require_ray() -> None:
+    """`--executor ray` needs the `ray` extra (Ray's wheel is large and most prepares never use it)."""
+    try:
+        importlib.import_module("ray")
+    except ImportError:
+        raise UsageError('--executor ray needs ray: pip install -e ".[ray]"') from None
 
 
-def check_executor(name: str, dry_run: bool, partition: Optional[str]) -> None:
-    if name in LATER_EXECUTORS:
-        raise UsageError(f"--executor {name}: not yet; this version runs the scan on this machine (--executor local) "
-                         "or writes a Slurm job (--executor slurm --dry-run)")
+EXECUTORS = ("local", "slurm", "ray")
+
+
+def check_executor(name: str, dry_run: bool, partition: Optional[str], ray_address: Optional[str] = None) -> None:
     if name not in EXECUTORS:
         raise UsageError(f"--executor {name[:40]!r}: unknown; use {', '.join(EXECUTORS)}")
     if name == "slurm" and not dry_run:
@@ -56,6 +60,10 @@ def check_executor(name: str, dry_run: bool, partition: Optional[str]) -> None:
         raise UsageError("--executor slurm needs --partition (the Slurm partition to run on)")
     if dry_run and name != "slurm":
         raise UsageError("--dry-run goes with --executor slurm (a local prepare has nothing to write aside)")
+    if ray_address is not None and name != "ray":
+        raise UsageError("--ray-address goes with --executor ray")
+    if ray_address is not None and not ray_address.strip():
+        raise UsageError("--ray-address is empty; use auto (the running cluster) or the head's host:port")
 
 
 data_app = typer.Typer(
@@ -76,7 +84,8 @@ def data_prepare(
                                                                 "`file.py:function` import and run that code"),
     workers: Optional[int] = typer.Option(None, "--workers", help="scan this many parts of the data at a time "
                                                                   "(default: every core); the output is the same"),
-    executor: str = typer.Option("local", "--executor", help="where the scan runs: local (this machine's cores)"),
+    executor: str = typer.Option("local", "--executor", help="where the scan runs: local (this machine's cores), "
+                                                             "slurm (a job array) or ray (a Ray cluster)"),
     rows_per_part: Optional[int] = typer.Option(
         None, "--rows-per-part", min=1, help="rows of a JSON-lines file per scan task, the unit of work and of "
                                              "resume (default 10000)"),
@@ -84,6 +93,8 @@ def data_prepare(
                                                           "nothing"),
     partition: Optional[str] = typer.Option(None, "--partition", help="with --executor slurm: the partition"),
     time_limit: str = typer.Option("04:00:00", "--time", help="with --executor slurm: each job's time limit"),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="with --executor ray: the cluster "
+                                              "(auto: the one running here; default: start a local instance)"),
     trust_remote_code: bool = TRUST_REMOTE_CODE,
 ) -> None:
     """Clean (exact and MinHash near-duplicate removal, length and character-quality thresholds),
@@ -95,10 +106,13 @@ def data_prepare(
     def compute():
         if out is not None:
             check_out_folder(out)
-        check_executor(executor, dry_run, partition)
-        scan_workers = (os.cpu_count() or 1) if workers is None else workers
-        check_number(scan_workers, "--workers", ge=1)
+        check_executor(executor, dry_run, partition, ray_address)
+        if workers is not None:
+            check_number(workers, "--workers", ge=1)
+        scan_workers = _default_workers(executor, ray_address) if workers is None else workers
         require_data_extra("advisor data prepare")
+        if executor == "ray":
+            require_ray()
         from trainer.data.prepare import prepare  # deferred: imports datasets/pandas (an extra; 0.5 s at every start)
 
         spec = load_task(task)
@@ -109,7 +123,7 @@ def data_prepare(
         if ensure_generated_data(spec) and log:
             log(f"generated the {spec.name} task's data into {spec.base_dir}")
         return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log, allow_code=allow_code,
-                       workers=scan_workers, trusted=trust_remote_code,
+                       workers=scan_workers, trusted=trust_remote_code, executor=executor, ray_address=ray_address,
                        **({"rows_per_part": rows_per_part} if rows_per_part else {}))
 
     result = exit_on_error(compute)
@@ -124,6 +138,13 @@ def data_prepare(
         return
     render_data_manifest(manifest)
     console.print(f"wrote {folder}")
+
+
+def _default_workers(executor: str, ray_address: Optional[str]) -> int:
+    """Every core of this machine; on a Ray cluster joined by address, 0: as many as it runs."""
+    if executor == "ray" and ray_address is not None:
+        return 0
+    return os.cpu_count() or 1
 
 
 def _write_slurm_job(spec, task: str, out: Optional[Path], partition: str, time_limit: str, workers: Optional[int],
