@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional
@@ -53,9 +54,9 @@ EXECUTORS = ("local", "slurm", "ray")
 def check_executor(name: str, dry_run: bool, partition: Optional[str], ray_address: Optional[str] = None) -> None:
     if name not in EXECUTORS:
         raise UsageError(f"--executor {name[:40]!r}: unknown; use {', '.join(EXECUTORS)}")
-    if name == "slurm" and not dry_run:
-        raise UsageError("--executor slurm: submitting is not yet done here; --dry-run writes the job scripts and "
-                         "the command that submits them")
+    if name == "slurm" and not dry_run and shutil.which("sbatch") is None:
+        raise UsageError("--executor slurm: sbatch is not on PATH (no Slurm client here); --dry-run writes the job "
+                         "scripts without submitting them")
     if name == "slurm" and not partition:
         raise UsageError("--executor slurm needs --partition (the Slurm partition to run on)")
     if dry_run and name != "slurm":
@@ -117,8 +118,8 @@ def data_prepare(
 
         spec = load_task(task)
         if executor == "slurm":
-            return _write_slurm_job(spec, task, out, partition, time_limit, workers, rows_per_part, allow_code,
-                                    trust_remote_code)
+            return _slurm_job(spec, task, out, partition, time_limit, workers, rows_per_part, allow_code,
+                              trust_remote_code, submit=not dry_run)
         log = None if as_json else (lambda message: err_console.print(message, style="dim", highlight=False))
         if ensure_generated_data(spec) and log:
             log(f"generated the {spec.name} task's data into {spec.base_dir}")
@@ -128,9 +129,7 @@ def data_prepare(
 
     result = exit_on_error(compute)
     if executor == "slurm":
-        for name, path in result.items():
-            console.print(f"wrote {path} ({name})", soft_wrap=True)
-        console.print(f"submit with: bash {result['submit']}", soft_wrap=True)
+        _print_slurm_job(*result)
         return
     folder, manifest = result
     if as_json:
@@ -147,13 +146,15 @@ def _default_workers(executor: str, ray_address: Optional[str]) -> int:
     return os.cpu_count() or 1
 
 
-def _write_slurm_job(spec, task: str, out: Optional[Path], partition: str, time_limit: str, workers: Optional[int],
-                     rows_per_part: Optional[int], allow_code: bool, trusted: bool) -> dict[str, Path]:
-    """The scan as a Slurm job array and a finishing job: the same prepare, run where every part
-    is already scanned, merges and writes the shards."""
+def _slurm_job(spec, task: str, out: Optional[Path], partition: str, time_limit: str, workers: Optional[int],
+               rows_per_part: Optional[int], allow_code: bool, trusted: bool,
+               submit: bool) -> tuple[dict[str, Path], Optional[dict[str, list[str]]], Path]:
+    """The scan as a Slurm job array and a finishing job (the same prepare, run where every part is
+    already scanned, merges and writes the shards): the scripts' paths, and the job ids once
+    submitted (with `submit`)."""
     # deferred: pyarrow, datatrove and the tokenizer (the data extra; seconds at every start)
     from trainer.data.parts import ROWS_PER_PART
-    from trainer.data.pipeline import SlurmOptions
+    from trainer.data.pipeline import SlurmOptions, submit_slurm_scripts
     from trainer.data.prepare import write_slurm_job
 
     if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}", time_limit):
@@ -165,7 +166,19 @@ def _write_slurm_job(spec, task: str, out: Optional[Path], partition: str, time_
                          "--workers", "1", "--rows-per-part", str(rows)] + (["--allow-code"] if allow_code else [])
                         + (["--trust-remote-code"] if trusted else []))
     options = SlurmOptions(partition=partition, time=time_limit, array_parallelism=workers or 64)
-    return write_slurm_job(spec, final, options, finish, allow_code=allow_code, rows_per_part=rows, trusted=trusted)
+    paths = write_slurm_job(spec, final, options, finish, allow_code=allow_code, rows_per_part=rows, trusted=trusted)
+    return paths, submit_slurm_scripts(paths) if submit else None, final
+
+
+def _print_slurm_job(paths: dict[str, Path], ids: Optional[dict[str, list[str]]], final: Path) -> None:
+    for name, path in paths.items():
+        console.print(f"wrote {path} ({name})", soft_wrap=True)
+    if ids is None:
+        console.print(f"submit with: bash {paths['submit']}", soft_wrap=True)
+        return
+    scan = f"the scan as job {', '.join(ids['scan'])}, then " if ids["scan"] else ""
+    console.print(f"submitted {scan}the finishing job {', '.join(ids['finish'])}; it writes "
+                  f"{final} (logs: {paths['submit'].parent / 'slurm_logs'})", soft_wrap=True)
 
 
 @data_app.command("stats")

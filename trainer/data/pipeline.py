@@ -247,8 +247,26 @@ def _submit_script(paths: dict[str, Path], arrays: int) -> str:
     """Submit the array (in slices of datatrove's largest array, each with its RUN_OFFSET, as its
     own launcher does), then the finishing job once every slice has succeeded."""
     lines = ["#!/bin/bash", "set -e", "after=afterok"]
-    for offset in range(arrays if "array" in paths else 0):
+    for offset in range(arrays if "array" in paths else 0):  # --parsable prints `id` or `id;cluster`
         lines += [f"scan=$(sbatch --parsable --export=ALL,RUN_OFFSET={offset} {paths['array']})",
-                  "after=\"$after:${scan%%;*}\""]
-    lines.append(f"sbatch --dependency=$after {paths['finish']}" if "array" in paths else f"sbatch {paths['finish']}")
+                  "after=\"$after:${scan%%;*}\"", "echo \"scan job ${scan%%;*}\""]
+    depend = "--dependency=$after " if "array" in paths else ""
+    lines += [f"finish=$(sbatch --parsable {depend}{paths['finish']})", "echo \"finish job ${finish%%;*}\""]
     return "\n".join(lines) + "\n"
+
+
+def submit_slurm_scripts(paths: dict[str, Path]) -> dict[str, list[str]]:
+    """Submit what `write_slurm_scripts` wrote by running its `submit.sh` (so that what runs is what
+    a dry run shows); returns the job ids it printed: {"scan": [...], "finish": [...]}."""
+    import subprocess
+
+    done = subprocess.run(["bash", str(paths["submit"])], capture_output=True, text=True)
+    if done.returncode != 0:
+        said = (done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines()[-1]
+        raise UsageError(f"sbatch refused the prepare's job: {said[:300]} (the scripts: {paths['submit'].parent})")
+    ids: dict[str, list[str]] = {"scan": [], "finish": []}
+    for line in done.stdout.splitlines():
+        kind, _, job_id = line.partition(" job ")
+        if kind in ids and job_id.strip():
+            ids[kind].append(job_id.strip())
+    return ids
