@@ -16,12 +16,13 @@ import typer
 
 from advisor.cli.common import (MAX_SCALE, TRUST_REMOTE_CODE, check_out_folder, console, err_console, exit_on_error,
                                 print_or_render)
-from advisor.cli.render import render_data_manifest
+from advisor.cli.render import render_data_manifest, render_partial_prepare
 from specs.errors import UsageError
 from specs.core import check_number
 from presets import load_task
 from trainer.data.demo_corpus import ensure_generated_data, generate_demo_corpus
 from trainer.data.manifest import default_out_dir, read_manifest
+from trainer.data.partial import partial_prepare
 
 # pyproject's `data` extra: what `advisor data prepare` and training on its shards import, and the
 # main job (`advisor run`) never does
@@ -183,12 +184,34 @@ def _print_slurm_job(paths: dict[str, Path], ids: Optional[dict[str, list[str]]]
 
 @data_app.command("stats")
 def data_stats(
-    directory: Path = typer.Argument(..., help="a folder written by `advisor data prepare` (or its manifest.json)"),
-    as_json: bool = typer.Option(False, "--json", help="print the manifest as one JSON object"),
+    directory: Path = typer.Argument(..., help="a folder written by `advisor data prepare` (or its manifest.json), "
+                                               "or one whose prepare has not finished"),
+    as_json: bool = typer.Option(False, "--json", help="print the manifest (or the partial report) as one JSON object"),
 ) -> None:
-    """Show a prepared folder's manifest: tokens, samples, buckets and padding per stage."""
-    manifest = exit_on_error(lambda: read_manifest(directory))
+    """Show a prepared folder's manifest: tokens, samples, buckets and padding per stage. For a prepare
+    that has not finished (killed, or still running): the parts scanned so far, marked partial."""
+    manifest = exit_on_error(lambda: _manifest_or_partial(directory))
+    if manifest.get("partial") is True:
+        print_or_render(manifest, as_json, render_partial_prepare)
+        return
     print_or_render(manifest, as_json, lambda m: exit_on_error(lambda: render_checked(m, directory)))
+
+
+def _manifest_or_partial(directory: Path) -> dict:
+    """A finished folder's manifest; else what an unfinished prepare there holds; else one line."""
+    try:
+        return read_manifest(directory)
+    except UsageError as finished_error:
+        if Path(directory).is_file():
+            raise
+        try:
+            partial = partial_prepare(directory)
+        except OSError:
+            partial = None
+        if partial is None:
+            raise UsageError(f"{finished_error}; nor is a prepare of {directory} under way (no scan work folder "
+                             "beside it)") from None
+        return partial
 
 
 def render_checked(manifest: dict, directory: Path) -> None:

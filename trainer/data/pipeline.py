@@ -33,6 +33,7 @@ from specs.errors import UsageError
 from specs.task import DifficultySpec, TaskSpec
 from trainer.data.dedup import DocumentHasher, MinHashParams
 from trainer.data.difficulty import Grader
+from trainer.data.partial import scan_folder, scan_folders
 from trainer.data.scan import Part, ScanSettings, UnitColumns, scan_part
 from trainer.data.tokenizer import TextTokenizer
 
@@ -68,10 +69,10 @@ def work_folder(out: Path, key: str) -> Path:
     """Beside the output folder (the output is written aside and renamed; the work must outlive a
     killed run). Work folders of other keys for the same output are stale and removed."""
     out = Path(out).resolve()
-    for stale in out.parent.glob(f".{out.name}.scan-*"):
-        if stale.name != f".{out.name}.scan-{key}":
+    for stale in scan_folders(out):
+        if stale != scan_folder(out, key):
             shutil.rmtree(stale, ignore_errors=True)
-    return out.parent / f".{out.name}.scan-{key}"
+    return scan_folder(out, key)
 
 
 _SETTINGS: dict[str, ScanSettings] = {}  # per process: a worker loads the tokenizer and graders once
