@@ -84,8 +84,9 @@ def data_prepare(
     as_json: bool = typer.Option(False, "--json", help="print the manifest as one JSON object"),
     allow_code: bool = typer.Option(False, "--allow-code", help="let a difficulty rule `module:function` or "
                                                                 "`file.py:function` import and run that code"),
-    workers: Optional[int] = typer.Option(None, "--workers", help="scan this many parts of the data at a time "
-                                                                  "(default: every core); the output is the same"),
+    workers: Optional[int] = typer.Option(
+        None, "--workers", help="scan this many parts of the data at a time (default: every core; with "
+                                "--ray-address, as many as the cluster runs); the output is the same"),
     executor: str = typer.Option("local", "--executor", help="where the scan runs: local (this machine's cores), "
                                                              "slurm (a job array) or ray (a Ray cluster)"),
     rows_per_part: Optional[int] = typer.Option(

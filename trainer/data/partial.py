@@ -15,6 +15,7 @@ Light on purpose (json and paths only): `advisor data stats` imports it at every
 
 from __future__ import annotations
 
+import glob
 import json
 import re
 from pathlib import Path
@@ -31,7 +32,7 @@ def scan_folder(out: Path, key: str) -> Path:
 
 def scan_folders(out: Path) -> list[Path]:
     """Every work folder beside `out` (one, unless a prepare with other settings left its own)."""
-    return sorted((p for p in out.parent.glob(f".{out.name}.scan-*") if p.is_dir()),
+    return sorted((p for p in out.parent.glob(f".{glob.escape(out.name)}.scan-*") if p.is_dir()),
                   key=lambda p: p.stat().st_mtime)
 
 
@@ -49,7 +50,8 @@ def partial_prepare(directory: Path) -> dict[str, Any] | None:
     works = [directory] if _SCAN.fullmatch(directory.name) and directory.is_dir() else scan_folders(out)
     if not works:
         return None
-    asides = sorted((p for p in out.parent.glob(f".{out.name}.tmp-*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    asides = sorted((p for p in out.parent.glob(f".{glob.escape(out.name)}.tmp-*") if p.is_dir()),
+                    key=lambda p: p.stat().st_mtime)
     return _report(out, works[-1], asides[-1] if asides else None)
 
 
