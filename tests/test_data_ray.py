@@ -1,6 +1,7 @@
 """`advisor data prepare --executor ray` runs the same scan tasks on Ray (a local instance started in
-this process, 2 CPUs) and writes byte for byte the shards that `--executor local` writes; a part
-that fails on Ray stops the prepare with that part's own one-line error.
+this process, 2 CPUs), resumes from the completion markers a local scan left, and writes byte for
+byte the shards that `--executor local` writes; a part that fails on Ray stops the prepare with
+that part's own one-line error.
 
 Skipped only when Ray cannot be imported or cannot start on this machine (the reason is printed).
 Ray starts once for the whole file (several seconds); each part then starts a fresh Ray worker."""
@@ -38,14 +39,31 @@ def ray_instance() -> Iterator[None]:
     ray.shutdown()
 
 
-def test_ray_writes_the_shards_and_manifest_that_local_writes(tmp_path: Path, ray_instance: None) -> None:
+def scan_first_parts_locally(task: Path, out: Path, count: int) -> None:
+    """The first `count` scan tasks of the prepare of `out`, run by datatrove's local executor into
+    the work folder that prepare will use, as a local prepare stopped after them leaves it."""
+    from datatrove.executor.local import LocalPipelineExecutor
+
+    from trainer.data.pipeline import ScanStep
+    from trainer.data.prepare import _context, _scan_job
+
+    entries, units, ctx = _context(load_task(str(task)), None, False, 1, ROWS_PER_PART)
+    job, _ = _scan_job(entries, units, ctx, out.resolve())
+    LocalPipelineExecutor([ScanStep(job)], tasks=len(job.parts), local_tasks=count, workers=1,
+                          logging_dir=str(job.work / "datatrove")).run()
+
+
+def test_ray_resumes_a_local_scan_and_writes_the_shards_and_manifest_that_local_writes(
+        tmp_path: Path, ray_instance: None) -> None:
     task = write_corpus(tmp_path)
     local, local_manifest = prepare(load_task(str(task)), tmp_path / "local", rows_per_part=ROWS_PER_PART, workers=2)
-    result = CliRunner().invoke(app, ["data", "prepare", "--task", str(task), "--out", str(tmp_path / "ray"),
+    ray_out = tmp_path / "ray"
+    scan_first_parts_locally(task, ray_out, 2)
+    result = CliRunner().invoke(app, ["data", "prepare", "--task", str(task), "--out", str(ray_out),
                                       "--executor", "ray", "--workers", "2", "--rows-per-part", str(ROWS_PER_PART)])
     assert result.exit_code == 0, result.output
-    ray_out = tmp_path / "ray"
-    assert "on 2 Ray worker(s)" in " ".join(result.output.split())
+    said = " ".join(result.output.split())
+    assert "resuming: 2 of 4 parts were scanned before" in said and "on 2 Ray worker(s)" in said, said
     assert output_files(ray_out) == output_files(local)
     assert comparable_manifest(ray_out) == comparable_manifest(local)
     # the corpus's planted duplicates (40 exact copies, 20 one-space-and-a-word edits) are what was dropped

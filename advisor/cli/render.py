@@ -247,7 +247,8 @@ def render_partial_prepare(report: dict[str, Any]) -> None:
     """A prepare that has not finished (trainer/data/partial.py): parts and rows scanned per source."""
     parts = report["parts"]
     of_total = f"/{parts['total']}" if parts["total"] is not None else ""
-    table = Table(title=f"PARTIAL: the prepare of {report['folder']} has not finished ({report['phase']}, "
+    table = Table(title=f"PARTIAL: the prepare of {report['folder']} has not finished (stopped or still running; "
+                        f"{report['phase']}, "
                         f"{parts['done']}{of_total} parts scanned)", title_justify="left")
     for column in ("source", "parts done", "rows scanned"):
         table.add_column(column, justify="left" if column == "source" else "right")
@@ -258,8 +259,8 @@ def render_partial_prepare(report: dict[str, Any]) -> None:
     console.print(table)
     console.print("kept and dropped documents: not yet known (duplicates are judged over the whole task once every "
                   f"part is scanned); shards written so far: {report['shards_written']}", highlight=False)
-    console.print(f"work folder: {report['work']}; run the same `advisor data prepare` command to resume",
-                  style="dim", soft_wrap=True)
+    console.print(f"work folder: {report['work']}; a prepare that was stopped resumes from it when the same "
+                  "`advisor data prepare` command runs again", style="dim", soft_wrap=True)
 
 
 def render_data_manifest(manifest: dict[str, Any]) -> None:
