@@ -88,6 +88,7 @@ CHILD = textwrap.dedent("""
     me = resource.getrusage(resource.RUSAGE_SELF)
     print(json.dumps({"seconds": seconds, "peak_kib": me.ru_maxrss,
                       "worker_peak_kib": max((hwm for hwm, _ in seen.values()), default=0),
+                      "children_peak_sum_kib": sum(hwm for hwm, _ in seen.values()),
                       "cpu_s": me.ru_utime + me.ru_stime + sum(cpu for _, cpu in seen.values())}))
 """)
 
