@@ -25,7 +25,7 @@ from typing import Any, Callable
 from specs.errors import UsageError
 from specs.model_depth import first_layers, layer_count_key
 from specs.plan_file import Plan, load_plan
-from specs.run_dir import METRICS_FILE, PLAN_FILE, SUMMARY_FILE, read_json_lines
+from specs.run_dir import DATA_CACHE_DIR, METRICS_FILE, PLAN_FILE, SUMMARY_FILE, read_json_lines
 from specs.core import HardwareSpec, ModelSpec
 from specs.task import TaskSpec
 from planner.plan import PlanOptions, make_plan
@@ -105,9 +105,9 @@ def train_run(plan: Plan, run_dir: Path, seed: int, eval_sequences: int, cache: 
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunDirLock.take(run_dir)  # one launch per run dir, as `advisor train` holds it
     try:
-        if cache is not None and not (run_dir / "data_cache").exists():
+        if cache is not None and not (run_dir / DATA_CACHE_DIR).exists():
             cache.mkdir(parents=True, exist_ok=True)
-            (run_dir / "data_cache").symlink_to(cache.resolve(), target_is_directory=True)
+            (run_dir / DATA_CACHE_DIR).symlink_to(cache.resolve(), target_is_directory=True)
         # the trainer's run-time preparation, as `advisor train` does it (the old run moved aside)
         plan = prepare_run(plan, run_dir, resumed=False, overwrite=True).plan
         plan.write(run_dir / PLAN_FILE)
@@ -327,7 +327,7 @@ def _train_batch(req: CompareRequest, plans: Plans, todo: list[tuple[str, float,
                  runs: list[RunResult], total: int) -> None:
     """Train the (variant, rate, seed) runs of `todo`, appending each result to `runs` and rewriting
     the outputs after each."""
-    jobs = [(plans[name][lr], run_dir_of(req, name, lr, seed), seed, req.eval_sequences, req.out / "data_cache")
+    jobs = [(plans[name][lr], run_dir_of(req, name, lr, seed), seed, req.eval_sequences, req.out / DATA_CACHE_DIR)
             for name, lr, seed in todo]
 
     def done(item: tuple[str, float, int], job: tuple, wall_s: float) -> None:
