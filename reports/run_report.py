@@ -20,8 +20,8 @@ from specs.errors import UsageError
 from specs.plan_file import Plan, load_plan
 from specs.core import GiB, read_user_yaml
 from specs.run_dir import (CHECKPOINTS_DIR, EVENTS_FILE, FEEDBACK_FILE, METRICS_FILE, PLAN_FILE, RUN_DIR_MARKERS,
-                           SUMMARY_FILE, VERIFY_FILE, CheckpointEvent, EvalEvent, RollbackEvent, SpikeEvent, StageEndEvent,
-                           parse_event, read_json_lines)
+                           SUMMARY_FILE, VERIFY_FILE, CheckpointEvent, EvalEvent, RollbackEvent, SegmentFigures,
+                           SpikeEvent, StageEndEvent, parse_event, read_json_lines)
 from reports import charts
 from reports.document import Cell, Document, Table, format_number, num, pct, text
 from reports.skill_story import Scores, skill_stories
@@ -417,6 +417,31 @@ def _comparison_section(doc: Document, a: RunAnalysis) -> None:
         doc.figure("predicted_measured", charts.predicted_measured_chart(
             [(f"{c.name} ({c.unit})", _scaled(c, c.predicted), _scaled(c, c.measured)) for c in a.comparisons]),
             "Predicted and measured peak memory, step time and throughput.")
+    _segments_table(doc, a)
+
+
+def _segments_table(doc: Document, a: RunAnalysis) -> None:
+    """Step time per segment (summary.json `segments`) when more than one layout or launch trained
+    the run: each layout's prediction against the steps it trained."""
+    segments = []
+    for entry in (a.data.summary or {}).get("segments") or []:
+        try:
+            segments.append(SegmentFigures.model_validate(entry))
+        except ValueError:  # another version's entry: the whole-run figures above still hold
+            continue
+    if len(segments) < 2:
+        return
+    rows = []
+    for i, seg in enumerate(segments):
+        predicted, measured = seg.predicted.get("step_s"), seg.measured.get("step_s")
+        ratio = measured / predicted if isinstance(measured, (int, float)) and predicted else None
+        rows.append([text(f"{seg.first_step}-{seg.last_step if seg.last_step is not None else '-'}"),
+                     text(seg.layout, wide=True), text(seg.why + ("" if seg.planned else " (not the plan's)")),
+                     num(seg.steps), num(predicted, f"segment:{i}:predicted:step_s"),
+                     num(measured, f"segment:{i}:measured:step_s"), num(ratio)])
+    doc.table(Table(["steps", "layout", "why", "steps trained", "predicted step (s)", "measured step (s)", "ratio"],
+                    rows, id="segments", caption="per segment: one layout in one launch; measured: the median "
+                                                 "step after 2 warm-up steps"))
 
 
 def _stages_section(doc: Document, a: RunAnalysis) -> None:

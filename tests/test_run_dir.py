@@ -196,3 +196,15 @@ def test_no_module_outside_the_spec_spells_a_run_dir_file_name() -> None:
                       and isinstance(node.right, ast.Constant) and node.right.value in folders):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} / {node.right.value!r}")
     assert not found, found
+
+
+def test_run_report_shows_each_segments_prediction_against_its_steps(fallback_run, tmp_path) -> None:
+    from reports.run_report import run_report
+
+    run, plan, summary = fallback_run
+    _, document = run_report(run)
+    markdown = next(p for p in document.write(tmp_path / "report", "run") if p.suffix == ".md").read_text()
+    rows = [line for line in markdown.splitlines() if line.startswith(("| 1-2 |", "| 3-8 |"))]
+    assert len(rows) == 2
+    assert f"| {plan.chosen.layout.short()} | start | 2 |" in rows[0]
+    assert f"| {plan.alternatives[0].layout.short()} | oom_fallback (not the plan's) | 6 |" in rows[1]
