@@ -371,7 +371,7 @@ class SegmentStartEvent(_Event):
     step: int
     stage: str | None
     layout: str
-    why: Literal["start", "resume", "oom_fallback"]
+    why: Literal["start", "resume", "oom_fallback", "rollback"]  # rollback: to before the segment's start
 
 
 class VerifyEvent(_Event):

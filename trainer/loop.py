@@ -718,6 +718,7 @@ class _Run:
         """The steps from here on train under `self.layout` (summary.json's `segments` read these)."""
         stages = self.task.stages
         stage = stages[self.state.stage].name if self.state.stage < len(stages) else None
+        self.segment_from = self.state.global_step
         self.events.write(SegmentStartEvent(step=self.state.global_step, stage=stage, layout=self.layout.short(),
                                             why=why))
 
@@ -749,6 +750,8 @@ class _Run:
         self.state.lr_scale *= self.options.spike_lr_factor
         self.events.write(RollbackEvent(to=target.name, step=self.state.global_step, skipped=window[1:],
                                         lr_scale=self.state.lr_scale, steps_back=self.steps_back, discarded=discarded))
+        if self.state.global_step < self.segment_from:  # back past this launch's start: its steps are redone here
+            self._log_segment("rollback")
         self._show_progress(stage)
 
     # -- the end -----------------------------------------------------------------------------------
