@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from specs.run_dir import CHECKPOINT_STATE_FILE
 from trainer import seal
 
 PREFIX = "step-"
@@ -146,7 +147,7 @@ def save(root: Path, global_step: int, trainer_state: dict[str, Any], save_engin
     seal.pause()
     torch.save(_rng_state(), tmp / f"rng-{rank}.pt")
     if rank == 0:
-        (tmp / "trainer.json").write_text(json.dumps(trainer_state))
+        (tmp / CHECKPOINT_STATE_FILE).write_text(json.dumps(trainer_state))
     seal.long_barrier()  # every rank's writes are done before any lists its own
     seal.seal(tmp, global_step)
     if rank == 0:
@@ -185,7 +186,7 @@ def load(path: Path, load_engine: Callable[[Path], None]) -> dict[str, Any]:
         torch.set_rng_state(state["cpu"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
-    return json.loads((path / "trainer.json").read_text())
+    return json.loads((path / CHECKPOINT_STATE_FILE).read_text())
 
 
 def _flat_options() -> Any:

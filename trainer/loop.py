@@ -31,6 +31,12 @@ from specs.capabilities import EngineChoice
 from specs.plan_file import Plan, StagePlan, load_plan, segment_of
 from specs.core import Layout, ModelSpec
 from specs.task import AdapterSpec, StageSpec, check_stage_name
+from specs.run_dir import (CHECKPOINT_STATE_FILE, CHECKPOINTS_DIR, DATA_CACHE_DIR, EVENTS_FILE, METRICS_FILE, PLAN_FILE,
+                           STAGES_DIR, SUMMARY_FILE, TENSORBOARD_DIR, CheckpointDamagedEvent, CheckpointEvent,
+                           DataEvent, DataPaddingEvent, EvalEvent, JsonLines, LengthChangedEvent, ModelEvent,
+                           MovedAsideEvent, OOMFallbackEvent, ReshardedEvent, ResumeEvent, RollbackEvent,
+                           SegmentStartEvent, SpikeEvent, StageEndEvent, StageStartEvent, StopEvent, TornLinesEvent,
+                           event_record, events_of, read_events, read_json_lines)
 from planner.export import model_deepspeed_config
 from profiler.hardware_bench import TORCH_DTYPES
 from profiler.tensor_memory import TensorMemory
@@ -44,6 +50,7 @@ from trainer.oom import OOMInjector, free_memory, is_oom, next_layout, relaunch_
 from trainer.model import build_model, check_weights
 from trainer.options import TrainOptions
 from trainer.prepared import bucket_stream, prepared_dir
+from trainer.run_segments import segment_figures
 from trainer.run_identity import claim, fingerprint, read_run, restarted, saved_digests, update_length
 from trainer.scalars import ScalarLog
 from trainer.schedule import first_changed_rate, scheduled_lr
@@ -70,51 +77,6 @@ class LoopState:
     stage_steps: list[int] = field(default_factory=list)  # each started stage's steps, as the run sized it
 
 
-def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """A JSON-lines file's records, and how many lines were torn or unreadable (a full disk or a
-    power cut during an append leaves partial JSON or NUL bytes): those are skipped, never fatal."""
-    if not path.is_file():
-        return [], 0
-    records, torn = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if isinstance(record, dict):
-            records.append(record)
-        else:
-            torn += 1
-    return records, torn
-
-
-class JsonLines:
-    """Append-only JSON lines, flushed per record (rank 0 writes)."""
-
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled = path, enabled
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def truncate_after(self, step: int | None) -> int:
-        """Drop what a crashed run logged after its last checkpoint, `step` (it is redone; None: keep
-        every step), and torn lines; returns how many lines were torn."""
-        if not self.enabled or not self.path.is_file():
-            return 0
-        records, torn = read_records(self.path)
-        keep = [r for r in records if step is None or r.get("step", 0) <= step]
-        if torn or len(keep) < len(records):
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-            tmp.replace(self.path)
-        return torn
-
-
 def _rank_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -135,7 +97,7 @@ def _saved_layout(path: Path | None, default: Layout) -> Layout:
     plan was re-made for another number of devices: the fallback belonged to the old count)."""
     if path is None:
         return default
-    saved = json.loads((path / "trainer.json").read_text()).get("layout")
+    saved = json.loads((path / CHECKPOINT_STATE_FILE).read_text()).get("layout")
     layout = type(default).model_validate(saved) if saved else default
     return layout if layout.devices == default.devices else default
 
@@ -155,7 +117,7 @@ def _checkpoint_step(path: Path) -> int:
 
 def _checkpoint_stage(path: Path) -> int:
     """The stage a checkpoint resumes into (a stage-end checkpoint: the next stage, at its start)."""
-    return int(json.loads((path / "trainer.json").read_text())["stage"])
+    return int(json.loads((path / CHECKPOINT_STATE_FILE).read_text())["stage"])
 
 
 def _padding_report(counts: list[int]) -> dict[str, Any]:
@@ -310,16 +272,16 @@ class _Run:
         self.plan, self.run_dir, self.options, self.task = plan, run_dir, options, plan.task
         self.main = self.rank == 0
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.ckpt_root = run_dir / "checkpoints"
-        self.metrics = JsonLines(run_dir / "metrics.jsonl", self.main)
-        self.events = JsonLines(run_dir / "events.jsonl", self.main)
-        self.scalars = ScalarLog(run_dir / "tensorboard", self.main)  # opens lazily, after any purge is set
+        self.ckpt_root = run_dir / CHECKPOINTS_DIR
+        self.metrics = JsonLines(run_dir / METRICS_FILE, self.main)
+        self.events = JsonLines(run_dir / EVENTS_FILE, self.main)
+        self.scalars = ScalarLog(run_dir / TENSORBOARD_DIR, self.main)  # opens lazily, after any purge is set
         # before the run dir is claimed: a refusal leaves no run
         check_weights(plan.model, options.weights, options.trust_remote_code)
         self.vocab = int(plan.model.hf_config.get("vocab_size", 0))
         self.tokenizer = tokenizer_for(self.task, plan.model.name, self.vocab, options.weights, options.template,
                                        options.trust_remote_code)
-        self.cache = run_dir / "data_cache"
+        self.cache = run_dir / DATA_CACHE_DIR
         self.dev = device()
         self.memory = TensorMemory(self.dev)  # before the model is built: it counts what is allocated from now on
         self.step_times: list[float] = []
@@ -355,16 +317,16 @@ class _Run:
         self.guard = self._fresh_guard()
         self.state = LoopState(positions=[0] * len(self.task.stages))
         if resume and last is None and self.main:
-            self.events.write({"event": "resume", "from": None, "note": "no checkpoint yet: starting fresh"})
+            self.events.write(ResumeEvent(from_=None, note="no checkpoint yet: starting fresh"))
         if last is not None:
             torn = self.events.truncate_after(None)
             if torn:
-                self.events.write({"event": "torn_lines", "file": "events.jsonl", "skipped": torn})
+                self.events.write(TornLinesEvent(file=EVENTS_FILE, skipped=torn))
             self._restore(last)
-            self.events.write({"event": "resume", "from": last.name, "step": self.state.global_step})
+            self.events.write(ResumeEvent(from_=last.name, step=self.state.global_step))
             self._log_resharding(last)
         if self.prepared is not None:
-            self.events.write({"event": "data", "source": "prepared", "dir": str(self.prepared)})
+            self.events.write(DataEvent(source="prepared", dir=str(self.prepared)))
         if last is None:
             self.save("start")  # the rollback target before the first step
         self.per_step = self.layout.global_batch
@@ -379,6 +341,7 @@ class _Run:
             self.state.oom_fallbacks = max(self.state.oom_fallbacks, len(self.failed_layouts) - 1)
         else:  # the plan's layout runs (a fallback of another device count, before a re-plan, is over)
             self.state.layout = None
+        self._log_segment("resume" if last is not None else "start")
 
     def _change_length(self, saved: dict[str, Any]) -> None:
         """A resume with another run length (--steps, --epochs, --max-steps-per-stage, a task's stage
@@ -401,8 +364,7 @@ class _Run:
         if reopen:  # the last stage goes on: its spike statistics with it
             self.state.stage, self.state.step_in_stage = stage, done
             self.guard.load_state_dict(self.state.spike)
-        self.events.write({"event": "length_changed", "step": self.state.global_step, "stage_steps": new,
-                           "was": trained})
+        self.events.write(LengthChangedEvent(step=self.state.global_step, stage_steps=new, was=trained))
         if self.main:
             update_length(self.run_dir, self.length)
 
@@ -432,8 +394,8 @@ class _Run:
         number of devices): the engine read it resharded (trainer/engines: DCP, or the other format)."""
         saved = self.state.engine_layout
         if self.handoff is None and saved and Layout.model_validate(saved) != self.layout:
-            self.events.write({"event": "resharded", "from": last.name,
-                               "saved_layout": Layout.model_validate(saved).short(), "layout": self.layout.short()})
+            self.events.write(ReshardedEvent(from_=last.name, saved_layout=Layout.model_validate(saved).short(),
+                                             layout=self.layout.short()))
 
     def _claim(self, resume: bool) -> None:
         """Rank 0 makes the run dir this run's (run_identity.claim) and every rank takes its answer:
@@ -452,16 +414,16 @@ class _Run:
                 refusal = str(exc)
             else:
                 if moved is not None:
-                    self.events.write({"event": "moved_aside", "to": str(moved)})
-                if not resume or _replanned(self.run_dir / "plan.yaml", self.plan):
-                    self.plan.write(self.run_dir / "plan.yaml")  # the plan that runs now (a re-plan too)
+                    self.events.write(MovedAsideEvent(to=str(moved)))
+                if not resume or _replanned(self.run_dir / PLAN_FILE, self.plan):
+                    self.plan.write(self.run_dir / PLAN_FILE)  # the plan that runs now (a re-plan too)
         refusal, self.saved_length, self.length = checkpoint.broadcast((refusal, saved_length,
                                                                          getattr(self, "length", None)))
         if refusal is not None:
             raise UsageError(refusal)
 
     def _rollbacks_logged(self) -> int:
-        return sum(e.get("event") == "rollback" for e in read_records(self.events.path)[0]) if self.main else 0
+        return len(events_of(read_events(self.events.path)[0], RollbackEvent)) if self.main else 0
 
     def _crosses_segments(self, checkpoint_dir: Path) -> bool:
         """Whether `checkpoint_dir` ends a segment whose layout differs from the next stage's."""
@@ -503,9 +465,9 @@ class _Run:
         path = checkpoint.save(self.ckpt_root, self.state.global_step, vars(self.state).copy(), save_engine,
                                self.options.keep_checkpoints)
         stages = self.task.stages
-        self.events.write({"event": "checkpoint", "step": self.state.global_step,
-                           "stage": stages[self.state.stage].name if self.state.stage < len(stages) else None,
-                           "path": str(path.relative_to(self.run_dir)), "reason": reason})
+        self.events.write(CheckpointEvent(
+            step=self.state.global_step, stage=stages[self.state.stage].name if self.state.stage < len(stages) else None,
+            path=str(path.relative_to(self.run_dir)), reason=reason))
 
     def _restore(self, target: Path, **kept: Any) -> None:
         """Load the checkpoint `target` into the engine, the loop state (but for the fields in
@@ -520,7 +482,7 @@ class _Run:
             self.guard = self._fresh_guard()
         torn = self.metrics.truncate_after(self.state.global_step)
         if torn:
-            self.events.write({"event": "torn_lines", "file": "metrics.jsonl", "skipped": torn})
+            self.events.write(TornLinesEvent(file=METRICS_FILE, skipped=torn))
         self.scalars.truncate_after(self.state.global_step)
 
     def _engine_loader(self, target: Path) -> Any:
@@ -542,7 +504,7 @@ class _Run:
         passed over are logged."""
         good, damaged = checkpoint.good_checkpoints(self.ckpt_root, below, wanted=self.steps_back + 1)
         for name, problem in damaged:
-            self.events.write({"event": "checkpoint_damaged", "path": name, "problem": problem})
+            self.events.write(CheckpointDamagedEvent(path=name, problem=problem))
         if stage is not None:
             good = [p for p in good if _checkpoint_stage(p) == stage] or good[:1]
         if below is None or not good:
@@ -573,10 +535,10 @@ class _Run:
             # a new data distribution moves the loss legitimately: the guard learns it afresh
             self.guard = self._fresh_guard()
             self.rows[spec.name] = _rows_cut(stream, spec.name)
-            self.events.write({"event": "stage_start", "stage": spec.name, "step": self.state.global_step,
-                               "steps": steps, "epochs": epochs, "lr": spec.lr * self.state.lr_scale,
-                               "warmup_steps": spec.warmup_for(steps),  # as the schedule runs it
-                               "rows": self.rows[spec.name]})
+            self.events.write(StageStartEvent(stage=spec.name, step=self.state.global_step, steps=steps, epochs=epochs,
+                                              lr=spec.lr * self.state.lr_scale,
+                                              warmup_steps=spec.warmup_for(steps),  # as the schedule runs it
+                                              rows=self.rows[spec.name]))
         return stage
 
     def _stage_steps(self, index: int, stream: Any = None) -> int:
@@ -604,14 +566,13 @@ class _Run:
         name = stage.spec.name
         self.evals[name] = _evaluate_stages(self.engine.model, self.task, stage.index, self.tokenizer,
                                             self.layout, self.cache, self.options, self.dev)
-        record: dict[str, Any] = {"event": "eval", "stage": name, "step": self.state.global_step,
-                                  "losses": self.evals[name]}
+        record = EvalEvent(stage=name, step=self.state.global_step, losses=self.evals[name])
         exact = stage_exact_match(self.engine.model, self.task, stage.index, self.tokenizer, self.layout.mbs,
                                   self.options.exact_match_prompts, self.dev)
         if exact is None:
-            record["exact_match_note"] = NOT_SCORED_PIPELINE
+            record.exact_match_note = NOT_SCORED_PIPELINE
         else:
-            self.exact[name] = record["exact_match"] = exact
+            self.exact[name] = record.exact_match = exact
         self.events.write(record)
         self.scalars.evals(self.state.global_step, self.evals[name])
 
@@ -620,11 +581,10 @@ class _Run:
         curriculum on, and checkpoint."""
         name = stage.spec.name
         if name in self.state.padding:
-            self.events.write({"event": "data_padding", "stage": name, **_padding_report(self.state.padding[name])})
+            self.events.write(DataPaddingEvent(stage=name, **_padding_report(self.state.padding[name])))
         skipped = [(start, end) for s, start, end in self.state.skips if s == stage.index]
         self.epochs[name] = stage.stream.epochs(self.state.positions[stage.index], skipped)
-        self.events.write({"event": "stage_end", "stage": name, "step": self.state.global_step,
-                           "epochs": self.epochs[name]})
+        self.events.write(StageEndEvent(stage=name, step=self.state.global_step, epochs=self.epochs[name]))
         weights = self.write_model(stage)
         self.state.stage += 1
         self.state.step_in_stage = 0
@@ -642,9 +602,9 @@ class _Run:
         weights = write_model(self.engine, directory, TORCH_DTYPES[self.layout.dtype], tokenizer, self.options.weights,
                               merge=self.options.merge, chat_template=self.tokenizer.builtin_jinja,
                               trusted=self.options.trust_remote_code)
-        self.events.write({"event": "model", "stage": stage.spec.name, "step": self.state.global_step,
-                           "path": str(directory.relative_to(self.run_dir)),
-                           "kind": "adapter" if self.layout.method in ("lora", "qlora") else "full"})
+        self.events.write(ModelEvent(stage=stage.spec.name, step=self.state.global_step,
+                                     path=str(directory.relative_to(self.run_dir)),
+                                     kind="adapter" if self.layout.method in ("lora", "qlora") else "full"))
         return weights
 
     # -- a step ------------------------------------------------------------------------------------
@@ -729,16 +689,17 @@ class _Run:
         replacement, skipped = next_layout(self.plan, self.failed_layouts, self.dev.type)
         target = self._last_checkpoint()
         step, failed = self.state.global_step + 1, self.layout.short()
-        fallback = {"event": "oom_fallback", "step": step, "stage": stage.spec.name, "error": error[:300],
-                    "failed": failed, "replacement": replacement.short() if replacement else None,
-                    "from": target.name, "skipped": skipped}
+        fallback = OOMFallbackEvent(step=step, stage=stage.spec.name, error=error[:300], failed=failed,
+                                    replacement=replacement.short() if replacement else None, from_=target.name,
+                                    skipped=skipped)
         if replacement is not None and self.world > 1:  # the others may be stuck in a collective
-            request_relaunch(self.run_dir, self.plan, replacement, self.failed_layouts, {**fallback, "relaunch": True})
+            request_relaunch(self.run_dir, self.plan, replacement, self.failed_layouts,
+                             event_record(fallback.model_copy(update={"relaunch": True})))
             raise UsageError(f"out of memory at step {step} with {failed}: the launcher restarts the ranks "
                              f"with {replacement.short()}")
         self.events.write(fallback)
         if replacement is None:
-            self.events.write({"event": "stop", "reason": "out of memory: no fallback left in the plan"})
+            self.events.write(StopEvent(reason="out of memory: no fallback left in the plan"))
             raise UsageError(f"out of memory at step {step} with {failed}: no fallback left in the plan; plan "
                              "with a smaller micro-batch, recomputation or more devices")
         state = self.state
@@ -751,17 +712,26 @@ class _Run:
                       layout=replacement.model_dump(mode="json"))
         stage.stream = self._make_stream(stage.index)
         self._show_progress(stage)
+        self._log_segment("oom_fallback")
+
+    def _log_segment(self, why: str) -> None:
+        """The steps from here on train under `self.layout` (summary.json's `segments` read these)."""
+        stages = self.task.stages
+        stage = stages[self.state.stage].name if self.state.stage < len(stages) else None
+        self.segment_from = self.state.global_step
+        self.events.write(SegmentStartEvent(step=self.state.global_step, stage=stage, layout=self.layout.short(),
+                                            why=why))
 
     def roll_back(self, stage: _Stage, step: _Step, reason: str) -> None:
         """A loss spike: back to the last checkpoint, skip this step's batch, cool the learning rate
         (until the stage ends). The same spike again (no step passed it since) means that checkpoint
         was taken on the bad path: go back one checkpoint further and skip all data since it."""
         spike_step = self.state.global_step + 1
-        self.events.write({"event": "spike", "step": spike_step, "stage": stage.spec.name,
-                           "loss": step.loss, "grad_norm": step.grad_norm, "reason": reason})
+        self.events.write(SpikeEvent(step=spike_step, stage=stage.spec.name, loss=step.loss, grad_norm=step.grad_norm,
+                                     reason=reason))
         self.rollbacks += 1
         if self.rollbacks > self.options.max_rollbacks:
-            self.events.write({"event": "stop", "reason": f"more than {self.options.max_rollbacks} rollbacks"})
+            self.events.write(StopEvent(reason=f"more than {self.options.max_rollbacks} rollbacks"))
             raise TrainingStopped(f"training stopped after {self.options.max_rollbacks} rollbacks: {reason}; the "
                                   f"checkpoints in {self.ckpt_root} hold the last good steps: lower the stage's "
                                   "learning rate (or its batch's noise) and train again")
@@ -778,18 +748,19 @@ class _Run:
         window = [stage.index, min(start, step.position), _advance(step.position, self.per_step, stage.index, [])]
         self.state.skips = skips + [window]
         self.state.lr_scale *= self.options.spike_lr_factor
-        self.events.write({"event": "rollback", "to": target.name, "step": self.state.global_step,
-                           "skipped": window[1:], "lr_scale": self.state.lr_scale, "steps_back": self.steps_back,
-                           "discarded": discarded})
+        self.events.write(RollbackEvent(to=target.name, step=self.state.global_step, skipped=window[1:],
+                                        lr_scale=self.state.lr_scale, steps_back=self.steps_back, discarded=discarded))
+        if self.state.global_step < self.segment_from:  # back past this launch's start: its steps are redone here
+            self._log_segment("rollback")
         self._show_progress(stage)
 
     # -- the end -----------------------------------------------------------------------------------
 
-    def _logged(self, event: str, key: str, here: dict[str, Any]) -> dict[str, Any]:
-        """Per stage, `key` of the `event` records of this process (`here`) and of earlier launches
+    def _logged(self, kind: type, key: str, here: dict[str, Any]) -> dict[str, Any]:
+        """Per stage, `key` of the `kind` events of this process (`here`) and of earlier launches
         (segments, resumes) from the log."""
-        logged = {e["stage"]: e[key] for e in read_records(self.events.path)[0]
-                  if e.get("event") == event and key in e} if self.main else {}
+        events = events_of(read_events(self.events.path)[0], kind) if self.main else []
+        logged = {e.stage: getattr(e, key) for e in events if getattr(e, key) is not None}
         return {**logged, **here}
 
     def _final_model(self) -> str | None:
@@ -801,12 +772,12 @@ class _Run:
 
     def finish(self) -> dict[str, Any]:
         """summary.json: predicted against measured, per-stage results, what the run had to change."""
-        results = {"eval": self._logged("eval", "losses", self.evals),
-                   "exact_match": self._logged("eval", "exact_match", self.exact),
-                   "epochs": self._logged("stage_end", "epochs", self.epochs),
-                   "rows": self._logged("stage_start", "rows", self.rows)}
+        results = {"eval": self._logged(EvalEvent, "losses", self.evals),
+                   "exact_match": self._logged(EvalEvent, "exact_match", self.exact),
+                   "epochs": self._logged(StageEndEvent, "epochs", self.epochs),
+                   "rows": self._logged(StageStartEvent, "rows", self.rows)}
         summary = _summary(self.plan, self.state, self.step_times, results, self.run_dir, self.memory)
-        if self._logged("eval", "exact_match_note", {}):
+        if self._logged(EvalEvent, "exact_match_note", {}):
             summary["exact_match_note"] = NOT_SCORED_PIPELINE
         summary["layout_used"] = self.layout.short()
         summary["oom_fallbacks"] = self.state.oom_fallbacks
@@ -820,16 +791,16 @@ class _Run:
                            "padding": {name: _padding_report(c) for name, c in self.state.padding.items()},
                            **{cut: sum(s["rows"].get(cut, 0) for s in summary["stages"]) for cut in CUTS}}
         if self.main:
-            tmp = self.run_dir / "summary.json.tmp"
+            tmp = self.run_dir / f"{SUMMARY_FILE}.tmp"
             tmp.write_text(json.dumps(summary, indent=2))
-            tmp.replace(self.run_dir / "summary.json")
+            tmp.replace(self.run_dir / SUMMARY_FILE)
         return summary
 
 
 def _stage_model_dir(run_dir: Path, stage: str) -> Path:
     """RUN/stages/<stage>/model/. The name was checked when the task was read; checked again here, where
     it becomes a path, so that no way around the loaders writes outside the run dir."""
-    return run_dir / "stages" / check_stage_name(stage) / ARTIFACT_DIR
+    return run_dir / STAGES_DIR / check_stage_name(stage) / ARTIFACT_DIR
 
 
 def _evaluate_stages(model, task, upto: int, tokenizer, layout: Layout, cache: Path, options: TrainOptions,
@@ -860,7 +831,8 @@ def _summary(plan: Plan, state: LoopState, step_times: list[float], results: dic
     peak, how = _peak_bytes(memory)
     steady = step_times[2:] or step_times
     predicted = plan.chosen.estimate
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_json_lines(run_dir / METRICS_FILE).records
+    events = read_events(run_dir / EVENTS_FILE)[0]
     stages = []
     for spec in plan.task.stages if plan.task else []:
         losses = [m["loss"] for m in metrics if m["stage"] == spec.name]
@@ -876,20 +848,17 @@ def _summary(plan: Plan, state: LoopState, step_times: list[float], results: dic
         "steps": state.global_step, "rollbacks": state.rollbacks, "stages": stages,
         "layout": plan.chosen.layout.short(), "world_size": _rank_world()[1], "pid": os.getpid(),
         "finished": state.stage >= len(plan.task.stages) if plan.task else True,
-        "nan": _non_finite_seen(metrics, _read_jsonl(run_dir / "events.jsonl")),
+        "nan": _non_finite_seen(metrics, events),
+        "segments": segment_figures(plan, metrics, events, (peak, how)),
     }
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return read_records(path)[0]
-
-
-def _non_finite_seen(metrics: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
+def _non_finite_seen(metrics: list[dict[str, Any]], events: list[Any]) -> bool:
     """Whether any step of the run had a non-finite loss or gradient norm. The guard rolls such a
     step back, so it is in events.jsonl (a spike), not metrics.jsonl; both files span resumes."""
-    steps = [*metrics, *(e for e in events if e["event"] == "spike")]
-    return any(isinstance(value, float) and not math.isfinite(value)
-               for step in steps for value in (step.get("loss"), step.get("grad_norm")))
+    values = [value for m in metrics for value in (m.get("loss"), m.get("grad_norm"))]
+    values += [value for e in events_of(events, SpikeEvent) for value in (e.loss, e.grad_norm)]
+    return any(isinstance(value, float) and not math.isfinite(value) for value in values)
 
 
 def _progress(enabled: bool):

@@ -20,6 +20,7 @@ from advisor.cli.render import format_seconds, stage_results_lines
 from specs.errors import UsageError
 from specs.capabilities import config_shape, runnable_problem, ENGINE_CHOICES
 from specs.plan_file import Plan, load_plan
+from specs.run_dir import METRICS_FILE
 from specs.remote_code import check_model_code, ensure_model_code, refuse_remote_code
 from specs.core import check_number
 from specs.task import LR_SCHEDULES, MAX_EPOCHS, MAX_ROWS
@@ -244,7 +245,7 @@ def _run(a: SimpleNamespace) -> dict | None:
                            timeout_s=a.timeout_s, trust_remote_code=a.trust_remote_code)
     with RunProgress(console, a.show_progress, "advisor train") as progress:
         progress.expect(training_estimate_s(plan, a.max_steps_per_stage))
-        with progress.training(plan, a.max_steps_per_stage, a.out / "metrics.jsonl"):
+        with progress.training(plan, a.max_steps_per_stage, a.out / METRICS_FILE):
             return run(plan, a.out, resumed, options, a.nnodes, a.node_rank, a.master_addr, a.master_port)
 
 
