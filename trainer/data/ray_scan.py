@@ -26,6 +26,7 @@ from trainer.data.pipeline import ScanJob, ScanStep, _report_progress
 
 Log = Callable[[str], None]
 _FAILURES = "failures"  # beside datatrove's completions: the one-line error of each part that failed
+_TASK_LOGS = "logs"  # datatrove's own per-task logs in its logging folder (not a run dir's logs/)
 
 
 def run_scan_on_ray(job: ScanJob, workers: int | None, address: str | None, log: Log) -> int:
@@ -109,4 +110,4 @@ def _check_every_part_finished(job: ScanJob, executor: Any) -> None:
         if message.is_file():
             raise UsageError(message.read_text())
     raise UsageError(f"--executor ray: {len(missing)} of {len(job.parts)} parts did not finish (the task logs: "
-                     f"{job.work / 'datatrove' / 'logs'}); run the same command again to resume")
+                     f"{job.work / 'datatrove' / _TASK_LOGS}); run the same command again to resume")
