@@ -162,7 +162,7 @@ def with_replay(task: TaskSpec) -> TaskSpec:
 
 
 def decay_steps(task: TaskSpec, run_steps: int) -> int:
-    """The steps a WSD run of `run_steps` decays over, as the trainer counts them (trainer/loop.py
+    """The steps a WSD run of `run_steps` decays over, as the trainer counts them (trainer/schedule.py
     rounds the fraction; trainer.schedule.wsd_lr keeps at least one and leaves the warm-up whole)."""
     warmup = min(task.stages[0].warmup_steps, max(run_steps - 1, 0))
     return max(1, min(round(task.wsd_decay_fraction * run_steps), run_steps - warmup))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import trainer.loop
+import trainer.stage_runner
 from specs.plan_file import stage_segments
 from specs.core import ModelSpec
 from planner.plan import PlanOptions, make_plan
@@ -50,14 +50,14 @@ def test_a_stage_with_its_own_seq_len_gets_its_own_layout_and_trains_at_it(tmp_p
     assert [s.steps for s in plan.stages] == [4, 4]
 
     seen: list[tuple[int, ...]] = []
-    real_step = trainer.loop.optimizer_step
+    real_step = trainer.stage_runner.optimizer_step
 
     def recording_step(engine, micro_batches, lr):
         batches = list(micro_batches)
         seen.append(tuple(b.shape[1] for b in batches) + (sum(b.shape[0] for b in batches),))
         return real_step(engine, batches, lr)
 
-    monkeypatch.setattr(trainer.loop, "optimizer_step", recording_step)
+    monkeypatch.setattr(trainer.stage_runner, "optimizer_step", recording_step)
     summary = run(plan, tmp_path / "run", False, TrainOptions(show_progress=False), None, 0, "127.0.0.1", 29513)
     assert summary["finished"]
     per_stage = [seen[:4], seen[4:]]

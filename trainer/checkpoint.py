@@ -76,7 +76,7 @@ def good_checkpoints(root: Path, below: int | None = None, wanted: int = 1) -> t
         path = root / name
         if len(good) >= wanted:
             break
-        if below is not None and _step(path) >= below:
+        if below is not None and step_of(path) >= below:
             continue
         reason = problem(path)
         if reason is None:
@@ -92,8 +92,19 @@ def latest(root: Path) -> Path | None:
     return good[0] if good else None
 
 
-def _step(path: Path) -> int:
+def step_of(path: Path) -> int:
+    """The global step a checkpoint folder holds (from its name)."""
     return int(path.name[len(PREFIX):])
+
+
+def stage_of(path: Path) -> int:
+    """The stage a checkpoint resumes into (a stage-end checkpoint: the next stage, at its start)."""
+    return int(json.loads((path / CHECKPOINT_STATE_FILE).read_text())["stage"])
+
+
+def saved_layout_record(path: Path) -> dict[str, Any] | None:
+    """The layout an OOM fallback had switched to when `path` was written (None: the plan's)."""
+    return json.loads((path / CHECKPOINT_STATE_FILE).read_text()).get("layout")
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -171,7 +182,7 @@ def discard_after(root: Path, step: int) -> list[str]:
     removed = []
     if _rank() == 0:
         for path in _step_folders(root):
-            if _step(path) > step:
+            if step_of(path) > step:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path.name)
     seal.long_barrier()

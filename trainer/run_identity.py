@@ -7,7 +7,7 @@ global batch, engine, data (raw or prepared, and the files' content), weights or
 content) would silently reuse the old data positions and schedule, or fail deep inside a state-dict
 load. The layout may change (an out-of-memory fallback, a re-plan), and so may the run's length (the
 stages' steps, tokens or epochs, --epochs, --max-steps-per-stage) where the steps already trained keep
-their learning rates (trainer/loop.py checks that).
+their learning rates (trainer/run_length.py checks that).
 
 `run.json` is also the trust boundary: checkpoints hold pickled metadata (DCP, DeepSpeed), so
 `--resume` loads them only from a directory whose `run.json` this trainer wrote, with the same
@@ -54,7 +54,7 @@ MUST_MATCH = {"task": "task", "seed": "seed", "model": "model", "seq_len": "sequ
               "global_batch": "global batch", "engine": "engine", "data_source": "data (its kind or content)",
               "weights": "weights (their content)", "tokenizer": "tokenizer (its content)",
               "trust_remote_code": "--trust-remote-code setting"}
-# Fields of a task's stage that size it: a resume may change them (`length`: loop.py checks the steps
+# Fields of a task's stage that size it: a resume may change them (`length`: trainer/run_length.py checks the steps
 # already trained keep their learning rates); everything else of the task decides the stream.
 LENGTH_FIELDS = {"steps", "tokens", "epochs"}
 
@@ -257,7 +257,7 @@ def write_run(run_dir: Path, current: dict[str, Any], digests: FileDigests | Non
 
 
 def update_length(run_dir: Path, length: dict[str, Any]) -> None:
-    """A resume that changed the run's length (loop.py allowed it): later resumes compare with it."""
+    """A resume that changed the run's length (trainer/run_length.py allowed it): later resumes compare with it."""
     record = read_run(run_dir)
     if record is not None:
         record["fingerprint"]["length"] = length
