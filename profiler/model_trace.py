@@ -64,32 +64,29 @@ class BlockTrace(BaseModel):
     trainable_params: int | float = 0
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
-    act_replicated_bytes: float = Field(0.0, description="saved outside TP regions (LN inputs, masks)")
-    act_sharded_bytes: float = Field(0.0, description="saved inside TP regions, divided by tp")
-    act_scores_bytes: float = Field(0.0, description="the s x s part of the sharded bytes")
-    input_bytes: float = Field(0.0, description="the block's input hidden states (kept by full recompute)")
-    selective_replicated_bytes: float = Field(
-        0.0, description="outputs of SELECTIVE_SAVED_OPS outside TP regions (row-parallel GEMMs)")
-    selective_sharded_bytes: float = Field(
-        0.0, description="outputs of SELECTIVE_SAVED_OPS inside TP regions (column GEMMs, attention)")
-    cast_weight_bytes: float = Field(
-        0.0, description="16-bit copies of the fp32 weights that autocast casts (bf16-mixed), alive from their "
-                         "forward to their backward whatever the micro-batch size; not in the activations")
+    act_replicated_bytes: float = 0.0  # saved outside TP regions (LN inputs, masks)
+    act_sharded_bytes: float = 0.0  # saved inside TP regions, divided by tp
+    act_scores_bytes: float = 0.0  # the s x s part of the sharded bytes
+    input_bytes: float = 0.0  # the block's input hidden states (kept by full recompute)
+    selective_replicated_bytes: float = 0.0  # outputs of SELECTIVE_SAVED_OPS outside TP regions (row-parallel GEMMs)
+    selective_sharded_bytes: float = 0.0  # outputs of SELECTIVE_SAVED_OPS inside TP regions (column GEMMs, attention)
+    # 16-bit copies of the fp32 weights that autocast casts (bf16-mixed), alive from their forward to their backward
+    # whatever the micro-batch size; not in the activations
+    cast_weight_bytes: float = 0.0
     # What the host launches and what the memory-bound kernels move (`kernel_log`), per sequence:
     # a GPU runs ahead of its host only while a kernel outlasts a launch (planner/cost_model.py, host floor)
-    fwd_ops: float = Field(0.0, description="kernels launched in forward (views and metadata ops excluded)")
-    bwd_ops: float = Field(0.0, description="kernels launched in backward")
-    fwd_dense_ops: float = Field(0.0, description="of the forward's, GEMMs and attention kernels (priced by FLOPs)")
-    bwd_dense_ops: float = Field(0.0, description="of the backward's, GEMMs and attention kernels")
-    fwd_traffic_bytes: float = Field(
-        0.0, description="bytes read and written by the forward's memory-bound kernels (all but dense ones)")
-    bwd_traffic_bytes: float = Field(0.0, description="the same in backward")
-    skinny_gemm_bytes: float = Field(
-        0.0, description="bytes read and written by GEMMs with a side of at most SKINNY_GEMM_SIDE (LoRA's "
-                         "adapters): memory-bound, priced by bytes where that is slower than by FLOPs")
-    fp32_dense_flops: float = Field(
-        0.0, description="of the FLOPs (forward and backward), those of GEMMs and attention computed in fp32 "
-                         "(LoRA's adapters; QLoRA's up-cast LM head, and its attention on the fp32 residual)")
+    fwd_ops: float = 0.0  # kernels launched in forward (views and metadata ops excluded)
+    bwd_ops: float = 0.0  # kernels launched in backward
+    fwd_dense_ops: float = 0.0  # of the forward's, GEMMs and attention kernels (priced by FLOPs)
+    bwd_dense_ops: float = 0.0  # of the backward's, GEMMs and attention kernels
+    fwd_traffic_bytes: float = 0.0  # bytes read and written by the forward's memory-bound kernels (all but dense ones)
+    bwd_traffic_bytes: float = 0.0  # the same in backward
+    # bytes read and written by GEMMs with a side of at most SKINNY_GEMM_SIDE (LoRA's adapters): memory-bound,
+    # priced by bytes where that is slower than by FLOPs
+    skinny_gemm_bytes: float = 0.0
+    # of the FLOPs (forward and backward), those of GEMMs and attention computed in fp32 (LoRA's adapters; QLoRA's
+    # up-cast LM head, and its attention on the fp32 residual)
+    fp32_dense_flops: float = 0.0
 
     @property
     def act_bytes(self) -> float:
