@@ -218,9 +218,20 @@ Number = Union[int, float]  # kept as written: an int stays an int (the lines st
 
 
 class _Event(BaseModel):
-    """Fields common to every event; keys this code does not know are kept (a newer writer's)."""
+    """Fields common to every event; keys this code does not know are kept (a newer writer's). A kind
+    names its `event` value once, in its class statement: `class StopEvent(_Event, name="stop")`."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    event: str = ""
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs: Any) -> None:
+        # before pydantic reads the class's fields: `event` becomes that one value, a Literal, so that a
+        # record of another kind never reads as this one (it stays the first field, as declared above)
+        if name is not None:
+            cls.__annotations__ = {**cls.__dict__.get("__annotations__", {}), "event": Literal[name]}
+            cls.event = name
+        super().__init_subclass__(**kwargs)
 
     @classmethod
     def event_name(cls) -> str:
@@ -228,132 +239,78 @@ class _Event(BaseModel):
         return cls.model_fields["event"].default
 
 
-class ResumeEvent(_Event):
-    event: Literal["resume"] = "resume"
+class _AtStep(_Event):
+    """An event at some step of some stage of the run, either of which may be unknown."""
+
+    step: int | None = None
+    stage: str | None = None
+
+
+class _InStage(_Event):
+    """An event of one stage, at some step of it (where known)."""
+
+    stage: str
+    step: int | None = None
+
+
+# A start or a resume, and what it finds in the run dir.
+
+class ResumeEvent(_Event, name="resume"):
     from_: str | None = Field(None, alias="from")
     step: int | None = None
     note: str | None = None
 
 
-class TornLinesEvent(_Event):
-    event: Literal["torn_lines"] = "torn_lines"
+class MovedAsideEvent(_Event, name="moved_aside"):
+    to: str
+
+
+class TornLinesEvent(_Event, name="torn_lines"):
     file: str
     skipped: int
 
 
-class DataEvent(_Event):
-    event: Literal["data"] = "data"
-    source: str
-    dir: str | None = None
-
-
-class LengthChangedEvent(_Event):
-    event: Literal["length_changed"] = "length_changed"
-    step: int
-    stage_steps: list[int]
-    was: list[int]
-
-
-class ReshardedEvent(_Event):
-    event: Literal["resharded"] = "resharded"
+class ReshardedEvent(_Event, name="resharded"):
     from_: str = Field(alias="from")
     saved_layout: str
     layout: str
 
 
-class MovedAsideEvent(_Event):
-    event: Literal["moved_aside"] = "moved_aside"
-    to: str
+class DataEvent(_Event, name="data"):
+    source: str
+    dir: str | None = None
 
 
-class CheckpointEvent(_Event):
-    event: Literal["checkpoint"] = "checkpoint"
+class LengthChangedEvent(_Event, name="length_changed"):
     step: int
-    stage: str | None = None
+    stage_steps: list[int]
+    was: list[int]
+
+
+class SegmentStartEvent(_Event, name="segment_start"):
+    """Steps after `step` are trained under `layout` (the plan's, or an out-of-memory fallback's),
+    until the next segment_start: a fresh start, a resume or a fallback."""
+
+    step: int
+    stage: str | None
+    layout: str
+    why: Literal["start", "resume", "oom_fallback", "rollback"]  # rollback: to before the segment's start
+
+
+# Checkpoints, and going back to one.
+
+class CheckpointEvent(_AtStep, name="checkpoint"):
+    step: int  # always known here
     path: str | None = None
     reason: str | None = None
 
 
-class CheckpointDamagedEvent(_Event):
-    event: Literal["checkpoint_damaged"] = "checkpoint_damaged"
+class CheckpointDamagedEvent(_Event, name="checkpoint_damaged"):
     path: str
     problem: str
 
 
-class StageStartEvent(_Event):
-    event: Literal["stage_start"] = "stage_start"
-    stage: str
-    step: int
-    steps: int | None = None
-    epochs: Number | None = None
-    lr: Number | None = None
-    warmup_steps: int | None = None
-    rows: dict[str, int] | None = None
-
-
-class EvalEvent(_Event):
-    event: Literal["eval"] = "eval"
-    stage: str
-    step: int | None = None
-    losses: dict[str, Number] | None = None
-    exact_match: dict[str, Number | None] | None = None
-    exact_match_note: str | None = None
-
-
-class DataPaddingEvent(_Event):
-    event: Literal["data_padding"] = "data_padding"
-    stage: str
-    tokens: int
-    slots: int
-    padding_fraction: Number
-    slots_unbucketed: int
-    padding_fraction_unbucketed: Number
-    slots_saved: int
-
-
-class StageEndEvent(_Event):
-    event: Literal["stage_end"] = "stage_end"
-    stage: str
-    step: int | None = None
-    epochs: dict[str, Number] | None = None
-
-
-class ModelEvent(_Event):
-    event: Literal["model"] = "model"
-    stage: str
-    step: int
-    path: str
-    kind: Literal["adapter", "full"]
-
-
-class OOMFallbackEvent(_Event):
-    event: Literal["oom_fallback"] = "oom_fallback"
-    step: int | None = None
-    stage: str | None = None
-    error: str | None = None
-    failed: str | None = None
-    replacement: str | None = None
-    from_: str | None = Field(None, alias="from")
-    skipped: list[str] = Field(default_factory=list)
-    relaunch: bool | None = None  # asked of the launcher (several ranks), which logged it
-
-
-class StopEvent(_Event):
-    event: Literal["stop"] = "stop"
-    reason: str
-
-
-class SpikeEvent(_Event):
-    event: Literal["spike"] = "spike"
-    step: int | None = None
-    stage: str | None = None
-    loss: Number | None = None
-    grad_norm: Number | None = None
-    reason: str | None = None
-
-
-class RollbackEvent(_Event):
-    event: Literal["rollback"] = "rollback"
+class RollbackEvent(_Event, name="rollback"):
     to: str | None = None
     step: int | None = None
     skipped: list[int] | None = None
@@ -363,21 +320,69 @@ class RollbackEvent(_Event):
     stage: str | None = None  # not written by the trainer: a reader may attribute one
 
 
-class SegmentStartEvent(_Event):
-    """Steps after `step` are trained under `layout` (the plan's, or an out-of-memory fallback's),
-    until the next segment_start: a fresh start, a resume or a fallback."""
+# A stage's course.
 
-    event: Literal["segment_start"] = "segment_start"
-    step: int
-    stage: str | None
-    layout: str
-    why: Literal["start", "resume", "oom_fallback", "rollback"]  # rollback: to before the segment's start
+class StageStartEvent(_InStage, name="stage_start"):
+    step: int  # always known here
+    steps: int | None = None
+    epochs: Number | None = None
+    lr: Number | None = None
+    warmup_steps: int | None = None
+    rows: dict[str, int] | None = None
 
 
-class VerifyEvent(_Event):
+class DataPaddingEvent(_Event, name="data_padding"):
+    stage: str
+    tokens: int
+    slots: int
+    padding_fraction: Number
+    slots_unbucketed: int
+    padding_fraction_unbucketed: Number
+    slots_saved: int
+
+
+class EvalEvent(_InStage, name="eval"):
+    losses: dict[str, Number] | None = None
+    exact_match: dict[str, Number | None] | None = None
+    exact_match_note: str | None = None
+
+
+class StageEndEvent(_InStage, name="stage_end"):
+    epochs: dict[str, Number] | None = None
+
+
+class ModelEvent(_InStage, name="model"):
+    step: int  # always known here
+    path: str
+    kind: Literal["adapter", "full"]
+
+
+# Giving up, falling back, a loss spike.
+
+class StopEvent(_Event, name="stop"):
+    reason: str
+
+
+class OOMFallbackEvent(_AtStep, name="oom_fallback"):
+    error: str | None = None
+    failed: str | None = None
+    replacement: str | None = None
+    from_: str | None = Field(None, alias="from")
+    skipped: list[str] = Field(default_factory=list)
+    relaunch: bool | None = None  # asked of the launcher (several ranks), which logged it
+
+
+class SpikeEvent(_AtStep, name="spike"):
+    loss: Number | None = None
+    grad_norm: Number | None = None
+    reason: str | None = None
+
+
+# `advisor run`: its verification trials and the profile's refit.
+
+class VerifyEvent(_Event, name="verify"):
     """One `advisor run` verification trial (trainer/verify.py `Trial`)."""
 
-    event: Literal["verify"] = "verify"
     rank: int
     layout: str
     predicted_step_s: Number
@@ -395,8 +400,7 @@ class VerifyEvent(_Event):
     error: str | None = None
 
 
-class FeedbackEvent(_Event):
-    event: Literal["feedback"] = "feedback"
+class FeedbackEvent(_Event, name="feedback"):
     profile: str
     error_before: Any = None
     error_after: Any = None
@@ -405,8 +409,6 @@ class FeedbackEvent(_Event):
 
 class OtherEvent(_Event):
     """An event this code does not know, or one whose fields it cannot read: kept as written."""
-
-    event: str = ""
 
 
 KNOWN_EVENTS = (ResumeEvent, TornLinesEvent, DataEvent, LengthChangedEvent, ReshardedEvent, MovedAsideEvent,

@@ -20,7 +20,7 @@ import contextlib
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,7 +29,7 @@ import torch
 from specs.plan_file import Plan, PlannedLayout
 from specs.core import HardwareSpec, Layout
 from specs.run_dir import (CHECKPOINTS_DIR, DATA_CACHE_DIR, METRICS_FILE, PLAN_FILE, SUMMARY_FILE, VERIFY_DIR,
-                           VERIFY_FILE, read_json_lines)
+                           VERIFY_FILE, VerifyEvent, read_json_lines)
 from planner.granularity import restage
 from profiler.ranks import free_port
 from trainer.launch import cpu_threads, run as run_training
@@ -44,25 +44,14 @@ MIN_GAIN = 0.03
 STARTUP_S = {"fork": 3.0, "loop": 20.0}
 
 
-@dataclass
-class Trial:
-    """One candidate: what the cost model said and what a few real steps measured."""
+class Trial(VerifyEvent):
+    """One candidate: what the cost model said and what a few real steps measured (the fields are
+    `VerifyEvent`'s; rank 1 is the planner's choice). Mutable: `verify` fills it in as the trial runs."""
 
-    rank: int  # the planner's rank, 1 = its choice
-    layout: str
-    predicted_step_s: float
-    predicted_tokens_per_s: float
-    predicted_peak_bytes: int
-    harness: str = ""
-    threads: int = 0
-    steps: int = 0
-    measured_step_s: float | None = None
-    measured_tokens_per_s: float | None = None
-    steps_s: list[float] = field(default_factory=list)
-    peak_bytes: int | None = None
-    peak_source: str | None = None
-    seconds: float = 0.0
-    error: str | None = None
+    def model_post_init(self, context: Any) -> None:
+        # a trial is written whole, its unfilled fields included (verify.json, events.jsonl), where
+        # `event_record` leaves out the fields an event was not given
+        self.__pydantic_fields_set__.update(type(self).model_fields)
 
     @property
     def spread(self) -> float:
@@ -74,6 +63,10 @@ class Trial:
     def step_error(self) -> float | None:
         """predicted / measured - 1."""
         return self.predicted_step_s / self.measured_step_s - 1 if self.measured_step_s else None
+
+    def record(self) -> dict[str, Any]:
+        """The trial as verify.json and `advisor run --json` list it: its fields, then its step error."""
+        return {**self.model_dump(exclude={"event"}), "step_error": self.step_error}
 
 
 @dataclass
@@ -230,7 +223,7 @@ def write_verification(run_dir: Path, verification: Verification) -> Path:
     """RUN_DIR/verify.json: every candidate's predicted and measured figures and the decision."""
     record = {"chosen_rank": verification.chosen_rank, "reason": verification.reason,
               "seconds": verification.seconds, "steps": verification.steps,
-              "trials": [{**asdict(t), "step_error": t.step_error} for t in verification.trials]}
+              "trials": [t.record() for t in verification.trials]}
     path = run_dir / VERIFY_FILE
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")

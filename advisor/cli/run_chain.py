@@ -23,7 +23,7 @@ import contextlib
 import datetime as dt
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -201,7 +201,7 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     plan.write(plan_path)
     with _timed(timings, "train_s"), progress.training(plan, opts.max_steps_per_stage, out / METRICS_FILE):
         summary = _train(plan, opts)
-    events: list[VerifyEvent | FeedbackEvent] = [VerifyEvent(**asdict(t)) for t in (verification.trials if verification else [])]
+    events: list[VerifyEvent | FeedbackEvent] = list(verification.trials if verification else [])
     round_ = None
     if opts.feedback and profile_path is not None:
         threads = training_threads(plan.chosen.layout.devices, plan.hardware)
@@ -375,4 +375,4 @@ def _verification_json(verification) -> dict[str, Any] | None:
         return None
     return {"chosen_rank": verification.chosen_rank, "reason": verification.reason,
             "seconds": verification.seconds,
-            "trials": [{**asdict(t), "step_error": t.step_error} for t in verification.trials]}
+            "trials": [t.record() for t in verification.trials]}

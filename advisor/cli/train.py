@@ -81,15 +81,15 @@ def train(
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (demos)"),
     seed: int = typer.Option(DEFAULTS.seed, "--seed"),
     weights: Optional[str] = typer.Option(None, "--weights", help="local HF model folder to start from"),
-    template: Optional[str] = data_reading.TEMPLATE,
+    template: Optional[str] = data_reading.OPTIONS["--template"],
     merge: bool = typer.Option(DEFAULTS.merge, "--merge/--no-merge", help="LoRA/QLoRA: also write the adapters "
                                "merged into full weights, RUN/model/merged/ (and per stage)"),
-    data: Optional[Path] = data_reading.DATA,
-    dataset: Optional[str] = data_reading.DATASET,
-    mix: str = data_reading.MIX,
-    mix_probs: Optional[str] = data_reading.MIX_PROBS,
-    train_on_prompt: bool = data_reading.TRAIN_ON_PROMPT,
-    mask_history: bool = data_reading.MASK_HISTORY,
+    data: Optional[Path] = data_reading.OPTIONS["--data"],
+    dataset: Optional[str] = data_reading.OPTIONS["--dataset"],
+    mix: str = data_reading.OPTIONS["--mix"],
+    mix_probs: Optional[str] = data_reading.OPTIONS["--mix-probs"],
+    train_on_prompt: bool = data_reading.OPTIONS["--train-on-prompt"],
+    mask_history: bool = data_reading.OPTIONS["--mask-history"],
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="a plan without a task: optimizer steps of "
                                         "the plan's global batch (default: one pass over --data)"),
     tokens: Optional[int] = typer.Option(None, "--tokens", min=1, help="a plan without a task: tokens to train on, "
