@@ -51,7 +51,8 @@ from trainer.model import build_model, check_weights
 from trainer.options import TrainOptions
 from trainer.prepared import bucket_stream, prepared_dir
 from trainer.run_segments import segment_figures
-from trainer.run_identity import claim, fingerprint, read_run, restarted, saved_digests, update_length
+from trainer.run_identity import claim, read_run, restarted, saved_digests, update_length
+from trainer.run_reuse import run_fingerprint
 from trainer.scalars import ScalarLog
 from trainer.schedule import first_changed_rate, scheduled_lr
 from trainer.spike import SpikeGuard
@@ -404,9 +405,7 @@ class _Run:
         if self.main:
             try:
                 digests = saved_digests(self.run_dir)
-                prepared = prepared_dir(self.task, self.options.data, self.plan.chosen.layout.seq, self.vocab)
-                current = fingerprint(self.plan, self.plan.chosen.layout, self.options, prepared,
-                                      getattr(self.tokenizer, "path", None), digests)
+                current = run_fingerprint(self.plan, self.options, self.tokenizer, digests)
                 self.length = current["length"]
                 saved_length = (read_run(self.run_dir) or {}).get("fingerprint", {}).get("length") if resume else None
                 moved = claim(self.run_dir, current, resume, self.options.overwrite, digests)
