@@ -31,6 +31,7 @@ from specs.task import TaskSpec
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from reports.curriculum_variants import VARIANTS, mixed_stage, scaled, skills, variant_tasks
+from trainer.options import TrainOptions
 from trainer.run_lock import die_with_parent
 
 # The rate grid: every variant is tried at these factors of the task's rate and keeps its best, so
@@ -97,11 +98,9 @@ def plan_variant(task: TaskSpec, model: ModelSpec, hardware: HardwareSpec) -> Pl
     return make_plan(PlanOptions(model=model, hardware=hardware, gpus_per_node=1, task=task, space=space))
 
 
-def run_options(seed: int, eval_sequences: int, resume: bool = False):
+def run_options(seed: int, eval_sequences: int, resume: bool = False) -> TrainOptions:
     """The trainer's options for a comparison's run: what `train_run` trains with and what a finished
     run must have been trained with to be reused (`trainer.run_reuse.held`)."""
-    from trainer.options import TrainOptions  # deferred with the trainer (train_run)
-
     return TrainOptions(seed=seed, eval_sequences=eval_sequences, show_progress=False, overwrite=not resume,
                         keep_checkpoints=1)
 

@@ -57,8 +57,11 @@ def test_the_same_comparison_again_trains_nothing_and_gives_the_same_result(tmp_
     assert len(trained) == 2 and first["runs_reused"] == 0 and first["complete"]
     written = (tmp_path / "compare" / "compare.json").read_text()
     trained.clear()
-    again = cc.compare(_request(tmp_path, lr_factors=(0.5, 1.0)))
+    shown: list[tuple[str, int]] = []  # what the progress bar is told: every reused run's steps, as done
+    progress = cc.Progress(reused=lambda variant, seed, run_dir, steps: shown.append((run_dir.parent.name, steps)))
+    again = cc.compare(_request(tmp_path, lr_factors=(0.5, 1.0)), progress=progress)
     assert trained == [] and again["runs_reused"] == 2 and again["runs_resumed"] == 0
+    assert sorted(shown) == [("lr-0.0015", 2 * STEPS), ("lr-0.003", 2 * STEPS)]
     assert _without_reuse_counts(again) == _without_reuse_counts(first)
     # the wall times are the ones the first comparison measured, found again by run id
     assert _without_reuse_counts(json.loads((tmp_path / "compare" / "compare.json").read_text())) == \
