@@ -129,8 +129,12 @@ def body_text(result: dict, command: list[str], wall_s: float | None, loads: lis
               "Finding: none yet (not every variant has its seeds)." if not complete else
               "Finding: at least one staged variant matched one-pot on every skill (within the seeds' spread)."]
     per_run = sum(r["wall_s"] for r in runs) / max(1, len(runs))
-    timing = (f"Wall time {wall_s / 60:.1f} min for all {total} runs" if wall_s is not None and complete else
-              f"{len(runs)} runs done")
+    reused = result.get("runs_reused", 0) + result.get("runs_resumed", 0)
+    timing = (f"Wall time {wall_s / 60:.1f} min for all {total} runs" if wall_s is not None and complete and not reused
+              else f"{len(runs)} runs done")
+    if reused:  # this invocation's wall time does not cover the runs an earlier one trained
+        timing += (f" ({result.get('runs_reused', 0)} reused and {result.get('runs_resumed', 0)} resumed from an "
+                   "earlier invocation into the same --out; each run's time as it was measured)")
     lines += ["", f"{timing}, {jobs} at a time on this CPU (one core each), {per_run / 60:.1f} min per run; "
               f"1-minute load average {', '.join(loads)} (2 cores, shared by other work: an idle machine runs a "
               "step several times faster)."]
@@ -171,7 +175,8 @@ def main() -> None:
     parser.add_argument("--eval-sequences", type=int, default=64)
     parser.add_argument("--lr-grid", default="0.5,1,2", help="peak rate factors every variant is tried at")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (2: one per core of this CPU)")
-    parser.add_argument("--out", type=Path, default=None, help="report dir (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=None, help="report dir (default: a temporary folder); the same "
+                        "--out again reuses the runs it finished and resumes a stopped one")
     parser.add_argument("--from-report", type=Path, default=None,
                         help="write the section from this report dir's compare.json (a finished or a partial "
                         "comparison) instead of running one")

@@ -31,6 +31,7 @@ from specs.task import TaskSpec
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from reports.curriculum_variants import VARIANTS, mixed_stage, scaled, skills, variant_tasks
+from trainer.options import TrainOptions
 from trainer.run_lock import die_with_parent
 
 # The rate grid: every variant is tried at these factors of the task's rate and keeps its best, so
@@ -41,6 +42,7 @@ SCHEDULE_PROTOCOL = ("WSD for every variant (one warm-up, every stage at one pea
                      "same grid (lowest final mean eval loss), the other seeds at the rate chosen; the spike guard "
                      "rolls back non-finite steps only, so every variant trains every step of its schedule")
 SUMMARY_METRIC = "mean eval loss over the skills"
+EDGE_NOTE = "at the grid's edge: widen --lr-grid"  # the chosen rate is the grid's lowest or highest
 MAX_MICRO_BATCH = 4  # one process on a CPU: micro-batches of 4 step faster than one of 16 (bench/curriculum.py)
 
 
@@ -84,6 +86,7 @@ class RunResult:
     wall_s: float
     train_loss_tenths: list[float] = field(default_factory=list)
     lr: float = math.nan  # the peak rate it ran at
+    run_id: str | None = None  # the trainer's (run.json): what a later comparison finds its wall time by
 
     def final(self, metric: str) -> dict[str, float]:
         return dict(self.stage_evals[-1].get(metric) or {}) if self.stage_evals else {}
@@ -95,12 +98,21 @@ def plan_variant(task: TaskSpec, model: ModelSpec, hardware: HardwareSpec) -> Pl
     return make_plan(PlanOptions(model=model, hardware=hardware, gpus_per_node=1, task=task, space=space))
 
 
-def train_run(plan: Plan, run_dir: Path, seed: int, eval_sequences: int, cache: Path | None) -> float:
+def run_options(seed: int, eval_sequences: int, resume: bool = False) -> TrainOptions:
+    """The trainer's options for a comparison's run: what `train_run` trains with and what a finished
+    run must have been trained with to be reused (`trainer.run_reuse.held`)."""
+    return TrainOptions(seed=seed, eval_sequences=eval_sequences, show_progress=False, overwrite=not resume,
+                        keep_checkpoints=1)
+
+
+def train_run(plan: Plan, run_dir: Path, seed: int, eval_sequences: int, cache: Path | None,
+              resume: bool = False) -> float:
     """Train `plan` into `run_dir` through the trainer's entry; the wall time. The runs of a
-    comparison share one tokenized-data cache (the trainer keys it by source, sequence and tokenizer)."""
+    comparison share one tokenized-data cache (the trainer keys it by source, sequence and tokenizer).
+    `resume`: continue the run there from its last checkpoint (`trainer.run_reuse.held` found it the
+    same run); else an old run there is moved aside, never deleted, and this one starts afresh."""
     # deferred: the trainer imports torch (seconds), which the CLI's other verbs never need
     from trainer.launch import DEFAULT_PORT, run
-    from trainer.options import TrainOptions
     from trainer.prepare import prepare_run
     from trainer.run_lock import RunDirLock
 
@@ -110,13 +122,13 @@ def train_run(plan: Plan, run_dir: Path, seed: int, eval_sequences: int, cache: 
         if cache is not None and not (run_dir / DATA_CACHE_DIR).exists():
             cache.mkdir(parents=True, exist_ok=True)
             (run_dir / DATA_CACHE_DIR).symlink_to(cache.resolve(), target_is_directory=True)
-        # the trainer's run-time preparation, as `advisor train` does it (the old run moved aside)
-        plan = prepare_run(plan, run_dir, resumed=False, overwrite=True).plan
-        plan.write(run_dir / PLAN_FILE)
-        options = TrainOptions(seed=seed, eval_sequences=eval_sequences, show_progress=False, overwrite=True,
-                               keep_checkpoints=1)
+        # the trainer's run-time preparation, as `advisor train` (--resume or --overwrite) does it
+        plan = prepare_run(plan, run_dir, resumed=resume, overwrite=not resume).plan
+        if not resume:
+            plan.write(run_dir / PLAN_FILE)
+        options = run_options(seed, eval_sequences, resume)
         started = time.perf_counter()
-        run(plan, run_dir, False, options, None, 0, "127.0.0.1", DEFAULT_PORT)
+        run(plan, run_dir, resume, options, None, 0, "127.0.0.1", DEFAULT_PORT)
         return time.perf_counter() - started
     finally:
         lock.release()
@@ -136,7 +148,14 @@ def read_run(run_dir: Path, variant: str, seed: int, wall_s: float, lr: float = 
               for s in summary["stages"]]
     tokens = plan_tokens(load_plan(run_dir / PLAN_FILE))
     metrics = read_json_lines(run_dir / METRICS_FILE).records
-    return RunResult(variant, seed, stages, tokens, wall_s, train_loss_tenths(metrics), lr)
+    return RunResult(variant, seed, stages, tokens, wall_s, train_loss_tenths(metrics), lr, run_id(run_dir))
+
+
+def run_id(run_dir: Path) -> str | None:
+    """The id the trainer gave the run in `run_dir` (its run.json)."""
+    from trainer.run_identity import read_run as read_run_record  # deferred with the trainer
+
+    return (read_run_record(run_dir) or {}).get("run_id")
 
 
 # --- statistics and the recommendation ------------------------------------------------------------
@@ -266,10 +285,12 @@ class CompareRequest:
 
 @dataclass
 class Progress:
-    """What the caller shows: each run's start (its run dir and steps) and end."""
+    """What the caller shows: each run's start (its run dir and steps) and end, or its reuse."""
 
     started: Callable[[str, int, Path, int], None] = lambda variant, seed, run_dir, steps: None
     finished: Callable[[str, int, Path, int], None] = lambda variant, seed, run_dir, steps: None
+    # a run an earlier comparison finished with the same inputs: read, not trained (counts as done)
+    reused: Callable[[str, int, Path, int], None] = lambda variant, seed, run_dir, steps: None
 
 
 Plans = dict[str, dict[float, Plan]]  # variant -> peak rate -> its plan
@@ -306,45 +327,105 @@ def compare(req: CompareRequest, plans: Plans | None = None, progress: Progress 
     chosen (`chosen_lrs`); score them; the comparison as a JSON-ready dict (`compare.json`, rewritten
     after every run with `complete: false` until the last one).
 
+    A run that an earlier comparison into the same `req.out` finished with the same inputs (its run
+    dir's fingerprint: `trainer.run_reuse`) is read, not trained again; one it left unfinished after a
+    checkpoint is resumed; any other run there is moved aside. So a stopped comparison, run again,
+    goes on where it stopped, and a changed input trains only the runs it changes.
+
     `req.jobs` runs at a time, each in its own process (spawned: a fresh torch) with its share of the
     CPU cores, or, on a machine with GPUs, its own device."""
     if req.seeds < 1:
         raise UsageError("--seeds must be at least 1")
-    progress = progress or Progress()
     plans = plans or plan_variants(req)
-    total = len(plans) * runs_per_variant(req)
-    runs: list[RunResult] = []
-    _train_batch(req, plans, [(name, lr, 0) for name in plans for lr in plans[name]], progress, runs, total)
-    chosen = chosen_lrs(runs, skills(scaled(req.task, req.scale)))
-    _train_batch(req, plans, [(name, chosen[name], seed) for seed in range(1, req.seeds) for name in plans],
-                 progress, runs, total)
-    return {**summarise(req, plans, runs), "complete": True}
+    batches = _Batches(req, plans, progress or Progress(), len(plans) * runs_per_variant(req),
+                       earlier_walls(req.out))
+    batches.train([(name, lr, 0) for name in plans for lr in plans[name]])
+    chosen = chosen_lrs(batches.runs, skills(scaled(req.task, req.scale)))
+    batches.train([(name, chosen[name], seed) for seed in range(1, req.seeds) for name in plans])
+    return batches.result()
 
 
 def run_dir_of(req: CompareRequest, variant: str, lr: float, seed: int) -> Path:
     return req.out / "runs" / variant / f"lr-{lr:g}" / f"seed-{seed}"
 
 
-def _train_batch(req: CompareRequest, plans: Plans, todo: list[tuple[str, float, int]], progress: Progress,
-                 runs: list[RunResult], total: int) -> None:
-    """Train the (variant, rate, seed) runs of `todo`, appending each result to `runs` and rewriting
-    the outputs after each."""
-    jobs = [(plans[name][lr], run_dir_of(req, name, lr, seed), seed, req.eval_sequences, req.out / DATA_CACHE_DIR)
-            for name, lr, seed in todo]
+def earlier_walls(out: Path) -> dict[str, float]:
+    """Each run's wall time by run id, from the compare.json an earlier comparison left in `out`."""
+    try:
+        index = json.loads((out / "compare.json").read_text()).get("run_index") or []
+        return {r["run_id"]: float(r["wall_s"]) for r in index if r.get("run_id") and r.get("wall_s") is not None}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return {}
 
-    def done(item: tuple[str, float, int], job: tuple, wall_s: float) -> None:
+
+def recorded_wall_s(run_dir: Path, walls: dict[str, float]) -> float:
+    """A finished run's wall time: as the comparison that trained it measured it, else (a run no
+    comparison recorded) from its start (run.json) to its end (summary.json written)."""
+    import datetime as dt
+
+    from trainer.run_identity import read_run as read_run_record  # deferred with the trainer
+
+    record = read_run_record(run_dir) or {}
+    if record.get("run_id") in walls:
+        return walls[record["run_id"]]
+    try:
+        started = dt.datetime.fromisoformat(record["created"]).timestamp()
+        return max(0.0, (run_dir / SUMMARY_FILE).stat().st_mtime - started)
+    except (KeyError, TypeError, ValueError, OSError):
+        return math.nan
+
+
+@dataclass
+class _Batches:
+    """The comparison's runs so far, and how many of them an earlier comparison had finished
+    (`reused`) or left to resume (`resumed`)."""
+
+    req: CompareRequest
+    plans: Plans
+    progress: Progress
+    total: int
+    walls: dict[str, float]  # an earlier comparison's wall times, by run id
+    runs: list[RunResult] = field(default_factory=list)
+    reused: int = 0
+    resumed: int = 0
+
+    def result(self) -> dict[str, Any]:
+        return {**summarise(self.req, self.plans, self.runs), "complete": len(self.runs) == self.total,
+                "runs_reused": self.reused, "runs_resumed": self.resumed}
+
+    def train(self, todo: list[tuple[str, float, int]]) -> None:
+        """Train the (variant, rate, seed) runs of `todo` (reading those already finished), appending
+        each result to `runs` and rewriting the outputs after each."""
+        from trainer.run_reuse import Held, held  # deferred with the trainer
+
+        req, fresh = self.req, []
+        for name, lr, seed in todo:
+            plan, run_dir = self.plans[name][lr], run_dir_of(req, name, lr, seed)
+            found = held(plan, run_dir, run_options(seed, req.eval_sequences))
+            if found is Held.FINISHED:
+                self.reused += 1
+                self.runs.append(read_run(run_dir, name, seed, recorded_wall_s(run_dir, self.walls), lr))
+                self.progress.reused(name, seed, run_dir, plan_steps(plan))
+            else:
+                self.resumed += found is Held.RESUMABLE
+                fresh.append(((name, lr, seed), (plan, run_dir, seed, req.eval_sequences, req.out / DATA_CACHE_DIR,
+                                                 found is Held.RESUMABLE)))
+        if len(fresh) < len(todo):
+            write_outputs(self.result(), req.out)
+        for item, job in fresh:
+            self.progress.started(item[0], item[2], job[1], plan_steps(job[0]))
+            if req.jobs == 1:
+                self._done(item, job, train_run(*job))
+        if req.jobs > 1 and fresh:
+            walls = _in_parallel([job for _, job in fresh], req.jobs, req.gpus)
+            for (item, job), wall_s in zip(fresh, walls):
+                self._done(item, job, wall_s)
+
+    def _done(self, item: tuple[str, float, int], job: tuple, wall_s: float) -> None:
         name, lr, seed = item
-        runs.append(read_run(job[1], name, seed, wall_s, lr))
-        progress.finished(name, seed, job[1], plan_steps(job[0]))
-        write_outputs({**summarise(req, plans, runs), "complete": len(runs) == total}, req.out)
-
-    for item, job in zip(todo, jobs):
-        progress.started(item[0], item[2], job[1], plan_steps(job[0]))
-        if req.jobs == 1:
-            done(item, job, train_run(*job))
-    if req.jobs > 1 and jobs:
-        for item, job, wall_s in zip(todo, jobs, _in_parallel(jobs, req.jobs, req.gpus)):
-            done(item, job, wall_s)
+        self.runs.append(read_run(job[1], name, seed, wall_s, lr))
+        self.progress.finished(name, seed, job[1], plan_steps(job[0]))
+        write_outputs(self.result(), self.req.out)
 
 
 def run_mean_loss(run: RunResult, scored: list[str]) -> float:
@@ -405,22 +486,45 @@ def summarise(req: CompareRequest, plans: Plans, runs: list[RunResult]) -> dict[
     for name, by_lr in plans.items():
         # before its first run a variant stands at the task's own rate (or the grid's lowest)
         lr = chosen.get(name, task.stages[0].lr if task.stages[0].lr in by_lr else min(by_lr))
-        mine = [r for r in runs if r.variant == name and r.lr == lr]
+        mine = sorted((r for r in runs if r.variant == name and r.lr == lr), key=lambda r: r.seed)
         entry = _variant_entry(by_lr[lr], mine, scored, metrics, mixed.name if mixed else None)
-        entry["lr"] = {"chosen": lr, "grid": [{"lr": rate, "mean_eval_loss": _or_none(run_mean_loss(r, scored))}
-                                              for rate in sorted(by_lr)
-                                              for r in runs if r.variant == name and r.seed == 0 and r.lr == rate],
-                       "at_grid_edge": len(by_lr) > 1 and lr in (min(by_lr), max(by_lr))}
+        grid = [{"lr": rate, "mean_eval_loss": _or_none(run_mean_loss(r, scored))} for rate in sorted(by_lr)
+                for r in runs if r.variant == name and r.seed == 0 and r.lr == rate]
+        edge = grid_edge(lr, sorted(by_lr)) if name in chosen and len(grid) == len(by_lr) else None
+        entry["lr"] = {"chosen": lr, "grid": grid, "at_grid_edge": edge is not None, "edge": edge,
+                       **({"note": EDGE_NOTE} if edge else {})}
         variants[name] = entry
     result = {"task": req.task.name, "model": req.model.name, "hf_config": req.model.hf_config,
               "seeds": req.seeds, "scale": req.scale, "eval_sequences": req.eval_sequences, "skills": scored,
               "mixed_stage": mixed.name if mixed else None,
               "spread": "sample standard deviation over seeds", "schedule": SCHEDULE_PROTOCOL,
               "lr_grid": sorted({lr for by_lr in plans.values() for lr in by_lr}), "runs_done": len(runs),
-              "runs_total": len(plans) * runs_per_variant(req), "variants": variants}
+              "runs_total": len(plans) * runs_per_variant(req), "variants": variants,
+              # every run so far, found by its run id when a later comparison into this --out reuses it
+              "run_index": [{"variant": r.variant, "lr": r.lr, "seed": r.seed, "run_id": r.run_id,
+                             "wall_s": _or_none(r.wall_s)}
+                            for r in sorted(runs, key=lambda r: (list(plans).index(r.variant), r.lr, r.seed))]}
+    result["lr_edge"] = grid_edge_text(variants)
     result["recommendation"] = recommendations(variants, scored, metrics)
     result["finding"] = one_pot_finding(variants, scored)
     return result
+
+
+def grid_edge(chosen: float, grid: list[float]) -> str | None:
+    """"lowest" or "highest" when the chosen rate is that end of a grid of two or more rates (a better
+    rate may lie beyond it); else None."""
+    if len(grid) < 2:
+        return None
+    return "lowest" if chosen == grid[0] else "highest" if chosen == grid[-1] else None
+
+
+def grid_edge_text(variants: dict[str, Any]) -> str | None:
+    """One sentence naming the variants whose chosen rate sits at the grid's edge; None when none does."""
+    edged = [f"{name} (chosen {entry['lr']['chosen']:.3g}, the grid's {entry['lr']['edge']})"
+             for name, entry in variants.items() if (entry.get("lr") or {}).get("edge")]
+    if not edged:
+        return None
+    return f"{', '.join(edged)}: {EDGE_NOTE} (a better peak rate may lie beyond it, on the side named)"
 
 
 def _variant_entry(plan: Plan, mine: list[RunResult], scored: list[str], metrics: list[str],
@@ -438,7 +542,7 @@ def _variant_entry(plan: Plan, mine: list[RunResult], scored: list[str], metrics
         entry[metric] = {"skills": per_skill, "mean": stat(means).as_dict()}
     entry["forgetting"] = {skill: _forgetting_stats(mine, skill, mixed) for skill in scored}
     entry["train_loss_tenths"] = [stat(list(xs)).as_dict() for xs in zip(*(r.train_loss_tenths for r in mine))]
-    entry["runs"] = [{"seed": r.seed, "lr": r.lr, "stages": r.stage_evals, "wall_s": r.wall_s,
+    entry["runs"] = [{"seed": r.seed, "lr": r.lr, "stages": r.stage_evals, "wall_s": _or_none(r.wall_s),
                       "train_loss_tenths": r.train_loss_tenths} for r in mine]
     return entry
 
@@ -545,7 +649,8 @@ def tuning_markdown(result: dict[str, Any]) -> str:
         loss = {point["lr"]: point["mean_eval_loss"] for point in entry.get("lr", {}).get("grid", [])}
         cells = [f"{loss[lr]:.3f}" if loss.get(lr) is not None else "-" for lr in grid]
         rows.append(f"| {name} | " + " | ".join(cells) + f" | {chosen_lr_text(entry)} |")
-    return "\n".join(rows)
+    edge = result.get("lr_edge")
+    return "\n".join(rows) + (f"\n\n(edge): {edge}." if edge else "")
 
 
 def forgetting_markdown(result: dict[str, Any]) -> str:

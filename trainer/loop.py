@@ -95,7 +95,7 @@ class Run:
         """Resume from the last good checkpoint (with the layout it, or an OOM relaunch, switched to),
         else start fresh in a directory that holds no other run, and save the rollback target of step 1."""
         ctx, recovery, events = self.ctx, self.recovery, self.ctx.files.events
-        saved_length, length = ctx.files.claim(ctx.plan, ctx.options, ctx.tokenizer, ctx.vocab, resume)
+        saved_length, length = ctx.files.claim(ctx.plan, ctx.options, ctx.tokenizer, resume)
         last = recovery.choose(None) if resume else None
         recovery.open(last, resume)
         prepared = prepared_dir(ctx.task, ctx.options.data, recovery.layout.seq, ctx.vocab)

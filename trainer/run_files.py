@@ -19,8 +19,8 @@ from specs.task import check_stage_name
 from trainer import checkpoint
 from trainer.handoff import ARTIFACT_DIR, copy_model
 from trainer.options import TrainOptions
-from trainer.prepared import prepared_dir
-from trainer.run_identity import claim, fingerprint, read_run, saved_digests
+from trainer.run_identity import claim, read_run, saved_digests
+from trainer.run_reuse import run_fingerprint
 from trainer.scalars import ScalarLog
 
 
@@ -64,7 +64,7 @@ class RunFiles:
             tmp.write_text(json.dumps(summary, indent=2))
             tmp.replace(self.run_dir / SUMMARY_FILE)
 
-    def claim(self, plan: Plan, options: TrainOptions, tokenizer: Any, vocab: int,
+    def claim(self, plan: Plan, options: TrainOptions, tokenizer: Any,
               resume: bool) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """Rank 0 makes the run dir this run's (run_identity.claim) and every rank takes its answer:
         a refusal is raised on all of them, the same line. The run's length as its checkpoint was
@@ -73,10 +73,7 @@ class RunFiles:
         if self.main:
             try:
                 digests = saved_digests(self.run_dir)
-                assert plan.task is not None
-                prepared = prepared_dir(plan.task, options.data, plan.chosen.layout.seq, vocab)
-                current = fingerprint(plan, plan.chosen.layout, options, prepared, getattr(tokenizer, "path", None),
-                                      digests)
+                current = run_fingerprint(plan, options, tokenizer, digests)
                 length = current["length"]
                 saved_length = (read_run(self.run_dir) or {}).get("fingerprint", {}).get("length") if resume else None
                 moved = claim(self.run_dir, current, resume, options.overwrite, digests)

@@ -132,6 +132,9 @@ def fingerprint(plan: Plan, layout: Layout, options: TrainOptions, prepared: Pat
             "trust_remote_code": options.trust_remote_code,
             "length": {"steps": [stage.steps for stage in plan.stages], "epochs": epochs,
                        "max_steps_per_stage": options.max_steps_per_stage},
+            # not the trajectory: what its scores are taken over (a resume may change it; a finished run
+            # is reused for a comparison only with the same, trainer/run_reuse.py)
+            "scoring": {"eval_sequences": options.eval_sequences, "exact_match_prompts": options.exact_match_prompts},
             "layout": layout.short(), "model_name": plan.model.name, "task_name": plan.task.name if plan.task else None}
 
 

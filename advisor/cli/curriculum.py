@@ -120,7 +120,7 @@ class _Bar:
                                  TextColumn("steps"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                                  console=term, disable=self.lines, refresh_per_second=1)
         self.bar = self.progress.add_task("curriculum runs", total=total)
-        self.done, self.running, self.stop = 0, {}, threading.Event()
+        self.done, self.reused, self.running, self.stop = 0, 0, {}, threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
     def __enter__(self) -> "_Bar":
@@ -137,17 +137,22 @@ class _Bar:
         def started(variant: str, seed: int, run_dir: Path, steps: int) -> None:
             self.running[run_dir] = run_dir / METRICS_FILE
 
-        def finished(variant: str, seed: int, run_dir: Path, steps: int) -> None:
+        def finished(variant: str, seed: int, run_dir: Path, steps: int, how: str = "done") -> None:
             self.running.pop(run_dir, None)
             self.done += steps
             self.progress.update(self.bar, completed=self.done)
             if self.lines:
                 task = self.progress.tasks[0]
-                eta = task.elapsed / self.done * (task.total - self.done) if self.done and task.elapsed else 0.0
-                self.term.print(f"{variant} seed {seed} done: {self.done}/{task.total:.0f} steps, "
+                trained = self.done - self.reused  # the ETA goes by the steps trained here, not those read
+                eta = task.elapsed / trained * (task.total - self.done) if trained > 0 and task.elapsed else 0.0
+                self.term.print(f"{variant} seed {seed} {how}: {self.done}/{task.total:.0f} steps, "
                                 f"{task.elapsed or 0:.0f} s elapsed, ETA {eta:.0f} s", highlight=False)
 
-        return cc.Progress(started, finished)
+        def reused(variant: str, seed: int, run_dir: Path, steps: int) -> None:
+            self.reused += steps
+            finished(variant, seed, run_dir, steps, "reused (an earlier comparison finished it)")
+
+        return cc.Progress(started, finished, reused)
 
     def _poll(self) -> None:
         while not self.stop.wait(1.0):
@@ -180,6 +185,12 @@ def _render(result: dict) -> None:
         table.add_row(name, f"{entry['tokens']:,}", cc.chosen_lr_text(entry), *cells)
     console.print(table)
     console.print(f"schedule: {result['schedule']}", highlight=False)
+    if result.get("lr_edge"):
+        console.print(f"[bold yellow]peak rate:[/bold yellow] {result['lr_edge']}", highlight=False)
+    if result.get("runs_reused") or result.get("runs_resumed"):
+        console.print(f"reused {result.get('runs_reused', 0)} and resumed {result.get('runs_resumed', 0)} of the "
+                      f"{result['runs_total']} runs (an earlier comparison into this --out ran them with the same "
+                      "inputs)", highlight=False)
     console.print(f"[bold]recommendation:[/bold] {result['recommendation']['text']}", highlight=False)
     console.print(f"per skill: {cc.winners_text(result)}", highlight=False)
     if result.get("finding"):
