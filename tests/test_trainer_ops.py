@@ -82,6 +82,30 @@ def test_oom_in_mid_stage_resumes_from_the_last_checkpoint_and_resume_keeps_the_
     assert json.loads(trainer_json.read_text())["layout"]["mbs"] == 2  # a resume keeps the fallback
 
 
+def test_a_rollback_to_a_checkpoint_before_the_fallback_keeps_recording_the_fallback_layout(tmp_path,
+                                                                                          monkeypatch) -> None:
+    """The layout in force is what a checkpoint records: after an OOM fallback from the start
+    checkpoint (the plan's layout), a spike rolls back to that same checkpoint; the next checkpoint
+    is written by the fallback's engine and must say so, or a resume would go back to the layout
+    that ran out of memory."""
+    from test_trainer_resume import poison
+
+    plan = load_plan(make_plan_file(tmp_path, steps=4, checkpoint_every=2))
+    monkeypatch.setenv("ADVISOR_INJECT_OOM", "step=2")
+    poison(monkeypatch, stage=0, position=plan.chosen.layout.global_batch)  # step 2's batch, once it runs
+    summary = train(plan, tmp_path / "run", resume=False, options=QUIET)
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    fallback = next(e for e in events if e["event"] == "oom_fallback")
+    rollback = next(e for e in events if e["event"] == "rollback")
+    assert (fallback["from"], rollback["to"]) == ("step-00000000", "step-00000000")
+    assert summary["finished"] and summary["oom_fallbacks"] == 1 and "mbs=2" in summary["layout_used"]
+    kept = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))  # the rotation keeps the newest
+    assert kept and all(int(path.name[5:]) > 0 for path in kept)
+    for path in kept:
+        saved = json.loads((path / "trainer.json").read_text())
+        assert saved["layout"] is not None and saved["layout"]["mbs"] == 2, path.name
+
+
 def test_oom_with_no_fallback_left_stops_with_a_clear_error(tmp_path, monkeypatch) -> None:
     plan = load_plan(make_plan_file(tmp_path, steps=2))
     monkeypatch.setenv("ADVISOR_INJECT_OOM", "tokens=16")  # even one sequence of 32 tokens does not fit

@@ -234,7 +234,7 @@ class Recovery:
             raise RuntimeError(f"no checkpoint in {files.checkpoints} verifies: nothing to roll back to")
         discarded = checkpoint.discard_after(files.checkpoints, checkpoint.step_of(target)) if self.steps_back else []
         skips = state.skips
-        self.restore(target)
+        self.restore(target, oom_fallbacks=state.oom_fallbacks)  # a fallback stays in force (and counted)
         start = state.positions[stage.index] if self.steps_back else step.position
         window = [stage.index, min(start, step.position),
                   advance(step.position, self.layout.global_batch, stage.index, [])]
