@@ -57,6 +57,7 @@ class ScanJob:
     parts: list[Part]                     # by index: task rank r scans parts[r]
     work: Path
     main_pid: int
+    worker_threads: int = 0  # threads each pool worker's tokenizer may use (run_scan sets it; 0: its default)
 
 
 def job_key(fingerprint: str, rows_per_part: int, tokenizer_path: Path) -> str:
@@ -82,8 +83,22 @@ def remember_settings(key: str, settings: ScanSettings) -> None:
     _SETTINGS[key] = settings
 
 
+def share_cores(job: ScanJob) -> None:
+    """Before a pool worker builds its tokenizer: limit its batch encoding to the worker's share of
+    the cores. `tokenizers` encodes a batch on a rayon pool as wide as the machine, so 2 workers on
+    2 cores would run 4 busy threads that preempt each other; at one core each the batch is encoded
+    on the calling thread (TOKENIZERS_PARALLELISM, read at every call). The in-process worker of a
+    1-worker scan owns every core and keeps the default."""
+    if os.getpid() == job.main_pid or job.worker_threads <= 0:
+        return
+    os.environ["RAYON_NUM_THREADS"] = str(job.worker_threads)  # read once, when the pool is first built
+    if job.worker_threads == 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
 def scan_settings(job: ScanJob) -> ScanSettings:
     if job.key not in _SETTINGS:
+        share_cores(job)
         dedup = job.task.data.dedup
         tokenizer = TextTokenizer(job.tokenizer_path, job.trusted)
         hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
@@ -155,8 +170,9 @@ class _QuietExecutor(LocalPipelineExecutor):
 def run_scan(job: ScanJob, workers: int, log: Log) -> int:
     """Scan every part not finished before, `workers` at a time; returns how many were reused."""
     logging_dir = job.work / "datatrove"
-    executor = _QuietExecutor([ScanStep(job)], tasks=len(job.parts), workers=max(1, min(workers, len(job.parts))),
-                              logging_dir=str(logging_dir))
+    workers = max(1, min(workers, len(job.parts)))
+    job.worker_threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    executor = _QuietExecutor([ScanStep(job)], tasks=len(job.parts), workers=workers, logging_dir=str(logging_dir))
     reused = len(job.parts) - len(executor.get_incomplete_ranks())
     if reused:
         log(f"resuming: {reused} of {len(job.parts)} parts were scanned before")
