@@ -6,9 +6,10 @@ again skips the tasks already marked. The work folder is named by a hash of ever
 decides the parts (`job_key`), so a changed task or file never reuses a stale part.
 
 The scan itself is ours (`ScanStep` wraps trainer/data/scan.py): datatrove's own steps work on one
-document at a time as text, while the scan spools token ids, quality numbers, exact hashes, MinHash
-band keys and difficulty grades as columns that the whole-task duplicate resolution reads back;
-datatrove's MinHash stages write their own signature files and cluster ids, a later increment.
+document at a time as text, while the scan spools token ids, quality numbers, exact hashes and
+difficulty grades as columns that the whole-task duplicate resolution reads back. Near duplicates
+are datatrove's MinHash stages (trainer/data/near_dedup.py): signatures in each scan task, after
+the scan, from the part's texts; buckets and clusters on the same executor once every part is in.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from datatrove.data import Document
 from datatrove.executor.local import LocalPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from loguru import logger
@@ -31,12 +33,12 @@ from loguru import logger
 from specs import environment
 from specs.errors import UsageError
 from specs.task import DifficultySpec, TaskSpec
-from trainer.data.dedup import DocumentHasher, MinHashParams
+from trainer.data import near_dedup
 from trainer.data.difficulty import Grader
-from trainer.data.scan import Part, ScanSettings, UnitColumns, scan_part
+from trainer.data.scan import Part, ScanSettings, UnitColumns, part_texts, scan_part
 from trainer.data.tokenizer import TextTokenizer
 
-SCAN_FORMAT = 1  # raise when a part's files change meaning: older work folders are then not reused
+SCAN_FORMAT = 2  # raise when a part's files change meaning: older work folders are then not reused
 KILL_HOOK = "ADVISOR_PREPARE_KILL_AFTER_PARTS"
 _POLL_S = 1.0
 
@@ -101,12 +103,11 @@ def scan_settings(job: ScanJob) -> ScanSettings:
         share_cores(job)
         dedup = job.task.data.dedup
         tokenizer = TextTokenizer(job.tokenizer_path, job.trusted)
-        hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
         graders = {key: Grader(spec, Path(job.task.base_dir), job.task.seq_len, job.allow_code, job.trusted)
                    for key, spec in job.graders.items()}
         _SETTINGS[job.key] = ScanSettings(tokenizer=tokenizer, eos_id=tokenizer.eos_id,
                                           append_eos=job.task.data.append_eos, exact=dedup.exact,
-                                          hasher=hasher, graders=graders)
+                                          graders=graders)
     return _SETTINGS[job.key]
 
 
@@ -128,8 +129,15 @@ class ScanStep(PipelineStep):
         with self.track_time():
             rows = scan_part(job.units[part.unit], part, scan_settings(job), job.work / "parts")
         self.stat_update("documents", value=rows)
-        if data:
-            yield from data
+        if job.task.data.dedup.near:  # the input of the next step, datatrove's MinHash signatures
+            for row, text in enumerate(part_texts(job.units[part.unit], part)):
+                yield Document(text=text, id=str(row))
+
+
+def scan_steps(job: ScanJob) -> list[PipelineStep]:
+    """What each scan task runs: the scan, then (near duplicates on) datatrove's MinHash signatures."""
+    dedup = job.task.data.dedup
+    return [ScanStep(job)] + ([near_dedup.signature_step(job.work, dedup)] if dedup.near else [])
 
 
 def _kill_hook(job: ScanJob) -> None:
@@ -172,7 +180,7 @@ def run_scan(job: ScanJob, workers: int, log: Log) -> int:
     logging_dir = job.work / "datatrove"
     workers = max(1, min(workers, len(job.parts)))
     job.worker_threads = max(1, len(os.sched_getaffinity(0)) // workers)
-    executor = _QuietExecutor([ScanStep(job)], tasks=len(job.parts), workers=workers, logging_dir=str(logging_dir))
+    executor = _QuietExecutor(scan_steps(job), tasks=len(job.parts), workers=workers, logging_dir=str(logging_dir))
     reused = len(job.parts) - len(executor.get_incomplete_ranks())
     if reused:
         log(f"resuming: {reused} of {len(job.parts)} parts were scanned before")
@@ -187,6 +195,20 @@ def run_scan(job: ScanJob, workers: int, log: Log) -> int:
         watcher.join()
         logger.remove()  # the sinks datatrove added while it ran
     return reused
+
+
+def run_minhash_stages(job: ScanJob, workers: int) -> None:
+    """datatrove's MinHash buckets (one task per band, `workers` at a time) and clusters (one task)
+    over the signatures the scan tasks wrote; each stage's finished tasks are skipped on a rerun."""
+    dedup = job.task.data.dedup
+    stages = [(near_dedup.bucket_step(job.work, dedup), dedup.bands), (near_dedup.cluster_step(job.work, dedup), 1)]
+    logger.remove()
+    try:
+        for step, tasks in stages:
+            folder = job.work / "minhash" / f"logs-{step.name.split()[-1]}"
+            _QuietExecutor([step], tasks=tasks, workers=max(1, min(workers, tasks)), logging_dir=str(folder)).run()
+    finally:
+        logger.remove()
 
 
 def _report_progress(job: ScanJob, logging_dir: Path, stop: threading.Event, log: Log) -> None:
@@ -224,7 +246,7 @@ def write_slurm_scripts(job: ScanJob, options: SlurmOptions, finish_command: str
 
     logging_dir = job.work / "datatrove"
     executor = slurm.SlurmPipelineExecutor(
-        [ScanStep(job)], tasks=len(job.parts), time=options.time, partition=options.partition, cpus_per_task=1,
+        scan_steps(job), tasks=len(job.parts), time=options.time, partition=options.partition, cpus_per_task=1,
         mem_per_cpu_gb=options.mem_per_cpu_gb, workers=options.array_parallelism, job_name=options.job_name,
         logging_dir=str(logging_dir), slurm_logs_folder=str(job.work / "slurm_logs"), requeue=True, qos="",
         mail_type="NONE")
