@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -126,11 +127,18 @@ def main() -> None:
         for repeat in range(args.repeats):
             for label, workers, rows_per_part in ways(args.documents):
                 run = run_once(folder, workers, rows_per_part)
+                run["load"] = os.getloadavg()[0]  # the machine is shared: how busy it was
                 runs[label].append(run)
-                print(f"run {repeat + 1}: {label}: {run['seconds']:.1f} s", flush=True)
+                print(f"run {repeat + 1}: {label}: {run['seconds']:.1f} s, CPU {run['cpu_s']:.1f} s, "
+                      f"load average {run['load']:.1f}", flush=True)
     outcomes = {json.dumps(r["outcome"], sort_keys=True) for rs in runs.values() for r in rs}
     assert len(outcomes) == 1, f"the ways kept or dropped different documents: {outcomes}"
     write_table(args, runs, truth)
+
+
+def _loads(runs: dict[str, list[dict]]) -> str:
+    loads = [r["load"] for rs in runs.values() for r in rs]
+    return f"{min(loads):.1f} to {max(loads):.1f}"
 
 
 def write_table(args: argparse.Namespace, runs: dict[str, list[dict]], truth: dict[str, int]) -> None:
@@ -153,8 +161,10 @@ def write_table(args: argparse.Namespace, runs: dict[str, list[dict]], truth: di
             f"demo-tiny tokenizer, seq_len {SEQ_LEN}. Each way in a fresh process, {args.repeats} runs in turn, the "
             f"median counts; parts of {PART_ROWS:,} rows. Every way kept the same {outcome['documents']:,} documents "
             f"and dropped {dropped.get('exact_duplicate', 0):,} exact / {dropped.get('near_duplicate', 0):,} near "
-            "duplicates.\n\n" + "\n".join(lines) +
-            "\n\nThe scan (tokenise, quality numbers, hashes, MinHash, grades) is what runs on the workers; the merge, "
+            f"duplicates. Load average (1 min) after each run: {_loads(runs)} on {os.cpu_count()} cores.\n\n" +
+            "\n".join(lines) +
+            "\n\nThe scan (tokenise, quality numbers, hashes, grades) and datatrove's MinHash signatures run on the "
+            "workers, then its MinHash buckets (one task per band) on the same pool; the merge, the clusters, "
             "duplicate resolution over the whole corpus, bucketing and shard writing stay in the prepare's process.")
     write_section("data_prepare_scale", "Data preparation on every core: scan tasks at 1 and 2 workers",
                   f"python bench/data_prepare_scale.py --documents {args.documents} --repeats {args.repeats}", body)
