@@ -8,6 +8,7 @@ times in turn (so that a slow spell of a shared machine hits all three alike); t
 - single process: the whole file one part, read by `datasets` as before the scan was cut into
   parts, in the calling process (the path every prepare took until now);
 - 1 worker: the file cut into parts of 10,000 rows, the tasks run one after another in-process;
+- 1 worker on one core: the same, pinned to one core (taskset), the tokenizer's threads with it;
 - 2 workers: the same parts on datatrove's pool of 2 processes.
 
 All three must keep and drop the same documents (checked). CPU time is the prepare's and its
@@ -88,21 +89,28 @@ CHILD = textwrap.dedent("""
     me = resource.getrusage(resource.RUSAGE_SELF)
     print(json.dumps({"seconds": seconds, "peak_kib": me.ru_maxrss,
                       "worker_peak_kib": max((hwm for hwm, _ in seen.values()), default=0),
+                      "children_peak_sum_kib": sum(hwm for hwm, _ in seen.values()),
                       "cpu_s": me.ru_utime + me.ru_stime + sum(cpu for _, cpu in seen.values())}))
 """)
 
 PART_ROWS = 10_000
 
 
+ONE_CORE = "1 worker on one core"
+
+
 def ways(documents: int) -> list[tuple[str, int, int]]:
-    """(label, workers, rows per part)."""
+    """(label, workers, rows per part). `ONE_CORE` is the 1-worker prepare pinned to one core
+    (taskset): the 1-worker default lets the tokenizer's batch encoding use every core, so it is
+    itself partly parallel, and 2 workers against it understate what a second worker adds."""
     return [("single process (whole file one part)", 1, documents + 1), ("1 worker", 1, PART_ROWS),
-            ("2 workers", 2, PART_ROWS)]
+            (ONE_CORE, 1, PART_ROWS), ("2 workers", 2, PART_ROWS)]
 
 
-def run_once(folder: Path, workers: int, rows_per_part: int) -> dict:
+def run_once(folder: Path, label: str, workers: int, rows_per_part: int) -> dict:
     out = folder / f"out-{workers}-{rows_per_part}"
-    done = subprocess.run([sys.executable, "-c", CHILD, str(folder / "task.yaml"), str(out), str(workers),
+    pinned = ["taskset", "-c", "0"] if label == ONE_CORE else []
+    done = subprocess.run([*pinned, sys.executable, "-c", CHILD, str(folder / "task.yaml"), str(out), str(workers),
                            str(rows_per_part)], cwd=ROOT, check=True, capture_output=True, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     manifest = json.loads((out / "manifest.json").read_text())
@@ -126,7 +134,7 @@ def main() -> None:
         (folder / "task.yaml").write_text(yaml.safe_dump(task))
         for repeat in range(args.repeats):
             for label, workers, rows_per_part in ways(args.documents):
-                run = run_once(folder, workers, rows_per_part)
+                run = run_once(folder, label, workers, rows_per_part)
                 run["load"] = os.getloadavg()[0]  # the machine is shared: how busy it was
                 runs[label].append(run)
                 print(f"run {repeat + 1}: {label}: {run['seconds']:.1f} s, CPU {run['cpu_s']:.1f} s, "
@@ -144,15 +152,16 @@ def _loads(runs: dict[str, list[dict]]) -> str:
 def write_table(args: argparse.Namespace, runs: dict[str, list[dict]], truth: dict[str, int]) -> None:
     base = statistics.median(r["seconds"] for r in runs[ways(args.documents)[0][0]])
     one = statistics.median(r["seconds"] for r in runs["1 worker"])
-    lines = ["| way | median s | runs s | documents/s | vs single process | vs 1 worker | CPU s (all processes) | "
-             "peak RSS MiB (prepare / largest child) |", "|---|---|---|---|---|---|---|---|"]
+    core = statistics.median(r["seconds"] for r in runs[ONE_CORE])
+    lines = ["| way | median s | runs s | documents/s | vs single process | vs 1 worker | vs 1 worker on one core | "
+             "CPU s (all processes) | peak RSS MiB (prepare / largest child) |", "|---|---|---|---|---|---|---|---|---|"]
     for label, rs in runs.items():
         median = statistics.median(r["seconds"] for r in rs)
         peak = max(r["peak_kib"] for r in rs) / 1024
         worker = max(r["worker_peak_kib"] for r in rs) / 1024
         each = ", ".join(f"{r['seconds']:.1f}" for r in rs)
         lines.append(f"| {label} | {median:.1f} | {each} | "
-                     f"{args.documents / median:,.0f} | {base / median:.2f}x | {one / median:.2f}x | "
+                     f"{args.documents / median:,.0f} | {base / median:.2f}x | {one / median:.2f}x | {core / median:.2f}x | "
                      f"{statistics.median(r['cpu_s'] for r in rs):.1f} | {peak:.0f} / {worker:.0f} |")
     outcome = next(iter(runs.values()))[0]["outcome"]
     dropped = outcome["dropped"]
@@ -165,7 +174,10 @@ def write_table(args: argparse.Namespace, runs: dict[str, list[dict]], truth: di
             "\n".join(lines) +
             "\n\nThe scan (tokenise, quality numbers, hashes, grades) and datatrove's MinHash signatures run on the "
             "workers, then its MinHash buckets (one task per band) on the same pool; the merge, the clusters, "
-            "duplicate resolution over the whole corpus, bucketing and shard writing stay in the prepare's process.")
+            "duplicate resolution over the whole corpus, bucketing and shard writing stay in the prepare's process. "
+            f"'{ONE_CORE}' is the 1-worker prepare pinned to core 0 (`taskset -c 0`): unpinned, the tokenizer's batch "
+            "encoding spreads over every core (its rayon pool), so '1 worker' already uses more than one core (its CPU "
+            "seconds against its wall time).")
     write_section("data_prepare_scale", "Data preparation on every core: scan tasks at 1 and 2 workers",
                   f"python bench/data_prepare_scale.py --documents {args.documents} --repeats {args.repeats}", body)
 

@@ -52,12 +52,13 @@ def advisor_steps(plan, run_dir: Path) -> tuple[list[float], list[float]]:
     """Intervals between consecutive metrics.jsonl records of one advisor training run, and the
     part of each spent outside the engine's micro-steps and optimizer step (the loop's overhead)."""
     import trainer.loop as loop
+    from specs.run_dir import JsonLines
     from trainer.engines.plain import PlainEngine
 
     stamps: list[float] = []
     inside = [0.0]
     engine_time: list[float] = []
-    originals = (loop.JsonLines.write, PlainEngine.micro_step, PlainEngine.optimizer_step)
+    originals = (JsonLines.write, PlainEngine.micro_step, PlainEngine.optimizer_step)
 
     def timed(self, record):
         originals[0](self, record)
@@ -75,12 +76,12 @@ def advisor_steps(plan, run_dir: Path) -> tuple[list[float], list[float]]:
                 inside[0] += time.perf_counter() - started
         return wrapper
 
-    loop.JsonLines.write, PlainEngine.micro_step, PlainEngine.optimizer_step = (
+    JsonLines.write, PlainEngine.micro_step, PlainEngine.optimizer_step = (
         timed, clocked(originals[1]), clocked(originals[2]))
     try:
         loop.train(plan, run_dir, resume=False, options=loop.TrainOptions(eval_sequences=1))
     finally:
-        loop.JsonLines.write, PlainEngine.micro_step, PlainEngine.optimizer_step = originals
+        JsonLines.write, PlainEngine.micro_step, PlainEngine.optimizer_step = originals
     intervals = [b - a for a, b in zip(stamps, stamps[1:])]
     return intervals, [interval - engine for interval, engine in zip(intervals, engine_time[1:])]
 

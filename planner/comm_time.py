@@ -12,10 +12,10 @@ from specs.capabilities import COLUMN_PARALLEL, ROW_PARALLEL
 from specs.engine_traits import traits
 from specs.layout_rules import tp_crosses_nodes
 from specs.core import (
-    DTYPE_BYTES,
-    HardwareSpec,
-    Layout,
-)
+                        DTYPE_BYTES,
+                        HardwareSpec,
+                        Layout,
+                        )
 from planner import collectives
 from planner.memory import (
     ADAPTER_BYTES,
@@ -124,6 +124,19 @@ def gradient_comm(layout: Layout, engine: str, hardware: HardwareSpec, placement
     per_mb = 2 * collectives.all_gather_s(weight_bytes, dp, hardware, spans)
     per_mb += collectives.reduce_scatter_s(grad_bytes, dp, hardware, spans)
     return gas * per_mb, gas * compute
+
+
+def dp_overlap(hardware: HardwareSpec, engine: str, layers: int) -> float:
+    """The share of a step's data-parallel collectives that can hide behind its compute (the rest of
+    them hides too while the compute lasts: `StageTime.dp_exposed`). An engine that prefetches its
+    units (`EngineTraits.prefetches_units`) leaves one unit of its `layers` + 1 (the decoder layers and
+    the root, which holds the embedding and the head) exposed per micro-batch; the others take the
+    hardware's figure. A host whose collectives compete with its compute (comm_overlap 0: gloo on the
+    CPU cores) hides none, prefetch or not."""
+    shared = hardware.efficiency.comm_overlap
+    if not traits(engine).prefetches_units or shared <= 0:
+        return shared
+    return max(shared, layers / (layers + 1))
 
 
 def gradient_comm_bytes(layout: Layout, engine: str, trainable: float) -> float:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from specs.capabilities import tf32_gemms
 from specs.engine_traits import traits
 from specs.core import (
-    DTYPE_BYTES,
-    HardwareSpec,
-    Layout,
-)
+                        DTYPE_BYTES,
+                        HardwareSpec,
+                        Layout,
+                        )
 from planner import host_floor, megatron2021
 from planner.memory import (
     activation_blocks,

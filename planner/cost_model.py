@@ -17,21 +17,21 @@ from specs.engine_traits import traits
 from specs.errors import UsageError
 from specs.layout_rules import layout_problem, tp_crosses_nodes
 from specs.core import (
-    DTYPE_BYTES,
-    SELECTIVE_POLICY,
-    Estimate,
-    HardwareSpec,
-    Layout,
-    ModelSize,
-    ModelSpec,
-    ThroughputEstimate,
-    TimeEstimate,
-    layers_per_stage,
-)
+                        DTYPE_BYTES,
+                        SELECTIVE_POLICY,
+                        Estimate,
+                        HardwareSpec,
+                        Layout,
+                        ModelSize,
+                        ModelSpec,
+                        ThroughputEstimate,
+                        TimeEstimate,
+                        layers_per_stage,
+                        )
 from planner import megatron2021
 from planner.memory import vocab_shards
 from profiler.model_trace import ModelTrace, trace_model
-from planner.comm_time import Placement, activation_comm, gradient_comm, gradient_comm_bytes
+from planner.comm_time import Placement, activation_comm, dp_overlap, gradient_comm, gradient_comm_bytes
 from planner.compute_time import micro_batch_compute, rates_for
 from planner.optimizer_step import optimizer_time, offload_exposed_s, optimizer_shards
 from planner.stage_memory import stage_memory
@@ -104,7 +104,7 @@ def stage_time(
     return StageTime(
         compute_mb=compute, useful_compute_mb=useful, backward_mb=bwd_s, tp_comm_mb=tp_comm, pp_comm_mb=pp_comm,
         dp_comm=dp_comm, dp_hidden_max=window, optimizer=optimizer, offload=offload,
-        dp_overlap=hardware.efficiency.comm_overlap, time_shared=rates.time_shared,
+        dp_overlap=dp_overlap(hardware, engine, trace.num_layers), time_shared=rates.time_shared,
     )
 
 

@@ -18,6 +18,7 @@ import yaml
 from specs.capabilities import engine_for
 from specs.engine_traits import traits
 from specs.plan_file import Plan
+from specs.run_dir import PLAN_FILE
 from specs.core import GiB, Layout, MemoryEstimate, ModelSpec, safe_name
 from planner.cost_model import engine_of, estimate_from_trace
 from planner.stage_memory import zero_bucket_elems
@@ -130,7 +131,7 @@ class Expanded(str):
     so that it stays one word whatever the variable holds."""
 
 
-def train_command(plan: Plan, plan_path: str = "plan.yaml", slurm: bool = False) -> list[str]:
+def train_command(plan: Plan, plan_path: str = PLAN_FILE, slurm: bool = False) -> list[str]:
     """`advisor train` on one node, the launcher the CLI runs: it starts the ranks of each segment of
     stages that share a layout (torchrun for several), one after the other, so the whole plan runs.
     `--resume` continues the run in RUN_DIR when one is there (a rerun, a Slurm requeue) and starts it
@@ -190,7 +191,7 @@ cd "$(dirname "${{BASH_SOURCE[0]}}")"
 {_with_restarts(shell_command(train_command(plan)))}"""
 
 
-def slurm_script(plan: Plan, plan_path: str = "plan.yaml") -> str:
+def slurm_script(plan: Plan, plan_path: str = PLAN_FILE) -> str:
     layout = plan.chosen.layout
     hours = sum(s.hours for s in plan.stages) or 24.0
     minutes = max(10, int(hours * 60 * 1.2))  # 20% slack over the planned wall-clock time
@@ -231,7 +232,7 @@ def launcher_files(plan: Plan) -> tuple[dict[str, str | None], dict[str, str]]:
     out with the reason."""
     layout = plan.chosen.layout
     engine = engine_for(layout, plan.engine)
-    texts: dict[str, str | None] = {"plan.yaml": None}
+    texts: dict[str, str | None] = {PLAN_FILE: None}
     skipped = {}
     accelerate = accelerate_config(plan, layout)
     deepspeed = traits(engine).deepspeed

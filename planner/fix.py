@@ -15,7 +15,7 @@ from typing import Any
 from specs.capabilities import config_shape, runnable_problem
 from specs.errors import UsageError
 from specs.layout_rules import (ModelShape, layout_problem, pipeline_problem, tensor_parallel_problem,
-                                  tp_crosses_nodes)
+                                tp_crosses_nodes)
 from specs.core import Layout, ModelSpec, parse_layout_string
 
 # What the search enumerates (SearchSpace.fixed filters them) ...

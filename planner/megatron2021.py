@@ -17,44 +17,47 @@ communication: none of them appears here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Literal
 
 from specs.core import DTYPE_BYTES, Layout
 from profiler.model_trace import ModelTrace
 
 
+Size = Literal["hidden", "sharded", "scores"]
+
+
 @dataclass(frozen=True)
 class Kernel:
+    """One memory-bound op of the layer and its gradient: bytes per element of `size` each pass moves."""
+
     name: str
-    hidden: float = 0.0
-    sharded: float = 0.0
-    scores: float = 0.0
+    size: Size
+    forward: float
+    backward: float
 
 
-FORWARD = (
-    Kernel("input LayerNorm (apex fused): x in, y out", hidden=4),
-    # PyTorch 1.8's F.linear on a 3-D input runs matmul, then `output += bias`: 3 h/tp wide
-    Kernel("QKV bias add after the GEMM: read and write the output", sharded=3 * 4),
-    Kernel("scaled upper-triangular masked softmax (fused): scores in, probs out", scores=4),
-    Kernel("attention dropout: probs in, probs and a 1-byte mask out", scores=5),
-    Kernel("context permute to [s, b, h/tp] (.contiguous())", sharded=4),
-    Kernel("bias-dropout-add after attention (jit): x, residual in; out, mask out", hidden=7),
-    Kernel("post-attention LayerNorm", hidden=4),
-    Kernel("bias-GeLU (jit): 4h/tp in and out", sharded=4 * 4),
-    Kernel("bias-dropout-add after the MLP", hidden=7),
-)
-
-BACKWARD = (
-    Kernel("bias-dropout-add (MLP) backward: grad, mask in, grad out; bias grad sums it", hidden=7),
-    Kernel("bias-GeLU backward: grad, input in, grad out; bias grad sums it", sharded=4 * 8),
-    # apex's backward reads grad and input twice: input grad, then gamma/beta partial sums
-    Kernel("post-attention LayerNorm backward", hidden=10),
-    Kernel("residual gradient sums, two per layer: two grads in, one out", hidden=2 * 6),
-    Kernel("bias-dropout-add (attention) backward", hidden=7),
-    Kernel("context permute backward: a copy back to the bmm's layout", sharded=4),
-    Kernel("attention dropout backward: grad, mask in, grad out", scores=5),
-    Kernel("softmax backward (fused): grad, probs in, grad out", scores=6),
-    Kernel("q, k, v gradients concatenated (split's backward), QKV bias grad sums them", sharded=3 * 4 + 3 * 2),
-    Kernel("input LayerNorm backward", hidden=10),
+# In forward order; backward runs them in reverse (the sums keep each pass's order).
+KERNELS = (
+    Kernel("input LayerNorm (apex fused): x in, y out", "hidden", forward=4, backward=10),
+    # PyTorch 1.8's F.linear on a 3-D input runs matmul, then `output += bias`: 3 h/tp wide. Backward:
+    # q, k, v gradients concatenated (split's backward), QKV bias grad sums them
+    Kernel("QKV bias add after the GEMM: read and write the output", "sharded", forward=3 * 4,
+           backward=3 * 4 + 3 * 2),
+    Kernel("scaled upper-triangular masked softmax (fused): scores in, probs out; backward: grad, probs in, "
+           "grad out", "scores", forward=4, backward=6),
+    Kernel("attention dropout: probs in, probs and a 1-byte mask out; backward: grad, mask in, grad out",
+           "scores", forward=5, backward=5),
+    Kernel("context permute to [s, b, h/tp] (.contiguous()); backward: a copy back to the bmm's layout",
+           "sharded", forward=4, backward=4),
+    Kernel("bias-dropout-add after attention (jit): x, residual in; out, mask out", "hidden", forward=7, backward=7),
+    # forward's residual adds are inside the bias-dropout-adds
+    Kernel("residual gradient sums, two per layer: two grads in, one out", "hidden", forward=0, backward=2 * 6),
+    # apex's LayerNorm backward reads grad and input twice: input grad, then gamma/beta partial sums
+    Kernel("post-attention LayerNorm", "hidden", forward=4, backward=10),
+    Kernel("bias-GeLU (jit): 4h/tp in and out; backward: grad, input in, grad out; bias grad sums it", "sharded",
+           forward=4 * 4, backward=4 * 8),
+    Kernel("bias-dropout-add after the MLP; backward: grad, mask in, grad out; bias grad sums it", "hidden",
+           forward=7, backward=7),
 )
 
 # Megatron's Float16OptimizerWithFloat16Params + apex FusedAdam, bytes per parameter per step:
@@ -64,18 +67,19 @@ BACKWARD = (
 ADAM_BYTES_PER_PARAM = 6 + 8 + 4 + 28 + 6
 
 
-def _bytes(kernels: tuple[Kernel, ...], hidden: float, sharded: float, scores: float) -> float:
-    return sum(k.hidden * hidden + k.sharded * sharded + k.scores * scores for k in kernels)
+def _bytes(bytes_per_element: Iterable[tuple[float, Size]], elements: dict[Size, float]) -> float:
+    return sum(per_element * elements[size] for per_element, size in bytes_per_element)
 
 
 def layer_elementwise_bytes(trace: ModelTrace, layout: Layout) -> tuple[float, float]:
     """(forward, backward) bytes one decoder layer's memory-bound kernels move for one micro-batch
     on one device. Sequence parallelism (not in the 2021 code) would shard the replicated ones."""
     tokens = layout.mbs * trace.seq
-    hidden = tokens * trace.hidden_size / (layout.tp if layout.sp else 1)
-    sharded = tokens * trace.hidden_size / layout.tp
-    scores = layout.mbs * trace.num_heads / layout.tp * trace.seq**2
-    return _bytes(FORWARD, hidden, sharded, scores), _bytes(BACKWARD, hidden, sharded, scores)
+    elements: dict[Size, float] = {"hidden": tokens * trace.hidden_size / (layout.tp if layout.sp else 1),
+                                   "sharded": tokens * trace.hidden_size / layout.tp,
+                                   "scores": layout.mbs * trace.num_heads / layout.tp * trace.seq**2}
+    return (_bytes(((k.forward, k.size) for k in KERNELS), elements),
+            _bytes(((k.backward, k.size) for k in reversed(KERNELS)), elements))
 
 
 def gradient_accumulation_bytes(layout: Layout, trainable: float) -> float:

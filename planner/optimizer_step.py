@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from specs.engine_traits import traits
 from specs.core import (
-    DTYPE_BYTES,
-    HardwareSpec,
-    Layout,
-)
+                        DTYPE_BYTES,
+                        HardwareSpec,
+                        Layout,
+                        )
 from planner import megatron2021
 from planner.memory import (
     fsdp_shards,

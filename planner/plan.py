@@ -15,10 +15,10 @@ from typing import Any
 from specs.capabilities import PRICED_ENGINE_LIMITS, attention_implementation, config_shape, cost_engine, runnable_problem, prices_ours
 from specs.errors import UsageError
 from specs.plan_file import (DEFAULT_CHECKPOINT_WRITE_GBS, DEFAULT_MTBF_HOURS, Plan, PlanAssumptions, PlannedLayout,
-                               StagePlan)
+                             StagePlan)
 from specs.profile import ClusterProfile
 from specs.core import (MAX_BATCH, MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, GiB, HardwareSpec, Layout, ModelSpec,
-                           check_number, check_seq_fits)
+                        check_number, check_seq_fits)
 from specs.task import TaskSpec
 from planner.explain import preset_note, why
 from planner.fix import REQUEST_KEYS, check_fix, describe

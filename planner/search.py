@@ -51,6 +51,8 @@ from planner.cost_model import (
     stage_memory,
     stage_time,
 )
+from planner.comm_time import dp_overlap
+from planner.stage_params import engine_of
 from planner.memory import micro_batches_in_flight
 from planner.stage_memory import StageMemory
 from profiler.model_trace import ModelTrace, trace_model
@@ -322,7 +324,7 @@ def stage_coefficients(trace: ModelTrace, layout: Layout, hw: HardwareSpec, stag
     return _StageCoefficients(
         backward_base=_affine(*(p[0] for p in parts)), optimizer_moment=_affine(*(p[1] for p in parts)),
         logits=max(mems[0].logits, mems[0].first_gradient), regrown=mems[2].regrown,
-        overlap=hw.efficiency.comm_overlap, host=_affine(*(m.host for m in mems)),
+        overlap=dp_overlap(hw, engine_of(layout), trace.num_layers), host=_affine(*(m.host for m in mems)),
         host_capacity=mems[0].host_capacity, fixed_per_layer=fixed_per_layer, time_terms=time_terms,
         time_point=time_point, regrown_gradients_of=regrown_gradients,
     )

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 from specs.engine_traits import traits
 from specs.core import (
-    GiB,
-    HardwareSpec,
-    Layout,
-    MemoryEstimate,
-)
+                        GiB,
+                        HardwareSpec,
+                        Layout,
+                        MemoryEstimate,
+                        )
 from planner.memory import (
     ADAPTER_BYTES,
     HOST_MEMORY_USABLE,

@@ -8,8 +8,8 @@ from __future__ import annotations
 from specs.capabilities import ENGINE_CHOICES, engine_for
 from specs.layout_rules import ModelShape
 from specs.core import (
-    Layout,
-)
+                        Layout,
+                        )
 from planner.memory import (
     vocab_shards,
 )

@@ -27,11 +27,13 @@ DEFAULT_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class ClusterOptions:
+    """The nodes as `cluster_options` checked them (the flags' defaults are DEFAULT_PORT, DEFAULT_TIMEOUT_S)."""
+
     nnodes: int
     node_rank: int
     master_addr: str
-    master_port: int = DEFAULT_PORT
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    master_port: int
+    timeout_s: float
 
     @property
     def group_port(self) -> int:

@@ -42,6 +42,7 @@ from specs.remote_code import code_digest
 from specs.core import DTYPE_BYTES, SELECTIVE_SAVED_OPS, Layout, ModelSpec
 from presets import cache_dir
 from profiler.attention_support import runnable_attention
+from profiler.op_watch import op_watch
 
 Attention = Literal["flash", "sdpa", "eager"]
 
@@ -64,32 +65,29 @@ class BlockTrace(BaseModel):
     trainable_params: int | float = 0
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
-    act_replicated_bytes: float = Field(0.0, description="saved outside TP regions (LN inputs, masks)")
-    act_sharded_bytes: float = Field(0.0, description="saved inside TP regions, divided by tp")
-    act_scores_bytes: float = Field(0.0, description="the s x s part of the sharded bytes")
-    input_bytes: float = Field(0.0, description="the block's input hidden states (kept by full recompute)")
-    selective_replicated_bytes: float = Field(
-        0.0, description="outputs of SELECTIVE_SAVED_OPS outside TP regions (row-parallel GEMMs)")
-    selective_sharded_bytes: float = Field(
-        0.0, description="outputs of SELECTIVE_SAVED_OPS inside TP regions (column GEMMs, attention)")
-    cast_weight_bytes: float = Field(
-        0.0, description="16-bit copies of the fp32 weights that autocast casts (bf16-mixed), alive from their "
-                         "forward to their backward whatever the micro-batch size; not in the activations")
+    act_replicated_bytes: float = 0.0  # saved outside TP regions (LN inputs, masks)
+    act_sharded_bytes: float = 0.0  # saved inside TP regions, divided by tp
+    act_scores_bytes: float = 0.0  # the s x s part of the sharded bytes
+    input_bytes: float = 0.0  # the block's input hidden states (kept by full recompute)
+    selective_replicated_bytes: float = 0.0  # outputs of SELECTIVE_SAVED_OPS outside TP regions (row-parallel GEMMs)
+    selective_sharded_bytes: float = 0.0  # outputs of SELECTIVE_SAVED_OPS inside TP regions (column GEMMs, attention)
+    # 16-bit copies of the fp32 weights that autocast casts (bf16-mixed), alive from their forward to their backward
+    # whatever the micro-batch size; not in the activations
+    cast_weight_bytes: float = 0.0
     # What the host launches and what the memory-bound kernels move (`kernel_log`), per sequence:
     # a GPU runs ahead of its host only while a kernel outlasts a launch (planner/cost_model.py, host floor)
-    fwd_ops: float = Field(0.0, description="kernels launched in forward (views and metadata ops excluded)")
-    bwd_ops: float = Field(0.0, description="kernels launched in backward")
-    fwd_dense_ops: float = Field(0.0, description="of the forward's, GEMMs and attention kernels (priced by FLOPs)")
-    bwd_dense_ops: float = Field(0.0, description="of the backward's, GEMMs and attention kernels")
-    fwd_traffic_bytes: float = Field(
-        0.0, description="bytes read and written by the forward's memory-bound kernels (all but dense ones)")
-    bwd_traffic_bytes: float = Field(0.0, description="the same in backward")
-    skinny_gemm_bytes: float = Field(
-        0.0, description="bytes read and written by GEMMs with a side of at most SKINNY_GEMM_SIDE (LoRA's "
-                         "adapters): memory-bound, priced by bytes where that is slower than by FLOPs")
-    fp32_dense_flops: float = Field(
-        0.0, description="of the FLOPs (forward and backward), those of GEMMs and attention computed in fp32 "
-                         "(LoRA's adapters; QLoRA's up-cast LM head, and its attention on the fp32 residual)")
+    fwd_ops: float = 0.0  # kernels launched in forward (views and metadata ops excluded)
+    bwd_ops: float = 0.0  # kernels launched in backward
+    fwd_dense_ops: float = 0.0  # of the forward's, GEMMs and attention kernels (priced by FLOPs)
+    bwd_dense_ops: float = 0.0  # of the backward's, GEMMs and attention kernels
+    fwd_traffic_bytes: float = 0.0  # bytes read and written by the forward's memory-bound kernels (all but dense ones)
+    bwd_traffic_bytes: float = 0.0  # the same in backward
+    # bytes read and written by GEMMs with a side of at most SKINNY_GEMM_SIDE (LoRA's adapters): memory-bound,
+    # priced by bytes where that is slower than by FLOPs
+    skinny_gemm_bytes: float = 0.0
+    # of the FLOPs (forward and backward), those of GEMMs and attention computed in fp32 (LoRA's adapters; QLoRA's
+    # up-cast LM head, and its attention on the fp32 residual)
+    fp32_dense_flops: float = 0.0
 
     @property
     def act_bytes(self) -> float:
@@ -349,12 +347,11 @@ def _selective_log(row: set[str], model: "torch.nn.Module") -> Any:
     when a row-parallel linear makes them (its output is whole on every TP rank) and sharded
     otherwise (column-parallel GEMMs, the attention kernel)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
     saved = {getattr(torch.ops.aten, name) for name in SELECTIVE_SAVED_OPS if hasattr(torch.ops.aten, name)}
 
-    class SelectiveLog(TorchDispatchMode):
+    class SelectiveLog(op_watch()):
         def __init__(self) -> None:
             super().__init__()
             self.in_row = False
@@ -366,8 +363,7 @@ def _selective_log(row: set[str], model: "torch.nn.Module") -> Any:
                     self.handles.append(module.register_forward_pre_hook(lambda *_: setattr(self, "in_row", True)))
                     self.handles.append(module.register_forward_hook(lambda *_: setattr(self, "in_row", False)))
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+        def see(self, func: Any, args: tuple, kwargs: dict[str, Any], out: Any) -> None:
             if func.overloadpacket in saved:
                 for tensor in tree_leaves(out):  # each a fresh allocation: no storage is counted twice
                     if isinstance(tensor, torch.Tensor):
@@ -376,7 +372,6 @@ def _selective_log(row: set[str], model: "torch.nn.Module") -> Any:
                             self.replicated += nbytes
                         else:
                             self.sharded += nbytes
-            return out
 
     return SelectiveLog()
 
@@ -387,22 +382,19 @@ def _cast_log(log: _SavedTensorLog) -> Any:
     activations, and their bytes up."""
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class CastLog(TorchDispatchMode):
+    class CastLog(op_watch()):
         def __init__(self) -> None:
             super().__init__()
             self.bytes = 0.0
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+        def see(self, func: Any, args: tuple, kwargs: dict[str, Any], out: Any) -> None:
             if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
                 if StorageWeakRef(args[0].untyped_storage()) in log.param_storages:
                     copy = StorageWeakRef(out.untyped_storage())
                     if copy not in log.param_storages:
                         log.param_storages.add(copy)
                         self.bytes += out.untyped_storage().nbytes()
-            return out
 
     return CastLog()
 
@@ -494,9 +486,8 @@ def kernel_log() -> Any:
     attention kernels are `dense` (priced by their FLOPs); every other kernel is memory-bound and
     moves its inputs and outputs once (`traffic`). Forward and backward are told apart by `phase`."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class KernelLog(TorchDispatchMode):
+    class KernelLog(op_watch()):
         def __init__(self) -> None:
             super().__init__()
             self.phase = "fwd"
@@ -506,11 +497,10 @@ def kernel_log() -> Any:
             self.skinny = 0.0
             self.fp32_flops = 0.0
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+        def see(self, func: Any, args: tuple, kwargs: dict[str, Any], out: Any) -> None:
             name = func.overloadpacket.__name__
             if func.is_view or name in _METADATA_OPS or func.namespace == "prim" or name.startswith("sym_"):
-                return out
+                return
             self.ops[self.phase] += 1
             moved = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
             if name == NF4_DEQUANTIZE:  # reads the 4-bit blocks, writes the 16-bit weight (traced in 16 bits)
@@ -520,7 +510,6 @@ def kernel_log() -> Any:
                 self._dense(name, args, moved)
             else:
                 self.traffic[self.phase] += moved
-            return out
 
         def _dense(self, name: str, args: tuple, moved: float) -> None:
             tensors = [t for t in args if isinstance(t, torch.Tensor)]

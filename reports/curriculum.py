@@ -25,18 +25,21 @@ from typing import Any, Callable
 from specs.errors import UsageError
 from specs.model_depth import first_layers, layer_count_key
 from specs.plan_file import Plan, load_plan
+from specs.run_dir import DATA_CACHE_DIR, METRICS_FILE, PLAN_FILE, SUMMARY_FILE, read_json_lines
 from specs.core import HardwareSpec, ModelSpec
 from specs.task import TaskSpec
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from reports.curriculum_variants import VARIANTS, mixed_stage, scaled, skills, variant_tasks
+from trainer.run_lock import die_with_parent
 
 # The rate grid: every variant is tried at these factors of the task's rate and keeps its best, so
 # that no variant loses to a rate that suits another (the schedule is WSD for all: curriculum_variants)
 LR_FACTORS = (0.5, 1.0, 2.0)
 SCHEDULE_PROTOCOL = ("WSD for every variant (one warm-up, every stage at one peak rate, one linear decay over the "
                      "run's last wsd_decay_fraction of steps); the peak rate tuned per variant on seed 0 over the "
-                     "same grid (lowest final mean eval loss), the other seeds at the rate chosen")
+                     "same grid (lowest final mean eval loss), the other seeds at the rate chosen; the spike guard "
+                     "rolls back non-finite steps only, so every variant trains every step of its schedule")
 SUMMARY_METRIC = "mean eval loss over the skills"
 MAX_MICRO_BATCH = 4  # one process on a CPU: micro-batches of 4 step faster than one of 16 (bench/curriculum.py)
 
@@ -104,12 +107,12 @@ def train_run(plan: Plan, run_dir: Path, seed: int, eval_sequences: int, cache: 
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunDirLock.take(run_dir)  # one launch per run dir, as `advisor train` holds it
     try:
-        if cache is not None and not (run_dir / "data_cache").exists():
+        if cache is not None and not (run_dir / DATA_CACHE_DIR).exists():
             cache.mkdir(parents=True, exist_ok=True)
-            (run_dir / "data_cache").symlink_to(cache.resolve(), target_is_directory=True)
+            (run_dir / DATA_CACHE_DIR).symlink_to(cache.resolve(), target_is_directory=True)
         # the trainer's run-time preparation, as `advisor train` does it (the old run moved aside)
         plan = prepare_run(plan, run_dir, resumed=False, overwrite=True).plan
-        plan.write(run_dir / "plan.yaml")
+        plan.write(run_dir / PLAN_FILE)
         options = TrainOptions(seed=seed, eval_sequences=eval_sequences, show_progress=False, overwrite=True,
                                keep_checkpoints=1)
         started = time.perf_counter()
@@ -125,14 +128,14 @@ def plan_tokens(plan: Plan) -> int:
 
 def read_run(run_dir: Path, variant: str, seed: int, wall_s: float, lr: float = math.nan) -> RunResult:
     """The run's stage-end scores from its summary.json (exact match where the trainer wrote it)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     if not summary.get("finished", False):
         raise RuntimeError(f"{run_dir}: the run did not finish")
     stages = [{"name": s["name"], "eval": s.get("eval") or {}, **({"exact_match": s["exact_match"]}
                                                                   if s.get("exact_match") else {})}
               for s in summary["stages"]]
-    tokens = plan_tokens(load_plan(run_dir / "plan.yaml"))
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    tokens = plan_tokens(load_plan(run_dir / PLAN_FILE))
+    metrics = read_json_lines(run_dir / METRICS_FILE).records
     return RunResult(variant, seed, stages, tokens, wall_s, train_loss_tenths(metrics), lr)
 
 
@@ -326,7 +329,7 @@ def _train_batch(req: CompareRequest, plans: Plans, todo: list[tuple[str, float,
                  runs: list[RunResult], total: int) -> None:
     """Train the (variant, rate, seed) runs of `todo`, appending each result to `runs` and rewriting
     the outputs after each."""
-    jobs = [(plans[name][lr], run_dir_of(req, name, lr, seed), seed, req.eval_sequences, req.out / "data_cache")
+    jobs = [(plans[name][lr], run_dir_of(req, name, lr, seed), seed, req.eval_sequences, req.out / DATA_CACHE_DIR)
             for name, lr, seed in todo]
 
     def done(item: tuple[str, float, int], job: tuple, wall_s: float) -> None:
@@ -363,8 +366,9 @@ def chosen_lrs(runs: list[RunResult], scored: list[str]) -> dict[str, float]:
     return {name: lr for name, (lr, _) in chosen.items()}
 
 
-def _in_parallel(jobs: list[tuple], workers: int, gpus: int):
-    """`train_run` over `jobs`, `workers` processes at a time; the wall times in the jobs' order."""
+def _in_parallel(jobs: list[tuple], workers: int, gpus: int, work: Callable[..., Any] = train_run):
+    """`work` (a run's training) over `jobs`, `workers` processes at a time; the results in the jobs'
+    order. The workers die with this process: a stopped comparison leaves no training behind."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -373,15 +377,16 @@ def _in_parallel(jobs: list[tuple], workers: int, gpus: int):
     for index in range(workers):
         devices.put(index)
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
-                             initargs=(devices, workers, gpus)) as pool:
-        futures = [pool.submit(train_run, *job) for job in jobs]
+                             initargs=(devices, workers, gpus, os.getpid())) as pool:
+        futures = [pool.submit(work, *job) for job in jobs]
         for future in futures:
             yield future.result()
 
 
-def _worker_init(devices, workers: int, gpus: int) -> None:
+def _worker_init(devices, workers: int, gpus: int, parent: int) -> None:
     """A comparison worker: its own GPU where there are several, else its share of the CPU cores
     (oversubscribed OpenMP threads run several times slower: docs/notes-cpu-stack.md)."""
+    die_with_parent(parent)
     index = devices.get()
     if gpus >= workers:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(index)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 
 from specs.errors import UsageError
-from specs.task import DataSource, StageSpec, TaskSpec
+from specs.task import DataSource, SpikeGuardSpec, StageSpec, TaskSpec
 
 VARIANTS = ("one-pot", "staged", "staged+replay", "staged+replay+mixed", "late-mix")
 RAMP_FRACTION = 0.2  # of a stage's steps, when it sets no ramp_steps of its own
@@ -162,7 +162,7 @@ def with_replay(task: TaskSpec) -> TaskSpec:
 
 
 def decay_steps(task: TaskSpec, run_steps: int) -> int:
-    """The steps a WSD run of `run_steps` decays over, as the trainer counts them (trainer/loop.py
+    """The steps a WSD run of `run_steps` decays over, as the trainer counts them (trainer/schedule.py
     rounds the fraction; trainer.schedule.wsd_lr keeps at least one and leaves the warm-up whole)."""
     warmup = min(task.stages[0].warmup_steps, max(run_steps - 1, 0))
     return max(1, min(round(task.wsd_decay_fraction * run_steps), run_steps - warmup))
@@ -202,13 +202,20 @@ def late_mix(task: TaskSpec) -> TaskSpec:
     return _renamed(task, "late-mix", [*head, tail], lr_schedule="wsd")
 
 
+# The comparison's spike guard: non-finite steps only. A loss or gradient-norm margin tuned for the
+# task as written reads a mixed batch's loss (which moves with the skills it happens to hold) as a
+# spike, rolls back, halves the rate and skips data: one variant would then train another schedule
+# on other data, or stop, and the comparison would measure the guard instead of the order.
+COMPARISON_GUARD = SpikeGuardSpec(loss_sigmas=None, loss_ratio=None, grad_norm_sigmas=None, grad_norm_ratio=None)
+
+
 def fair_schedule(task: TaskSpec, peak_lr: float) -> TaskSpec:
     """`task` under the comparison's one schedule: WSD over the run, every stage at `peak_lr`, the first
-    stage's warm-up and floor for all (WSD warms up once and decays once)."""
+    stage's warm-up and floor for all (WSD warms up once and decays once), the one `COMPARISON_GUARD`."""
     first = task.stages[0]
     stages = [s.model_copy(update={"lr": peak_lr, "warmup_steps": first.warmup_steps,
                                    "min_lr_ratio": first.min_lr_ratio}) for s in task.stages]
-    return task.model_copy(update={"stages": stages, "lr_schedule": "wsd"})
+    return task.model_copy(update={"stages": stages, "lr_schedule": "wsd", "spike_guard": COMPARISON_GUARD})
 
 
 def variant_tasks(task: TaskSpec, names: list[str] | tuple[str, ...] = VARIANTS,

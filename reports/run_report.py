@@ -1,9 +1,10 @@
 """The run report: what a training run did against what its plan predicted.
 
-Reads a run dir as the contract in docs/architecture.md describes it (plan.yaml, metrics.jsonl,
+Reads a run dir as its contract (specs/run_dir.py) describes it (plan.yaml, metrics.jsonl,
 events.jsonl, checkpoints/, summary.json) and tolerates any optional piece missing: a run that
 crashed has no summary, a hand-made dir may have only metrics. A torn last line of a JSON-lines
-file (a crash mid-write) is skipped and reported, not fatal.
+file (a crash mid-write) is skipped and reported, not fatal; an event of another trainer version
+reads as an `OtherEvent`, shown nowhere but never fatal.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from typing import Any
 from specs.errors import UsageError
 from specs.plan_file import Plan, load_plan
 from specs.core import GiB, read_user_yaml
+from specs.run_dir import (CHECKPOINTS_DIR, EVENTS_FILE, FEEDBACK_FILE, METRICS_FILE, PLAN_FILE, RUN_DIR_MARKERS,
+                           SUMMARY_FILE, VERIFY_FILE, CheckpointEvent, EvalEvent, RollbackEvent, SegmentFigures,
+                           SpikeEvent, StageEndEvent, parse_event, read_json_lines)
 from reports import charts
 from reports.document import Cell, Document, Table, format_number, num, pct, text
 from reports.skill_story import Scores, skill_stories
@@ -38,21 +42,8 @@ class RunData:
 
 
 def _json_lines(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    records, bad = [], 0
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-        else:
-            bad += 1
+    read = read_json_lines(path)
+    records, bad = read.records, read.skipped
     if bad:
         warnings.append(f"{path.name}: skipped {bad} unreadable line{'s' if bad > 1 else ''}")
     return records
@@ -81,32 +72,31 @@ def read_run_dir(path: str | Path) -> RunData:
     if not run_dir.is_dir():
         raise UsageError(f"run dir not found: {run_dir}")
     data = RunData(run_dir=run_dir)
-    if not any((run_dir / name).exists() for name in ("plan.yaml", "metrics.jsonl", "events.jsonl", "summary.json")):
-        raise UsageError(f"{run_dir} is not a run dir: it has none of plan.yaml, metrics.jsonl, events.jsonl, "
-                         "summary.json")
-    plan_file = run_dir / "plan.yaml"
+    if not any((run_dir / name).exists() for name in RUN_DIR_MARKERS):
+        raise UsageError(f"{run_dir} is not a run dir: it has none of {', '.join(RUN_DIR_MARKERS)}")
+    plan_file = run_dir / PLAN_FILE
     if plan_file.is_file():
         try:
             data.plan = load_plan(plan_file)
         except UsageError as exc:  # another version's plan: keep what can be read
-            data.warnings.append(f"plan.yaml: {exc}")
+            data.warnings.append(f"{PLAN_FILE}: {exc}")
             try:
                 raw = read_user_yaml(plan_file, f"plan file {plan_file}")
                 data.plan_raw = raw if isinstance(raw, dict) else None
             except UsageError:
                 pass
-    data.metrics = [m for m in _json_lines(run_dir / "metrics.jsonl", data.warnings) if "step" in m]
-    data.events = _json_lines(run_dir / "events.jsonl", data.warnings)
-    summary_file = run_dir / "summary.json"
+    data.metrics = [m for m in _json_lines(run_dir / METRICS_FILE, data.warnings) if "step" in m]
+    data.events = _json_lines(run_dir / EVENTS_FILE, data.warnings)
+    summary_file = run_dir / SUMMARY_FILE
     if summary_file.is_file():
         try:
             summary = json.loads(summary_file.read_text())
             data.summary = summary if isinstance(summary, dict) else None
         except ValueError:
-            data.warnings.append("summary.json: unreadable (the run may have stopped while writing it)")
-    for name in ("verify", "feedback"):
-        setattr(data, name, _json_object(run_dir / f"{name}.json", data.warnings))
-    ckpt_dir = run_dir / "checkpoints"
+            data.warnings.append(f"{SUMMARY_FILE}: unreadable (the run may have stopped while writing it)")
+    data.verify = _json_object(run_dir / VERIFY_FILE, data.warnings)
+    data.feedback = _json_object(run_dir / FEEDBACK_FILE, data.warnings)
+    ckpt_dir = run_dir / CHECKPOINTS_DIR
     if ckpt_dir.is_dir():
         data.checkpoints = sorted(((p.name, _dir_bytes(p)) for p in ckpt_dir.iterdir()), key=lambda c: c[0])
     return data
@@ -117,7 +107,13 @@ def read_run_dir(path: str | Path) -> RunData:
 
 
 def _event_kind(event: dict[str, Any]) -> str:
-    return str(event.get("event") or event.get("type") or event.get("kind") or "")
+    """The event's name, as its typed record reads it (an unknown one keeps its own)."""
+    return parse_event(event).event
+
+
+def _of_kind(events: list[dict[str, Any]], kind: type) -> list[dict[str, Any]]:
+    """The events (as written) whose typed record is a `kind`."""
+    return [e for e in events if isinstance(parse_event(e), kind)]
 
 
 def _finite(values: list[Any]) -> list[float]:
@@ -200,9 +196,9 @@ def analyse(data: RunData) -> RunAnalysis:
     metrics = sorted(data.metrics, key=lambda m: m["step"])
     comparisons = _comparisons(data, summary, metrics)
     events = data.events
-    spikes = [e for e in events if "spike" in _event_kind(e)]
-    rollbacks = [e for e in events if "rollback" in _event_kind(e)]
-    checkpoint_events = [e for e in events if _event_kind(e) == "checkpoint"]
+    spikes = _of_kind(events, SpikeEvent)
+    rollbacks = _of_kind(events, RollbackEvent)
+    checkpoint_events = _of_kind(events, CheckpointEvent)
     _give_rollbacks_a_stage(events, spikes, rollbacks, metrics)  # before the stages count them
     evals = _evals(events, summary)
     exact_match, epochs = _stage_results(events, summary)
@@ -211,12 +207,12 @@ def analyse(data: RunData) -> RunAnalysis:
               for name in _stage_names(data)]
     finished = summary.get("finished") if isinstance(summary.get("finished"), bool) else None
     if finished is None and data.plan and data.plan.stages and stages:
-        ends = {str(e.get("stage")) for e in events if _event_kind(e) == "stage_end"}
+        ends = {str(e.get("stage")) for e in _of_kind(events, StageEndEvent)}
         finished = all(s.name in ends for s in data.plan.stages) if ends else None
     steps = int(summary["steps"]) if isinstance(summary.get("steps"), int) else (
         int(metrics[-1]["step"]) if metrics else 0)
     note = summary.get("exact_match_note") or next(
-        (e["exact_match_note"] for e in events if _event_kind(e) == "eval" and e.get("exact_match_note")), None)
+        (e["exact_match_note"] for e in _of_kind(events, EvalEvent) if e.get("exact_match_note")), None)
     return RunAnalysis(data=data, comparisons=comparisons, stages=stages, spikes=spikes, rollbacks=rollbacks,
                        checkpoint_events=checkpoint_events, evals=evals, finished=finished, steps=steps,
                        exact_match=exact_match, exact_match_note=note, epochs=epochs)
@@ -240,16 +236,16 @@ def _comparisons(data: RunData, summary: dict[str, Any], metrics: list[dict[str,
     pred_tps = pick(predicted, "tokens_per_s") or (plan_est.throughput.tokens_per_s if plan_est else None)
     meas_step = pick(measured, "step_s")
     meas_tps = pick(measured, "tokens_per_s")
-    from_metrics = "median of metrics.jsonl"
+    from_metrics = "median of " + METRICS_FILE
     return [
         Comparison("peak memory", "peak_bytes", "GiB per device", pred_peak, pick(measured, "peak_bytes"),
                    str(measured.get("peak_source") or "")),
         Comparison("step time", "step_s", "s", pred_step,
                    meas_step if meas_step is not None else (statistics.median(step_times) if step_times else None),
-                   "summary.json" if meas_step is not None else (from_metrics if step_times else "")),
+                   SUMMARY_FILE if meas_step is not None else (from_metrics if step_times else "")),
         Comparison("throughput", "tokens_per_s", "tokens/s", pred_tps,
                    meas_tps if meas_tps is not None else (statistics.median(tps) if tps else None),
-                   "summary.json" if meas_tps is not None else (from_metrics if tps else "")),
+                   SUMMARY_FILE if meas_tps is not None else (from_metrics if tps else "")),
     ]
 
 
@@ -269,8 +265,8 @@ def _give_rollbacks_a_stage(events: list[dict[str, Any]], spikes: list[dict[str,
 def _evals(events: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, dict[str, float]]:
     """After stage -> skill -> eval loss: the eval events, else summary.json's per-stage eval."""
     evals: dict[str, dict[str, float]] = {}
-    for e in events:
-        if _event_kind(e) == "eval" and isinstance(e.get("losses"), dict) and e.get("stage") is not None:
+    for e in _of_kind(events, EvalEvent):
+        if isinstance(e.get("losses"), dict) and e.get("stage") is not None:
             evals[str(e["stage"])] = {str(k): float(v) for k, v in e["losses"].items() if isinstance(v, (int, float))}
     for s in summary.get("stages") or []:
         if isinstance(s, dict) and s.get("name") and isinstance(s.get("eval"), dict) and s["eval"]:
@@ -309,9 +305,10 @@ def _stage_results(events: list[dict[str, Any]], summary: dict[str, Any]) -> tup
     for e in events:
         if e.get("stage") is None:
             continue
-        if _event_kind(e) == "eval" and isinstance(e.get("exact_match"), dict):
+        kind = _event_kind(e)
+        if kind == EvalEvent.event_name() and isinstance(e.get("exact_match"), dict):
             exact[str(e["stage"])] = numbers(e["exact_match"], keep_none=True)
-        elif _event_kind(e) == "stage_end" and isinstance(e.get("epochs"), dict):
+        elif kind == StageEndEvent.event_name() and isinstance(e.get("epochs"), dict):
             epochs[str(e["stage"])] = numbers(e["epochs"], keep_none=False)  # type: ignore[assignment]
     for s in summary.get("stages") or []:
         if isinstance(s, dict) and s.get("name"):
@@ -420,6 +417,31 @@ def _comparison_section(doc: Document, a: RunAnalysis) -> None:
         doc.figure("predicted_measured", charts.predicted_measured_chart(
             [(f"{c.name} ({c.unit})", _scaled(c, c.predicted), _scaled(c, c.measured)) for c in a.comparisons]),
             "Predicted and measured peak memory, step time and throughput.")
+    _segments_table(doc, a)
+
+
+def _segments_table(doc: Document, a: RunAnalysis) -> None:
+    """Step time per segment (summary.json `segments`) when more than one layout or launch trained
+    the run: each layout's prediction against the steps it trained."""
+    segments = []
+    for entry in (a.data.summary or {}).get("segments") or []:
+        try:
+            segments.append(SegmentFigures.model_validate(entry))
+        except ValueError:  # another version's entry: the whole-run figures above still hold
+            continue
+    if len(segments) < 2:
+        return
+    rows = []
+    for i, seg in enumerate(segments):
+        predicted, measured = seg.predicted.get("step_s"), seg.measured.get("step_s")
+        ratio = measured / predicted if isinstance(measured, (int, float)) and predicted else None
+        rows.append([text(f"{seg.first_step}-{seg.last_step if seg.last_step is not None else '-'}"),
+                     text(seg.layout, wide=True), text(seg.why + ("" if seg.planned else " (not the plan's)")),
+                     num(seg.steps), num(predicted, f"segment:{i}:predicted:step_s"),
+                     num(measured, f"segment:{i}:measured:step_s"), num(ratio)])
+    doc.table(Table(["steps", "layout", "why", "steps trained", "predicted step (s)", "measured step (s)", "ratio"],
+                    rows, id="segments", caption="per segment: one layout in one launch; measured: the median "
+                                                 "step after 2 warm-up steps"))
 
 
 def _stages_section(doc: Document, a: RunAnalysis) -> None:
@@ -470,7 +492,7 @@ def _spikes_section(doc: Document, a: RunAnalysis) -> None:
     rows = []
     for e in (e for e in a.data.events if e in a.spikes or e in a.rollbacks):  # in the order they happened
         kind = _event_kind(e)
-        detail = (str(e.get("reason") or "") if kind == "spike" else
+        detail = (str(e.get("reason") or "") if kind == SpikeEvent.event_name() else
                   f"to {e.get('to', '?')}" + (f", skipped data {e['skipped']}" if e.get("skipped") else "")
                   + (f", lr x {e['lr_scale']:g}" if isinstance(e.get("lr_scale"), (int, float)) else ""))
         rows.append([text(kind), num(e.get("step")), text(str(e.get("stage") or "-")),
@@ -583,7 +605,7 @@ def _plan_section(doc: Document, data: RunData) -> None:
             doc.p("No plan.yaml in the run dir.", id="plan")
         return
     est = plan.chosen.estimate
-    doc.table(Table(["", "plan.yaml"], [
+    doc.table(Table(["", PLAN_FILE], [
         [text("model"), text(f"{plan.model.name} ({_count(est.model.params)} parameters, "
                              f"{_count(est.model.trainable_params)} trainable)", wrap=True)],
         [text("hardware"), text(f"{plan.nodes} x {plan.gpus_per_node} {plan.hardware.name} "

@@ -712,6 +712,18 @@ def read_user_yaml(path: Path, what: str) -> Any:
     return parse_user_yaml(text, what)
 
 
+
+def read_user_mapping(path: Path, what: str) -> dict[str, Any]:
+    """A user's YAML file that must hold a mapping (a plan, a task): one line for a missing file or
+    any other top level."""
+    try:
+        data = read_user_yaml(path, f"{what} {path}")
+    except FileNotFoundError:
+        raise UsageError(f"{what} not found: {path}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{what} {path}: expected a mapping")
+    return data
+
 # ------------------------------------------------------------------------------------------------
 # estimate results (the JSON contract of `advisor estimate`, see docs/architecture.md)
 

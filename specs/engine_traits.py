@@ -67,6 +67,14 @@ class EngineTraits:
     gathers_after_step: bool = False
     # the dtype gradients are reduced in across replicas; None: the gradients' own
     reduce_dtype: str | None = None
+    # FSDP's prefetch: each unit's all-gather runs on its own stream ahead of the compute that needs it
+    # (the next unit's while this one computes; in backward the previous unit's reduce-scatter too),
+    # so a step's data-parallel collectives hide behind its compute but for one unit's per micro-batch
+    # (Zhao et al. 2023, "PyTorch FSDP", section 3.3 on prefetching; fms-fsdp's README: "FSDP with
+    # overlap in computation and communication"). Declared for the published FSDP runs; not for our
+    # engines, whose overlap on a GPU has not been measured (declared on FSDP2 it priced Llama 3 70B on
+    # 2048 H100s 19% below Meta's GPU-hours: tests/test_capacity_engine.py bounds it at 15%)
+    prefetches_units: bool = False
     # -- kernels -----------------------------------------------------------------------------------
     # each op launched from Python (an eager step: the host floor applies); Megatron-LM 2021's fused
     # layer, tensor-parallel collectives and optimizer are counted kernel by kernel instead
@@ -99,7 +107,7 @@ TRAITS: dict[str, EngineTraits] = {
     "pipeline": EngineTraits("pipeline", "pipeline", shards_replicas=True, vocab_parallel=False, clip_passes=5,
                              pipeline_schedule=True, accelerate_type=None, dtensor=True),
     MEGATRON: EngineTraits(MEGATRON, MEGATRON, persistent_gradients=True, eager=False, accelerate_type=None),
-    FSDP_BF16: EngineTraits(**{**_FSDP2.__dict__, "name": FSDP_BF16, "reduce_dtype": "bf16"}),
+    FSDP_BF16: EngineTraits(**{**_FSDP2.__dict__, "name": FSDP_BF16, "reduce_dtype": "bf16", "prefetches_units": True}),
     PURE16_PLAIN: EngineTraits(**{**_PLAIN.__dict__, "name": PURE16_PLAIN, "tf32": False}),
 }
 

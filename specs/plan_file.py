@@ -11,8 +11,8 @@ from pydantic import BaseModel, Field
 
 from specs.errors import UsageError
 from specs.core import (MAX_DEGREE, MAX_DEVICES_PER_NODE, MAX_NODES, MAX_STEPS, MAX_TOKENS, MIN_COMPUTE_FRACTION,
-                           SPEC_CONFIG, Estimate, FiniteDict, HardwareSpec, Layout, ModelSpec, read_user_yaml,
-                           refuse_non_finite, validate)
+                        SPEC_CONFIG, Estimate, FiniteDict, HardwareSpec, Layout, ModelSpec, read_user_mapping,
+                        refuse_non_finite, validate)
 from specs.task import StageName, TaskSpec
 
 PLAN_VERSION = 1
@@ -150,12 +150,7 @@ def segment_of(plan: Plan, stage: int) -> Segment:
 
 def load_plan(path: str | Path) -> Plan:
     path = Path(path)
-    try:
-        data = read_user_yaml(path, f"plan file {path}")
-    except FileNotFoundError:
-        raise UsageError(f"plan file not found: {path}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"plan file {path}: expected a mapping")
+    data = read_user_mapping(path, "plan file")
     if data.get("version") != PLAN_VERSION:
         raise UsageError(f"plan file {path}: version {data.get('version')} is not {PLAN_VERSION}; plan again")
     plan = validate(Plan, data, f"plan file {path}")

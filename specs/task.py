@@ -15,9 +15,8 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
-from specs.errors import UsageError
 from specs.core import (MAX_BATCH, MAX_DEGREE, MAX_SEQ, MAX_STEPS, MAX_TOKENS, SPEC_CONFIG, Method,
-                           read_user_yaml, validate)
+                        read_user_mapping, validate)
 
 MAX_TEXT = 10**12  # characters or tokens of one document
 MAX_ROWS = 10**12  # rows of one source
@@ -346,11 +345,6 @@ class TaskSpec(BaseModel):
 def read_task_file(path: Path) -> TaskSpec:
     """Read and validate a task YAML; relative data paths start at its folder unless it says otherwise.
     (`presets.load_task` also resolves task preset names.)"""
-    try:
-        data = read_user_yaml(path, f"task file {path}")
-    except FileNotFoundError:
-        raise UsageError(f"task file not found: {path}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"task file {path}: expected a mapping")
+    data = read_user_mapping(path, "task file")
     data.setdefault("base_dir", str(path.resolve().parent))
     return validate(TaskSpec, data, f"task file {path}")

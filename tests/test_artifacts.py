@@ -387,10 +387,10 @@ def _replanned(plan_path: Path, out: Path, layout_fields: dict) -> Path:
 
 def _resumed_run(plan: Path, run: Path, base_dir: Path | None):
     """The loop's run object after it restored the newest checkpoint (nothing trained yet)."""
-    from trainer.loop import _Run
+    from trainer.loop import Run
 
     weights = str(base_dir) if base_dir else None
-    resumed = _Run(load_plan(plan), run, TrainOptions(show_progress=False, weights=weights))
+    resumed = Run(load_plan(plan), run, TrainOptions(show_progress=False, weights=weights))
     resumed.restore_or_start(True)
     return resumed
 

@@ -81,6 +81,7 @@ def test_a_prepare_killed_midway_resumes_to_the_uninterrupted_output(tmp_path: P
     assert len(work) == 1
     finished = len(list((work[0] / "datatrove" / "completions").iterdir()))
     assert KILL_AFTER <= finished < 16  # killed before the next part: never all of them
+    check_partial_stats(out, work[0], finished)
 
     env.pop("ADVISOR_PREPARE_KILL_AFTER_PARTS")
     again = run_command(prepare_command(task, out), env, tmp_path / "again.log")
@@ -91,10 +92,36 @@ def test_a_prepare_killed_midway_resumes_to_the_uninterrupted_output(tmp_path: P
     assert not list(tmp_path.glob(".resumed.scan-*"))
 
 
+def check_partial_stats(out: Path, work: Path, finished: int) -> None:
+    """`advisor data stats` on the killed prepare (its output folder, its work folder or the folder it
+    was writing aside) reports the parts finished of 16 and their rows (every part is 30 rows)."""
+    (aside,) = out.parent.glob(f".{out.name}.tmp-*")
+    for where in (out, work, aside):
+        result = CliRunner().invoke(app, ["data", "stats", str(where), "--json"])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.output)
+        assert report["partial"] is True and report["phase"] == "scanning" and report["work"] == str(work)
+        assert report["parts"] == {"done": finished, "total": 16}
+        assert report["rows_scanned"] == finished * ROWS_PER_PART and report["rows_total"] == 480
+        assert [s["parts"] for s in report["sources"]] == [8, 8]
+        assert sum(s["rows_scanned"] for s in report["sources"]) == finished * ROWS_PER_PART
+        assert report["kept"] is None and report["dropped"] is None  # judged only once the scan is whole
+    table = CliRunner().invoke(app, ["data", "stats", str(out)])
+    assert table.exit_code == 0 and "PARTIAL" in table.output and f"{finished}/16" in table.output, table.output
+
+
+def test_stats_of_a_folder_that_is_neither_prepared_nor_partial_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / ".other.scan-0123abcd").mkdir()  # another output's work folder is not this one's
+    result = CliRunner().invoke(app, ["data", "stats", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "no manifest.json" in lines[0] and "nor is a prepare" in lines[0], result.output
+
+
 def test_executor_and_workers_flags_are_checked_in_one_line(tmp_path: Path) -> None:
     task = write_corpus(tmp_path)
     runner = CliRunner()
-    for flags, message in ((["--executor", "ray"], "not yet"),
+    for flags, message in ((["--ray-address", "auto"], "--ray-address goes with --executor ray"),
                            (["--executor", "dask"], "unknown"), (["--workers", "0"], "--workers 0")):
         result = runner.invoke(app, ["data", "prepare", "--task", str(task), "--out", str(tmp_path / "o"), *flags])
         assert result.exit_code == 2, (flags, result.output)

@@ -5,6 +5,7 @@ write what a local prepare writes."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -81,8 +82,55 @@ def test_slurm_dry_run_writes_an_array_whose_tasks_and_finish_match_a_local_prep
     assert comparable_manifest(out) == comparable_manifest(local)
 
 
+FAKE_SBATCH = """#!/bin/bash
+# records its arguments, one call a line; prints a job id as `sbatch --parsable` does (id;cluster)
+if [ -n "$FAKE_SBATCH_REFUSE" ]; then echo "sbatch: error: $FAKE_SBATCH_REFUSE" >&2; exit 1; fi
+echo "$*" >> "$FAKE_SBATCH_LOG"
+echo "$((4240 + $(wc -l < "$FAKE_SBATCH_LOG")));cluster-a"
+"""
+
+
+def test_slurm_without_dry_run_submits_the_array_then_the_finish_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    task = write_corpus(tmp_path)
+    bin_dir, log = tmp_path / "bin", tmp_path / "sbatch.log"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SBATCH_LOG", str(log))
+    command = ["data", "prepare", "--task", str(task), "--out", str(tmp_path / "out"), "--executor", "slurm",
+               "--partition", "cpu", "--rows-per-part", "240"]
+
+    monkeypatch.setenv("FAKE_SBATCH_REFUSE", "invalid partition specified: cpu")
+    refused = CliRunner().invoke(app, command)
+    assert refused.exit_code == 2, refused.output
+    lines = refused.output.strip().splitlines()
+    assert len(lines) == 1 and "sbatch refused the prepare's job: sbatch: error: invalid partition" in lines[0]
+    assert not log.exists()
+
+    monkeypatch.delenv("FAKE_SBATCH_REFUSE")
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    (work,) = tmp_path.glob(".out.scan-*")
+    calls = log.read_text().splitlines()
+    assert calls == [f"--parsable --export=ALL,RUN_OFFSET=0 {work}/datatrove/launch_script.slurm",
+                     f"--parsable --dependency=afterok:4241 {work}/finish.slurm"]
+    assert "submitted the scan as job 4241, then the finishing job 4242" in " ".join(result.output.split())
+
+
+def test_slurm_without_sbatch_says_so_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    task = write_corpus(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+    result = CliRunner().invoke(app, ["data", "prepare", "--task", str(task), "--out", str(tmp_path / "o"),
+                                      "--executor", "slurm", "--partition", "cpu"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "sbatch is not on PATH" in lines[0] and "--dry-run writes" in lines[0], result.output
+    assert not list(tmp_path.glob(".o.*")), "nothing written"
+
+
 @pytest.mark.parametrize("flags, message", [
-    (["--executor", "slurm", "--partition", "cpu"], "--dry-run writes"),
     (["--executor", "slurm", "--dry-run"], "needs --partition"),
     (["--dry-run"], "goes with --executor slurm"),
     (["--executor", "slurm", "--dry-run", "--partition", "cpu", "--time", "soon"], "--time 'soon'"),

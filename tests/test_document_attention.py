@@ -9,8 +9,8 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from profiler.op_watch import op_watch
 from specs.capabilities import DOCUMENT_ATTENTION, attention_implementation
 from trainer import attention
 from trainer.attention import document_bounds, register_document_attention
@@ -63,19 +63,17 @@ def test_document_kernel_equals_sdpa_under_the_document_mask(documents: int) -> 
         torch.testing.assert_close(grad, reference, rtol=0, atol=1e-5)
 
 
-class _LargestTensor(TorchDispatchMode):
+class _LargestTensor(op_watch()):
     """The most elements of any tensor an op makes (forward and backward)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.largest = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def see(self, func, args, kwargs, out) -> None:
         for tensor in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(tensor, torch.Tensor):
                 self.largest = max(self.largest, tensor.numel())
-        return out
 
 
 def _peak_and_largest(impl: str, ids: torch.Tensor, positions: torch.Tensor) -> tuple[float, int]:

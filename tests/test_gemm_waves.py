@@ -1,5 +1,5 @@
 """Tile and wave quantization of GEMMs (planner.compute_time.wave_efficiency) against hand counts of
-256x128 tiles over the A100's 108 SMs, and the Megatron-2021 engine's element-wise traffic."""
+256x128 tiles over the A100's 108 SMs (the H100's 132), and the Megatron-2021 engine's element-wise traffic."""
 
 from __future__ import annotations
 
@@ -27,6 +27,17 @@ def test_a_gemm_takes_whole_waves_of_tiles() -> None:
     assert wave_efficiency(300, 128, A100) == pytest.approx(300 * 128 / (256 * 128) / 108)
     # the kernel takes the better orientation: 128 x 2560 is 10 tiles of 128x256, not 20 of 256x128 padded
     assert wave_efficiency(128, 2560, A100) == pytest.approx(10 / 108)
+
+
+def test_an_h100_wave_is_its_132_sms_of_256x128_tiles() -> None:
+    """The H100 SXM5 whitepaper's 132 SMs: a wave is 132 tiles there, not the A100's 108."""
+    h100 = load_hardware("h100-80g")
+    assert (h100.sm_count, h100.gemm_tile) == (132, (256, 128))
+    # mpt-7b's output projection at mbs 6 (12288 tokens x 4096): 48 x 32 = 1536 tiles = 11.6 waves -> 12
+    assert wave_efficiency(12288, 4096, h100) == pytest.approx(1536 / (12 * 132))
+    # 264 tiles (8 x 33 of 256x128: 2048 x 4224) are 2 waves exactly on H100, 2.4 -> 3 on A100
+    assert wave_efficiency(2048, 4224, h100) == pytest.approx(1.0)
+    assert wave_efficiency(2048, 4224, A100) == pytest.approx(264 / 324)
 
 
 def test_cpus_and_measured_profiles_have_no_waves() -> None:

@@ -9,7 +9,8 @@ import weakref
 import pytest
 import torch
 
-import trainer.loop as loop
+import trainer.evaluator as evaluator
+import trainer.recovery as recovery
 from specs.capabilities import config_shape, runnable_problem
 from specs.plan_file import load_plan
 from specs.core import Layout, ModelSpec
@@ -46,7 +47,7 @@ def test_oom_rebuilds_after_the_failed_steps_tensors_are_freed_onto_a_runnable_l
     activations: list[weakref.ref] = []  # the failed step's big tensor, watched without holding it
     builds: list[tuple[Layout, list[bool]]] = []  # each engine build: its layout, and which watched tensors were dead
     evaluated_mbs: list[int] = []
-    real_build, real_evaluate = loop.build_engine, loop._evaluate
+    real_build, real_evaluate = recovery.build_engine, evaluator.evaluate_sources
 
     def build(model, layout, *args, **kwargs):
         builds.append((layout, [ref() is None for ref in activations]))
@@ -64,8 +65,8 @@ def test_oom_rebuilds_after_the_failed_steps_tensors_are_freed_onto_a_runnable_l
         evaluated_mbs.append(mbs)
         return real_evaluate(model, sources, count, mbs, dev)
 
-    monkeypatch.setattr(loop, "build_engine", build)
-    monkeypatch.setattr(loop, "_evaluate", evaluate)
+    monkeypatch.setattr(recovery, "build_engine", build)
+    monkeypatch.setattr(evaluator, "evaluate_sources", evaluate)
     summary = train(plan, tmp_path / "run", resume=False, options=QUIET)
 
     assert len(activations) == 1 and len(builds) == 2
@@ -88,7 +89,7 @@ def test_evaluation_runs_in_micro_batches_and_equals_one_batch() -> None:
     batch_sizes = []
     hook = model.register_forward_pre_hook(lambda _, args, kwargs: batch_sizes.append(len(kwargs["input_ids"])),
                                            with_kwargs=True)
-    losses = loop._evaluate(model, [Source("skill", sequences, 1.0)], 16, layout.mbs, torch.device("cpu"))
+    losses = evaluator.evaluate_sources(model, [Source("skill", sequences, 1.0)], 16, layout.mbs, torch.device("cpu"))
     hook.remove()
     assert batch_sizes == [2, 2, 1]
     whole = torch.from_numpy(sequences)

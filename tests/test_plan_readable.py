@@ -55,7 +55,7 @@ def test_presets_no_run_checked_say_so_and_a_profile_says_nothing() -> None:
                for n in on_preset.notes)
     checked = make_plan(PlanOptions(model=model, hardware=load_hardware("h100-80g"), gpus_per_node=8))
     note = next(n for n in checked.notes if "h100-80g preset" in n)
-    assert "15 published training runs" in note and "off by 15% at the median and +30% at worst" in note
+    assert "15 published training runs" in note and "off by 10% at the median and +32% at worst" in note
     profiled = load_hardware("h100-80g").model_copy(update={"source": "/tmp/profile.json"})
     assert not [n for n in make_plan(PlanOptions(model=model, hardware=profiled, gpus_per_node=8)).notes
                 if "preset" in n]

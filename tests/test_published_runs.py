@@ -36,13 +36,27 @@ def test_every_megatron_lm_row_is_within_15_percent() -> None:
     assert all(abs(p.error) <= THROUGHPUT_BOUND for p in rows), [f"{p.row.name} {p.error:+.1%}" for p in rows]
 
 
-@pytest.mark.xfail(strict=True, reason="65% of rows within 15% (goal 90%): the FSDP rows are priced too slow on "
-                   "many nodes (half of their data-parallel traffic exposed, where FSDP prefetches it behind the "
-                   "compute) and h100-80g prices one H100 node 15-32% faster than llm-foundry measured; fixing "
-                   "both in the presets (88%) moved Llama 3 70B's GPU-hours 21% below Meta's, so neither landed")
+@pytest.mark.xfail(strict=True, reason="78% of rows within 15% (goal 90%): torchtitan's six 64-A100 rows are "
+                   "priced 27-58% slow (their FSDP2 traffic at the a100-80g preset's 200 Gb/s per GPU outlasts the "
+                   "step they measured; our FSDP2 keeps the preset's half overlap, see EngineTraits.prefetches_units) "
+                   "and six llm-foundry H100 rows 18-32% fast, the more the smaller the model "
+                   "(docs/benchmarks.md, published_bench)")
 def test_90_percent_of_rows_are_within_15_percent() -> None:
     errors = [abs(p.error) for p in _priced() if p.error is not None]
     assert sum(e <= THROUGHPUT_BOUND for e in errors) >= SHARE_WITHIN * len(errors)
+
+
+def test_every_fms_fsdp_row_is_within_15_percent() -> None:
+    """IBM's runs state their overlap of computation and communication (EngineTraits.prefetches_units)."""
+    rows = [p for p in _priced() if p.row.source == "fmsfsdp"]
+    assert len(rows) == 6
+    assert all(abs(p.error) <= THROUGHPUT_BOUND for p in rows), [f"{p.row.name} {p.error:+.1%}" for p in rows]
+
+
+def test_every_multi_node_llm_foundry_a100_row_is_within_15_percent() -> None:
+    rows = [p for p in _priced() if p.row.source == "llmfoundry" and p.row.gpu.startswith("a100") and p.row.gpus > 8]
+    assert len(rows) == 6
+    assert all(abs(p.error) <= THROUGHPUT_BOUND for p in rows), [f"{p.row.name} {p.error:+.1%}" for p in rows]
 
 
 def test_the_fsdp_engine_reduces_gradients_in_bf16_where_ours_reduces_in_fp32() -> None:
@@ -59,3 +73,55 @@ def test_the_fsdp_engine_reduces_gradients_in_bf16_where_ours_reduces_in_fp32() 
     ours = estimate(model, hardware, layout, engine="fsdp2").time.dp_comm_s
     theirs = estimate(model, hardware, layout, engine=FSDP_BF16).time.dp_comm_s
     assert theirs / ours == pytest.approx(0.75, rel=0.01)
+
+
+def _dp_priced(hardware_name: str, layout_text: dict, engine: str):
+    from specs.core import Layout
+    from planner.cost_model import estimate
+    from presets import load_hardware, load_model
+
+    layout = Layout(**layout_text)
+    return estimate(load_model("llama2-7b"), load_hardware(hardware_name), layout, engine=engine), layout
+
+
+@pytest.mark.parametrize("seq, mbs", [(4096, 2), (256, 1)])  # compute-bound, then communication-bound
+def test_published_fsdp_hides_its_collectives_but_one_unit_per_micro_batch(seq: int, mbs: int) -> None:
+    """FSDP's prefetch (EngineTraits.prefetches_units): each unit's all-gather runs while the unit before
+    it computes, so of a step's data-parallel traffic only the first of its 33 units (32 layers and
+    the root) waits, unless the traffic outlasts the compute; our FSDP2 keeps the preset's half."""
+    from specs.engine_traits import FSDP_BF16
+
+    spec = dict(dp=64, zero=3, mbs=mbs, gas=1, recompute="full", seq=seq)
+    theirs, layout = _dp_priced("a100-80g", spec, FSDP_BF16)
+    comm, compute = theirs.time.dp_comm_s, theirs.time.compute_s
+    assert theirs.time.comm_exposed_s == pytest.approx(max(comm / 33, comm - compute))
+    assert (comm < compute) == (seq == 4096)
+    ours, _ = _dp_priced("a100-80g", spec, "fsdp2")
+    assert ours.time.comm_exposed_s == pytest.approx(max(ours.time.dp_comm_s / 2, ours.time.dp_comm_s
+                                                         - ours.time.compute_s))
+
+
+def test_prefetch_hides_nothing_where_collectives_share_the_cores() -> None:
+    """The CPU preset's comm_overlap 0 (gloo runs on the cores the compute runs on): nothing hides."""
+    from specs.engine_traits import FSDP_BF16
+
+    est, _ = _dp_priced("cpu", dict(dp=2, zero=3, mbs=1, gas=1, seq=128), FSDP_BF16)
+    assert est.time.dp_comm_s > 0
+    assert est.time.comm_exposed_s == pytest.approx(est.time.dp_comm_s)
+
+
+def test_h100_prices_flash_attention_at_35_percent_of_peak() -> None:
+    """FlashAttention-2 reaches 35% of an H100's dense peak (Shah et al. 2024, FlashAttention-3,
+    abstract): the attention FLOPs of a micro-batch (4 s^2 h per layer forward, twice that backward)
+    cost 1/0.35 of the peak's time, where the preset without its curve prices them at the GEMMs' 0.7."""
+    from specs.core import Layout
+    from planner.cost_model import estimate
+    from presets import load_hardware, load_model
+
+    h100, model = load_hardware("h100-80g"), load_model("llama2-7b")
+    layout = Layout(dp=8, zero=3, mbs=1, gas=1, recompute="none", seq=4096)
+    with_curve = estimate(model, h100, layout, engine="fsdp2").time.compute_s
+    without = estimate(model, h100.model_copy(update={"attention": None}), layout, engine="fsdp2").time.compute_s
+    flops = 3 * 32 * 4 * 4096**2 * 4096  # layers x (forward + backward) x 4 s^2 h
+    peak = h100.peak_flops("bf16")
+    assert with_curve - without == pytest.approx(flops / (0.35 * peak) - flops / (0.7 * peak), rel=1e-6)

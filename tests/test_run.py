@@ -21,7 +21,8 @@ from presets import load_hardware, load_model
 from planner.feedback import (feed_back, observation, predict_step, refit, refit_checked,
                                relative_errors, rms, with_efficiency)
 from specs.profile import Feedback, HardwareProfile, HostFingerprint, Inventory, load_profile
-from trainer.verify import Trial, Verification, apply, choose, verify
+from specs.run_dir import EVENTS_FILE, VERIFY_FILE, JsonLines
+from trainer.verify import Trial, Verification, apply, choose, verify, write_verification
 
 from test_trainer import make_plan_file  # the tiny model's plan file, shared with the trainer's tests
 
@@ -161,6 +162,26 @@ def test_verification_trains_the_fastest_measured_beyond_the_noise_margin() -> N
     noisy = [_trial(1, 2.2), _trial(2, 2.0)]
     noisy[0].steps_s, noisy[1].steps_s = [9.0, 9.0, 2.0, 2.6], [9.0, 9.0, 2.0, 2.0]
     assert choose(noisy)[0] == 1
+
+
+def test_a_trial_is_written_whole_and_its_ints_stay_ints(tmp_path) -> None:
+    """verify.json lists every field of a trial, the unfilled ones too, then its step error; its
+    events.jsonl line carries the same fields after `event` (Trial is the typed VerifyEvent)."""
+    fields = ["rank", "layout", "predicted_step_s", "predicted_tokens_per_s", "predicted_peak_bytes", "harness",
+              "threads", "steps", "measured_step_s", "measured_tokens_per_s", "steps_s", "peak_bytes",
+              "peak_source", "seconds", "error"]
+    trial = Trial(rank=2, layout="tp=2", predicted_step_s=3, predicted_tokens_per_s=4096.0, predicted_peak_bytes=7)
+    trial.measured_step_s = 2
+    write_verification(tmp_path, Verification(trials=[trial], chosen_rank=1, seconds=1.0, steps=4, reason="r"))
+    written = json.loads((tmp_path / VERIFY_FILE).read_text())["trials"][0]
+    assert list(written) == fields + ["step_error"]
+    assert written["step_error"] == 0.5  # 3 s predicted / 2 s measured - 1
+    JsonLines(tmp_path / EVENTS_FILE).write(trial)
+    line = (tmp_path / EVENTS_FILE).read_text()
+    assert line.startswith('{"event": "verify", "rank": 2, "layout": "tp=2", "predicted_step_s": 3, '
+                           '"predicted_tokens_per_s": 4096.0, "predicted_peak_bytes": 7, "harness": "", ')
+    assert list(json.loads(line)) == ["event", *fields]
+    assert '"measured_step_s": 2, "measured_tokens_per_s": null' in line
 
 
 def test_a_verified_candidate_becomes_the_plan_with_its_stages_resized() -> None:

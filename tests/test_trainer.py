@@ -137,10 +137,10 @@ def test_poisoned_batch_rolls_back_skips_and_finishes(tmp_path, monkeypatch) -> 
 
 
 def test_summary_says_nan_when_a_step_had_a_non_finite_loss(tmp_path, monkeypatch) -> None:
-    import trainer.loop as loop
+    import trainer.stage_runner as stage_runner
 
     plan = load_plan(make_plan_file(tmp_path, steps=4))
-    all_reduce, calls = loop._sum_across_ranks, []
+    all_reduce, calls = stage_runner.sum_across_ranks, []
 
     def nan_loss_at_step_3(values):  # the step's loss as the loop sees it, after the all-reduce
         summed = all_reduce(values)
@@ -149,7 +149,7 @@ def test_summary_says_nan_when_a_step_had_a_non_finite_loss(tmp_path, monkeypatc
         calls.append(values)
         return [float("nan"), *summed[1:]] if len(calls) == 3 else summed
 
-    monkeypatch.setattr(loop, "_sum_across_ranks", nan_loss_at_step_3)
+    monkeypatch.setattr(stage_runner, "sum_across_ranks", nan_loss_at_step_3)
     summary = train(plan, tmp_path / "run", resume=False, options=TrainOptions(show_progress=False))
     assert summary["finished"] and summary["rollbacks"] == 1  # the guard rolled the step back
     assert all(m["loss"] == m["loss"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl"))

@@ -161,7 +161,7 @@ def test_prepared_shards_train_in_length_buckets_and_report_the_padding_saved(tm
 
 
 def test_prepared_shards_resume_exactly(tmp_path, monkeypatch) -> None:
-    import trainer.loop as loop
+    from trainer.spike import SpikeGuard
 
     plan_path, folder = prepared_plan(tmp_path, steps=4, checkpoint_every=2)
     plan = load_plan(plan_path)
@@ -169,7 +169,7 @@ def test_prepared_shards_resume_exactly(tmp_path, monkeypatch) -> None:
     train(plan, tmp_path / "whole", resume=False, options=options)
 
     calls = {"n": 0}
-    original = loop.SpikeGuard.check
+    original = SpikeGuard.check
 
     def crash_at_step_6(self, loss, grad_norm):
         calls["n"] += 1
@@ -177,10 +177,10 @@ def test_prepared_shards_resume_exactly(tmp_path, monkeypatch) -> None:
             raise KeyboardInterrupt  # the process dies between checkpoints (step 4 is the last)
         return original(self, loss, grad_norm)
 
-    monkeypatch.setattr(loop.SpikeGuard, "check", crash_at_step_6)
+    monkeypatch.setattr(SpikeGuard, "check", crash_at_step_6)
     with pytest.raises(KeyboardInterrupt):
         train(plan, tmp_path / "cut", resume=False, options=options)
-    monkeypatch.setattr(loop.SpikeGuard, "check", original)
+    monkeypatch.setattr(SpikeGuard, "check", original)
     train(plan, tmp_path / "cut", resume=True, options=options)
     whole = read_jsonl(tmp_path / "whole" / "metrics.jsonl")
     cut = read_jsonl(tmp_path / "cut" / "metrics.jsonl")

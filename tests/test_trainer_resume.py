@@ -26,6 +26,7 @@ from profiler.tensor_memory import load_counter
 from trainer import checkpoint
 from trainer.loop import TrainOptions, train
 from trainer.run_identity import RUN_FILE
+from trainer.stage_runner import StageRunner
 
 QUIET = TrainOptions(show_progress=False)
 
@@ -35,14 +36,14 @@ class Crash(Exception):
 
 
 def crash_after(monkeypatch, step: int) -> None:
-    original = loop._Run.record
+    original = StageRunner.record
 
     def record(self, stage, taken):
         original(self, stage, taken)
         if self.state.global_step == step:
             raise Crash
 
-    monkeypatch.setattr(loop._Run, "record", record)
+    monkeypatch.setattr(StageRunner, "record", record)
 
 
 def crashed_at_step_5(tmp_path: Path, monkeypatch):
@@ -247,7 +248,7 @@ def _mtime(path: Path) -> float:
 def poison(monkeypatch, stage: int, position: int, corrupt_weights: bool = False) -> None:
     """The batch at `position` of `stage` is bad: its loss is NaN, or (`corrupt_weights`) it passes
     the guard but leaves NaN weights, so the spike shows at the next step, after a checkpoint."""
-    original = loop._Run.take_step
+    original = StageRunner.take_step
 
     def take_step(self, taken):
         step = original(self, taken)
@@ -255,11 +256,11 @@ def poison(monkeypatch, stage: int, position: int, corrupt_weights: bool = False
             if not corrupt_weights:
                 return dataclasses.replace(step, loss=float("nan"))
             with torch.no_grad():
-                for parameter in self.engine.model.parameters():
+                for parameter in self.recovery.engine.model.parameters():
                     parameter.fill_(float("nan"))
         return step
 
-    monkeypatch.setattr(loop._Run, "take_step", take_step)
+    monkeypatch.setattr(StageRunner, "take_step", take_step)
 
 
 def test_a_poisoned_batch_right_after_a_stage_start_rolls_back_once_and_finishes(tmp_path, monkeypatch) -> None:
@@ -324,9 +325,9 @@ def test_the_rollback_budget_counts_every_rollback_of_the_run_across_resumes(tmp
     plan, run = load_plan(make_plan_file(tmp_path, steps=4)), tmp_path / "run"
     per_step = plan.chosen.layout.global_batch
     poison(monkeypatch, stage=0, position=1 * per_step)
-    original = loop._Run.take_step
+    original = StageRunner.take_step
     poison(monkeypatch, stage=0, position=2 * per_step)  # the batch after the skipped one is bad too
-    assert loop._Run.take_step is not original
+    assert StageRunner.take_step is not original
     one = TrainOptions(show_progress=False, max_rollbacks=1)
     with pytest.raises(RuntimeError, match="after 1 rollbacks"):
         train(plan, run, resume=False, options=one)
@@ -358,12 +359,12 @@ def test_the_process_group_gets_the_timeout_flag(tmp_path, monkeypatch) -> None:
 FAIL_RANK_ONE = '''
 import os
 if os.environ.get("RANK") == "1" and "TORCHELASTIC_RUN_ID" in os.environ:  # the worker of global rank 1
-    import trainer.loop as loop
-    record = loop._Run.record
+    from trainer.stage_runner import StageRunner
+    record = StageRunner.record
     def fail_after_step_one(self, stage, step):
         record(self, stage, step)
         raise RuntimeError("injected failure on rank 1")
-    loop._Run.record = fail_after_step_one
+    StageRunner.record = fail_after_step_one
 '''
 
 

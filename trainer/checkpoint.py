@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from specs.run_dir import CHECKPOINT_STATE_FILE
 from trainer import seal
 
 PREFIX = "step-"
@@ -75,7 +76,7 @@ def good_checkpoints(root: Path, below: int | None = None, wanted: int = 1) -> t
         path = root / name
         if len(good) >= wanted:
             break
-        if below is not None and _step(path) >= below:
+        if below is not None and step_of(path) >= below:
             continue
         reason = problem(path)
         if reason is None:
@@ -91,8 +92,19 @@ def latest(root: Path) -> Path | None:
     return good[0] if good else None
 
 
-def _step(path: Path) -> int:
+def step_of(path: Path) -> int:
+    """The global step a checkpoint folder holds (from its name)."""
     return int(path.name[len(PREFIX):])
+
+
+def stage_of(path: Path) -> int:
+    """The stage a checkpoint resumes into (a stage-end checkpoint: the next stage, at its start)."""
+    return int(json.loads((path / CHECKPOINT_STATE_FILE).read_text())["stage"])
+
+
+def saved_layout_record(path: Path) -> dict[str, Any] | None:
+    """The layout an OOM fallback had switched to when `path` was written (None: the plan's)."""
+    return json.loads((path / CHECKPOINT_STATE_FILE).read_text()).get("layout")
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -146,7 +158,7 @@ def save(root: Path, global_step: int, trainer_state: dict[str, Any], save_engin
     seal.pause()
     torch.save(_rng_state(), tmp / f"rng-{rank}.pt")
     if rank == 0:
-        (tmp / "trainer.json").write_text(json.dumps(trainer_state))
+        (tmp / CHECKPOINT_STATE_FILE).write_text(json.dumps(trainer_state))
     seal.long_barrier()  # every rank's writes are done before any lists its own
     seal.seal(tmp, global_step)
     if rank == 0:
@@ -170,7 +182,7 @@ def discard_after(root: Path, step: int) -> list[str]:
     removed = []
     if _rank() == 0:
         for path in _step_folders(root):
-            if _step(path) > step:
+            if step_of(path) > step:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path.name)
     seal.long_barrier()
@@ -185,7 +197,7 @@ def load(path: Path, load_engine: Callable[[Path], None]) -> dict[str, Any]:
         torch.set_rng_state(state["cpu"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
-    return json.loads((path / "trainer.json").read_text())
+    return json.loads((path / CHECKPOINT_STATE_FILE).read_text())
 
 
 def _flat_options() -> Any:

@@ -32,10 +32,11 @@ import torch.distributed as dist
 
 from specs.remote_code import save_model_code
 from specs.core import ModelSpec
+from specs.run_dir import MODEL_DIR
 from trainer.data.tokenizer import load_tokenizer
 
 HANDOFF_DIR = "model"
-ARTIFACT_DIR = "model"  # RUN/model/ and RUN/stages/<stage>/model/
+ARTIFACT_DIR = MODEL_DIR  # RUN/model/ and RUN/stages/<stage>/model/
 MERGED_DIR = "merged"  # LoRA with --merge: the adapters folded into full weights, inside the artifact
 GENERATION_CONFIG = "generation_config.json"
 BYTES_README = ("This model was trained on UTF-8 bytes: ids 0-255 are the bytes of the text, 256 ends a "

@@ -30,11 +30,13 @@ from specs import environment
 from specs.errors import UsageError
 from specs.plan_file import Plan, segment_of
 from specs.core import HardwareSpec
+from specs.run_dir import (CHECKPOINT_STATE_FILE, CHECKPOINTS_DIR, EVENTS_FILE, LOGS_DIR, SUMMARY_FILE, JsonLines,
+                           parse_event)
 from profiler.inventory import cpu_cores
 from profiler.ranks import free_port, init_device_and_group, slurm_topology
 from trainer import checkpoint
 from trainer.launch_file import LaunchFile, launch_file_path, write_launch_file
-from trainer.loop import JsonLines, train
+from trainer.loop import train
 from trainer.oom import pending_relaunch
 from trainer.options import WORKER_LOG_ENV, TrainOptions
 
@@ -72,8 +74,8 @@ def run(plan: Plan, out: Path, resume: bool, options: TrainOptions, nnodes: int 
 
 def _next_stage(out: Path) -> int:
     """The stage the newest checkpoint of `out` resumes into (0 without one)."""
-    newest = checkpoint.latest(out / "checkpoints")
-    return int(json.loads((newest / "trainer.json").read_text())["stage"]) if newest is not None else 0
+    newest = checkpoint.latest(out / CHECKPOINTS_DIR)
+    return int(json.loads((newest / CHECKPOINT_STATE_FILE).read_text())["stage"]) if newest is not None else 0
 
 
 def _run_segment(plan: Plan, out: Path, resume: bool, options: TrainOptions, devices: int,
@@ -101,16 +103,16 @@ def _run_segment(plan: Plan, out: Path, resume: bool, options: TrainOptions, dev
         result = _launch_ranks(LaunchFile(plan=plan, out=out, resume=resume, options=options), env, nproc, nnodes,
                                node_rank, master_addr, master_port)
         if result.returncode == 0:  # rank 0 wrote the summary (None on a node that does not share its run dir)
-            summary = out / "summary.json"
+            summary = out / SUMMARY_FILE
             if 0 < _next_stage(out) < len(plan.stages):  # a segment ended: the caller launches the next
                 return {"finished": False, "segment_end": _next_stage(out)}
             return json.loads(summary.read_text()) if summary.is_file() else None
         fallback = pending_relaunch(out, started)
         if fallback is None:
             raise UsageError(f"training processes failed (exit {result.returncode}){_worker_error(log_offset)}; "
-                             f"see {out}/events.jsonl, and the workers' output in the run's logs/")
+                             f"see {out / EVENTS_FILE}, and the workers' output in the run's {LOGS_DIR}/")
         # a rank ran out of memory and named the plan's next layout: restart every rank with it
-        JsonLines(out / "events.jsonl", node_rank == 0).write(fallback["event"])
+        JsonLines(out / EVENTS_FILE, node_rank == 0).write(parse_event(fallback["event"]))
         resume = True
 
 

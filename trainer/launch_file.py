@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specs.errors import UsageError
 from specs.plan_file import Plan
+from specs.run_dir import launch_file_name
 from trainer.options import TrainOptions
 
 LAUNCH_FILE_VERSION = 1
@@ -37,7 +38,7 @@ class LaunchFile(BaseModel):
 
 def launch_file_path(out: Path, node_rank: int = 0) -> Path:
     """This node's launch file in the run dir (nodes may share the run dir, as their locks do)."""
-    return out / ("launch.json" if node_rank == 0 else f"launch.node{node_rank}.json")
+    return out / launch_file_name(node_rank)
 
 
 def write_launch_file(path: Path, launch: LaunchFile) -> Path:

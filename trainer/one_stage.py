@@ -30,6 +30,7 @@ from typing import Callable
 
 from specs.errors import UsageError
 from specs.plan_file import Plan
+from specs.run_dir import DATA_CACHE_DIR
 from specs.task import DataPrepSpec, DataSource, StageSpec, TaskSpec
 from planner.granularity import restage
 from trainer.corpus import load_source, source_format, tokenizer_for
@@ -44,7 +45,7 @@ from trainer.fine_tune import FineTuneFlags, fine_tune_task
 FORMATS = ("jsonl", "parquet", "text", "arrow", "csv")
 TASK_FILE_TYPES = ("jsonl", "parquet", "text", "arrow")  # what a task's `file_type` can name; others are detected
 STAGE_NAME = "train"
-CACHE = "data_cache"
+CACHE = DATA_CACHE_DIR
 PREPARED_VIEW = "prepared"  # the run dir's one-stage view of an `advisor data prepare` folder  # the run dir's cache of packed sequences, which the loop reads too (trainer/loop.py)
 
 

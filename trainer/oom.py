@@ -37,9 +37,10 @@ from specs.capabilities import config_shape, runnable_problem
 from specs.errors import UsageError
 from specs.plan_file import Plan
 from specs.core import Layout
+from specs.run_dir import OOM_RELAUNCH_FILE
 
 ENV = "ADVISOR_INJECT_OOM"
-RELAUNCH = "oom_relaunch.json"  # in the run dir: the layout the launcher restarts the ranks with
+RELAUNCH = OOM_RELAUNCH_FILE  # in the run dir: the layout the launcher restarts the ranks with
 # what a fallback must keep: the processes, the parallel shape and the engine's checkpoint format
 _FIXED = ("dp", "tp", "pp", "vpp", "sp", "zero", "method", "lora_rank", "dtype", "seq", "stage_layers")
 

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 from specs.errors import UsageError
 from specs.plan_file import Plan
+from specs.run_dir import PLAN_FILE
 from specs.core import Layout
 from trainer.data.mixing import Reading
 from trainer.fine_tune import FineTuneFlags
@@ -102,5 +103,5 @@ def _one_stage(plan: Plan, request: OneStageRequest, out: Path, say: Say) -> tup
     elif sources:  # datasets of a registry or an Axolotl config
         kinds = ", ".join(f"{Path(s.path).name} ({s.format}, {s.weight:.0%})" for s in sources)
         say(f"--data {r.data}: {kinds}, {r.reading.mix}")
-    plan.write(out / "plan.yaml")
+    plan.write(out / PLAN_FILE)
     return plan, prepared

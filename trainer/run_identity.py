@@ -7,7 +7,7 @@ global batch, engine, data (raw or prepared, and the files' content), weights or
 content) would silently reuse the old data positions and schedule, or fail deep inside a state-dict
 load. The layout may change (an out-of-memory fallback, a re-plan), and so may the run's length (the
 stages' steps, tokens or epochs, --epochs, --max-steps-per-stage) where the steps already trained keep
-their learning rates (trainer/loop.py checks that).
+their learning rates (trainer/run_length.py checks that).
 
 `run.json` is also the trust boundary: checkpoints hold pickled metadata (DCP, DeepSpeed), so
 `--resume` loads them only from a directory whose `run.json` this trainer wrote, with the same
@@ -29,30 +29,32 @@ from specs import environment
 from specs.errors import UsageError
 from specs.plan_file import Plan
 from specs.core import Layout
+from specs.run_dir import (CHECKPOINTS_DIR, EVENTS_FILE, FEEDBACK_FILE, METRICS_FILE, MODEL_DIR, OOM_RELAUNCH_FILE,
+                           PLAN_FILE, REPORT_DIR, RUN_FILE, STAGES_DIR, SUMMARY_FILE, TENSORBOARD_DIR, VERIFY_DIR,
+                           VERIFY_FILE)
 from trainer.data.sources import expand_source_path, file_type_of
 from trainer.file_digests import FileDigests, combined
 from trainer.options import TrainOptions
 
-RUN_FILE = "run.json"
 WRITER = "advisor-trainer/1"  # marks a run.json this code wrote
-# What a run leaves in its directory (ARCHITECTURE.md's run-dir contract; `advisor run` adds
+# What a run leaves in its directory (specs/run_dir.py, docs/contracts.md; `advisor run` adds
 # verify/, verify.json, feedback.json and report/): moved aside together. Inputs that callers put there
 # (plan.yaml, data/, data_cache/, logs/) stay; plan.yaml is copied aside, the new run rewrites it.
-PRODUCTS = (RUN_FILE, "metrics.jsonl", "events.jsonl", "summary.json", "checkpoints", "tensorboard", "model",
-            "stages", "oom_relaunch.json", "verify", "verify.json", "feedback.json", "report")
+PRODUCTS = (RUN_FILE, METRICS_FILE, EVENTS_FILE, SUMMARY_FILE, CHECKPOINTS_DIR, TENSORBOARD_DIR, MODEL_DIR,
+            STAGES_DIR, OOM_RELAUNCH_FILE, VERIFY_DIR, VERIFY_FILE, FEEDBACK_FILE, REPORT_DIR)
 # What training writes over, appends to or prunes in its directory: found there without a run (a
 # model/ copied in by hand, a run dir of another tool), each is moved aside, never replaced.
-IN_THE_WAY = ("model", "stages", "checkpoints", "summary.json", "events.jsonl", "tensorboard")
+IN_THE_WAY = (MODEL_DIR, STAGES_DIR, CHECKPOINTS_DIR, SUMMARY_FILE, EVENTS_FILE, TENSORBOARD_DIR)
 # ... and what `advisor run` writes over before training: a run it stopped after verification (a plan it
 # could not price) leaves verify/ and verify.json alone, without a run.
-RUN_CHAIN_IN_THE_WAY = (*IN_THE_WAY, "verify", "verify.json", "feedback.json", "report")
+RUN_CHAIN_IN_THE_WAY = (*IN_THE_WAY, VERIFY_DIR, VERIFY_FILE, FEEDBACK_FILE, REPORT_DIR)
 # The fingerprint fields a resume must match, with the words a refusal uses for them. A field that an
 # older run.json lacks is not compared (its run resumes as that trainer checked it).
 MUST_MATCH = {"task": "task", "seed": "seed", "model": "model", "seq_len": "sequence length",
               "global_batch": "global batch", "engine": "engine", "data_source": "data (its kind or content)",
               "weights": "weights (their content)", "tokenizer": "tokenizer (its content)",
               "trust_remote_code": "--trust-remote-code setting"}
-# Fields of a task's stage that size it: a resume may change them (`length`: loop.py checks the steps
+# Fields of a task's stage that size it: a resume may change them (`length`: trainer/run_length.py checks the steps
 # already trained keep their learning rates); everything else of the task decides the stream.
 LENGTH_FIELDS = {"steps", "tokens", "epochs"}
 
@@ -156,8 +158,8 @@ def read_run(run_dir: Path) -> dict[str, Any] | None:
 
 def holds_a_run(run_dir: Path) -> bool:
     """Whether `run_dir` holds a training run (this trainer's, or one from before run.json)."""
-    checkpoints = run_dir / "checkpoints"
-    return ((run_dir / RUN_FILE).exists() or (run_dir / "metrics.jsonl").exists()
+    checkpoints = run_dir / CHECKPOINTS_DIR
+    return ((run_dir / RUN_FILE).exists() or (run_dir / METRICS_FILE).exists()
             or (checkpoints.is_dir() and any(checkpoints.glob("step-*"))))
 
 
@@ -172,8 +174,8 @@ def move_aside(run_dir: Path) -> Path | None:
         return None
     aside = run_dir / f"previous-{_stamp()}"
     aside.mkdir()
-    if (run_dir / "plan.yaml").is_file():
-        shutil.copy2(run_dir / "plan.yaml", aside / "plan.yaml")
+    if (run_dir / PLAN_FILE).is_file():
+        shutil.copy2(run_dir / PLAN_FILE, aside / PLAN_FILE)
     for name in PRODUCTS:
         if (run_dir / name).exists():
             (run_dir / name).rename(aside / name)
@@ -255,7 +257,7 @@ def write_run(run_dir: Path, current: dict[str, Any], digests: FileDigests | Non
 
 
 def update_length(run_dir: Path, length: dict[str, Any]) -> None:
-    """A resume that changed the run's length (loop.py allowed it): later resumes compare with it."""
+    """A resume that changed the run's length (trainer/run_length.py allowed it): later resumes compare with it."""
     record = read_run(run_dir)
     if record is not None:
         record["fingerprint"]["length"] = length

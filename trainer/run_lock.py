@@ -19,12 +19,13 @@ import sys
 from pathlib import Path
 
 from specs.errors import UsageError
+from specs.run_dir import lock_file_name
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def lock_path(run_dir: Path, node_rank: int = 0) -> Path:
-    return run_dir / ("run.lock" if node_rank == 0 else f"run.node{node_rank}.lock")
+    return run_dir / lock_file_name(node_rank)
 
 
 class RunDirLock:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from specs import environment
 from specs.errors import UsageError
+from specs.run_dir import CHECKPOINT_STATE_FILE
 
 MANIFEST = "manifest.json"
 DELAY_ENV = "ADVISOR_CHECKPOINT_DELAY_S"
@@ -210,8 +211,8 @@ def _read_manifest(path: Path) -> dict[str, Any] | str:
         ranks = int(manifest.get("ranks", 1))
     except (OSError, ValueError, KeyError, TypeError):
         return f"no readable {MANIFEST}"
-    if "trainer.json" not in files:
-        return "no trainer.json"
+    if CHECKPOINT_STATE_FILE not in files:
+        return f"no {CHECKPOINT_STATE_FILE}"
     reporting = {entry.get("rank", 0) for entry in files.values()}
     if not reporting >= set(range(ranks)):  # a manifest written before every rank had reported
         return f"no files of rank {min(set(range(ranks)) - reporting)}"

@@ -33,7 +33,7 @@ from profiler.ranks import finish_rank, free_port, init_rank, launch
 from trainer.batch import MicroBatch
 from trainer.engines import device, select_backend
 from trainer.engines.deepspeed_zero import import_deepspeed
-from trainer.loop import build_engine, optimizer_step
+from trainer.engine_build import build_engine, optimizer_step
 from trainer.options import TrainOptions
 
 SEED = 0

@@ -20,7 +20,7 @@ import contextlib
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +28,8 @@ import torch
 
 from specs.plan_file import Plan, PlannedLayout
 from specs.core import HardwareSpec, Layout
+from specs.run_dir import (CHECKPOINTS_DIR, DATA_CACHE_DIR, METRICS_FILE, PLAN_FILE, SUMMARY_FILE, VERIFY_DIR,
+                           VERIFY_FILE, VerifyEvent, read_json_lines)
 from planner.granularity import restage
 from profiler.ranks import free_port
 from trainer.launch import cpu_threads, run as run_training
@@ -42,25 +44,14 @@ MIN_GAIN = 0.03
 STARTUP_S = {"fork": 3.0, "loop": 20.0}
 
 
-@dataclass
-class Trial:
-    """One candidate: what the cost model said and what a few real steps measured."""
+class Trial(VerifyEvent):
+    """One candidate: what the cost model said and what a few real steps measured (the fields are
+    `VerifyEvent`'s; rank 1 is the planner's choice). Mutable: `verify` fills it in as the trial runs."""
 
-    rank: int  # the planner's rank, 1 = its choice
-    layout: str
-    predicted_step_s: float
-    predicted_tokens_per_s: float
-    predicted_peak_bytes: int
-    harness: str = ""
-    threads: int = 0
-    steps: int = 0
-    measured_step_s: float | None = None
-    measured_tokens_per_s: float | None = None
-    steps_s: list[float] = field(default_factory=list)
-    peak_bytes: int | None = None
-    peak_source: str | None = None
-    seconds: float = 0.0
-    error: str | None = None
+    def model_post_init(self, context: Any) -> None:
+        # a trial is written whole, its unfilled fields included (verify.json, events.jsonl), where
+        # `event_record` leaves out the fields an event was not given
+        self.__pydantic_fields_set__.update(type(self).model_fields)
 
     @property
     def spread(self) -> float:
@@ -72,6 +63,10 @@ class Trial:
     def step_error(self) -> float | None:
         """predicted / measured - 1."""
         return self.predicted_step_s / self.measured_step_s - 1 if self.measured_step_s else None
+
+    def record(self) -> dict[str, Any]:
+        """The trial as verify.json and `advisor run --json` list it: its fields, then its step error."""
+        return {**self.model_dump(exclude={"event"}), "step_error": self.step_error}
 
 
 @dataclass
@@ -132,18 +127,18 @@ def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path,
     if directory.exists():
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
-    (run_dir / "data_cache").mkdir(parents=True, exist_ok=True)
-    (directory / "data_cache").symlink_to((run_dir / "data_cache").resolve())  # tokenise once for all trials
-    plan_path = directory / "plan.yaml"
+    (run_dir / DATA_CACHE_DIR).mkdir(parents=True, exist_ok=True)
+    (directory / DATA_CACHE_DIR).symlink_to((run_dir / DATA_CACHE_DIR).resolve())  # tokenise once for all trials
+    plan_path = directory / PLAN_FILE
     trial.write(plan_path)
     options = TrainOptions(max_steps_per_stage=steps, show_progress=False, eval_sequences=1, exact_match_prompts=0,
                            trust_remote_code=trusted)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     run_training(trial, directory, False, options, None, 0, "127.0.0.1", free_port())
-    summary = json.loads((directory / "summary.json").read_text())
-    shutil.rmtree(directory / "checkpoints", ignore_errors=True)
-    steps_s = [json.loads(line)["step_s"] for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((directory / SUMMARY_FILE).read_text())
+    shutil.rmtree(directory / CHECKPOINTS_DIR, ignore_errors=True)
+    steps_s = [m["step_s"] for m in read_json_lines(directory / METRICS_FILE).records]
     measured = summary["measured"]
     return {"step_s": measured["step_s"], "steps_s": steps_s, "peak_bytes": measured.get("peak_bytes"),
             "peak_source": measured.get("peak_source")}
@@ -168,9 +163,9 @@ def verify(plan: Plan, k: int, run_dir: Path, steps: int = 4, warmup: int = 2, s
         forked = trial.harness == "fork"
         say(f"verify {rank}/{len(candidates)}: {layout.short()} ({trial.steps} steps, {trial.harness})")
         began = time.perf_counter()
-        directory = run_dir / "verify" / str(rank)
+        directory = run_dir / VERIFY_DIR / str(rank)
         try:
-            with watch(trial, None if forked else directory / "metrics.jsonl"):
+            with watch(trial, None if forked else directory / METRICS_FILE):
                 if forked:
                     measured = _fork_trial(plan, planned, trial.steps, warmup, trial.threads)
                 else:
@@ -228,8 +223,8 @@ def write_verification(run_dir: Path, verification: Verification) -> Path:
     """RUN_DIR/verify.json: every candidate's predicted and measured figures and the decision."""
     record = {"chosen_rank": verification.chosen_rank, "reason": verification.reason,
               "seconds": verification.seconds, "steps": verification.steps,
-              "trials": [{**asdict(t), "step_error": t.step_error} for t in verification.trials]}
-    path = run_dir / "verify.json"
+              "trials": [t.record() for t in verification.trials]}
+    path = run_dir / VERIFY_FILE
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(path)

@@ -17,6 +17,7 @@ from rich.table import Table
 from advisor.cli.common import MAX_SCALE, check_out_folder, console, exit_on_error
 from advisor.cli.quiet import quiet_console
 from specs.errors import UsageError
+from specs.run_dir import METRICS_FILE
 from specs.core import check_number
 from presets import load_hardware, load_model, load_task
 from reports import curriculum as cc
@@ -134,7 +135,7 @@ class _Bar:
 
     def hooks(self) -> cc.Progress:
         def started(variant: str, seed: int, run_dir: Path, steps: int) -> None:
-            self.running[run_dir] = run_dir / "metrics.jsonl"
+            self.running[run_dir] = run_dir / METRICS_FILE
 
         def finished(variant: str, seed: int, run_dir: Path, steps: int) -> None:
             self.running.pop(run_dir, None)

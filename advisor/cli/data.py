@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional
@@ -15,12 +16,13 @@ import typer
 
 from advisor.cli.common import (MAX_SCALE, TRUST_REMOTE_CODE, check_out_folder, console, err_console, exit_on_error,
                                 print_or_render)
-from advisor.cli.render import render_data_manifest
+from advisor.cli.render import render_data_manifest, render_partial_prepare
 from specs.errors import UsageError
 from specs.core import check_number
 from presets import load_task
 from trainer.data.demo_corpus import ensure_generated_data, generate_demo_corpus
 from trainer.data.manifest import default_out_dir, read_manifest
+from trainer.data.partial import partial_prepare
 
 # pyproject's `data` extra: what `advisor data prepare` and training on its shards import, and the
 # main job (`advisor run`) never does
@@ -39,23 +41,31 @@ def require_data_extra(command: str) -> None:
         raise UsageError(f"{command} needs {' and '.join(missing)}: pip install -e \".[data]\"")
 
 
-EXECUTORS = ("local", "slurm")
-LATER_EXECUTORS = ("ray",)
+def require_ray() -> None:
+    """`--executor ray` needs the `ray` extra (Ray's wheel is large and most prepares never use it)."""
+    try:
+        importlib.import_module("ray")
+    except ImportError:
+        raise UsageError('--executor ray needs ray: pip install -e ".[ray]"') from None
 
 
-def check_executor(name: str, dry_run: bool, partition: Optional[str]) -> None:
-    if name in LATER_EXECUTORS:
-        raise UsageError(f"--executor {name}: not yet; this version runs the scan on this machine (--executor local) "
-                         "or writes a Slurm job (--executor slurm --dry-run)")
+EXECUTORS = ("local", "slurm", "ray")
+
+
+def check_executor(name: str, dry_run: bool, partition: Optional[str], ray_address: Optional[str] = None) -> None:
     if name not in EXECUTORS:
         raise UsageError(f"--executor {name[:40]!r}: unknown; use {', '.join(EXECUTORS)}")
-    if name == "slurm" and not dry_run:
-        raise UsageError("--executor slurm: submitting is not yet done here; --dry-run writes the job scripts and "
-                         "the command that submits them")
+    if name == "slurm" and not dry_run and shutil.which("sbatch") is None:
+        raise UsageError("--executor slurm: sbatch is not on PATH (no Slurm client here); --dry-run writes the job "
+                         "scripts without submitting them")
     if name == "slurm" and not partition:
         raise UsageError("--executor slurm needs --partition (the Slurm partition to run on)")
     if dry_run and name != "slurm":
         raise UsageError("--dry-run goes with --executor slurm (a local prepare has nothing to write aside)")
+    if ray_address is not None and name != "ray":
+        raise UsageError("--ray-address goes with --executor ray")
+    if ray_address is not None and not ray_address.strip():
+        raise UsageError("--ray-address is empty; use auto (the running cluster) or the head's host:port")
 
 
 data_app = typer.Typer(
@@ -74,9 +84,11 @@ def data_prepare(
     as_json: bool = typer.Option(False, "--json", help="print the manifest as one JSON object"),
     allow_code: bool = typer.Option(False, "--allow-code", help="let a difficulty rule `module:function` or "
                                                                 "`file.py:function` import and run that code"),
-    workers: Optional[int] = typer.Option(None, "--workers", help="scan this many parts of the data at a time "
-                                                                  "(default: every core); the output is the same"),
-    executor: str = typer.Option("local", "--executor", help="where the scan runs: local (this machine's cores)"),
+    workers: Optional[int] = typer.Option(
+        None, "--workers", help="scan this many parts of the data at a time (default: every core; with "
+                                "--ray-address, as many as the cluster runs); the output is the same"),
+    executor: str = typer.Option("local", "--executor", help="where the scan runs: local (this machine's cores), "
+                                                             "slurm (a job array) or ray (a Ray cluster)"),
     rows_per_part: Optional[int] = typer.Option(
         None, "--rows-per-part", min=1, help="rows of a JSON-lines file per scan task, the unit of work and of "
                                              "resume (default 10000)"),
@@ -84,6 +96,8 @@ def data_prepare(
                                                           "nothing"),
     partition: Optional[str] = typer.Option(None, "--partition", help="with --executor slurm: the partition"),
     time_limit: str = typer.Option("04:00:00", "--time", help="with --executor slurm: each job's time limit"),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="with --executor ray: the cluster "
+                                              "(auto: the one running here; default: start a local instance)"),
     trust_remote_code: bool = TRUST_REMOTE_CODE,
 ) -> None:
     """Clean (exact and MinHash near-duplicate removal, length and character-quality thresholds),
@@ -95,28 +109,29 @@ def data_prepare(
     def compute():
         if out is not None:
             check_out_folder(out)
-        check_executor(executor, dry_run, partition)
-        scan_workers = (os.cpu_count() or 1) if workers is None else workers
-        check_number(scan_workers, "--workers", ge=1)
+        check_executor(executor, dry_run, partition, ray_address)
+        if workers is not None:
+            check_number(workers, "--workers", ge=1)
+        scan_workers = _default_workers(executor, ray_address) if workers is None else workers
         require_data_extra("advisor data prepare")
+        if executor == "ray":
+            require_ray()
         from trainer.data.prepare import prepare  # deferred: imports datasets/pandas (an extra; 0.5 s at every start)
 
         spec = load_task(task)
         if executor == "slurm":
-            return _write_slurm_job(spec, task, out, partition, time_limit, workers, rows_per_part, allow_code,
-                                    trust_remote_code)
+            return _slurm_job(spec, task, out, partition, time_limit, workers, rows_per_part, allow_code,
+                              trust_remote_code, submit=not dry_run)
         log = None if as_json else (lambda message: err_console.print(message, style="dim", highlight=False))
         if ensure_generated_data(spec) and log:
             log(f"generated the {spec.name} task's data into {spec.base_dir}")
         return prepare(spec, out, micro_batch_tokens=micro_batch_tokens, log=log, allow_code=allow_code,
-                       workers=scan_workers, trusted=trust_remote_code,
+                       workers=scan_workers, trusted=trust_remote_code, executor=executor, ray_address=ray_address,
                        **({"rows_per_part": rows_per_part} if rows_per_part else {}))
 
     result = exit_on_error(compute)
     if executor == "slurm":
-        for name, path in result.items():
-            console.print(f"wrote {path} ({name})", soft_wrap=True)
-        console.print(f"submit with: bash {result['submit']}", soft_wrap=True)
+        _print_slurm_job(*result)
         return
     folder, manifest = result
     if as_json:
@@ -126,13 +141,22 @@ def data_prepare(
     console.print(f"wrote {folder}")
 
 
-def _write_slurm_job(spec, task: str, out: Optional[Path], partition: str, time_limit: str, workers: Optional[int],
-                     rows_per_part: Optional[int], allow_code: bool, trusted: bool) -> dict[str, Path]:
-    """The scan as a Slurm job array and a finishing job: the same prepare, run where every part
-    is already scanned, merges and writes the shards."""
+def _default_workers(executor: str, ray_address: Optional[str]) -> int:
+    """Every core of this machine; on a Ray cluster joined by address, 0: as many as it runs."""
+    if executor == "ray" and ray_address is not None:
+        return 0
+    return os.cpu_count() or 1
+
+
+def _slurm_job(spec, task: str, out: Optional[Path], partition: str, time_limit: str, workers: Optional[int],
+               rows_per_part: Optional[int], allow_code: bool, trusted: bool,
+               submit: bool) -> tuple[dict[str, Path], Optional[dict[str, list[str]]], Path]:
+    """The scan as a Slurm job array and a finishing job (the same prepare, run where every part is
+    already scanned, merges and writes the shards): the scripts' paths, and the job ids once
+    submitted (with `submit`)."""
     # deferred: pyarrow, datatrove and the tokenizer (the data extra; seconds at every start)
     from trainer.data.parts import ROWS_PER_PART
-    from trainer.data.pipeline import SlurmOptions
+    from trainer.data.pipeline import SlurmOptions, submit_slurm_scripts
     from trainer.data.prepare import write_slurm_job
 
     if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}", time_limit):
@@ -144,17 +168,51 @@ def _write_slurm_job(spec, task: str, out: Optional[Path], partition: str, time_
                          "--workers", "1", "--rows-per-part", str(rows)] + (["--allow-code"] if allow_code else [])
                         + (["--trust-remote-code"] if trusted else []))
     options = SlurmOptions(partition=partition, time=time_limit, array_parallelism=workers or 64)
-    return write_slurm_job(spec, final, options, finish, allow_code=allow_code, rows_per_part=rows, trusted=trusted)
+    paths = write_slurm_job(spec, final, options, finish, allow_code=allow_code, rows_per_part=rows, trusted=trusted)
+    return paths, submit_slurm_scripts(paths) if submit else None, final
+
+
+def _print_slurm_job(paths: dict[str, Path], ids: Optional[dict[str, list[str]]], final: Path) -> None:
+    for name, path in paths.items():
+        console.print(f"wrote {path} ({name})", soft_wrap=True)
+    if ids is None:
+        console.print(f"submit with: bash {paths['submit']}", soft_wrap=True)
+        return
+    scan = f"the scan as job {', '.join(ids['scan'])}, then " if ids["scan"] else ""
+    console.print(f"submitted {scan}the finishing job {', '.join(ids['finish'])}; it writes "
+                  f"{final} (logs: {paths['submit'].parent / 'slurm_logs'})", soft_wrap=True)
 
 
 @data_app.command("stats")
 def data_stats(
-    directory: Path = typer.Argument(..., help="a folder written by `advisor data prepare` (or its manifest.json)"),
-    as_json: bool = typer.Option(False, "--json", help="print the manifest as one JSON object"),
+    directory: Path = typer.Argument(..., help="a folder written by `advisor data prepare` (or its manifest.json), "
+                                               "or one whose prepare has not finished"),
+    as_json: bool = typer.Option(False, "--json", help="print the manifest (or the partial report) as one JSON object"),
 ) -> None:
-    """Show a prepared folder's manifest: tokens, samples, buckets and padding per stage."""
-    manifest = exit_on_error(lambda: read_manifest(directory))
+    """Show a prepared folder's manifest: tokens, samples, buckets and padding per stage. For a prepare
+    that has not finished (killed, or still running): the parts scanned so far, marked partial."""
+    manifest = exit_on_error(lambda: _manifest_or_partial(directory))
+    if manifest.get("partial") is True:
+        print_or_render(manifest, as_json, render_partial_prepare)
+        return
     print_or_render(manifest, as_json, lambda m: exit_on_error(lambda: render_checked(m, directory)))
+
+
+def _manifest_or_partial(directory: Path) -> dict:
+    """A finished folder's manifest; else what an unfinished prepare there holds; else one line."""
+    try:
+        return read_manifest(directory)
+    except UsageError as finished_error:
+        if Path(directory).is_file():
+            raise
+        try:
+            partial = partial_prepare(directory)
+        except OSError:
+            partial = None
+        if partial is None:
+            raise UsageError(f"{finished_error}; nor is a prepare of {directory} under way (no scan work folder "
+                             "beside it)") from None
+        return partial
 
 
 def render_checked(manifest: dict, directory: Path) -> None:

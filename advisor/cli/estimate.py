@@ -11,7 +11,7 @@ from advisor.cli.common import LAYOUT_HELP, MIN_COMPUTE_FRACTION, PRICED_ENGINE_
 from advisor.cli.render import render_estimate
 from specs.errors import UsageError
 from specs.core import (MAX_DEVICES_PER_NODE, MAX_NODES, Estimate, check_number, check_seq_fits, parse_layout_string,
-                           resolve_layout)
+                        resolve_layout)
 from planner.cost_model import estimate as run_estimate
 from presets import load_hardware, load_model
 

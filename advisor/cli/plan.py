@@ -14,6 +14,7 @@ from advisor.cli.common import (MIN_COMPUTE_FRACTION, PRICED_ENGINE_HELP, TRUST_
                                 console, exit_on_error, stage_tokens)
 from advisor.cli.render import render_plan
 from specs.errors import UsageError
+from specs.run_dir import PLAN_FILE
 from specs.core import MAX_DEVICES_PER_NODE, MAX_LORA_RANK, MAX_NODES
 from presets import load_task
 from planner.export import export
@@ -119,7 +120,7 @@ def write_plan_files(result, out: Path | None, export_dir: Path | None) -> list[
     lines = []
     if out:
         if out.is_dir():
-            raise UsageError(f"--out {out} is a folder: name the plan file, e.g. {out / 'plan.yaml'}")
+            raise UsageError(f"--out {out} is a folder: name the plan file, e.g. {out / PLAN_FILE}")
         check_out_folder(out.parent, "--out")
         result.write(out)
         lines.append(f"wrote {out}")

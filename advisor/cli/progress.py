@@ -13,7 +13,6 @@ so a cost model that is off by 2x gives an ETA that is right once a few steps ra
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from pathlib import Path
@@ -21,6 +20,8 @@ from typing import Any, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
+
+from specs.run_dir import last_json_line
 
 POLL_S = 0.5  # how often metrics.jsonl is read; redraws of the live display hold the GIL
 TRAIN_STARTUP_S = 20.0  # a guess at training's start-up (processes, imports, engine) and evaluations
@@ -155,19 +156,7 @@ class _Watcher:
 
 def last_record(path: Path) -> dict[str, Any] | None:
     """The last whole JSON line of `path` (None while there is none)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 4096))
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except ValueError:  # a line being written, or cut by the 4 KiB window
-            continue
-    return None
+    return last_json_line(path)
 
 
 def _clock(seconds: float) -> str:

@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Iterator, TextIO
 
 from advisor.cli.common import console, err_console
+from specs.run_dir import LOGS_DIR
 from trainer.options import WORKER_LOG_ENV
 
-LOG_DIR = "logs"
+LOG_DIR = LOGS_DIR
 LOG_FILE = "output.log"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

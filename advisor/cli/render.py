@@ -243,6 +243,26 @@ def render_capacity(report, written: list[Path]) -> None:
     console.print(f"wrote {len(written) - 2} charts in {written[0].parent / 'charts'}", style="dim")
 
 
+def render_partial_prepare(report: dict[str, Any]) -> None:
+    """A prepare that has not finished (trainer/data/partial.py): parts and rows scanned per source."""
+    parts = report["parts"]
+    of_total = f"/{parts['total']}" if parts["total"] is not None else ""
+    table = Table(title=f"PARTIAL: the prepare of {report['folder']} has not finished (stopped or still running; "
+                        f"{report['phase']}, "
+                        f"{parts['done']}{of_total} parts scanned)", title_justify="left")
+    for column in ("source", "parts done", "rows scanned"):
+        table.add_column(column, justify="left" if column == "source" else "right")
+    for source in report["sources"]:
+        table.add_row(source["path"], f"{source['parts_done']}/{source['parts']}", f"{source['rows_scanned']:,}")
+    rows_total = f" of {report['rows_total']:,}" if report["rows_total"] is not None else ""
+    table.add_row("all", f"{parts['done']}{of_total}", f"{report['rows_scanned']:,}{rows_total}", style="bold")
+    console.print(table)
+    console.print("kept and dropped documents: not yet known (duplicates are judged over the whole task once every "
+                  f"part is scanned); shards written so far: {report['shards_written']}", highlight=False)
+    console.print(f"work folder: {report['work']}; a prepare that was stopped resumes from it when the same "
+                  "`advisor data prepare` command runs again", style="dim", soft_wrap=True)
+
+
 def render_data_manifest(manifest: dict[str, Any]) -> None:
     table = Table(title=f"prepared data for task {manifest['task']} (seq {manifest['seq_len']}, "
                         f"micro-batch {manifest['micro_batch_tokens']:,} tokens)", title_justify="left")

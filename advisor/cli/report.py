@@ -14,6 +14,7 @@ from advisor.cli.common import (PRICED_ENGINE_HELP, TRUST_REMOTE_CODE, check_out
                                 exit_on_error, stage_tokens)
 from advisor.cli.render import render_capacity
 from specs.core import check_number
+from specs.run_dir import REPORT_DIR
 from presets import load_task
 from planner.plan import parse_duration
 from presets import load_hardware, load_model
@@ -113,9 +114,9 @@ def report_run(
     from reports.run_report import run_report  # deferred: imports matplotlib (0.5 s at every start)
 
     def build():
-        check_out_folder(out or run_dir / "report")
+        check_out_folder(out or run_dir / REPORT_DIR)
         analysis, document = run_report(run_dir)
-        return analysis, document.write(out or run_dir / "report", "run")
+        return analysis, document.write(out or run_dir / REPORT_DIR, "run")
 
     analysis, written = exit_on_error(build)
     if as_json:

@@ -23,7 +23,7 @@ import contextlib
 import datetime as dt
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -38,6 +38,8 @@ from specs.errors import UsageError
 from specs.plan_file import Plan
 from specs.core import HardwareSpec, ModelSpec
 from specs.task import TaskSpec
+from specs.run_dir import (EVENTS_FILE, FEEDBACK_FILE, METRICS_FILE, PLAN_FILE, REPORT_DIR, FeedbackEvent, JsonLines,
+                           VerifyEvent, matching_segment)
 from planner.plan import PlanOptions, make_plan
 from planner.search import SearchSpace
 from presets import cache_dir, load_hardware, load_model, load_task
@@ -142,10 +144,8 @@ def _hardware(opts: RunOptions, model: ModelSpec, say: Callable[[str], None],
     return load_hardware(str(path)), str(path), path
 
 
-def _append_events(run_dir: Path, records: list[dict[str, Any]]) -> None:
-    with open(run_dir / "events.jsonl", "a") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
+def _append_events(run_dir: Path, records: list[VerifyEvent | FeedbackEvent]) -> None:
+    JsonLines(run_dir / EVENTS_FILE).write_all(records)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -197,11 +197,11 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
                         "timings": timings, "seconds": time.perf_counter() - started}
             say(f"--force: training although the plan cannot be priced here: {_miss_text(pricing)}")
         say(f"verify: {verification.reason}; training {plan.chosen.layout.short()}")
-    plan_path = out / "plan.yaml"
+    plan_path = out / PLAN_FILE
     plan.write(plan_path)
-    with _timed(timings, "train_s"), progress.training(plan, opts.max_steps_per_stage, out / "metrics.jsonl"):
+    with _timed(timings, "train_s"), progress.training(plan, opts.max_steps_per_stage, out / METRICS_FILE):
         summary = _train(plan, opts)
-    events = [{"event": "verify", **asdict(t)} for t in (verification.trials if verification else [])]
+    events: list[VerifyEvent | FeedbackEvent] = list(verification.trials if verification else [])
     round_ = None
     if opts.feedback and profile_path is not None:
         threads = training_threads(plan.chosen.layout.devices, plan.hardware)
@@ -210,7 +210,7 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
         say(f"feedback: --hardware {opts.hardware} is a preset, not a profile: nothing to update")
     _append_events(out, events)
     _, document = run_report(out)
-    report = document.write(out / "report", "run")[0]
+    report = document.write(out / REPORT_DIR, "run")[0]
     return {"run_dir": str(out), "plan": plan.chosen.layout.short(), "hardware_basis": basis,
             "verification": _verification_json(verification), "pricing": pricing, "refused": None,
             "feedback": round_.model_dump(mode="json") if round_ else None, "summary": summary,
@@ -333,15 +333,15 @@ def _train(plan: Plan, opts: RunOptions) -> dict[str, Any] | None:
 
 
 def _feed_back(profile_path: Path, new: list, out: Path, say: Callable[[str], None],
-               events: list[dict[str, Any]]) -> FeedbackRound | None:
+               events: list[VerifyEvent | FeedbackEvent]) -> FeedbackRound | None:
     """Refit the profile to this run's measured steps; write feedback.json and add a `feedback` event."""
     if not new:
         return None
     round_ = feed_back(profile_path, new, str(out), say)
     if round_ is not None:
-        _write_json(out / "feedback.json", {"profile": str(profile_path), **round_.model_dump(mode="json")})
-        events.append({"event": "feedback", "profile": str(profile_path), "error_before": round_.error_before,
-                       "error_after": round_.error_after, "factors_after": round_.factors_after})
+        _write_json(out / FEEDBACK_FILE, {"profile": str(profile_path), **round_.model_dump(mode="json")})
+        events.append(FeedbackEvent(profile=str(profile_path), error_before=round_.error_before,
+                                    error_after=round_.error_after, factors_after=round_.factors_after))
     return round_
 
 
@@ -358,13 +358,15 @@ def _observations(plan, verification, summary: dict[str, Any] | None, out: Path,
                                threads=trial.threads, peak_bytes=trial.peak_bytes,
                                predicted_peak_bytes=trial.predicted_peak_bytes, peak_source=trial.peak_source,
                                steps=trial.steps, run_dir=str(out)))
-    measured = (summary or {}).get("measured") or {}
-    if measured.get("step_s"):
+    # the training run: the steps its plan's layout trained (an out-of-memory fallback's are another
+    # layout's, and the whole-run figures pair the plan's estimate with the last launch's steps)
+    segment = matching_segment(summary or {}, plan.chosen.layout.short())
+    if segment is not None:
         est = plan.chosen.estimate
-        new.append(observation("run", plan.model, plan.chosen.layout, measured["step_s"], est.time.step_s,
-                               threads=threads, peak_bytes=measured.get("peak_bytes"),
-                               predicted_peak_bytes=int(est.memory.peak), peak_source=measured.get("peak_source"),
-                               steps=int((summary or {}).get("steps") or 0), run_dir=str(out)))
+        new.append(observation("run", plan.model, plan.chosen.layout, segment.measured["step_s"],
+                               segment.predicted.get("step_s") or est.time.step_s, threads=threads,
+                               peak_bytes=segment.measured.get("peak_bytes"), predicted_peak_bytes=int(est.memory.peak),
+                               peak_source=segment.measured.get("peak_source"), steps=segment.steps, run_dir=str(out)))
     return new
 
 
@@ -373,4 +375,4 @@ def _verification_json(verification) -> dict[str, Any] | None:
         return None
     return {"chosen_rank": verification.chosen_rank, "reason": verification.reason,
             "seconds": verification.seconds,
-            "trials": [{**asdict(t), "step_error": t.step_error} for t in verification.trials]}
+            "trials": [t.record() for t in verification.trials]}

@@ -20,6 +20,7 @@ from advisor.cli.render import format_seconds, stage_results_lines
 from specs.errors import UsageError
 from specs.capabilities import config_shape, runnable_problem, ENGINE_CHOICES
 from specs.plan_file import Plan, load_plan
+from specs.run_dir import METRICS_FILE
 from specs.remote_code import check_model_code, ensure_model_code, refuse_remote_code
 from specs.core import check_number
 from specs.task import LR_SCHEDULES, MAX_EPOCHS, MAX_ROWS
@@ -80,15 +81,15 @@ def train(
     max_steps_per_stage: Optional[int] = typer.Option(None, "--max-steps-per-stage", min=1, help="cap (demos)"),
     seed: int = typer.Option(DEFAULTS.seed, "--seed"),
     weights: Optional[str] = typer.Option(None, "--weights", help="local HF model folder to start from"),
-    template: Optional[str] = data_reading.TEMPLATE,
+    template: Optional[str] = data_reading.OPTIONS["--template"],
     merge: bool = typer.Option(DEFAULTS.merge, "--merge/--no-merge", help="LoRA/QLoRA: also write the adapters "
                                "merged into full weights, RUN/model/merged/ (and per stage)"),
-    data: Optional[Path] = data_reading.DATA,
-    dataset: Optional[str] = data_reading.DATASET,
-    mix: str = data_reading.MIX,
-    mix_probs: Optional[str] = data_reading.MIX_PROBS,
-    train_on_prompt: bool = data_reading.TRAIN_ON_PROMPT,
-    mask_history: bool = data_reading.MASK_HISTORY,
+    data: Optional[Path] = data_reading.OPTIONS["--data"],
+    dataset: Optional[str] = data_reading.OPTIONS["--dataset"],
+    mix: str = data_reading.OPTIONS["--mix"],
+    mix_probs: Optional[str] = data_reading.OPTIONS["--mix-probs"],
+    train_on_prompt: bool = data_reading.OPTIONS["--train-on-prompt"],
+    mask_history: bool = data_reading.OPTIONS["--mask-history"],
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="a plan without a task: optimizer steps of "
                                         "the plan's global batch (default: one pass over --data)"),
     tokens: Optional[int] = typer.Option(None, "--tokens", min=1, help="a plan without a task: tokens to train on, "
@@ -244,7 +245,7 @@ def _run(a: SimpleNamespace) -> dict | None:
                            timeout_s=a.timeout_s, trust_remote_code=a.trust_remote_code)
     with RunProgress(console, a.show_progress, "advisor train") as progress:
         progress.expect(training_estimate_s(plan, a.max_steps_per_stage))
-        with progress.training(plan, a.max_steps_per_stage, a.out / "metrics.jsonl"):
+        with progress.training(plan, a.max_steps_per_stage, a.out / METRICS_FILE):
             return run(plan, a.out, resumed, options, a.nnodes, a.node_rank, a.master_addr, a.master_port)
 
 

@@ -35,6 +35,7 @@ from specs.errors import UsageError
 from specs.task import DifficultySpec, TaskSpec
 from trainer.data import near_dedup
 from trainer.data.difficulty import Grader
+from trainer.data.partial import scan_folder, scan_folders
 from trainer.data.scan import Part, ScanSettings, UnitColumns, part_texts, scan_part
 from trainer.data.tokenizer import TextTokenizer
 
@@ -71,10 +72,10 @@ def work_folder(out: Path, key: str) -> Path:
     """Beside the output folder (the output is written aside and renamed; the work must outlive a
     killed run). Work folders of other keys for the same output are stale and removed."""
     out = Path(out).resolve()
-    for stale in out.parent.glob(f".{out.name}.scan-*"):
-        if stale.name != f".{out.name}.scan-{key}":
+    for stale in scan_folders(out):
+        if stale != scan_folder(out, key):
             shutil.rmtree(stale, ignore_errors=True)
-    return out.parent / f".{out.name}.scan-{key}"
+    return scan_folder(out, key)
 
 
 _SETTINGS: dict[str, ScanSettings] = {}  # per process: a worker loads the tokenizer and graders once
@@ -285,8 +286,26 @@ def _submit_script(paths: dict[str, Path], arrays: int) -> str:
     """Submit the array (in slices of datatrove's largest array, each with its RUN_OFFSET, as its
     own launcher does), then the finishing job once every slice has succeeded."""
     lines = ["#!/bin/bash", "set -e", "after=afterok"]
-    for offset in range(arrays if "array" in paths else 0):
+    for offset in range(arrays if "array" in paths else 0):  # --parsable prints `id` or `id;cluster`
         lines += [f"scan=$(sbatch --parsable --export=ALL,RUN_OFFSET={offset} {paths['array']})",
-                  "after=\"$after:${scan%%;*}\""]
-    lines.append(f"sbatch --dependency=$after {paths['finish']}" if "array" in paths else f"sbatch {paths['finish']}")
+                  "after=\"$after:${scan%%;*}\"", "echo \"scan job ${scan%%;*}\""]
+    depend = "--dependency=$after " if "array" in paths else ""
+    lines += [f"finish=$(sbatch --parsable {depend}{paths['finish']})", "echo \"finish job ${finish%%;*}\""]
     return "\n".join(lines) + "\n"
+
+
+def submit_slurm_scripts(paths: dict[str, Path]) -> dict[str, list[str]]:
+    """Submit what `write_slurm_scripts` wrote by running its `submit.sh` (so that what runs is what
+    a dry run shows); returns the job ids it printed: {"scan": [...], "finish": [...]}."""
+    import subprocess
+
+    done = subprocess.run(["bash", str(paths["submit"])], capture_output=True, text=True)
+    if done.returncode != 0:
+        said = (done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines()[-1]
+        raise UsageError(f"sbatch refused the prepare's job: {said[:300]} (the scripts: {paths['submit'].parent})")
+    ids: dict[str, list[str]] = {"scan": [], "finish": []}
+    for line in done.stdout.splitlines():
+        kind, _, job_id = line.partition(" job ")
+        if kind in ids and job_id.strip():
+            ids[kind].append(job_id.strip())
+    return ids

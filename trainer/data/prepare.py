@@ -110,6 +110,8 @@ class Context:
     rows_per_part: int = ROWS_PER_PART
     allow_code: bool = False
     trusted: bool = False  # --trust-remote-code: the tokenizer's and reference model's own code
+    executor: str = "local"  # where the scan's tasks run: "local" (this machine's cores) or "ray"
+    ray_address: str | None = None  # with "ray": None starts a local instance, "auto" joins a cluster
 
 
 def _check_text_rows(source: DataSource, base_dir: Path) -> None:
@@ -209,7 +211,12 @@ def _scan(job: ScanJob, planned: list[list[Part]], units: list[Unit], ctx: Conte
     """Scan every unit's parts (trainer/data/pipeline.py) and merge each unit's parts into its
     spool; the parts' token files, which the shards are written from, stay in the work folder."""
     t0 = time.perf_counter()
-    run_scan(job, ctx.workers, ctx.log)
+    if ctx.executor == "ray":
+        from trainer.data.ray_scan import run_scan_on_ray  # deferred: Ray starts in seconds, only when asked
+
+        run_scan_on_ray(job, ctx.workers, ctx.ray_address, ctx.log)
+    else:
+        run_scan(job, ctx.workers, ctx.log)
     seconds = time.perf_counter() - t0
     if ctx.task.data.dedup.near:
         t1 = time.perf_counter()
@@ -219,7 +226,8 @@ def _scan(job: ScanJob, planned: list[list[Part]], units: list[Unit], ctx: Conte
         unit.spool, unit.tokens_files, unit.rows, unit.domain_values = merge_parts(
             parts, job.work / "parts", spool_root / f"unit{unit.index:04d}")
         ctx.log(f"scanned {unit.path} ({unit.rows:,} rows, {len(parts)} part(s))")
-    ctx.log(f"scan: {sum(u.rows for u in units):,} rows in {seconds:.1f} s on {ctx.workers} worker(s)")
+    where = f"{ctx.workers or 'all'} Ray worker(s)" if ctx.executor == "ray" else f"{ctx.workers} worker(s)"
+    ctx.log(f"scan: {sum(u.rows for u in units):,} rows in {seconds:.1f} s on {where}")
 
 
 # --- step 2: duplicates over the whole task ----------------------------------------------------------
@@ -571,14 +579,17 @@ def _write_batch(batch: pa.RecordBatch, row: int, rows: UnitRows, edge_array: np
 
 def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int | None = None,
             log: Log | None = None, allow_code: bool = False, workers: int = 1,
-            rows_per_part: int = ROWS_PER_PART, trusted: bool = False) -> tuple[Path, dict[str, Any]]:
+            rows_per_part: int = ROWS_PER_PART, trusted: bool = False, executor: str = "local",
+            ray_address: str | None = None) -> tuple[Path, dict[str, Any]]:
     """Prepare every stage's shards and the manifest; returns (output folder, manifest).
     `allow_code` lets a difficulty rule `module:function` import and run that code; `trusted`
     (--trust-remote-code) lets the tokenizer's and reference model's folders run theirs. The scan
-    runs `workers` parts at a time; the output is the same for any number of workers."""
+    runs `workers` parts at a time (with `executor` "ray", on Ray at `ray_address`, 0 workers: as
+    many as the cluster runs); the output is the same for any number of workers and either executor."""
     started = time.perf_counter()
     out = Path(out_dir) if out_dir else default_out_dir(task)
     entries, units, ctx = _context(task, log, allow_code, workers, rows_per_part, trusted)
+    ctx.executor, ctx.ray_address = executor, ray_address
     base_dir, tokenizer, fingerprint = ctx.base_dir, ctx.tokenizer, task_fingerprint(task)
     tokenizer_path = Path(tokenizer.path)
     budget = micro_batch_tokens or task.data.buckets.micro_batch_tokens or 8 * task.seq_len
