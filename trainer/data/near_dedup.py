@@ -25,12 +25,16 @@ SHA-1 shingle hash: its xxhash path passes text where the installed xxhash wants
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
-from datatrove.pipeline.dedup.minhash import (MinhashConfig, MinhashDedupBuckets, MinhashDedupCluster,
+import pandas as pd
+from datatrove.data import DocumentsPipeline
+from datatrove.pipeline.dedup.minhash import (SENTINEL, MinhashConfig, MinhashDedupBuckets, MinhashDedupCluster,
                                               MinhashDedupSignature)
 from datatrove.utils.hashing import HashConfig
 from datatrove.utils.text import TextNormConfig
+from datatrove.utils.typeshelper import StatHints
 from datatrove.utils.word_tokenizers import WordTokenizer
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
@@ -39,6 +43,8 @@ from specs.task import DedupSpec
 from trainer.data.dedup import WORD_RE
 
 SIGNATURES, BUCKETS, CLUSTERS = "minhash/signatures", "minhash/buckets", "minhash/clusters"
+_MERSENNE = np.uint64((1 << 61) - 1)  # the library's modulus
+_LOW32 = np.uint64(0xFFFFFFFF)
 # datatrove's text normalisation would fold digits and strip punctuation; the words are ours
 _AS_IS = TextNormConfig(lowercase=True, norm_whitespace=False, remove_punctuation=False,
                         norm_unicode_diacritics=False, norm_numbers=False)
@@ -66,14 +72,156 @@ def minhash_config(dedup: DedupSpec) -> MinhashConfig:
                          hash_config=HashConfig(precision=32, hash_fc="sha1"))
 
 
-def signature_step(work: Path, dedup: DedupSpec) -> MinhashDedupSignature:
-    """Stage 1, run in each scan task after the scan: its input is the part's documents in row order."""
-    return MinhashDedupSignature(str(work / SIGNATURES), minhash_config(dedup), language=ShingleWords())
+class ScannedSignatures(MinhashDedupSignature):
+    """Stage 1 as datatrove's class, vectorised: the same permutations ((a x + b) mod (2^61 - 1),
+    low 32 bits, a and b drawn by the library's `parameters` from the config's seed), the same
+    sorted per-band files, the same rule that a document without a shingle gets no record.
+
+    Not the library's class as is because it hashes one document at a time in Python (a SHA-1 per
+    shingle, a numpy call per document, a struct per record): about twice the CPU of the whole
+    prepare. Here the scan computes a batch's signatures with numpy from the words it has already
+    split (`signatures`, spooled as the part's `signature` column) and `run` writes the part's
+    files from that column; shingle hashes are the words' SipHash (pandas) mixed by position.
+    """
+
+    def __init__(self, output_folder: str, config: MinhashConfig,
+                 read_part: Callable[[int], np.ndarray] | None = None) -> None:
+        super().__init__(output_folder, config, language=ShingleWords())
+        self.read_part = read_part  # rank -> (rows, num_perm) signatures the scan spooled
+        self._word_mult = np.random.RandomState(config.seed).randint(
+            1, 1 << 62, size=config.n_grams, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+
+    def shingle_hashes(self, docs_words: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
+        """32-bit hashes of every document's shingles (n consecutive words), concatenated, and
+        each document's shingle count (0 under n words, as the library's `ngrams` gives none)."""
+        n = self.config.n_grams
+        lengths = np.fromiter((len(w) for w in docs_words), dtype=np.int64, count=len(docs_words))
+        flat = [w for ws in docs_words for w in ws]
+        word_hash = pd.util.hash_array(np.asarray(flat, dtype=object)) if flat else np.zeros(0, np.uint64)
+        counts = np.maximum(lengths - n + 1, 0)
+        # shingle j of a document starting at word s: words s+j .. s+j+n-1, all inside the document
+        starts = np.repeat(np.cumsum(lengths) - lengths - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+        combined = np.zeros(len(starts), dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for k in range(n):
+                combined += word_hash[starts + k] * self._word_mult[k]
+        return (combined >> np.uint64(32)) ^ (combined & _LOW32), counts
+
+    def signatures(self, docs_words: Sequence[Sequence[str]], chunk: int = 1024) -> np.ndarray:
+        """(documents, num_perm) uint32, equal to the library's `get_signature` of each document's
+        shingle hashes; a document without a shingle gets a row of SENTINEL (it gets no record)."""
+        shingles, counts = self.shingle_hashes(docs_words)
+        out = np.full((len(docs_words), self.num_hashes), SENTINEL, dtype=np.uint32)
+        docs = np.flatnonzero(counts)
+        offsets = np.concatenate([[0], np.cumsum(counts[docs])])
+        a, b = (p.reshape(-1, 1) for p in self.parameters)
+        # blocks of about `chunk` shingles cut at document boundaries (a block stays in cache)
+        cuts = np.unique(np.append(np.searchsorted(offsets, np.arange(0, offsets[-1], chunk), side="right") - 1,
+                                   len(docs)))
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            block = _permuted(shingles[offsets[lo]:offsets[hi]], a, b)
+            out[docs[lo:hi]] = np.minimum.reduceat(block, offsets[lo:hi] - offsets[lo], axis=1).T
+        return out
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> None:
+        for _ in data or ():  # the scan before this step in the task: it spools the signatures
+            pass
+        assert self.read_part is not None, "ScannedSignatures.run needs read_part"
+        with self.track_time():
+            signatures = self.read_part(rank)
+            rows = np.flatnonzero((signatures != SENTINEL).any(axis=1))
+            self.stat_update(StatHints.total, value=len(signatures))
+            per_band = self.config.hashes_per_bucket
+            for band in range(self.config.num_buckets):
+                hashes = signatures[rows, band * per_band:(band + 1) * per_band]
+                order = record_order(hashes, rows)  # the library's order: by hashes, then row
+                records = np.empty((len(rows), per_band + 1), dtype="<u4")  # hashes, then the row
+                records[:, :per_band], records[:, per_band] = hashes[order], rows[order]
+                with self.output_folder.open(f"bucket_{band:03d}/{rank:05d}.minhash.sig", mode="wb") as sink:
+                    sink.write(records.tobytes())
+
+
+def record_order(hashes: np.ndarray, *ties: np.ndarray) -> np.ndarray:
+    """The order that sorts records by their row of `hashes` (uint32, one row each), then by
+    `ties` (the first first): one stable sort of the first two hashes as one 64-bit key, then a
+    full sort of only the records tied on that key (about the duplicates alone), faster than
+    numpy's sort of structured records."""
+    key = hashes[:, 0].astype(np.uint64) << np.uint64(32)
+    if hashes.shape[1] > 1:
+        key |= hashes[:, 1]
+    order = np.argsort(key, kind="stable")
+    same = key[order][1:] == key[order][:-1]
+    tied = np.flatnonzero(np.concatenate([same, [False]]) | np.concatenate([[False], same]))
+    if len(tied):  # the tied records are contiguous runs of one key each: re-sorted in place
+        sub = order[tied]
+        order[tied] = sub[np.lexsort((*[t[sub] for t in ties[::-1]], *hashes[sub, 2:].T[::-1], key[sub]))]
+    return order
+
+
+def _permuted(shingles: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(num_perm, shingles) uint64: ((a x + b) mod 2^64) mod (2^61 - 1), low 32 bits, as the
+    library's `get_signature` computes it. The modulo by the Mersenne prime p is folded (x mod p =
+    (x & p) + (x >> 61), less p once if that reaches p): faster than numpy's `%`."""
+    block = a * shingles[None, :]
+    block += b
+    folded = block & _MERSENNE
+    block >>= np.uint64(61)
+    folded += block
+    over = folded >= _MERSENNE
+    if over.any():  # p = -1 mod 2^32, so subtracting p adds 1 to the low 32 bits
+        folded[over] += np.uint64(1)
+    folded &= _LOW32
+    return folded
+
+
+def signature_step(work: Path, dedup: DedupSpec,
+                   read_part: Callable[[int], np.ndarray] | None = None) -> ScannedSignatures:
+    """Stage 1, run in each scan task after the scan: writes the part's files from the signatures
+    the scan spooled (`read_part(rank)`)."""
+    return ScannedSignatures(str(work / SIGNATURES), minhash_config(dedup), read_part)
+
+
+def scan_signer(work: Path, dedup: DedupSpec) -> Callable[[Sequence[Sequence[str]]], np.ndarray] | None:
+    """What the scan computes each batch's signatures with (None: near duplicates off)."""
+    return signature_step(work, dedup).signatures if dedup.near else None
+
+
+class SortedBuckets(MinhashDedupBuckets):
+    """Stage 2 as datatrove's class, vectorised for the one case the prepare runs (one task per
+    band, no index): the band's records of every file sorted at once with numpy instead of merged
+    record by record through a heap of Python objects. The pairs and their order are the library's:
+    records in (hashes, file, row) order, each record paired with the one before it when their
+    hashes are equal; a first hash of 2^32 - 1 ends a file's reading there, as in `read_sigs`."""
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> None:
+        if self.index_folder is not None or world_size != self.config.num_buckets:
+            return super().run(data, rank, world_size)
+        per_band = self.config.hashes_per_bucket
+        record = np.dtype([("hashes", "<u4", (per_band,)), ("row", "<u4")])
+        with self.track_time():
+            files = self.input_folder.list_files(subdirectory=f"bucket_{rank:03d}")
+            parts = []
+            for file in files:
+                with self.input_folder.open(file, mode="rb") as source:
+                    records = np.frombuffer(source.read(), dtype=record)
+                stem = int(Path(file).name.removesuffix(".minhash.sig"))
+                parts.append((records[records["hashes"][:, 0] < self.config.hash_config.max], stem))
+            hashes = np.concatenate([r["hashes"] for r, _ in parts] or [np.zeros((0, per_band), np.uint32)])
+            rows = np.concatenate([r["row"] for r, _ in parts] or [np.zeros(0, np.uint32)])
+            stems = np.concatenate([np.full(len(r), stem, np.uint32) for r, stem in parts] or [np.zeros(0, np.uint32)])
+            files = np.repeat(np.arange(len(parts)), [len(r) for r, _ in parts])
+            order = record_order(hashes, files, rows)  # the heap's order: hashes, file, row
+            hashes, rows, stems = hashes[order], rows[order], stems[order]
+            same = np.flatnonzero((hashes[1:] == hashes[:-1]).all(axis=1)) + 1
+            pairs = np.stack([stems[same - 1], rows[same - 1], stems[same], rows[same]], axis=1).astype("<u4")
+            self.stat_update("total_matches", value=len(pairs))
+            with self.output_folder.open(f"{rank:05d}_00.dups", mode="wb") as sink:
+                sink.write(pairs.tobytes())
 
 
 def bucket_step(work: Path, dedup: DedupSpec) -> MinhashDedupBuckets:
     """Stage 2: one task per band."""
-    return MinhashDedupBuckets(str(work / SIGNATURES), str(work / BUCKETS), config=minhash_config(dedup))
+    return SortedBuckets(str(work / SIGNATURES), str(work / BUCKETS), config=minhash_config(dedup))
 
 
 def cluster_step(work: Path, dedup: DedupSpec) -> MinhashDedupCluster:

@@ -6,15 +6,17 @@ again skips the tasks already marked. The work folder is named by a hash of ever
 decides the parts (`job_key`), so a changed task or file never reuses a stale part.
 
 The scan itself is ours (`ScanStep` wraps trainer/data/scan.py): datatrove's own steps work on one
-document at a time as text, while the scan spools token ids, quality numbers, exact hashes and
-difficulty grades as columns that the whole-task duplicate resolution reads back. Near duplicates
-are datatrove's MinHash stages (trainer/data/near_dedup.py): signatures in each scan task, after
-the scan, from the part's texts; buckets and clusters on the same executor once every part is in.
+document at a time as text, while the scan spools token ids, quality numbers, exact hashes, MinHash
+signatures and difficulty grades as columns that the whole-task duplicate resolution reads back.
+Near duplicates are datatrove's MinHash stages (trainer/data/near_dedup.py): its signature stage
+in each scan task, after the scan (writing the signatures the scan spooled), its buckets and
+clusters on the same executor once every part is in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from datatrove.data import Document
+import numpy as np
 from datatrove.executor.local import LocalPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from loguru import logger
@@ -36,7 +38,7 @@ from specs.task import DifficultySpec, TaskSpec
 from trainer.data import near_dedup
 from trainer.data.difficulty import Grader
 from trainer.data.partial import scan_folder, scan_folders
-from trainer.data.scan import Part, ScanSettings, UnitColumns, part_texts, scan_part
+from trainer.data.scan import Part, ScanSettings, UnitColumns, part_column, scan_part
 from trainer.data.tokenizer import TextTokenizer
 
 SCAN_FORMAT = 2  # raise when a part's files change meaning: older work folders are then not reused
@@ -108,7 +110,7 @@ def scan_settings(job: ScanJob) -> ScanSettings:
                    for key, spec in job.graders.items()}
         _SETTINGS[job.key] = ScanSettings(tokenizer=tokenizer, eos_id=tokenizer.eos_id,
                                           append_eos=job.task.data.append_eos, exact=dedup.exact,
-                                          graders=graders)
+                                          graders=graders, signer=near_dedup.scan_signer(job.work, dedup))
     return _SETTINGS[job.key]
 
 
@@ -130,15 +132,20 @@ class ScanStep(PipelineStep):
         with self.track_time():
             rows = scan_part(job.units[part.unit], part, scan_settings(job), job.work / "parts")
         self.stat_update("documents", value=rows)
-        if job.task.data.dedup.near:  # the input of the next step, datatrove's MinHash signatures
-            for row, text in enumerate(part_texts(job.units[part.unit], part)):
-                yield Document(text=text, id=str(row))
+        if data:
+            yield from data
 
 
 def scan_steps(job: ScanJob) -> list[PipelineStep]:
-    """What each scan task runs: the scan, then (near duplicates on) datatrove's MinHash signatures."""
+    """What each scan task runs: the scan, then (near duplicates on) datatrove's MinHash signature
+    stage, which writes its files from the signatures the scan spooled."""
     dedup = job.task.data.dedup
-    return [ScanStep(job)] + ([near_dedup.signature_step(job.work, dedup)] if dedup.near else [])
+    signatures = near_dedup.signature_step(job.work, dedup, functools.partial(spooled_signatures, job))
+    return [ScanStep(job)] + ([signatures] if dedup.near else [])
+
+
+def spooled_signatures(job: ScanJob, rank: int) -> np.ndarray:
+    return part_column(job.work / "parts", job.parts[rank], "signature")
 
 
 def _kill_hook(job: ScanJob) -> None:

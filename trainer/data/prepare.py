@@ -191,7 +191,7 @@ def _scan_job(entries: list[Entry], units: list[Unit], ctx: Context, out: Path) 
                   work=work_folder(out, key), main_pid=os.getpid())
     remember_settings(key, ScanSettings(tokenizer=ctx.tokenizer, eos_id=ctx.eos_id,
                                         append_eos=ctx.task.data.append_eos, exact=ctx.task.data.dedup.exact,
-                                        graders=ctx.graders))
+                                        graders=ctx.graders, signer=near_dedup.scan_signer(job.work, ctx.task.data.dedup)))
     return job, planned
 
 

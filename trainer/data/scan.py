@@ -1,9 +1,9 @@
 """Step 1 of `advisor data prepare`: the per-document scan of one part of a source file.
 
 A part is a range of rows of one file (trainer/data/parts.py cuts them). Scanning it tokenises,
-measures length and character quality, hashes for exact duplicates and grades difficulty (near
-duplicates: datatrove's MinHash stages read the part's texts afterwards, `part_texts`), and spools the token ids and the per-document numbers into the part's own
-folder: parts are scanned by separate worker processes, in any order, and merged afterwards in
+measures length and character quality, hashes for exact duplicates, MinHashes for near duplicates
+(the signatures datatrove's stages then read: trainer/data/near_dedup.py) and grades difficulty,
+and spools the token ids and the per-document numbers into the part's own folder: parts are scanned by separate worker processes, in any order, and merged afterwards in
 row order (`merge_parts`), so what is merged does not depend on how many workers scanned.
 """
 
@@ -108,6 +108,7 @@ class ScanSettings:
     append_eos: bool
     exact: bool
     graders: dict[str, Grader]
+    signer: Callable[[list[list[str]]], np.ndarray] | None = None  # documents' words -> MinHash signatures
 
 
 @dataclass
@@ -132,10 +133,11 @@ def _batches(unit: UnitColumns, part: Part, extra: tuple[str, ...]) -> Iterator[
     return read_line_range(unit.path, unit.fmt, unit.text_field, extra, READ_BATCH, part.byte_range, part.first_row)
 
 
-def part_texts(unit: UnitColumns, part: Part) -> Iterator[str]:
-    """The part's texts in row order (read again after its scan: the near-duplicate stage's input)."""
-    for batch in _batches(unit, part, ()):
-        yield from batch.texts
+def part_column(root: Path, part: Part, name: str) -> np.ndarray:
+    """One column of a scanned part (its folder under `root`), e.g. its MinHash `signature`s."""
+    spool = ColumnSpool(part_folder(root, part))
+    spool.adopt(json.loads((part_folder(root, part) / _PART_META).read_text())["layout"])
+    return spool.read(name)
 
 
 def scan_part(unit: UnitColumns, part: Part, settings: ScanSettings, root: Path) -> int:
@@ -189,6 +191,8 @@ def _scan_batch(unit: UnitColumns, batch: RowBatch, settings: ScanSettings, spoo
         spool.append(name, stats[name])
     if settings.exact:
         spool.append("exact", np.fromiter((exact_hash(t) for t in batch.texts), dtype=np.uint64, count=len(batch)))
+    if settings.signer is not None:
+        spool.append("signature", settings.signer(docs_words))
     for key, column in unit.graders.items():
         grader = settings.graders[key]
         values = batch.fields.get(grader.spec.field) if grader.spec.by == "field" else None
