@@ -7,8 +7,11 @@ documents whose whole band is equal), clusters (`MinhashDedupCluster`: union-fin
 pairs, one cluster id per document) and a filter that drops all but one member per cluster.
 
 The prepare runs the first three as datatrove runs them: signatures in each scan task (one task
-per part, so a document is (part, row in part)), buckets and clusters on the same executor after
-the scan. The fourth is ours (`near_duplicates`): which documents may take part is known only
+per part, so a document is (part, row in part)), buckets and clusters after the scan, on
+datatrove's local executor in the prepare's process. Stages 1 and 2 are the library's classes with their per-document Python loops
+vectorised (`ScannedSignatures`, `SortedBuckets`): as is, they doubled the CPU of a prepare. Their
+files are the library's, byte for byte (tests/test_near_dedup.py), and stage 3 reads them as is.
+The fourth is ours (`near_duplicates`): which documents may take part is known only
 after the scan (the stages' quality thresholds, exact duplicates), the eval files come first
 (decontamination), and the first candidate of a cluster is kept, so the output does not depend
 on how many workers ran. Each cluster's candidates are verified as before: a member whose
@@ -18,8 +21,9 @@ against nobody stay.
 
 Parameters follow the task's `dedup` spec: `shingle_words`-word shingles over the same words as
 before (lower-cased runs of word characters: `ShingleWords`, with datatrove's own text
-normalisation off), `bands` buckets of `num_perm / bands` hashes each, 32-bit hashes (datatrove's
-SHA-1 shingle hash: its xxhash path passes text where the installed xxhash wants bytes).
+normalisation off), `bands` buckets of `num_perm / bands` hashes each, 32-bit hashes. A shingle's
+hash is ours (its words' SipHash, mixed by position, vectorised over a batch) where the library
+takes a SHA-1 of the shingle's text, one Python call per shingle; the permutations are the library's.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ document at a time as text, while the scan spools token ids, quality numbers, ex
 signatures and difficulty grades as columns that the whole-task duplicate resolution reads back.
 Near duplicates are datatrove's MinHash stages (trainer/data/near_dedup.py): its signature stage
 in each scan task, after the scan (writing the signatures the scan spooled), its buckets and
-clusters on the same executor once every part is in.
+clusters in the prepare's process once every part is in.
 """
 
 from __future__ import annotations
@@ -205,16 +205,18 @@ def run_scan(job: ScanJob, workers: int, log: Log) -> int:
     return reused
 
 
-def run_minhash_stages(job: ScanJob, workers: int) -> None:
-    """datatrove's MinHash buckets (one task per band, `workers` at a time) and clusters (one task)
-    over the signatures the scan tasks wrote; each stage's finished tasks are skipped on a rerun."""
+def run_minhash_stages(job: ScanJob) -> None:
+    """datatrove's MinHash buckets (one task per band) and clusters (one task) over the signatures
+    the scan tasks wrote; each stage's finished tasks are skipped on a rerun. Both run in this
+    process (datatrove's local executor at one worker): a band's buckets take milliseconds
+    (`SortedBuckets`), while a fresh pool's workers each spend a CPU second or more importing."""
     dedup = job.task.data.dedup
     stages = [(near_dedup.bucket_step(job.work, dedup), dedup.bands), (near_dedup.cluster_step(job.work, dedup), 1)]
     logger.remove()
     try:
         for step, tasks in stages:
             folder = job.work / "minhash" / f"logs-{step.name.split()[-1]}"
-            _QuietExecutor([step], tasks=tasks, workers=max(1, min(workers, tasks)), logging_dir=str(folder)).run()
+            _QuietExecutor([step], tasks=tasks, workers=1, logging_dir=str(folder)).run()
     finally:
         logger.remove()
 

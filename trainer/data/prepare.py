@@ -4,11 +4,12 @@ The steps, in order, for every source file of every stage (each file is read onc
 stages use it):
 
 1. scan (streaming, batch by batch): tokenise, measure length and character quality, hash for
-   exact duplicates, grade difficulty; spool the token ids and the per-document numbers to disk.
+   exact duplicates, MinHash for near duplicates, grade difficulty; spool the token ids and the
+   per-document numbers to disk.
    Files are cut into parts (trainer/data/parts.py) scanned as datatrove tasks on several
    processes (trainer/data/pipeline.py, trainer/data/scan.py), then merged in row order, so steps
    2 to 4 see the same columns whatever the number of workers. The same tasks write datatrove's
-   MinHash signatures of their parts, and its bucket and cluster stages follow on the same
+   MinHash signature files of their parts, and its bucket and cluster stages follow on the same
    executor (trainer/data/near_dedup.py);
 2. resolve duplicates over the whole task (eval files first, so a train document that repeats an
    eval document is dropped: decontamination); a document is judged by the thresholds of the
@@ -220,7 +221,7 @@ def _scan(job: ScanJob, planned: list[list[Part]], units: list[Unit], ctx: Conte
     seconds = time.perf_counter() - t0
     if ctx.task.data.dedup.near:
         t1 = time.perf_counter()
-        run_minhash_stages(job, ctx.workers)
+        run_minhash_stages(job)
         ctx.log(f"MinHash buckets and clusters (datatrove) in {time.perf_counter() - t1:.1f} s")
     for unit, parts in zip(units, planned):
         unit.spool, unit.tokens_files, unit.rows, unit.domain_values = merge_parts(
