@@ -166,12 +166,13 @@ def test_scanning_in_parts_on_any_number_of_workers_keeps_and_drops_the_same_doc
 
 
 def _signature(step, text: str) -> np.ndarray:
-    return np.concatenate(step.get_signature(step.get_shingles(text))).astype(np.uint32)
+    return step.signatures([words(text)])[0]
 
 
 def test_datatrove_minhash_over_our_words_estimates_jaccard_and_lsh_follows_the_s_curve(tmp_path: Path) -> None:
-    """datatrove's signature stage, configured from the dedup spec, shingles the same words as the
-    brute-force truth (`words`): its share of equal hashes estimates their Jaccard similarity."""
+    """The signatures the scan computes for datatrove's signature stage, configured from the dedup
+    spec, shingle the same words as the brute-force truth (`words`): their share of equal hashes
+    estimates the Jaccard similarity."""
     rng = random.Random(3)
     vocab = [f"w{i}" for i in range(500)]
     step = near_dedup.signature_step(tmp_path, DedupSpec(num_perm=256, bands=16, shingle_words=SHINGLE))
