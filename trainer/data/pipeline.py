@@ -41,7 +41,9 @@ from trainer.data.partial import scan_folder, scan_folders
 from trainer.data.scan import Part, ScanSettings, UnitColumns, part_column, scan_part
 from trainer.data.tokenizer import TextTokenizer
 
-SCAN_FORMAT = 2  # raise when a part's files change meaning: older work folders are then not reused
+# raise when a part's files change meaning: older work folders are then not reused (1: main's MinHash
+# band keys; 2: no signature column, datatrove's signature stage read the texts again)
+SCAN_FORMAT = 3
 KILL_HOOK = "ADVISOR_PREPARE_KILL_AFTER_PARTS"
 _POLL_S = 1.0
 
