@@ -107,9 +107,10 @@ def ways(documents: int) -> list[tuple[str, int, int]]:
             (ONE_CORE, 1, PART_ROWS), ("2 workers", 2, PART_ROWS)]
 
 
-def run_once(folder: Path, label: str, workers: int, rows_per_part: int) -> dict:
+def run_once(folder: Path, workers: int, rows_per_part: int, one_core: bool = False) -> dict:
+    """One prepare in a fresh process (`one_core`: pinned to core 0); its figures and outcome."""
     out = folder / f"out-{workers}-{rows_per_part}"
-    pinned = ["taskset", "-c", "0"] if label == ONE_CORE else []
+    pinned = ["taskset", "-c", "0"] if one_core else []
     done = subprocess.run([*pinned, sys.executable, "-c", CHILD, str(folder / "task.yaml"), str(out), str(workers),
                            str(rows_per_part)], cwd=ROOT, check=True, capture_output=True, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -134,7 +135,7 @@ def main() -> None:
         (folder / "task.yaml").write_text(yaml.safe_dump(task))
         for repeat in range(args.repeats):
             for label, workers, rows_per_part in ways(args.documents):
-                run = run_once(folder, label, workers, rows_per_part)
+                run = run_once(folder, workers, rows_per_part, one_core=label == ONE_CORE)
                 run["load"] = os.getloadavg()[0]  # the machine is shared: how busy it was
                 runs[label].append(run)
                 print(f"run {repeat + 1}: {label}: {run['seconds']:.1f} s, CPU {run['cpu_s']:.1f} s, "
