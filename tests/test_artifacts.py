@@ -354,10 +354,10 @@ def _check_resumed_on_one_process(plan: Path, run: Path, base_dir: Path, saved: 
     two_rank_losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
     one = _replanned(plan, tmp_path / "one.yaml", FP32)
     resumed = _resumed_run(one, run, base_dir)
-    params = dict(resumed.engine.module.named_parameters())
+    params = dict(resumed.recovery.engine.module.named_parameters())
     assert params.keys() == saved.keys()
     assert all(torch.equal(params[k].detach(), saved[k].view(params[k].shape)) for k in params)
-    moments = resumed.engine.optimizer.state_dict()["state"]
+    moments = resumed.recovery.engine.optimizer.state_dict()["state"]
     assert len(moments) == len(params) and all(float(m["step"]) == STEPS for m in moments.values())
     resumed = None
 
@@ -405,7 +405,7 @@ def _rank_resume(rank: int, world: int, port: int, plan: str, run: str, out: str
     init_rank(rank, world, port, distributed=True, threads=1)
     resumed = _resumed_run(Path(plan), Path(run), None)
     whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-             for n, p in resumed.engine.module.named_parameters()}
+             for n, p in resumed.recovery.engine.module.named_parameters()}
     if rank == 0:
         torch.save(whole, out)
     resumed = whole = None

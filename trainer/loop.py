@@ -19,7 +19,6 @@ from specs.errors import UsageError
 from specs.plan_file import Plan
 from specs.run_dir import DataEvent, ResumeEvent
 from profiler.tensor_memory import TensorMemory
-from trainer.corpus import tokenizer_for
 from trainer.engines import device
 from trainer.evaluator import Evaluator
 from trainer.loop_state import LoopState
@@ -31,6 +30,7 @@ from trainer.run_context import RunContext, rank_world
 from trainer.run_files import RunFiles
 from trainer.run_identity import restarted
 from trainer.run_length import change_length
+from trainer.run_reuse import run_tokenizer, vocab_size
 from trainer.run_summary import finish
 from trainer.stage_runner import StageRunner, progress_bars
 
@@ -82,10 +82,8 @@ class Run:
         files = RunFiles(run_dir, rank == 0)
         # before the run dir is claimed: a refusal leaves no run
         check_weights(plan.model, options.weights, options.trust_remote_code)
-        vocab = int(plan.model.hf_config.get("vocab_size", 0))
-        tokenizer = tokenizer_for(plan.task, plan.model.name, vocab, options.weights, options.template,
-                                  options.trust_remote_code)
-        self.ctx = RunContext(plan, options, files, device(), rank, world, tokenizer, vocab)
+        self.ctx = RunContext(plan, options, files, device(), rank, world, run_tokenizer(plan, options),
+                              vocab_size(plan))
         self.memory = TensorMemory(self.ctx.dev)  # before the model is built: it counts what is allocated from now on
         self.state = LoopState(positions=[0] * len(plan.task.stages))
         self.recovery = Recovery(self.ctx, self.state)
@@ -113,8 +111,3 @@ class Run:
             change_length(self.stages, saved_length)
         recovery.settle()
         recovery.log_segment("resume" if last is not None else "start")
-
-    @property
-    def engine(self):
-        """The engine in force (it changes with an out-of-memory fallback)."""
-        return self.recovery.engine

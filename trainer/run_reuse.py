@@ -36,6 +36,14 @@ def vocab_size(plan: Plan) -> int:
     return int(plan.model.hf_config.get("vocab_size", 0))
 
 
+def run_tokenizer(plan: Plan, options: TrainOptions) -> Any:
+    """The tokenizer a run of `plan` with `options` reads its data with (the loop's, and the one its
+    fingerprint names)."""
+    assert plan.task is not None
+    return tokenizer_for(plan.task, plan.model.name, vocab_size(plan), options.weights, options.template,
+                         options.trust_remote_code)
+
+
 def run_fingerprint(plan: Plan, options: TrainOptions, tokenizer: Any, digests: FileDigests) -> dict[str, Any]:
     """The fingerprint a run of `plan` with `options` writes to run.json (`tokenizer`: the one the run
     reads with; its files count by content)."""
@@ -57,9 +65,7 @@ def held(plan: Plan, run_dir: Path, options: TrainOptions) -> Held:
     record = read_run(run_dir)
     if record is None or plan.task is None:
         return Held.OTHER
-    tokenizer = tokenizer_for(plan.task, plan.model.name, vocab_size(plan), options.weights, options.template,
-                              options.trust_remote_code)
-    current = run_fingerprint(plan, options, tokenizer, saved_digests(run_dir))
+    current = run_fingerprint(plan, options, run_tokenizer(plan, options), saved_digests(run_dir))
     # compared as run.json stores it: JSON (tuples become lists)
     if record.get("fingerprint") != json.loads(json.dumps(current, default=str)):
         return Held.OTHER
