@@ -1,6 +1,6 @@
 """Launcher files for a plan: a DeepSpeed config and an accelerate config where those tools run the
 chosen layout as the trainer does, the torchrun command and a Slurm batch script. The bucket sizes
-are the ones the cost model assumed (`zero_bucket_elems`).
+are the ones the cost model assumed (`planner.zero_buffers.zero_settings`).
 
 deepspeed.json and accelerate.yaml are for the user's own training script (an HF Trainer, an
 accelerate loop), which computes transformers' loss over the whole logits rather than the trainer's
@@ -21,7 +21,7 @@ from specs.plan_file import Plan
 from specs.run_dir import PLAN_FILE
 from specs.core import GiB, Layout, MemoryEstimate, ModelSpec, safe_name
 from planner.cost_model import engine_of, estimate_from_trace
-from planner.stage_memory import zero_bucket_elems
+from planner.zero_buffers import zero_settings
 from planner.memory import logits_fp32_bytes
 from profiler.model_trace import trace_model
 
@@ -39,14 +39,15 @@ def model_deepspeed_config(model: ModelSpec, device_type: str, layout: Layout) -
     trainer's timed steps (calibration, verification, the benches) configure DeepSpeed as
     `advisor train` does."""
     trace = trace_model(model, layout.seq, layout.dtype, layout.method, layout.lora_rank, device_type=device_type)
-    bucket = zero_bucket_elems(trace, layout)
-    zero: dict = {"stage": layout.zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                  "contiguous_gradients": True, "overlap_comm": device_type == "cuda"}
-    if layout.zero == 3:
+    settings = zero_settings(trace, layout, device_type)  # the cost model prices DeepSpeed's buffers from these
+    bucket = settings.bucket_elems
+    zero: dict = {"stage": settings.stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                  "contiguous_gradients": settings.contiguous_gradients, "overlap_comm": settings.overlap_comm}
+    if settings.stage == 3:
         zero.update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=0)
-    if layout.offload != "none":
+    if settings.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if layout.offload == "optimizer+params":
+    if settings.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     # DeepSpeed checks train_batch_size == micro * accumulation * its world size, which is its
     # data-parallel size: the plan's whole world for the layouts DeepSpeed runs (tp = pp = 1)

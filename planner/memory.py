@@ -21,7 +21,6 @@ NF4_TENSOR_BYTES = 4 * (16 + 1 + 256)
 QLORA_UNQUANTIZED_BYTES = 4
 # peft keeps LoRA adapters in fp32 by default (`autocast_adapter_dtype=True`), whatever the base.
 ADAPTER_BYTES = 4
-ZERO_REDUCE_BUCKET_ELEMS = 50_000_000
 ZERO3_PREFETCH_LAYERS = 2  # the layer being computed plus the one being all-gathered ahead
 # DeepSpeed ZeRO-3 defaults our exported config keeps: a gathered parameter is released only when its
 # next use is further than stage3_max_reuse_distance parameters away, and at most

@@ -6,7 +6,6 @@ optimizer's scratch and the activations of the micro-batches in flight."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from specs.engine_traits import traits
@@ -19,7 +18,6 @@ from specs.core import (
 from planner.memory import (
     ADAPTER_BYTES,
     HOST_MEMORY_USABLE,
-    ZERO_REDUCE_BUCKET_ELEMS,
     autocast_weight_copy_bytes,
     fsdp_shards,
     gathered_parameter_bytes,
@@ -35,6 +33,7 @@ from planner.memory import (
     stored_dtype_bytes,
 )
 from profiler.model_trace import ModelTrace
+from planner.zero_buffers import ZeroBuffers, zero_bucket_elems, zero_buffers, zero_settings
 from planner.stage_params import adapted_linears_per_layer, device_params, engine_of, model_shape
 
 
@@ -76,14 +75,6 @@ def regrown_gradient_bytes(trace: ModelTrace, layout: Layout, engine: str, stage
     if stage == 0 and not model_shape(trace).tied_embeddings:
         before += trace.embedding.trainable_params / vocab_shards(layout, engine)  # the embedding's comes last
     return gradients * max(trainable - before, 0.0) / trainable
-
-
-def zero_bucket_elems(trace: ModelTrace, layout: Layout) -> int:
-    """DeepSpeed reduce/all-gather bucket that our exported configs set: the default 5e7 elements,
-    shrunk to the trainable parameters of one model shard for small models (DeepSpeed allocates the
-    whole bucket up front)."""
-    shard = trace.trainable_params / (layout.tp * layout.pp)
-    return int(min(ZERO_REDUCE_BUCKET_ELEMS, math.ceil(shard)))
 
 
 def optimizer_temporaries(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engine: str,
@@ -198,13 +189,14 @@ def stage_memory(
 
     # a gradient as the engine keeps it: fp32 where the weights are (autocast, FSDP2), 16-bit beside DeepSpeed's master
     grad_bytes = stored_dtype_bytes(layout, engine) if layout.method == "full" else ADAPTER_BYTES
-    # DeepSpeed's gradient bucket (`setup_buckets`): across replicas; on a GPU, where our exported config
-    # sets `overlap_comm`, also ZeRO-2's at one replica (its gradient hooks partition whatever dp is), and
-    # ZeRO-1/2's doubled there, so that one bucket fills while the other is reduced or copied to the host
-    overlapped = hardware.device_type == "cuda"
-    deepspeed_buckets = traits(engine).flat_partition and (layout.dp > 1 or (overlapped and layout.zero == 2))
-    doubled = overlapped and layout.zero < 3  # stage_1_and_2.py's double buffer; ZeRO-3 keeps one
-    buckets = zero_bucket_elems(trace, layout) * grad_bytes * (2 if doubled else 1) if deepspeed_buckets else 0.0
+    deepspeed = deepspeed_zero12_buffers(trace, layout, hardware, engine, trainable, grad_bytes, last)
+    # ZeRO-3's one reduce bucket across replicas (its own partitioned path; stage3.py)
+    zero3_bucket = traits(engine).flat_partition and layout.zero == 3 and layout.dp > 1
+    buckets = zero_bucket_elems(trace, layout) * grad_bytes if zero3_bucket else 0.0
+    if deepspeed:
+        buckets = deepspeed.buckets
+    # what the optimizer keeps on the device: its states, or under offload DeepSpeed's staging buffer
+    optimizer = states.optimizer + (deepspeed.staging if deepspeed else 0.0)
     root = params - layers * trace.layer.params / tp
     gathered = gathered_parameter_bytes(params, trace.layer.params / tp, root, layout, engine)
     gathered += autocast_weight_copy_bytes(trace, layout, engine, layers, last)  # 16-bit weights, like a gather
@@ -216,22 +208,14 @@ def stage_memory(
         tied_gradient = tied_embedding_gradient_bytes(trace, layout, engine)
         # every other gradient exists by then: in resident buffers, or in `.grad` beside the bucket
         others = 0.0 if resident else trainable * grad_bytes - tied_gradient
-        tied_backward = (states.weights + states.optimizer + resident + buckets + others
+        tied_backward = (states.weights + optimizer + resident + buckets + others
                          + tied_copies * tied_gradient)
-    first_gradient = 0.0
-    if deepspeed_buckets and layout.zero == 3:
+    if zero3_bucket:
         # ZeRO-3 reduces gradients during backward through its bucket, allocated as the first
         # gradients arrive: alive with the loss's buffers (measured on this CPU; ZeRO-2's is not)
         gathered += buckets
-    elif deepspeed_buckets:
-        # ZeRO-1/2 set their bucket up as the first gradient arrives (DeepSpeed's `setup_buckets`,
-        # from its gradient hook): the LM head's, or a tied head's held in autograd's buffer, once
-        # the loss's buffers are freed, beside every activation. Where the loss's buffers are small
-        # (vocabularies of 2k-4k) this is the peak (measured on this CPU: 4-12% above the start of
-        # backward; tests/test_deepspeed_bucket_memory.py)
-        first_gradient = buckets + (head_gradient_bytes(trace, layout, engine) if last else 0.0)
     return StageMemory(
-        weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
+        weights=states.weights, gradients=states.gradients, optimizer=optimizer,
         resident_gradients=resident,
         activations=activations,
         logits=logits_transient_bytes(trace, layout, engine) if last else 0.0,
@@ -239,12 +223,30 @@ def stage_memory(
         regrown_gradients=(regrown_gradient_bytes(trace, layout, engine, stage, states.gradients, trainable, resident)
                            if regrows else 0.0),
         zero3_live=gathered,
-        first_gradient=first_gradient,
-        scratch=buckets + optimizer_temporaries(trace, layout, hardware, engine, trainable),
+        first_gradient=deepspeed.first_gradient if deepspeed else 0.0,
+        scratch=((deepspeed.reduce if deepspeed else buckets)
+                 + optimizer_temporaries(trace, layout, hardware, engine, trainable)),
         tied_backward=tied_backward,
         host=states.host,
         host_capacity=host_share(layout, hardware),
     )
+
+
+def deepspeed_zero12_buffers(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engine: str,
+                             trainable: float, grad_bytes: float, last: bool) -> ZeroBuffers | None:
+    """DeepSpeed ZeRO-1/2's device buffers (planner/zero_buffers.py), None for other engines and ZeRO-3.
+
+    The buckets exist at every dp (the gradient hooks that set them up run whenever gradients are
+    contiguous, as ours are) and are set up as the first gradient arrives (`setup_buckets`): the LM
+    head's, or a tied head's held in autograd's buffer, once the loss's buffers are freed, beside
+    every activation. Where the loss's buffers are small (vocabularies of 2k-4k) this is the peak
+    (measured on this CPU: 4-12% above the start of backward; tests/test_deepspeed_bucket_memory.py).
+    Under optimizer offload, a bucket reduced during backward is normed in fp64 and copied to the
+    host there and then (the H200's ZeRO-2 offload row: tests/test_h200_evidence.py)."""
+    if not traits(engine).flat_partition or layout.zero == 3:
+        return None
+    head = head_gradient_bytes(trace, layout, engine) if last else 0.0
+    return zero_buffers(trace, layout, zero_settings(trace, layout, hardware.device_type), trainable, grad_bytes, head)
 
 
 def host_share(layout: Layout, hardware: HardwareSpec) -> float:

@@ -33,7 +33,6 @@ KNOWN_MISSES = {
                  "suspect: the adapters' weight-gradient GEMMs (an in x 16 output over 8,192 tokens) keep a "
                  "few of the 132 SMs busy (bench/gpu_check.py times them)",
     (4, "step"): "QLoRA priced 20% fast (399 ms against 502 measured): the same ~100 ms as LoRA's",
-    (5, "peak"): "ZeRO-2 with optimizer offload 5.3% low: DeepSpeed's offload staging buffers are not priced",
 }
 
 
