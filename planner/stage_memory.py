@@ -189,7 +189,7 @@ def stage_memory(
 
     # a gradient as the engine keeps it: fp32 where the weights are (autocast, FSDP2), 16-bit beside DeepSpeed's master
     grad_bytes = stored_dtype_bytes(layout, engine) if layout.method == "full" else ADAPTER_BYTES
-    deepspeed = deepspeed_zero12_buffers(trace, layout, hardware, engine, trainable, grad_bytes, last)
+    deepspeed = deepspeed_zero12_buffers(trace, layout, hardware, engine, grad_bytes, last)
     # ZeRO-3's one reduce bucket across replicas (its own partitioned path; stage3.py)
     zero3_bucket = traits(engine).flat_partition and layout.zero == 3 and layout.dp > 1
     buckets = zero_bucket_elems(trace, layout) * grad_bytes if zero3_bucket else 0.0
@@ -233,7 +233,7 @@ def stage_memory(
 
 
 def deepspeed_zero12_buffers(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, engine: str,
-                             trainable: float, grad_bytes: float, last: bool) -> ZeroBuffers | None:
+                             grad_bytes: float, last: bool) -> ZeroBuffers | None:
     """DeepSpeed ZeRO-1/2's device buffers (planner/zero_buffers.py), None for other engines and ZeRO-3.
 
     The buckets exist at every dp (the gradient hooks that set them up run whenever gradients are
@@ -246,6 +246,9 @@ def deepspeed_zero12_buffers(trace: ModelTrace, layout: Layout, hardware: Hardwa
     if not traits(engine).flat_partition or layout.zero == 3:
         return None
     head = head_gradient_bytes(trace, layout, engine) if last else 0.0
+    # DeepSpeed runs the whole model on each rank (tp = pp = 1): its partition is the model's, whatever
+    # layer count the planner's ILP samples the stage at (its coefficients take these as constants)
+    trainable = trace.trainable_params / (layout.tp * layout.pp)
     return zero_buffers(trace, layout, zero_settings(trace, layout, hardware.device_type), trainable, grad_bytes, head)
 
 

@@ -109,9 +109,10 @@ def offload_staging_bytes(trace: ModelTrace, layout: Layout, settings: ZeroSetti
 
 
 def reduced_during_backward(trainable: float, settings: ZeroSettings) -> bool:
-    """Whether a bucket is reduced before backward ends: the gradients outgrow one bucket (else
-    everything is reduced in the epilogue, once the activations are freed)."""
-    return trainable > settings.bucket_elems
+    """Whether a bucket is reduced before backward ends: the gradient hooks reduce (`process_gradients`:
+    ZeRO-2, or `overlap_comm`; ZeRO-1 without it reduces after backward) and the gradients outgrow one
+    bucket (else everything is reduced in the epilogue, once the activations are freed)."""
+    return (settings.stage == 2 or settings.overlap_comm) and trainable > settings.bucket_elems
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,9 @@ class ZeroBuffers:
     # gradient as autograd made it, or, where a bucket is reduced during backward under offload,
     # with its fp64 norm copy (and the gradient itself, where it is too large for the bucket)
     first_gradient: float
-    # once the activations are freed: the buckets with the largest gradient's fp64 norm copy
-    # (offload; the rest of the gradients are in the buckets or already on the host)
+    # once the activations are freed: the buckets, and under offload the largest gradient's fp64
+    # norm copy with that gradient where it is too large for a bucket (the rest of the gradients are
+    # in the buckets or already on the host)
     reduce: float
 
 
@@ -143,7 +145,9 @@ def zero_buffers(trace: ModelTrace, layout: Layout, settings: ZeroSettings, trai
         if reduced_during_backward(trainable, settings):
             first_gradient = max(first_gradient, buckets + _first_reduce_bytes(trace, layout, settings, partition,
                                                                                    head_gradient))
-        reduce += NORM_COPY_BYTES * min(largest_trainable_elems(trace, layout), partition)
+        largest = largest_trainable_elems(trace, layout)
+        kept_apart = largest * grad_bytes if largest > settings.bucket_elems else 0.0
+        reduce += kept_apart + NORM_COPY_BYTES * min(largest, partition)
     return ZeroBuffers(buckets=buckets, staging=offload_staging_bytes(trace, layout, settings, grad_bytes),
                        first_gradient=first_gradient, reduce=reduce)
 
