@@ -173,8 +173,10 @@ def write_table(args: argparse.Namespace, runs: dict[str, list[dict]], truth: di
             f"and dropped {dropped.get('exact_duplicate', 0):,} exact / {dropped.get('near_duplicate', 0):,} near "
             f"duplicates. Load average (1 min) after each run: {_loads(runs)} on {os.cpu_count()} cores.\n\n" +
             "\n".join(lines) +
-            "\n\nThe scan (tokenise, quality numbers, hashes, MinHash, grades) is what runs on the workers; the merge, "
-            "duplicate resolution over the whole corpus, bucketing and shard writing stay in the prepare's process. "
+            "\n\nThe scan (tokenise, quality numbers, hashes, MinHash signatures, grades) and datatrove's MinHash "
+            "signature stage (its files from the scan's signatures) run on the workers; datatrove's MinHash buckets "
+            "(one task per band) and clusters, the merge, duplicate resolution over the whole corpus, bucketing and "
+            "shard writing stay in the prepare's process. "
             f"'{ONE_CORE}' is the 1-worker prepare pinned to core 0 (`taskset -c 0`): unpinned, the tokenizer's batch "
             "encoding spreads over every core (its rayon pool), so '1 worker' already uses more than one core (its CPU "
             "seconds against its wall time).")

@@ -17,7 +17,9 @@ import pytest
 import yaml
 
 from presets import load_task
-from trainer.data.dedup import DocumentHasher, MinHashParams, candidate_probability, words
+from specs.task import DedupSpec
+from trainer.data import near_dedup
+from trainer.data.dedup import candidate_probability, words
 from trainer.data.prepare import prepare
 from trainer.data.shards import load_shard
 
@@ -163,22 +165,41 @@ def test_scanning_in_parts_on_any_number_of_workers_keeps_and_drops_the_same_doc
     assert not list(tmp_path.glob(".*scan-*")), "the scan's work folder is removed once the output is whole"
 
 
-def test_minhash_estimates_jaccard_and_lsh_follows_the_s_curve() -> None:
+def _signature(step, text: str) -> np.ndarray:
+    return step.signatures([words(text)])[0]
+
+
+def test_datatrove_minhash_over_our_words_estimates_jaccard_and_lsh_follows_the_s_curve(tmp_path: Path) -> None:
+    """The signatures the scan computes for datatrove's signature stage, configured from the dedup
+    spec, shingle the same words as the brute-force truth (`words`): their share of equal hashes
+    estimates the Jaccard similarity."""
     rng = random.Random(3)
     vocab = [f"w{i}" for i in range(500)]
-    hasher = DocumentHasher(MinHashParams(num_perm=256, bands=16, shingle_words=SHINGLE))
+    step = near_dedup.signature_step(tmp_path, DedupSpec(num_perm=256, bands=16, shingle_words=SHINGLE))
     base = [rng.choice(vocab) for _ in range(200)]
     for changed in (5, 20, 60, 120):
         other = list(base)
         for i in rng.sample(range(200), changed):
             other[i] = rng.choice(vocab)
-        a, b = " ".join(base), " ".join(other)
-        sig = hasher.signatures([words(a), words(b)])
-        estimate = float((sig[0] == sig[1]).mean())
+        a, b = " ".join(base), "  ".join(other).upper() + "!"  # case, spacing and punctuation do not count
+        estimate = float((_signature(step, a) == _signature(step, b)).mean())
         # standard error of the estimate is sqrt(J(1-J)/k) <= 0.031 for k=256: allow 4 of them
         assert abs(estimate - jaccard(a, b)) < 0.125, changed
     assert candidate_probability(0.9, 16, 8) > 0.999 and candidate_probability(0.3, 16, 8) < 0.002
-    # a batch gives each document the signature it gets alone
-    docs = [words(" ".join(rng.choice(vocab) for _ in range(n))) for n in (0, 1, 4, 5, 6, 50)]
-    together = hasher.signatures(docs)
-    assert all(np.array_equal(together[i], hasher.signatures([d])[0]) for i, d in enumerate(docs))
+
+
+def test_of_a_cluster_the_first_candidate_stays_and_unverified_members_too() -> None:
+    """Rows 0..6; cluster 5 = {1, 3, 4, 6}, cluster 9 = {0, 2}; row 2 is no candidate (an exact
+    duplicate, say). Signatures of 10 hashes: row 3 shares 9 with row 1 (0.9), row 4 shares 9 with
+    row 3 (its predecessor) but 8 with row 1, row 6 shares 2 with everyone (a bucket collision)."""
+    cluster = np.array([9, 5, 9, 5, 5, -1, 5])
+    candidates = np.array([True, True, False, True, True, True, True])
+    base = np.arange(10, dtype=np.uint32)
+    sig = {1: base, 3: np.where(np.arange(10) == 0, 99, base), 4: np.where(np.arange(10) < 2, 99, base),
+           6: np.where(np.arange(10) < 8, 77, base), 0: base + 50}
+    members = np.flatnonzero(candidates & (cluster >= 0))
+    signatures = np.stack([sig[int(m)] for m in members]).astype(np.uint32)
+    dup = near_dedup.near_duplicates(cluster, candidates, signatures, threshold=0.85)
+    # 3 verifies against 1 (0.9); 4 against 3 (0.9, not against 1: 0.8); 6 against nobody (0.2);
+    # 0 is alone among its cluster's candidates
+    assert np.flatnonzero(dup).tolist() == [3, 4]

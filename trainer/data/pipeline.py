@@ -7,13 +7,16 @@ decides the parts (`job_key`), so a changed task or file never reuses a stale pa
 
 The scan itself is ours (`ScanStep` wraps trainer/data/scan.py): datatrove's own steps work on one
 document at a time as text, while the scan spools token ids, quality numbers, exact hashes, MinHash
-band keys and difficulty grades as columns that the whole-task duplicate resolution reads back;
-datatrove's MinHash stages write their own signature files and cluster ids, a later increment.
+signatures and difficulty grades as columns that the whole-task duplicate resolution reads back.
+Near duplicates are datatrove's MinHash stages (trainer/data/near_dedup.py): its signature stage
+in each scan task, after the scan (writing the signatures the scan spooled), its buckets and
+clusters in the prepare's process once every part is in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 from datatrove.executor.local import LocalPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from loguru import logger
@@ -31,13 +35,15 @@ from loguru import logger
 from specs import environment
 from specs.errors import UsageError
 from specs.task import DifficultySpec, TaskSpec
-from trainer.data.dedup import DocumentHasher, MinHashParams
+from trainer.data import near_dedup
 from trainer.data.difficulty import Grader
 from trainer.data.partial import scan_folder, scan_folders
-from trainer.data.scan import Part, ScanSettings, UnitColumns, scan_part
+from trainer.data.scan import Part, ScanSettings, UnitColumns, part_column, scan_part
 from trainer.data.tokenizer import TextTokenizer
 
-SCAN_FORMAT = 1  # raise when a part's files change meaning: older work folders are then not reused
+# raise when a part's files change meaning: older work folders are then not reused (1: main's MinHash
+# band keys; 2: no signature column, datatrove's signature stage read the texts again)
+SCAN_FORMAT = 3
 KILL_HOOK = "ADVISOR_PREPARE_KILL_AFTER_PARTS"
 _POLL_S = 1.0
 
@@ -102,12 +108,11 @@ def scan_settings(job: ScanJob) -> ScanSettings:
         share_cores(job)
         dedup = job.task.data.dedup
         tokenizer = TextTokenizer(job.tokenizer_path, job.trusted)
-        hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
         graders = {key: Grader(spec, Path(job.task.base_dir), job.task.seq_len, job.allow_code, job.trusted)
                    for key, spec in job.graders.items()}
         _SETTINGS[job.key] = ScanSettings(tokenizer=tokenizer, eos_id=tokenizer.eos_id,
                                           append_eos=job.task.data.append_eos, exact=dedup.exact,
-                                          hasher=hasher, graders=graders)
+                                          graders=graders, signer=near_dedup.scan_signer(job.work, dedup))
     return _SETTINGS[job.key]
 
 
@@ -131,6 +136,18 @@ class ScanStep(PipelineStep):
         self.stat_update("documents", value=rows)
         if data:
             yield from data
+
+
+def scan_steps(job: ScanJob) -> list[PipelineStep]:
+    """What each scan task runs: the scan, then (near duplicates on) datatrove's MinHash signature
+    stage, which writes its files from the signatures the scan spooled."""
+    dedup = job.task.data.dedup
+    signatures = near_dedup.signature_step(job.work, dedup, functools.partial(spooled_signatures, job))
+    return [ScanStep(job)] + ([signatures] if dedup.near else [])
+
+
+def spooled_signatures(job: ScanJob, rank: int) -> np.ndarray:
+    return part_column(job.work / "parts", job.parts[rank], "signature")
 
 
 def _kill_hook(job: ScanJob) -> None:
@@ -173,7 +190,7 @@ def run_scan(job: ScanJob, workers: int, log: Log) -> int:
     logging_dir = job.work / "datatrove"
     workers = max(1, min(workers, len(job.parts)))
     job.worker_threads = max(1, len(os.sched_getaffinity(0)) // workers)
-    executor = _QuietExecutor([ScanStep(job)], tasks=len(job.parts), workers=workers, logging_dir=str(logging_dir))
+    executor = _QuietExecutor(scan_steps(job), tasks=len(job.parts), workers=workers, logging_dir=str(logging_dir))
     reused = len(job.parts) - len(executor.get_incomplete_ranks())
     if reused:
         log(f"resuming: {reused} of {len(job.parts)} parts were scanned before")
@@ -188,6 +205,22 @@ def run_scan(job: ScanJob, workers: int, log: Log) -> int:
         watcher.join()
         logger.remove()  # the sinks datatrove added while it ran
     return reused
+
+
+def run_minhash_stages(job: ScanJob) -> None:
+    """datatrove's MinHash buckets (one task per band) and clusters (one task) over the signatures
+    the scan tasks wrote; each stage's finished tasks are skipped on a rerun. Both run in this
+    process (datatrove's local executor at one worker): a band's buckets take milliseconds
+    (`SortedBuckets`), while a fresh pool's workers each spend a CPU second or more importing."""
+    dedup = job.task.data.dedup
+    stages = [(near_dedup.bucket_step(job.work, dedup), dedup.bands), (near_dedup.cluster_step(job.work, dedup), 1)]
+    logger.remove()
+    try:
+        for step, tasks in stages:
+            folder = job.work / "minhash" / f"logs-{step.name.split()[-1]}"
+            _QuietExecutor([step], tasks=tasks, workers=1, logging_dir=str(folder)).run()
+    finally:
+        logger.remove()
 
 
 def _report_progress(job: ScanJob, logging_dir: Path, stop: threading.Event, log: Log) -> None:
@@ -225,7 +258,7 @@ def write_slurm_scripts(job: ScanJob, options: SlurmOptions, finish_command: str
 
     logging_dir = job.work / "datatrove"
     executor = slurm.SlurmPipelineExecutor(
-        [ScanStep(job)], tasks=len(job.parts), time=options.time, partition=options.partition, cpus_per_task=1,
+        scan_steps(job), tasks=len(job.parts), time=options.time, partition=options.partition, cpus_per_task=1,
         mem_per_cpu_gb=options.mem_per_cpu_gb, workers=options.array_parallelism, job_name=options.job_name,
         logging_dir=str(logging_dir), slurm_logs_folder=str(job.work / "slurm_logs"), requeue=True, qos="",
         mail_type="NONE")
