@@ -42,8 +42,9 @@ from trainer.data.scan import Part, ScanSettings, UnitColumns, part_column, scan
 from trainer.data.tokenizer import TextTokenizer
 
 # raise when a part's files change meaning: older work folders are then not reused (1: main's MinHash
-# band keys; 2: no signature column, datatrove's signature stage read the texts again)
-SCAN_FORMAT = 3
+# band keys; 2: no signature column, datatrove's signature stage read the texts again; 3: buckets over
+# every document, clusters of unverified pairs)
+SCAN_FORMAT = 4
 KILL_HOOK = "ADVISOR_PREPARE_KILL_AFTER_PARTS"
 _POLL_S = 1.0
 
@@ -64,7 +65,6 @@ class ScanJob:
     parts: list[Part]                     # by index: task rank r scans parts[r]
     work: Path
     main_pid: int
-    worker_threads: int = 0  # threads each pool worker's tokenizer may use (run_scan sets it; 0: its default)
 
 
 def job_key(fingerprint: str, rows_per_part: int, tokenizer_path: Path) -> str:
@@ -90,22 +90,36 @@ def remember_settings(key: str, settings: ScanSettings) -> None:
     _SETTINGS[key] = settings
 
 
-def share_cores(job: ScanJob) -> None:
-    """Before a pool worker builds its tokenizer: limit its batch encoding to the worker's share of
-    the cores. `tokenizers` encodes a batch on a rayon pool as wide as the machine, so 2 workers on
-    2 cores would run 4 busy threads that preempt each other; at one core each the batch is encoded
-    on the calling thread (TOKENIZERS_PARALLELISM, read at every call). The in-process worker of a
-    1-worker scan owns every core and keeps the default."""
-    if os.getpid() == job.main_pid or job.worker_threads <= 0:
-        return
-    os.environ["RAYON_NUM_THREADS"] = str(job.worker_threads)  # read once, when the pool is first built
-    if job.worker_threads == 1:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+def one_core_per_worker() -> None:
+    """A worker scans on one core, on every executor: `--workers N` uses N cores, as datatrove's
+    Slurm and Ray executors give each task one CPU. `tokenizers` would encode a batch on a rayon
+    pool as wide as the machine (a 1-worker scan then took about 1.3 cores here, and 2 workers on 2
+    cores ran 4 busy threads that preempt each other); with TOKENIZERS_PARALLELISM off it encodes on
+    the calling thread (read at every call; RAYON_NUM_THREADS when the pool is first built). The
+    prepare's own process (the in-process task of a 1-worker scan) sets it for the scan only
+    (`one_core_here`)."""
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+@contextlib.contextmanager
+def one_core_here() -> Iterator[None]:
+    """`one_core_per_worker` in the prepare's process for the scan's duration, then as it was."""
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
 def scan_settings(job: ScanJob) -> ScanSettings:
     if job.key not in _SETTINGS:
-        share_cores(job)
+        if os.getpid() != job.main_pid:
+            one_core_per_worker()
         dedup = job.task.data.dedup
         tokenizer = TextTokenizer(job.tokenizer_path, job.trusted)
         graders = {key: Grader(spec, Path(job.task.base_dir), job.task.seq_len, job.allow_code, job.trusted)
@@ -189,7 +203,6 @@ def run_scan(job: ScanJob, workers: int, log: Log) -> int:
     """Scan every part not finished before, `workers` at a time; returns how many were reused."""
     logging_dir = job.work / "datatrove"
     workers = max(1, min(workers, len(job.parts)))
-    job.worker_threads = max(1, len(os.sched_getaffinity(0)) // workers)
     executor = _QuietExecutor(scan_steps(job), tasks=len(job.parts), workers=workers, logging_dir=str(logging_dir))
     reused = len(job.parts) - len(executor.get_incomplete_ranks())
     if reused:
@@ -199,7 +212,8 @@ def run_scan(job: ScanJob, workers: int, log: Log) -> int:
     watcher = threading.Thread(target=_report_progress, args=(job, logging_dir, stop, log), daemon=True)
     watcher.start()
     try:
-        executor.run()
+        with one_core_here():
+            executor.run()
     finally:
         stop.set()
         watcher.join()
@@ -207,13 +221,17 @@ def run_scan(job: ScanJob, workers: int, log: Log) -> int:
     return reused
 
 
-def run_minhash_stages(job: ScanJob) -> None:
-    """datatrove's MinHash buckets (one task per band) and clusters (one task) over the signatures
-    the scan tasks wrote; each stage's finished tasks are skipped on a rerun. Both run in this
-    process (datatrove's local executor at one worker): a band's buckets take milliseconds
+def run_minhash_stages(job: ScanJob, keep: Callable[[int], np.ndarray],
+                       signatures: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+    """datatrove's MinHash buckets (one task per band, over the documents `keep` lets take part),
+    our verification of their pairs, and datatrove's clusters (one task), over the signatures the
+    scan tasks wrote; each stage's finished tasks are skipped on a rerun. All run in this process
+    (datatrove's local executor at one worker): a band's buckets take milliseconds
     (`SortedBuckets`), while a fresh pool's workers each spend a CPU second or more importing."""
     dedup = job.task.data.dedup
-    stages = [(near_dedup.bucket_step(job.work, dedup), dedup.bands), (near_dedup.cluster_step(job.work, dedup), 1)]
+    stages = [(near_dedup.bucket_step(job.work, dedup, keep), dedup.bands),
+              (near_dedup.verify_step(job.work, dedup, signatures), 1),
+              (near_dedup.cluster_step(job.work, dedup), 1)]
     logger.remove()
     try:
         for step, tasks in stages:

@@ -9,11 +9,11 @@ stages use it):
    Files are cut into parts (trainer/data/parts.py) scanned as datatrove tasks on several
    processes (trainer/data/pipeline.py, trainer/data/scan.py), then merged in row order, so steps
    2 to 4 see the same columns whatever the number of workers. The same tasks write datatrove's
-   MinHash signature files of their parts, and its bucket and cluster stages follow on the same
-   executor (trainer/data/near_dedup.py);
+   MinHash signature files of their parts (trainer/data/near_dedup.py); each worker is one core;
 2. resolve duplicates over the whole task (eval files first, so a train document that repeats an
    eval document is dropped: decontamination); a document is judged by the thresholds of the
-   stages that read it; of a MinHash cluster the first candidate stays;
+   stages that read it; datatrove's MinHash buckets and clusters over the documents left, their
+   pairs verified in between; of a cluster the first candidate stays;
 3. per stage: select rows (domains, difficulty bands, time window), cut documents longer than
    seq_len into pieces, choose bucket edges from the length histogram, and write the shards;
 4. write the manifest, then move the whole folder into place.
@@ -219,10 +219,6 @@ def _scan(job: ScanJob, planned: list[list[Part]], units: list[Unit], ctx: Conte
     else:
         run_scan(job, ctx.workers, ctx.log)
     seconds = time.perf_counter() - t0
-    if ctx.task.data.dedup.near:
-        t1 = time.perf_counter()
-        run_minhash_stages(job)
-        ctx.log(f"MinHash buckets and clusters (datatrove) in {time.perf_counter() - t1:.1f} s")
     for unit, parts in zip(units, planned):
         unit.spool, unit.tokens_files, unit.rows, unit.domain_values = merge_parts(
             parts, job.work / "parts", spool_root / f"unit{unit.index:04d}")
@@ -256,29 +252,37 @@ def _resolve_duplicates(entries: list[Entry], units: list[Unit], ctx: Context, j
         duplicate[exact_duplicates(hashes, eligible)] = EXACT_DUPLICATE
         del hashes
     if dedup.near and len(eligible):
-        duplicate[_near_duplicates(job, units, offsets, eligible & (duplicate == NOT_DUPLICATE))] = NEAR_DUPLICATE
+        near = _near_duplicates(job, units, offsets, eligible & (duplicate == NOT_DUPLICATE), ctx.log)
+        duplicate[near] = NEAR_DUPLICATE
     for unit in units:
         unit.duplicate = duplicate[offsets[unit.index]: offsets[unit.index + 1]].copy()
 
 
-def _near_duplicates(job: ScanJob, units: list[Unit], offsets: np.ndarray, candidates: np.ndarray) -> np.ndarray:
-    """datatrove's MinHash clusters (trainer/data/near_dedup.py) read back per global row, and the
-    signatures of the clustered candidates, which decide who stays."""
+def _near_duplicates(job: ScanJob, units: list[Unit], offsets: np.ndarray, candidates: np.ndarray,
+                     log: Log) -> np.ndarray:
+    """datatrove's MinHash stages over the candidates (trainer/data/near_dedup.py), their clusters
+    read back per global row: of each cluster the first candidate stays."""
     dedup = job.task.data.dedup
     part_rows = []
     for part, after in zip(job.parts, job.parts[1:] + [None]):  # parts are in row order, unit by unit
         end = after.first_row if after is not None and after.unit == part.unit else units[part.unit].rows
         part_rows.append(end - part.first_row)
     starts = np.array([offsets[p.unit] + p.first_row for p in job.parts], dtype=np.int64)
-    cluster = near_dedup.cluster_ids(job.work, starts, len(candidates))
-    members = np.flatnonzero(candidates & (cluster >= 0))
-    signatures = np.empty((len(members), dedup.num_perm), dtype=np.uint32)
-    owner = np.searchsorted(starts, members, side="right") - 1
-    for rank in np.unique(owner):
-        sel = np.flatnonzero(owner == rank)
-        part = near_dedup.part_signatures(job.work, dedup, int(rank), part_rows[rank])
-        signatures[sel] = part[members[sel] - starts[rank]]
-    return near_dedup.near_duplicates(cluster, candidates, signatures, dedup.threshold)
+
+    def keep(rank: int) -> np.ndarray:
+        return candidates[starts[rank]: starts[rank] + part_rows[rank]]
+
+    def signatures(ranks: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        out = np.empty((len(rows), dedup.num_perm), dtype=np.uint32)
+        for rank in np.unique(ranks):  # each part's files are read once
+            sel = np.flatnonzero(ranks == rank)
+            out[sel] = near_dedup.part_signatures(job.work, dedup, int(rank), part_rows[rank])[rows[sel]]
+        return out
+
+    t0 = time.perf_counter()
+    run_minhash_stages(job, keep, signatures)
+    log(f"MinHash buckets, verification and clusters (datatrove) in {time.perf_counter() - t0:.1f} s")
+    return near_dedup.near_duplicates(near_dedup.cluster_ids(job.work, starts, len(candidates)), candidates)
 
 
 # --- step 3: select, chunk, bucket and write per stage ----------------------------------------------
