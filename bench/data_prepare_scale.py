@@ -7,8 +7,9 @@ times in turn (so that a slow spell of a shared machine hits all three alike); t
 
 - single process: the whole file one part, read by `datasets` as before the scan was cut into
   parts, in the calling process (the path every prepare took until now);
-- 1 worker: the file cut into parts of 10,000 rows, the tasks run one after another in-process;
-- 1 worker on one core: the same, pinned to one core (taskset), the tokenizer's threads with it;
+- 1 worker: the file cut into parts of 10,000 rows, the tasks run one after another in-process,
+  on one core (a worker encodes on one thread);
+- 1 worker on one core: the same, pinned to one core (taskset): it must match 1 worker;
 - 2 workers: the same parts on datatrove's pool of 2 processes.
 
 All three must keep and drop the same documents (checked). CPU time is the prepare's and its
@@ -101,8 +102,9 @@ ONE_CORE = "1 worker on one core"
 
 def ways(documents: int) -> list[tuple[str, int, int]]:
     """(label, workers, rows per part). `ONE_CORE` is the 1-worker prepare pinned to one core
-    (taskset): the 1-worker default lets the tokenizer's batch encoding use every core, so it is
-    itself partly parallel, and 2 workers against it understate what a second worker adds."""
+    (taskset): a worker encodes on one thread (`--workers N` uses N cores), so it must match the
+    unpinned 1 worker; before that, the tokenizer's rayon pool spread a 1-worker prepare over every
+    core, and 2 workers against it understated what a second worker adds."""
     return [("single process (whole file one part)", 1, documents + 1), ("1 worker", 1, PART_ROWS),
             (ONE_CORE, 1, PART_ROWS), ("2 workers", 2, PART_ROWS)]
 
@@ -173,11 +175,13 @@ def write_table(args: argparse.Namespace, runs: dict[str, list[dict]], truth: di
             f"and dropped {dropped.get('exact_duplicate', 0):,} exact / {dropped.get('near_duplicate', 0):,} near "
             f"duplicates. Load average (1 min) after each run: {_loads(runs)} on {os.cpu_count()} cores.\n\n" +
             "\n".join(lines) +
-            "\n\nThe scan (tokenise, quality numbers, hashes, MinHash, grades) is what runs on the workers; the merge, "
-            "duplicate resolution over the whole corpus, bucketing and shard writing stay in the prepare's process. "
-            f"'{ONE_CORE}' is the 1-worker prepare pinned to core 0 (`taskset -c 0`): unpinned, the tokenizer's batch "
-            "encoding spreads over every core (its rayon pool), so '1 worker' already uses more than one core (its CPU "
-            "seconds against its wall time).")
+            "\n\nThe scan (tokenise, quality numbers, hashes, MinHash signatures, grades) and datatrove's MinHash "
+            "signature stage (its files from the scan's signatures) run on the workers, each on one core (the "
+            "tokenizer encodes on the worker's thread); datatrove's MinHash buckets (one task per band), the pairs' "
+            "verification and datatrove's clusters, the merge, duplicate resolution over the whole corpus, bucketing "
+            "and shard writing stay in the prepare's process. "
+            f"'{ONE_CORE}' is the 1-worker prepare pinned to core 0 (`taskset -c 0`): it checks that '1 worker' "
+            "uses one core.")
     write_section("data_prepare_scale", "Data preparation on every core: scan tasks at 1 and 2 workers",
                   f"python bench/data_prepare_scale.py --documents {args.documents} --repeats {args.repeats}", body)
 

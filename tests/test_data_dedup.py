@@ -17,7 +17,9 @@ import pytest
 import yaml
 
 from presets import load_task
-from trainer.data.dedup import DocumentHasher, MinHashParams, candidate_probability, words
+from specs.task import DedupSpec
+from trainer.data import near_dedup
+from trainer.data.dedup import candidate_probability, words
 from trainer.data.prepare import prepare
 from trainer.data.shards import load_shard
 
@@ -163,22 +165,34 @@ def test_scanning_in_parts_on_any_number_of_workers_keeps_and_drops_the_same_doc
     assert not list(tmp_path.glob(".*scan-*")), "the scan's work folder is removed once the output is whole"
 
 
-def test_minhash_estimates_jaccard_and_lsh_follows_the_s_curve() -> None:
+def _signature(step, text: str) -> np.ndarray:
+    return step.signatures([words(text)])[0]
+
+
+def test_datatrove_minhash_over_our_words_estimates_jaccard_and_lsh_follows_the_s_curve(tmp_path: Path) -> None:
+    """The signatures the scan computes for datatrove's signature stage, configured from the dedup
+    spec, shingle the same words as the brute-force truth (`words`): their share of equal hashes
+    estimates the Jaccard similarity."""
     rng = random.Random(3)
     vocab = [f"w{i}" for i in range(500)]
-    hasher = DocumentHasher(MinHashParams(num_perm=256, bands=16, shingle_words=SHINGLE))
+    step = near_dedup.signature_step(tmp_path, DedupSpec(num_perm=256, bands=16, shingle_words=SHINGLE))
     base = [rng.choice(vocab) for _ in range(200)]
     for changed in (5, 20, 60, 120):
         other = list(base)
         for i in rng.sample(range(200), changed):
             other[i] = rng.choice(vocab)
-        a, b = " ".join(base), " ".join(other)
-        sig = hasher.signatures([words(a), words(b)])
-        estimate = float((sig[0] == sig[1]).mean())
+        a, b = " ".join(base), "  ".join(other).upper() + "!"  # case, spacing and punctuation do not count
+        estimate = float((_signature(step, a) == _signature(step, b)).mean())
         # standard error of the estimate is sqrt(J(1-J)/k) <= 0.031 for k=256: allow 4 of them
         assert abs(estimate - jaccard(a, b)) < 0.125, changed
     assert candidate_probability(0.9, 16, 8) > 0.999 and candidate_probability(0.3, 16, 8) < 0.002
-    # a batch gives each document the signature it gets alone
-    docs = [words(" ".join(rng.choice(vocab) for _ in range(n))) for n in (0, 1, 4, 5, 6, 50)]
-    together = hasher.signatures(docs)
-    assert all(np.array_equal(together[i], hasher.signatures([d])[0]) for i, d in enumerate(docs))
+
+
+def test_of_a_cluster_the_first_candidate_stays() -> None:
+    """Rows 0..6; cluster 5 = {1, 3, 4, 6}, cluster 9 = {0, 2}; row 2 is no candidate (an exact
+    duplicate, say, whose pairs the buckets never made). The pairs in a cluster were verified
+    before it was formed (tests/test_near_dedup.py), so all but its first candidate go."""
+    cluster = np.array([9, 5, 9, 5, 5, -1, 5])
+    candidates = np.array([True, True, False, True, True, True, True])
+    dup = near_dedup.near_duplicates(cluster, candidates)
+    assert np.flatnonzero(dup).tolist() == [3, 4, 6]

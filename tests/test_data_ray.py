@@ -44,12 +44,12 @@ def scan_first_parts_locally(task: Path, out: Path, count: int) -> None:
     the work folder that prepare will use, as a local prepare stopped after them leaves it."""
     from datatrove.executor.local import LocalPipelineExecutor
 
-    from trainer.data.pipeline import ScanStep
+    from trainer.data.pipeline import scan_steps
     from trainer.data.prepare import _context, _scan_job
 
     entries, units, ctx = _context(load_task(str(task)), None, False, 1, ROWS_PER_PART)
     job, _ = _scan_job(entries, units, ctx, out.resolve())
-    LocalPipelineExecutor([ScanStep(job)], tasks=len(job.parts), local_tasks=count, workers=1,
+    LocalPipelineExecutor(scan_steps(job), tasks=len(job.parts), local_tasks=count, workers=1,
                           logging_dir=str(job.work / "datatrove")).run()
 
 

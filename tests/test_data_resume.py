@@ -166,3 +166,25 @@ def test_parts_read_domains_times_and_grades_as_a_whole_file_read_does(tmp_path:
     groups = set(whole_manifest["stages"][0]["train"]["groups"])
     assert groups == {"forum", "news", "blog", "wiki"}
     assert whole_manifest["stages"][0]["train"]["dropped"].get("selection:time", 0) > 0
+
+
+def test_a_one_worker_scan_encodes_on_one_core_and_gives_the_process_its_setting_back(
+        tmp_path: Path, monkeypatch) -> None:
+    """`--workers N` uses N cores: the in-process task of a 1-worker scan encodes with the
+    tokenizer's thread pool off (as each pool, Slurm or Ray worker does), and the prepare's
+    process has its own setting again afterwards."""
+    from trainer.data import pipeline
+
+    seen = []
+    real = pipeline.scan_part
+
+    def scan_part(*args, **kwargs):
+        seen.append((os.getpid(), os.environ.get("TOKENIZERS_PARALLELISM")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "scan_part", scan_part)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    task = load_task(write_corpus(tmp_path))
+    prepare(task, tmp_path / "out", workers=1, rows_per_part=ROWS_PER_PART)
+    assert len(seen) == 16 and set(seen) == {(os.getpid(), "false")}
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"

@@ -7,13 +7,16 @@ decides the parts (`job_key`), so a changed task or file never reuses a stale pa
 
 The scan itself is ours (`ScanStep` wraps trainer/data/scan.py): datatrove's own steps work on one
 document at a time as text, while the scan spools token ids, quality numbers, exact hashes, MinHash
-band keys and difficulty grades as columns that the whole-task duplicate resolution reads back;
-datatrove's MinHash stages write their own signature files and cluster ids, a later increment.
+signatures and difficulty grades as columns that the whole-task duplicate resolution reads back.
+Near duplicates are datatrove's MinHash stages (trainer/data/near_dedup.py): its signature stage
+in each scan task, after the scan (writing the signatures the scan spooled), its buckets and
+clusters in the prepare's process once every part is in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 from datatrove.executor.local import LocalPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from loguru import logger
@@ -31,13 +35,16 @@ from loguru import logger
 from specs import environment
 from specs.errors import UsageError
 from specs.task import DifficultySpec, TaskSpec
-from trainer.data.dedup import DocumentHasher, MinHashParams
+from trainer.data import near_dedup
 from trainer.data.difficulty import Grader
 from trainer.data.partial import scan_folder, scan_folders
-from trainer.data.scan import Part, ScanSettings, UnitColumns, scan_part
+from trainer.data.scan import Part, ScanSettings, UnitColumns, part_column, scan_part
 from trainer.data.tokenizer import TextTokenizer
 
-SCAN_FORMAT = 1  # raise when a part's files change meaning: older work folders are then not reused
+# raise when a part's files change meaning: older work folders are then not reused (1: main's MinHash
+# band keys; 2: no signature column, datatrove's signature stage read the texts again; 3: buckets over
+# every document, clusters of unverified pairs)
+SCAN_FORMAT = 4
 KILL_HOOK = "ADVISOR_PREPARE_KILL_AFTER_PARTS"
 _POLL_S = 1.0
 
@@ -58,7 +65,6 @@ class ScanJob:
     parts: list[Part]                     # by index: task rank r scans parts[r]
     work: Path
     main_pid: int
-    worker_threads: int = 0  # threads each pool worker's tokenizer may use (run_scan sets it; 0: its default)
 
 
 def job_key(fingerprint: str, rows_per_part: int, tokenizer_path: Path) -> str:
@@ -84,30 +90,43 @@ def remember_settings(key: str, settings: ScanSettings) -> None:
     _SETTINGS[key] = settings
 
 
-def share_cores(job: ScanJob) -> None:
-    """Before a pool worker builds its tokenizer: limit its batch encoding to the worker's share of
-    the cores. `tokenizers` encodes a batch on a rayon pool as wide as the machine, so 2 workers on
-    2 cores would run 4 busy threads that preempt each other; at one core each the batch is encoded
-    on the calling thread (TOKENIZERS_PARALLELISM, read at every call). The in-process worker of a
-    1-worker scan owns every core and keeps the default."""
-    if os.getpid() == job.main_pid or job.worker_threads <= 0:
-        return
-    os.environ["RAYON_NUM_THREADS"] = str(job.worker_threads)  # read once, when the pool is first built
-    if job.worker_threads == 1:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+def one_core_per_worker() -> None:
+    """A worker scans on one core, on every executor: `--workers N` uses N cores, as datatrove's
+    Slurm and Ray executors give each task one CPU. `tokenizers` would encode a batch on a rayon
+    pool as wide as the machine (a 1-worker scan then took about 1.3 cores here, and 2 workers on 2
+    cores ran 4 busy threads that preempt each other); with TOKENIZERS_PARALLELISM off it encodes on
+    the calling thread (read at every call; RAYON_NUM_THREADS when the pool is first built). The
+    prepare's own process (the in-process task of a 1-worker scan) sets it for the scan only
+    (`one_core_here`)."""
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+@contextlib.contextmanager
+def one_core_here() -> Iterator[None]:
+    """`one_core_per_worker` in the prepare's process for the scan's duration, then as it was."""
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
 def scan_settings(job: ScanJob) -> ScanSettings:
     if job.key not in _SETTINGS:
-        share_cores(job)
+        if os.getpid() != job.main_pid:
+            one_core_per_worker()
         dedup = job.task.data.dedup
         tokenizer = TextTokenizer(job.tokenizer_path, job.trusted)
-        hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
         graders = {key: Grader(spec, Path(job.task.base_dir), job.task.seq_len, job.allow_code, job.trusted)
                    for key, spec in job.graders.items()}
         _SETTINGS[job.key] = ScanSettings(tokenizer=tokenizer, eos_id=tokenizer.eos_id,
                                           append_eos=job.task.data.append_eos, exact=dedup.exact,
-                                          hasher=hasher, graders=graders)
+                                          graders=graders, signer=near_dedup.scan_signer(job.work, dedup))
     return _SETTINGS[job.key]
 
 
@@ -131,6 +150,18 @@ class ScanStep(PipelineStep):
         self.stat_update("documents", value=rows)
         if data:
             yield from data
+
+
+def scan_steps(job: ScanJob) -> list[PipelineStep]:
+    """What each scan task runs: the scan, then (near duplicates on) datatrove's MinHash signature
+    stage, which writes its files from the signatures the scan spooled."""
+    dedup = job.task.data.dedup
+    signatures = near_dedup.signature_step(job.work, dedup, functools.partial(spooled_signatures, job))
+    return [ScanStep(job)] + ([signatures] if dedup.near else [])
+
+
+def spooled_signatures(job: ScanJob, rank: int) -> np.ndarray:
+    return part_column(job.work / "parts", job.parts[rank], "signature")
 
 
 def _kill_hook(job: ScanJob) -> None:
@@ -172,8 +203,7 @@ def run_scan(job: ScanJob, workers: int, log: Log) -> int:
     """Scan every part not finished before, `workers` at a time; returns how many were reused."""
     logging_dir = job.work / "datatrove"
     workers = max(1, min(workers, len(job.parts)))
-    job.worker_threads = max(1, len(os.sched_getaffinity(0)) // workers)
-    executor = _QuietExecutor([ScanStep(job)], tasks=len(job.parts), workers=workers, logging_dir=str(logging_dir))
+    executor = _QuietExecutor(scan_steps(job), tasks=len(job.parts), workers=workers, logging_dir=str(logging_dir))
     reused = len(job.parts) - len(executor.get_incomplete_ranks())
     if reused:
         log(f"resuming: {reused} of {len(job.parts)} parts were scanned before")
@@ -182,12 +212,33 @@ def run_scan(job: ScanJob, workers: int, log: Log) -> int:
     watcher = threading.Thread(target=_report_progress, args=(job, logging_dir, stop, log), daemon=True)
     watcher.start()
     try:
-        executor.run()
+        with one_core_here():
+            executor.run()
     finally:
         stop.set()
         watcher.join()
         logger.remove()  # the sinks datatrove added while it ran
     return reused
+
+
+def run_minhash_stages(job: ScanJob, keep: Callable[[int], np.ndarray],
+                       signatures: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+    """datatrove's MinHash buckets (one task per band, over the documents `keep` lets take part),
+    our verification of their pairs, and datatrove's clusters (one task), over the signatures the
+    scan tasks wrote; each stage's finished tasks are skipped on a rerun. All run in this process
+    (datatrove's local executor at one worker): a band's buckets take milliseconds
+    (`SortedBuckets`), while a fresh pool's workers each spend a CPU second or more importing."""
+    dedup = job.task.data.dedup
+    stages = [(near_dedup.bucket_step(job.work, dedup, keep), dedup.bands),
+              (near_dedup.verify_step(job.work, dedup, signatures), 1),
+              (near_dedup.cluster_step(job.work, dedup), 1)]
+    logger.remove()
+    try:
+        for step, tasks in stages:
+            folder = job.work / "minhash" / f"logs-{step.name.split()[-1]}"
+            _QuietExecutor([step], tasks=tasks, workers=1, logging_dir=str(folder)).run()
+    finally:
+        logger.remove()
 
 
 def _report_progress(job: ScanJob, logging_dir: Path, stop: threading.Event, log: Log) -> None:
@@ -225,7 +276,7 @@ def write_slurm_scripts(job: ScanJob, options: SlurmOptions, finish_command: str
 
     logging_dir = job.work / "datatrove"
     executor = slurm.SlurmPipelineExecutor(
-        [ScanStep(job)], tasks=len(job.parts), time=options.time, partition=options.partition, cpus_per_task=1,
+        scan_steps(job), tasks=len(job.parts), time=options.time, partition=options.partition, cpus_per_task=1,
         mem_per_cpu_gb=options.mem_per_cpu_gb, workers=options.array_parallelism, job_name=options.job_name,
         logging_dir=str(logging_dir), slurm_logs_folder=str(job.work / "slurm_logs"), requeue=True, qos="",
         mail_type="NONE")

@@ -5,12 +5,15 @@ stages use it):
 
 1. scan (streaming, batch by batch): tokenise, measure length and character quality, hash for
    exact duplicates, MinHash for near duplicates, grade difficulty; spool the token ids and the
-   per-document numbers to disk. Files are cut into parts (trainer/data/parts.py) scanned as
-   datatrove tasks on several processes (trainer/data/pipeline.py, trainer/data/scan.py), then
-   merged in row order, so steps 2 to 4 see the same columns whatever the number of workers;
+   per-document numbers to disk.
+   Files are cut into parts (trainer/data/parts.py) scanned as datatrove tasks on several
+   processes (trainer/data/pipeline.py, trainer/data/scan.py), then merged in row order, so steps
+   2 to 4 see the same columns whatever the number of workers. The same tasks write datatrove's
+   MinHash signature files of their parts (trainer/data/near_dedup.py); each worker is one core;
 2. resolve duplicates over the whole task (eval files first, so a train document that repeats an
    eval document is dropped: decontamination); a document is judged by the thresholds of the
-   stages that read it;
+   stages that read it; datatrove's MinHash buckets and clusters over the documents left, their
+   pairs verified in between; of a cluster the first candidate stays;
 3. per stage: select rows (domains, difficulty bands, time window), cut documents longer than
    seq_len into pieces, choose bucket edges from the length histogram, and write the shards;
 4. write the manifest, then move the whole folder into place.
@@ -41,13 +44,14 @@ from presets import load_model
 from trainer.data import buckets as bucketing
 from trainer.data.demo_corpus import generate_command
 from trainer.data.formats import source_format
-from trainer.data.dedup import DocumentHasher, MinHashParams, exact_duplicates, near_duplicates
+from trainer.data import near_dedup
+from trainer.data.dedup import exact_duplicates
 from trainer.data.difficulty import Grader, band_index, band_names, check_spec, merge_difficulty
 from trainer.data.manifest import (MANIFEST_NAME, MANIFEST_VERSION, default_out_dir, task_fingerprint,
                                    tokens_with_replay)
 from trainer.data.parts import ROWS_PER_PART, plan_parts
-from trainer.data.pipeline import (ScanJob, SlurmOptions, job_key, remember_settings, run_scan, work_folder,
-                                   write_slurm_scripts)
+from trainer.data.pipeline import (ScanJob, SlurmOptions, job_key, remember_settings, run_minhash_stages, run_scan,
+                                   work_folder, write_slurm_scripts)
 from trainer.data.quality import CHECKS, STAT_COLUMNS, failed_check, merge_filters
 from trainer.data.scan import ColumnSpool, Part, ScanSettings, UnitColumns, merge_parts
 from trainer.data.shards import SCHEMA, OutputDir, ShardWriter, shard_path
@@ -101,7 +105,6 @@ class Context:
     base_dir: Path
     tokenizer: Any
     eos_id: int | None
-    hasher: DocumentHasher | None
     graders: dict[str, Grader]
     log: Log
     workers: int = 1
@@ -189,7 +192,7 @@ def _scan_job(entries: list[Entry], units: list[Unit], ctx: Context, out: Path) 
                   work=work_folder(out, key), main_pid=os.getpid())
     remember_settings(key, ScanSettings(tokenizer=ctx.tokenizer, eos_id=ctx.eos_id,
                                         append_eos=ctx.task.data.append_eos, exact=ctx.task.data.dedup.exact,
-                                        hasher=ctx.hasher, graders=ctx.graders))
+                                        graders=ctx.graders, signer=near_dedup.scan_signer(job.work, ctx.task.data.dedup)))
     return job, planned
 
 
@@ -233,7 +236,7 @@ def _quality_reasons(unit: Unit, filters: QualityFilters, start: int = 0, stop: 
     return failed_check(stats, unit.spool.read("n_tokens", start, stop), filters)
 
 
-def _resolve_duplicates(entries: list[Entry], units: list[Unit], ctx: Context) -> None:
+def _resolve_duplicates(entries: list[Entry], units: list[Unit], ctx: Context, job: ScanJob) -> None:
     dedup = ctx.task.data.dedup
     offsets = np.concatenate([[0], np.cumsum([u.rows for u in units])]).astype(np.int64)
     eligible = np.zeros(offsets[-1], dtype=bool)  # passes the thresholds of at least one stage reading it
@@ -249,22 +252,37 @@ def _resolve_duplicates(entries: list[Entry], units: list[Unit], ctx: Context) -
         duplicate[exact_duplicates(hashes, eligible)] = EXACT_DUPLICATE
         del hashes
     if dedup.near and len(eligible):
-        def band_column(k: int) -> np.ndarray:
-            return np.concatenate([u.spool.read(f"band{k}") for u in units])  # type: ignore[union-attr]
-
-        def signature_rows(rows: np.ndarray) -> np.ndarray:
-            owner = np.searchsorted(offsets, rows, side="right") - 1
-            out = np.empty((len(rows), dedup.num_perm), dtype=np.uint32)
-            for u in np.unique(owner):
-                sel = np.flatnonzero(owner == u)
-                out[sel] = units[u].spool.read_rows("signature", rows[sel] - offsets[u])  # type: ignore[union-attr]
-            return out
-
-        near = near_duplicates(band_column, dedup.bands, eligible & (duplicate == NOT_DUPLICATE),
-                               signature_rows, dedup.threshold)
+        near = _near_duplicates(job, units, offsets, eligible & (duplicate == NOT_DUPLICATE), ctx.log)
         duplicate[near] = NEAR_DUPLICATE
     for unit in units:
         unit.duplicate = duplicate[offsets[unit.index]: offsets[unit.index + 1]].copy()
+
+
+def _near_duplicates(job: ScanJob, units: list[Unit], offsets: np.ndarray, candidates: np.ndarray,
+                     log: Log) -> np.ndarray:
+    """datatrove's MinHash stages over the candidates (trainer/data/near_dedup.py), their clusters
+    read back per global row: of each cluster the first candidate stays."""
+    dedup = job.task.data.dedup
+    part_rows = []
+    for part, after in zip(job.parts, job.parts[1:] + [None]):  # parts are in row order, unit by unit
+        end = after.first_row if after is not None and after.unit == part.unit else units[part.unit].rows
+        part_rows.append(end - part.first_row)
+    starts = np.array([offsets[p.unit] + p.first_row for p in job.parts], dtype=np.int64)
+
+    def keep(rank: int) -> np.ndarray:
+        return candidates[starts[rank]: starts[rank] + part_rows[rank]]
+
+    def signatures(ranks: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        out = np.empty((len(rows), dedup.num_perm), dtype=np.uint32)
+        for rank in np.unique(ranks):  # each part's files are read once
+            sel = np.flatnonzero(ranks == rank)
+            out[sel] = near_dedup.part_signatures(job.work, dedup, int(rank), part_rows[rank])[rows[sel]]
+        return out
+
+    t0 = time.perf_counter()
+    run_minhash_stages(job, keep, signatures)
+    log(f"MinHash buckets, verification and clusters (datatrove) in {time.perf_counter() - t0:.1f} s")
+    return near_dedup.near_duplicates(near_dedup.cluster_ids(job.work, starts, len(candidates)), candidates)
 
 
 # --- step 3: select, chunk, bucket and write per stage ----------------------------------------------
@@ -588,7 +606,7 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
         job, planned = _scan_job(entries, units, ctx, output.final)
         with _kept_for_resume_only(job.work):
             _scan(job, planned, units, ctx, spool_root)
-            _resolve_duplicates(entries, units, ctx)
+            _resolve_duplicates(entries, units, ctx, job)
             stages = [_prepare_stage(stage, entries, ctx, output.tmp, budget) for stage in task.stages]
         shutil.rmtree(spool_root, ignore_errors=True)
         manifest = {
@@ -597,9 +615,9 @@ def prepare(task: TaskSpec, out_dir: Path | None = None, micro_batch_tokens: int
             "seq_len": task.seq_len, "micro_batch_tokens": budget,
             "tokenizer": {"path": str(tokenizer_path), "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
             "dedup": {"exact": "BLAKE2b-64 of case- and whitespace-folded text" if dedup.exact else None,
-                      "near": (f"MinHash over {dedup.shingle_words}-word shingles, {dedup.num_perm} permutations, "
-                               f"LSH {dedup.bands} bands x {dedup.num_perm // dedup.bands} rows, verified at "
-                               f"estimated Jaccard >= {dedup.threshold}") if dedup.near else None},
+                      "near": (f"datatrove MinHash over {dedup.shingle_words}-word shingles, {dedup.num_perm} "
+                               f"32-bit hashes, LSH {dedup.bands} bands x {dedup.num_perm // dedup.bands} hashes, "
+                               f"clusters verified at estimated Jaccard >= {dedup.threshold}") if dedup.near else None},
             "sources": [{"path": str(u.path), "rows": u.rows} for u in units],
             "stages": stages,
             "seconds": round(time.perf_counter() - started, 2),
@@ -626,9 +644,7 @@ def _context(task: TaskSpec, log: Log | None, allow_code: bool, workers: int,
             graders[entry.grader_key] = Grader(entry.difficulty, base_dir, task.seq_len, allow_code, trusted)
     tokenizer = TextTokenizer(resolve_tokenizer_path(task.data.tokenizer, task.model, base_dir), trusted)
     _check_vocab(task, tokenizer, trusted)
-    dedup = task.data.dedup
-    hasher = DocumentHasher(MinHashParams(dedup.num_perm, dedup.bands, dedup.shingle_words)) if dedup.near else None
-    ctx = Context(task=task, base_dir=base_dir, tokenizer=tokenizer, eos_id=tokenizer.eos_id, hasher=hasher,
+    ctx = Context(task=task, base_dir=base_dir, tokenizer=tokenizer, eos_id=tokenizer.eos_id,
                   graders=graders, log=log or (lambda message: None), workers=workers, rows_per_part=rows_per_part,
                   allow_code=allow_code, trusted=trusted)
     return entries, units, ctx

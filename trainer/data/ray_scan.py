@@ -1,6 +1,6 @@
 """The scan of `advisor data prepare` on a Ray cluster (`--executor ray`).
 
-The same tasks as on this machine's cores (trainer/data/pipeline.py's `ScanStep`, one part each),
+The same tasks as on this machine's cores (trainer/data/pipeline.py's `scan_steps`, one part each),
 run by datatrove's `RayPipelineExecutor` with the same logging folder, so the same completion
 markers decide what a rerun skips and a prepare resumes whichever executor ran it before. Only the
 scan runs on Ray: the merge, duplicate resolution and shard writing stay in the prepare's process,
@@ -22,7 +22,7 @@ from datatrove.executor.ray import RayPipelineExecutor  # imports ray only when 
 from loguru import logger
 
 from specs.errors import UsageError
-from trainer.data.pipeline import ScanJob, ScanStep, _report_progress
+from trainer.data.pipeline import ScanJob, _report_progress, scan_steps
 
 Log = Callable[[str], None]
 _FAILURES = "failures"  # beside datatrove's completions: the one-line error of each part that failed
@@ -59,7 +59,7 @@ class RayScanExecutor(RayPipelineExecutor):
 
 def _ray_executor(job: ScanJob, workers: int | None) -> RayScanExecutor:
     logger.remove()  # datatrove warns on stderr that a local logging folder must be shared by the nodes
-    return RayScanExecutor([ScanStep(job)], tasks=len(job.parts), workers=workers or -1,
+    return RayScanExecutor(scan_steps(job), tasks=len(job.parts), workers=workers or -1,
                            logging_dir=str(job.work / "datatrove"), cpus_per_task=1, mem_per_cpu_gb=2)
 
 

@@ -2,8 +2,8 @@
 
 A part is a range of rows of one file (trainer/data/parts.py cuts them). Scanning it tokenises,
 measures length and character quality, hashes for exact duplicates, MinHashes for near duplicates
-and grades difficulty, and spools the token ids and the per-document numbers into the part's own
-folder: parts are scanned by separate worker processes, in any order, and merged afterwards in
+(the signatures datatrove's stages then read: trainer/data/near_dedup.py) and grades difficulty,
+and spools the token ids and the per-document numbers into the part's own folder: parts are scanned by separate worker processes, in any order, and merged afterwards in
 row order (`merge_parts`), so what is merged does not depend on how many workers scanned.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from trainer.data.dedup import DocumentHasher, exact_hash, words
+from trainer.data.dedup import exact_hash, words
 from trainer.data.difficulty import Grader
 from trainer.data.quality import STAT_COLUMNS, document_stats
 from trainer.data.sources import RowBatch, read_batches, read_line_range, row_location
@@ -107,8 +107,8 @@ class ScanSettings:
     eos_id: int | None
     append_eos: bool
     exact: bool
-    hasher: DocumentHasher | None
     graders: dict[str, Grader]
+    signer: Callable[[list[list[str]]], np.ndarray] | None = None  # documents' words -> MinHash signatures
 
 
 @dataclass
@@ -131,6 +131,13 @@ def _batches(unit: UnitColumns, part: Part, extra: tuple[str, ...]) -> Iterator[
     if part.byte_range is None:
         return read_batches(unit.path, unit.fmt, unit.text_field, extra, READ_BATCH)
     return read_line_range(unit.path, unit.fmt, unit.text_field, extra, READ_BATCH, part.byte_range, part.first_row)
+
+
+def part_column(root: Path, part: Part, name: str) -> np.ndarray:
+    """One column of a scanned part (its folder under `root`), e.g. its MinHash `signature`s."""
+    spool = ColumnSpool(part_folder(root, part))
+    spool.adopt(json.loads((part_folder(root, part) / _PART_META).read_text())["layout"])
+    return spool.read(name)
 
 
 def scan_part(unit: UnitColumns, part: Part, settings: ScanSettings, root: Path) -> int:
@@ -184,12 +191,8 @@ def _scan_batch(unit: UnitColumns, batch: RowBatch, settings: ScanSettings, spoo
         spool.append(name, stats[name])
     if settings.exact:
         spool.append("exact", np.fromiter((exact_hash(t) for t in batch.texts), dtype=np.uint64, count=len(batch)))
-    if settings.hasher is not None:
-        signatures = settings.hasher.signatures(docs_words)
-        spool.append("signature", signatures)
-        keys = settings.hasher.band_keys(signatures)
-        for k in range(keys.shape[1]):
-            spool.append(f"band{k}", keys[:, k])
+    if settings.signer is not None:
+        spool.append("signature", settings.signer(docs_words))
     for key, column in unit.graders.items():
         grader = settings.graders[key]
         values = batch.fields.get(grader.spec.field) if grader.spec.by == "field" else None
