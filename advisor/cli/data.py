@@ -85,8 +85,8 @@ def data_prepare(
     allow_code: bool = typer.Option(False, "--allow-code", help="let a difficulty rule `module:function` or "
                                                                 "`file.py:function` import and run that code"),
     workers: Optional[int] = typer.Option(
-        None, "--workers", help="scan this many parts of the data at a time (default: every core; with "
-                                "--ray-address, as many as the cluster runs); the output is the same"),
+        None, "--workers", help="scan this many parts of the data at a time, one core each (default: every "
+                                "core; with --ray-address, as many as the cluster runs); the output is the same"),
     executor: str = typer.Option("local", "--executor", help="where the scan runs: local (this machine's cores), "
                                                              "slurm (a job array) or ray (a Ray cluster)"),
     rows_per_part: Optional[int] = typer.Option(
