@@ -276,19 +276,18 @@ class VerifiedPairs(PipelineStep):
     per band (stage 3 wants as many). datatrove trusts a shared band; our rule has always verified
     each candidate pair, so one chance collision does not join two clusters. One task: the pairs of
     every band are read at once and each endpoint's signature is read once (`signatures`: part
-    ranks and rows -> their (n, num_perm) rows)."""
+    ranks and rows, sorted by part then row -> their (n, num_perm) rows)."""
 
     type = "🫂 - DEDUP"
     name = "🔍 verify pairs"
 
     def __init__(self, input_folder: str, output_folder: str, threshold: float,
-                 signatures: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> None:
+                 signatures: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
         super().__init__()
         self.input_folder, self.output_folder = get_datafolder(input_folder), get_datafolder(output_folder)
         self.threshold, self.signatures = threshold, signatures
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> None:
-        assert self.signatures is not None, "VerifiedPairs.run needs signatures"
         with self.track_time():
             files = sorted(self.input_folder.list_files(glob_pattern="*.dups"))
             pairs = []
@@ -311,7 +310,7 @@ class VerifiedPairs(PipelineStep):
 
 
 def verify_step(work: Path, dedup: DedupSpec,
-                signatures: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> VerifiedPairs:
+                signatures: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> VerifiedPairs:
     return VerifiedPairs(str(work / BUCKETS), str(work / VERIFIED), dedup.threshold, signatures)
 
 
@@ -331,19 +330,6 @@ def cluster_ids(work: Path, part_starts: np.ndarray, total: int) -> np.ndarray:
             pairs = np.fromfile(file, dtype="<u4").reshape(-1, 2).astype(np.int64)
             cluster[start + pairs[:, 0]] = pairs[:, 1]
     return cluster
-
-
-def part_signatures(work: Path, dedup: DedupSpec, rank: int, rows: int) -> np.ndarray:
-    """(rows, num_perm) uint32: the signatures stage 1 wrote for part `rank`, one file per band
-    (sorted by hash, each record its document's row in the part). An empty document has no
-    record: its row stays all ones, equal to no real row."""
-    per_band = dedup.num_perm // dedup.bands
-    record = np.dtype([("hashes", "<u4", (per_band,)), ("row", "<u4")])
-    out = np.full((rows, dedup.num_perm), np.iinfo(np.uint32).max, dtype=np.uint32)
-    for band in range(dedup.bands):
-        records = np.fromfile(work / SIGNATURES / f"bucket_{band:03d}" / f"{rank:05d}.minhash.sig", dtype=record)
-        out[records["row"], band * per_band:(band + 1) * per_band] = records["hashes"]
-    return out
 
 
 def near_duplicates(cluster: np.ndarray, candidates: np.ndarray) -> np.ndarray:

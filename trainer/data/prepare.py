@@ -273,10 +273,13 @@ def _near_duplicates(job: ScanJob, units: list[Unit], offsets: np.ndarray, candi
         return candidates[starts[rank]: starts[rank] + part_rows[rank]]
 
     def signatures(ranks: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        out = np.empty((len(rows), dedup.num_perm), dtype=np.uint32)
-        for rank in np.unique(ranks):  # each part's files are read once
-            sel = np.flatnonzero(ranks == rank)
-            out[sel] = near_dedup.part_signatures(job.work, dedup, int(rank), part_rows[rank])[rows[sel]]
+        """From the merged spools' signature column; the pairs' documents come sorted (part, row)."""
+        wanted = starts[ranks] + rows
+        out = np.empty((len(wanted), dedup.num_perm), dtype=np.uint32)
+        unit_of = np.searchsorted(offsets, wanted, side="right") - 1
+        for u in np.unique(unit_of):
+            sel = np.flatnonzero(unit_of == u)
+            out[sel] = units[u].spool.read_rows("signature", wanted[sel] - offsets[u])  # type: ignore[union-attr]
         return out
 
     t0 = time.perf_counter()
