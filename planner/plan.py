@@ -405,9 +405,12 @@ def make_plan(opts: PlanOptions) -> Plan:
     if not result.solutions and opts.fix:
         raise InfeasiblePlan(_fix_infeasible(opts, result, devices, hw, seq, batch, methods))
     if not result.solutions:
+        why_not = (f"has no layout on {devices:,} x {hw.name} at global batch {batch:,}: {_layout_rules(opts)}."
+                   if not result.shapes else
+                   f"does not fit {devices} x {hw.name} at sequence length {seq} and global batch {batch}, even "
+                   "with ZeRO sharding, offload and full recomputation.")
         raise InfeasiblePlan(
-            f"{opts.model.name} with method {'/'.join(methods)} does not fit {devices} x {hw.name} at sequence "
-            f"length {seq} and global batch {batch}, even with ZeRO sharding, offload and full recomputation.",
+            f"{opts.model.name} with method {'/'.join(methods)} {why_not}",
             _suggestions(opts, devices, seq, batch, methods), none_found="none found within 64x the devices")
     if result.relaxed_compute_rule:
         notes.append(f"no layout keeps compute >= {100 * opts.min_compute_fraction:.0f}% of the step; these are "
@@ -441,9 +444,7 @@ def _fix_infeasible(opts: PlanOptions, result: SearchResult, devices: int, hw: H
     whether the same request fits without the fix."""
     fix = describe(opts.fix)
     if not result.shapes:
-        reason = (f"no layout of {devices} x {hw.name} at global batch {batch} holds it (the micro-batch is at "
-                  f"most {opts.space.max_micro_batch}, vpp at most {opts.space.max_vpp}, and vpp>1 needs gas "
-                  "divisible by pp)")
+        reason = f"no layout of {devices:,} x {hw.name} at global batch {batch:,} holds it ({_layout_rules(opts)})"
     else:
         reason = (f"does not fit memory: no layout with it fits {hw.name} ({opts.model.name}, method "
                   f"{'/'.join(methods)}, sequence length {seq}, global batch {batch})")
@@ -452,6 +453,13 @@ def _fix_infeasible(opts: PlanOptions, result: SearchResult, devices: int, hw: H
     hint = (f"; without --fix: {unfixed.solutions[0].layout.short()}" if unfixed.solutions
             else "; nor does any layout without it")
     return f"--fix {fix}: {reason}{hint}"
+
+
+def _layout_rules(opts: PlanOptions) -> str:
+    """The divisibility rules every layout obeys, memory aside: why a request may have none."""
+    return (f"tp divides the attention heads, pp is at most the layers, dp divides the batch, and a replica's "
+            f"share is at most {MAX_BATCH:,} micro-batches of at most {opts.space.max_micro_batch}; vpp is at most "
+            f"{opts.space.max_vpp}, and vpp>1 needs gas divisible by pp")
 
 
 def _engine_notes(opts: PlanOptions, planned: list[PlannedLayout], hw: HardwareSpec) -> list[str]:

@@ -26,6 +26,7 @@ The result is therefore the optimum of the cost model over the whole space, whic
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -35,13 +36,13 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from specs.errors import UsageError
-from specs.capabilities import runnable_problem
-from specs.layout_rules import layout_problem, pipeline_problem, tensor_parallel_problem, tp_crosses_nodes
+from specs.capabilities import config_shape, runnable_problem
+from specs.layout_rules import ModelShape, config_value, layout_problem, pipeline_problem, tensor_parallel_problem, tp_crosses_nodes
 from specs.core import MAX_BATCH, MEMORY_MARGIN, MIN_COMPUTE_FRACTION, Estimate, HardwareSpec, Layout, ModelSpec
 from planner.cost_model import (
     Placement,
@@ -142,16 +143,39 @@ def enumerate_shapes(trace: ModelTrace, req: PlanRequest, method: str) -> list[L
     mode the ILP may apply. The dominance rules below skip a layout only for a runnable one that
     is at least as good, so they never empty the space of what runs."""
     shape = model_shape(trace)
-    device_type = req.hardware.device_type
-    fixed = req.space.fixed
+    # Selective recomputation is worth offering only where its policy keeps less than everything;
+    # otherwise "none" (k = 0 in the full-recompute family) dominates it.
+    layer = trace.layer
+    selective_kept = layer.input_bytes + layer.selective_replicated_bytes + layer.selective_sharded_bytes
+    modes = RECOMPUTE_MODES if selective_kept < layer.act_bytes else ("full",)
+    runs = _runs(req, shape)
+    return [layout for layout in _candidate_shapes(shape, modes, req, method, runs) if runs(layout)]
+
+
+def may_have_shapes(req: PlanRequest, method: str) -> bool:
+    """Whether any layout of `method` can run, read from the config before any trace: of the trace,
+    the enumeration reads only the sizes the config gives and whether the head is tied (both tried
+    here), and here every recompute mode is offered, so False is the traced search's answer too. A
+    cold trace costs seconds per (method, sequence length): planning a 10**12 batch on 2**20 devices,
+    which no layout splits, traced six of them for nothing."""
+    if any(config_value(req.model.hf_config, size) is None for size in ("hidden_size", "num_heads", "num_layers")):
+        return True  # the trace says, in one line, what the config lacks
+    for tied in (False, True):
+        shape = dataclasses.replace(config_shape(req.model.hf_config), tied_embeddings=tied)
+        runs = _runs(req, shape)
+        if any(runs(layout) for layout in _candidate_shapes(shape, RECOMPUTE_MODES, req, method, runs)):
+            return True
+    return False
+
+
+def _runs(req: PlanRequest, shape: ModelShape) -> Callable[[Layout], bool]:
+    """Whether a layout of this model is in the space: holds the fixed keys and, where the space is
+    what runs here (`SearchSpace.runnable_only`), runs on the device and engine; else is well formed."""
+    fixed, engine, device_type = req.space.fixed, req.space.engine, req.hardware.device_type
     if req.space.runnable_only:
-        def runs(layout: Layout) -> bool:
-            return (has_fixed(layout, fixed)
-                    and runnable_problem(layout, shape, device_type, req.space.engine) is None)
-    else:
-        def runs(layout: Layout) -> bool:
-            return has_fixed(layout, fixed) and layout_problem(layout, shape) is None
-    return [layout for layout in _candidate_shapes(trace, req, method, runs) if runs(layout)]
+        return lambda layout: (has_fixed(layout, fixed)
+                               and runnable_problem(layout, shape, device_type, engine) is None)
+    return lambda layout: has_fixed(layout, fixed) and layout_problem(layout, shape) is None
 
 
 def has_fixed(layout: Layout, fixed: dict[str, Any]) -> bool:
@@ -160,24 +184,19 @@ def has_fixed(layout: Layout, fixed: dict[str, Any]) -> bool:
     return all(getattr(layout, key) == value for key, value in fixed.items())
 
 
-def _candidate_shapes(trace: ModelTrace, req: PlanRequest, method: str, runs) -> list[Layout]:
-    """The product of the discrete choices, less what a runnable layout dominates."""
+def _candidate_shapes(shape: ModelShape, modes: tuple[str, ...], req: PlanRequest, method: str,
+                      runs: Callable[[Layout], bool]) -> Iterator[Layout]:
+    """The product of the discrete choices, less what a runnable layout dominates (lazily: a caller
+    asking whether any runs stops at the first)."""
     space, hw = req.space, req.hardware
-    # Selective recomputation is worth offering only where its policy keeps less than everything;
-    # otherwise "none" (k = 0 in the full-recompute family) dominates it.
-    layer = trace.layer
-    selective_kept = layer.input_bytes + layer.selective_replicated_bytes + layer.selective_sharded_bytes
-    modes = RECOMPUTE_MODES if selective_kept < layer.act_bytes else ("full",)
-    out = []
-    shape = model_shape(trace)
     tps = space.tp_degrees or tuple(_divisors(req.devices, shape.num_heads))  # tp divides the heads
     for tp in tps:
         if req.devices % tp or tensor_parallel_problem(tp, shape):
             continue
         if tp_crosses_nodes(tp, hw.devices_per_node) and not space.allow_cross_node_tp:
             continue
-        for pp in space.pp_degrees or tuple(_divisors(req.devices // tp, trace.num_layers)):  # pp <= layers
-            if (req.devices // tp) % pp or pipeline_problem(pp, 1, 1, None, trace.num_layers):
+        for pp in space.pp_degrees or tuple(_divisors(req.devices // tp, shape.num_layers)):  # pp <= layers
+            if (req.devices // tp) % pp or pipeline_problem(pp, 1, 1, None, shape.num_layers):
                 continue
             dp = req.devices // (tp * pp)
             if req.global_batch % dp:
@@ -188,7 +207,7 @@ def _candidate_shapes(trace: ModelTrace, req: PlanRequest, method: str, runs) ->
                 if gas > MAX_BATCH:  # more micro-steps than a layout may hold (specs.core MAX_BATCH)
                     continue
                 vpps = [1] + [v for v in range(2, space.max_vpp + 1)
-                              if pp > 1 and not pipeline_problem(pp, v, gas, None, trace.num_layers)]
+                              if pp > 1 and not pipeline_problem(pp, v, gas, None, shape.num_layers)]
                 for vpp, sp in itertools.product(vpps, space.sequence_parallel):
                     if sp and tp == 1:
                         continue
@@ -210,12 +229,11 @@ def _candidate_shapes(trace: ModelTrace, req: PlanRequest, method: str, runs) ->
                             if dp == 1 and zero and offload == "none":
                                 continue
                             for mode in modes:
-                                out.append(Layout(
+                                yield Layout(
                                     dp=dp, tp=tp, pp=pp, vpp=vpp, sp=sp, zero=zero, offload=offload, mbs=mbs,
                                     gas=gas, recompute=mode, method=method, dtype=req.dtype, seq=req.seq,
                                     lora_rank=req.lora_rank,
-                                ))
-    return out
+                                )
 
 
 # ------------------------------------------------------------------------------------------
@@ -955,6 +973,9 @@ def plan_layouts(req: PlanRequest) -> tuple[SearchResult, str]:
     for method in req.space.methods:
         if method == "qlora" and req.dtype == "fp32":
             req = replace(req, dtype="bf16")  # the 4-bit base computes in bf16 (an fp32 QLoRA layout is refused)
+        if not may_have_shapes(req, method):  # no layout splits it: the answer without a trace
+            last = SearchResult([], "infeasible", 0.0, 0, 0, False)
+            continue
         trace = trace_model(req.model, req.seq, req.dtype, method, req.lora_rank,  # type: ignore[arg-type]
                             attention=req.attention, device_type=req.hardware.device_type, packed=req.packed)
         bounded = bound_shapes(trace, req, method)  # shared by the strict and the relaxed search

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from profiler.slurm import slurm_topology
 from specs.errors import UsageError
 
 DEFAULT_PORT = 29514
@@ -51,8 +52,6 @@ def cluster_options(nnodes: int | None, node_rank: int | None, master_addr: str 
         raise UsageError(f"--master-port must be within 1-65534 (got {master_port})")
     topology = None
     if nnodes is None:
-        from profiler.ranks import slurm_topology  # deferred: imports torch, not needed for a flag's mistake
-
         topology = slurm_topology()
     if topology is not None:
         nnodes, slurm_rank, slurm_master = topology

@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field
 
 from specs.errors import UsageError
 from specs.capabilities import precision
+from specs.layout_rules import CONFIG_KEYS, config_value
 from specs.model_depth import layer_kinds, per_layer_keys, with_layers
 from specs.remote_code import code_digest
 from specs.core import DTYPE_BYTES, SELECTIVE_SAVED_OPS, Layout, ModelSpec
@@ -164,15 +165,21 @@ def _cfg_get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
 
 
 def architecture_dims(cfg: dict[str, Any]) -> dict[str, int]:
-    hidden = int(_cfg_get(cfg, "hidden_size", "n_embd", "d_model"))
-    heads = int(_cfg_get(cfg, "num_attention_heads", "n_head", "num_heads"))
+    """The model's sizes, read as the layout rules read them (`specs.layout_rules.CONFIG_KEYS`)."""
+    def size(name: str, default: Any = None) -> int:
+        value = config_value(cfg, name, default)
+        if value is None:
+            raise UsageError(f"the model's config gives no {name} (any of {', '.join(CONFIG_KEYS[name])})")
+        return int(value)
+
+    hidden, heads = size("hidden_size"), size("num_heads")
     return {
         "hidden_size": hidden,
-        "num_layers": int(_cfg_get(cfg, "num_hidden_layers", "n_layer", "num_layers")),
+        "num_layers": size("num_layers"),
         "num_heads": heads,
-        "num_kv_heads": int(_cfg_get(cfg, "num_key_value_heads", "num_kv_heads", default=heads)),
+        "num_kv_heads": size("num_kv_heads", heads),
         "head_dim": int(_cfg_get(cfg, "head_dim", default=hidden // heads)),
-        "intermediate_size": int(_cfg_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
+        "intermediate_size": size("intermediate_size", 4 * hidden),
         "vocab_size": int(_cfg_get(cfg, "vocab_size")),
     }
 

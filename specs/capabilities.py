@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from specs.engine_traits import FSDP_BF16, MEGATRON, PURE16_PLAIN, TRAITS, EngineName, runs_as, traits
 from specs.errors import UsageError
-from specs.layout_rules import ModelShape, layout_problem
+from specs.layout_rules import ModelShape, config_value, layout_problem
 from specs.core import DTYPE_BYTES, Layout
 
 EngineChoice = Literal["auto", "deepspeed", "fsdp2"]
@@ -286,16 +286,17 @@ def engine_for(layout: Layout, choice: str = "auto") -> EngineName:
 
 
 def config_shape(hf_config: Any) -> ModelShape:
-    """The sizes the rules read, from an HF config (a dict or a PretrainedConfig)."""
-    def get(key: str, default: Any = None) -> Any:
-        return hf_config.get(key, default) if isinstance(hf_config, dict) else getattr(hf_config, key, default)
-
-    heads = int(get("num_attention_heads") or get("n_head") or 1)
+    """The sizes the rules read, from an HF config (a dict or a PretrainedConfig), under the same
+    keys and defaults as the planner's trace (`CONFIG_KEYS`). A config that does not say whether
+    its head is tied is read as untied (the trace knows: it counts the head's parameters)."""
+    heads = int(config_value(hf_config, "num_heads") or 1)
+    hidden = int(config_value(hf_config, "hidden_size") or 1)
+    tied = hf_config.get("tie_word_embeddings") if isinstance(hf_config, dict) else getattr(
+        hf_config, "tie_word_embeddings", None)
     return ModelShape(
-        num_heads=heads, num_kv_heads=int(get("num_key_value_heads") or heads),
-        intermediate_size=int(get("intermediate_size") or get("n_inner") or 4 * int(get("hidden_size") or 1)),
-        num_layers=int(get("num_hidden_layers") or get("n_layer") or 1),
-        tied_embeddings=bool(get("tie_word_embeddings", False)))
+        num_heads=heads, num_kv_heads=int(config_value(hf_config, "num_kv_heads") or heads),
+        intermediate_size=int(config_value(hf_config, "intermediate_size") or 4 * hidden),
+        num_layers=int(config_value(hf_config, "num_layers") or 1), tied_embeddings=bool(tied))
 
 
 def engine_problem(layout: Layout, shape: ModelShape, device_type: str, engine: EngineCapability) -> str | None:

@@ -11,8 +11,28 @@ capability, not a structure) is the trainer's to say.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from specs.core import Layout
+
+# Where HF configs of the families keep each size (Llama-style names first, then GPT-2's, T5's):
+# read through `config_value` by the planner's trace and by the trainer's checks alike.
+CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_kv_heads": ("num_key_value_heads", "num_kv_heads"),
+    "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim"),
+}
+
+
+def config_value(hf_config: Any, size: str, default: Any = None) -> Any:
+    """The first of `CONFIG_KEYS[size]` set (not None) in an HF config, a dict or a PretrainedConfig."""
+    for key in CONFIG_KEYS[size]:
+        value = hf_config.get(key) if isinstance(hf_config, dict) else getattr(hf_config, key, None)
+        if value is not None:
+            return value
+    return default
 
 
 @dataclass(frozen=True)

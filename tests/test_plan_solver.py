@@ -1,6 +1,7 @@
 """The stage ILP's solver back-ends (PuLP with HiGHS in process, PuLP's bundled CBC as the fallback)
 against brute force, and the search's enumeration at command-line sizes no loop over 1..n survives."""
 
+import dataclasses
 import itertools
 import json
 import math
@@ -12,10 +13,12 @@ import sys
 import pytest
 
 from specs.errors import UsageError
-from specs.core import Layout
+from specs.capabilities import config_shape
+from specs.core import Layout, ModelSpec
 from planner import search
 from planner.cost_model import estimate_from_trace
-from planner.search import StageProgram, _all_coefficients, _divisors
+from planner.cost_model import model_shape
+from planner.search import PlanRequest, SearchSpace, StageProgram, _all_coefficients, _divisors
 from profiler.model_trace import trace_model
 from test_plan_search import SEQ, TINY, compositions, hardware
 
@@ -145,3 +148,49 @@ def test_the_search_bounds_hold_for_every_split(pp, memory_share) -> None:
     if pp == 3:  # the stage with the fewest layers holds 1, the mean 4/3
         assert least_busy < bound.max_compute_fraction
         assert not search.may_meet_compute_rule(bound, shape, trace.num_layers, least_busy * 1.01)
+
+
+GPT2_TIED = ModelSpec(name="tiny-gpt2", hf_config={  # no n_inner (4 x n_embd), head tied by GPT-2's default
+    "model_type": "gpt2", "n_embd": 48, "n_layer": 3, "n_head": 6, "n_positions": 256, "vocab_size": 256,
+    "bos_token_id": 0, "eos_token_id": 0})
+
+
+@pytest.mark.parametrize("model", [TINY, GPT2_TIED], ids=lambda m: m.name)
+def test_the_trainers_shape_of_a_config_is_the_traced_one(model) -> None:
+    """`config_shape` (what the trainer's checks read) gives the sizes of the trace the planner
+    enumerates from (GPT-2's MLP width 4 x n_embd, not 4 x a missing hidden_size); a head the config
+    does not declare tied reads as untied, where the trace counts the head's parameters."""
+    traced = model_shape(trace_model(model, SEQ, "bf16", attention="eager", device_type="cuda"))
+    read = config_shape(model.hf_config)
+    assert dataclasses.replace(read, tied_embeddings=traced.tied_embeddings) == traced
+    assert traced.tied_embeddings == (model is GPT2_TIED) and not read.tied_embeddings
+
+
+@pytest.mark.parametrize("model", [TINY, GPT2_TIED], ids=lambda m: m.name)
+def test_a_request_without_layouts_is_known_before_any_trace(model) -> None:
+    """`plan_layouts` skips the trace where `may_have_shapes` says no layout exists: it must never
+    say so where the traced enumeration finds one, over device counts, batches, the two spaces and
+    a fixed pp; and it must say so for the requests with none (the test's teeth)."""
+    trace = trace_model(model, SEQ, "bf16", attention="eager", device_type="cuda")
+    nones = 0
+    for devices, batch, runnable_only, fixed in itertools.product(
+            (1, 2, 3, 4, 6, 8, 12, 64, 4096), (1, 6, 7, 64, 2**26 + 2), (True, False), ({}, {"pp": 3})):
+        req = PlanRequest(model=model, hardware=hardware(1e6), devices=devices, seq=SEQ, global_batch=batch,
+                          dtype="bf16", space=SearchSpace(runnable_only=runnable_only, fixed=fixed))
+        found = bool(search.enumerate_shapes(trace, req, "full"))
+        assert search.may_have_shapes(req, "full") or not found, (devices, batch, runnable_only, fixed)
+        nones += not search.may_have_shapes(req, "full")
+    assert nones >= 40
+
+
+def test_planning_a_request_no_layout_splits_traces_nothing(monkeypatch) -> None:
+    """No layout of 2**20 devices splits a 10**12 batch of demo-tiny: the plan says why, in a line
+    naming the rules, without the six cold traces (method, sequence length) it took before."""
+    from planner.plan import InfeasiblePlan, PlanOptions, make_plan
+    from presets import load_hardware, load_model
+
+    monkeypatch.setattr(search, "trace_model", lambda *a, **k: pytest.fail("traced a request with no layout"))
+    opts = PlanOptions(model=load_model("demo-tiny"), hardware=load_hardware("h100-80g"), nodes=2**17,
+                       global_batch=10**12)
+    with pytest.raises(InfeasiblePlan, match="has no layout on 1,048,576 x h100-80g .* tp divides the attention"):
+        make_plan(opts)

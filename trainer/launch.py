@@ -33,7 +33,8 @@ from specs.core import HardwareSpec
 from specs.run_dir import (CHECKPOINT_STATE_FILE, CHECKPOINTS_DIR, EVENTS_FILE, LOGS_DIR, SUMMARY_FILE, JsonLines,
                            parse_event)
 from profiler.inventory import cpu_cores
-from profiler.ranks import free_port, init_device_and_group, slurm_topology
+from profiler.ranks import free_port, init_device_and_group
+from profiler.slurm import slurm_topology
 from trainer import checkpoint
 from trainer.launch_file import LaunchFile, launch_file_path, write_launch_file
 from trainer.loop import train

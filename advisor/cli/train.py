@@ -163,7 +163,7 @@ def _launch(a: SimpleNamespace) -> dict | None:
 def _node_rank(a: SimpleNamespace) -> int:
     """This node's rank: --node-rank, or under Slurm without --nnodes, Slurm's (as the launcher reads it),
     so that each node of a Slurm job locks its own file in a shared run dir."""
-    from profiler.ranks import slurm_topology  # deferred: it imports torch
+    from profiler.slurm import slurm_topology  # deferred: the profiler package, only for a launch
 
     topology = slurm_topology() if a.nnodes is None else None
     return topology[1] if topology else a.node_rank
