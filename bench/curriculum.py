@@ -150,8 +150,13 @@ def run_compare(args: argparse.Namespace) -> tuple[dict, list[str], float | None
     """Generate the demo data at --scale, run the command; its JSON, the command, wall time, loads."""
     from trainer.data.demo_corpus import generate_demo_corpus
 
-    work = Path(tempfile.mkdtemp(prefix="curriculum_"))
-    task = generate_demo_corpus(work, scale=args.scale)["task.yaml"]
+    # With --out the data lives beside it (<out>-data), generated once per scale: the runs' fingerprints
+    # name the task's files, so a later invocation into the same --out (another session) reuses its runs.
+    work = args.out.with_name(args.out.name + "-data") if args.out else Path(tempfile.mkdtemp(prefix="curriculum_"))
+    stamp, task = work / "generated.json", work / "task.yaml"
+    if not (task.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == {"scale": args.scale}):
+        task = generate_demo_corpus(work, scale=args.scale)["task.yaml"]
+        stamp.write_text(json.dumps({"scale": args.scale}))
     out = args.out or work / "report"
     command = compare_command(task, out, args)
     loads = [load_average()]

@@ -182,6 +182,16 @@ CAUSES = """Causes, in the order they were switched on (39 of 60 rows within 15%
    2024), half the GEMMs' 0.7 (on A100 it reaches the GEMMs' rate: Dao 2023, 50-73%): 47 of 60. In:
    mpt-7b at seq 8192 on 8 H100s (+29% to +6%), mpt-13b at seq 4096 on 8 (+16% to +5%), mpt-70b on 512
    (+18% to +14%), mpt-30b on 128 (+15% to +10%), mpt-13b on 512 (+16% to +9%).
+4. **Megatron-LM keeps its gradients as its README counts them** (`specs.capabilities` precision
+   `master16`; test: tests/test_megatron_schedule.py against the README's "Distributed Optimizer" table,
+   18 bytes per parameter for bf16 and 6 + 12/d with the distributed optimizer, 20 and 4 + 16/d for fp16,
+   16 and 8 + 8/d for fp32): under bf16 it accumulates and all-reduces the gradients in fp32 buffers, where
+   they had been priced as 2-byte gradients. Throughput moves by at most 1 point (BLOOM's fp32 all-reduce
+   over dp 8: +2.7/+2.0/+1.0/-3.2/+12.2% to +1.9/+1.2/+0.2/-3.7/+11.9%; Megatron's 530B on 2240 GPUs
+   -5.4% to -6.2%); BLOOM's peaks from 27.8/27.8/35.1/20.2 to 36.0/36.0/42.5/23.9 GiB against the
+   published 59/59/73/40 (nvidia-smi's figure, which also counts the CUDA context and the allocator's
+   reserve; Megatron-DeepSpeed's BF16 optimizer also keeps the bf16 gradients beside the fp32 ones,
+   which this engine, Megatron-LM's own, does not price).
 
 Left out, with why:
 

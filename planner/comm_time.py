@@ -21,7 +21,7 @@ from planner.memory import (
     ADAPTER_BYTES,
     autocast_kept_bytes,
     fsdp_shards,
-    stored_dtype_bytes,
+    gradient_dtype_bytes,
 )
 from profiler.model_trace import ModelTrace
 
@@ -143,10 +143,10 @@ def gradient_comm_bytes(layout: Layout, engine: str, trainable: float) -> float:
     """Bytes of the gradients one device reduces across data-parallel replicas per reduction:
     FSDP2 reduces in fp32 (its MixedPrecisionPolicy's reduce_dtype), whatever it computes in; DDP
     and DeepSpeed reduce in the gradients' own dtype (fp32 under autocast, 16-bit beside DeepSpeed's
-    master: `stored_dtype_bytes`); LoRA's adapters are fp32."""
+    master, fp32 in Megatron-LM's bf16 buffers: `gradient_dtype_bytes`); LoRA's adapters are fp32."""
     if layout.method != "full":
         return trainable * ADAPTER_BYTES
     reduce_dtype = traits(engine).reduce_dtype  # published FSDP runs reduce in bf16
     if reduce_dtype:
         return trainable * DTYPE_BYTES[reduce_dtype]
-    return trainable * stored_dtype_bytes(layout, engine)
+    return trainable * gradient_dtype_bytes(layout, engine)

@@ -76,12 +76,22 @@ def autocast_kept_bytes(layout: Layout, engine: str) -> int:
     return DTYPE_BYTES[autocast_kept_dtype(layout, engine)]
 
 
+def gradient_dtype_bytes(layout: Layout, engine: str) -> int:
+    """Bytes per element of the trainable weights' gradients as the engine keeps and reduces them:
+    `stored_dtype_bytes`, but fp32 where Megatron-LM accumulates bf16 gradients (specs.capabilities
+    `precision`)."""
+    return precision(layout, engine).gradient_bytes
+
+
 def optimizer_bytes_per_param(layout: Layout, engine: str = "deepspeed") -> int:
     """Adam's two moments in the dtype of the weights it updates (torch keeps them so), plus the fp32
     master copy where the engine keeps one (`master_weights`): K = 12 for DeepSpeed, 8 elsewhere
     (the weights it updates are fp32); 4 where a module cast to 16 bits is updated directly
-    (`precision` cast16: the pre-issue-28 plain engine the GPU evidence was measured with)."""
-    return 12 if master_weights(layout, engine) else 2 * stored_dtype_bytes(layout, engine)
+    (`precision` cast16: the pre-issue-28 plain engine the GPU evidence was measured with); 4 more
+    where it takes an fp32 copy of 16-bit gradients (Megatron-LM's fp16)."""
+    kept = precision(layout, engine)
+    copy = 4 if kept.fp32_grad_copy else 0
+    return (12 if kept.master else 2 * kept.weight_bytes) + copy
 
 
 def model_state_bytes(
@@ -103,7 +113,7 @@ def model_state_bytes(
     dp = layout.dp
     if layout.method == "full":
         weights = params * w
-        grads = trainable * w
+        grads = trainable * gradient_dtype_bytes(layout, engine)
         optim = trainable * optimizer_bytes_per_param(layout, engine)
     else:
         frozen = params - trainable

@@ -405,13 +405,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     if not result.solutions and opts.fix:
         raise InfeasiblePlan(_fix_infeasible(opts, result, devices, hw, seq, batch, methods))
     if not result.solutions:
-        why_not = (f"has no layout on {devices:,} x {hw.name} at global batch {batch:,}: {_layout_rules(opts)}."
-                   if not result.shapes else
-                   f"does not fit {devices} x {hw.name} at sequence length {seq} and global batch {batch}, even "
-                   "with ZeRO sharding, offload and full recomputation.")
-        raise InfeasiblePlan(
-            f"{opts.model.name} with method {'/'.join(methods)} {why_not}",
-            _suggestions(opts, devices, seq, batch, methods), none_found="none found within 64x the devices")
+        raise _infeasible(opts, result, devices, hw, seq, batch, methods)
     if result.relaxed_compute_rule:
         notes.append(f"no layout keeps compute >= {100 * opts.min_compute_fraction:.0f}% of the step; these are "
                      "the fastest anyway (flagged): fewer devices or a larger global batch would meet the rule")
@@ -453,6 +447,18 @@ def _fix_infeasible(opts: PlanOptions, result: SearchResult, devices: int, hw: H
     hint = (f"; without --fix: {unfixed.solutions[0].layout.short()}" if unfixed.solutions
             else "; nor does any layout without it")
     return f"--fix {fix}: {reason}{hint}"
+
+
+def _infeasible(opts: PlanOptions, result: SearchResult, devices: int, hw: HardwareSpec, seq: int, batch: int,
+                methods: tuple[str, ...]) -> InfeasiblePlan:
+    """No plan: no layout splits the request at all (the rules named), or none fits memory; with the
+    nearest changes that would make it feasible."""
+    why_not = (f"has no layout on {devices:,} x {hw.name} at global batch {batch:,}: {_layout_rules(opts)}."
+               if not result.shapes else
+               f"does not fit {devices} x {hw.name} at sequence length {seq} and global batch {batch}, even "
+               "with ZeRO sharding, offload and full recomputation.")
+    return InfeasiblePlan(f"{opts.model.name} with method {'/'.join(methods)} {why_not}",
+                          _suggestions(opts, devices, seq, batch, methods), none_found="none found within 64x the devices")
 
 
 def _layout_rules(opts: PlanOptions) -> str:

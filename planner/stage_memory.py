@@ -30,6 +30,7 @@ from planner.memory import (
     tied_embedding_gradient_bytes,
     tied_embedding_gradient_copies,
     model_state_bytes,
+    gradient_dtype_bytes,
     stored_dtype_bytes,
 )
 from profiler.model_trace import ModelTrace
@@ -49,7 +50,7 @@ def resident_gradients(layout: Layout, engine: str, gradients: float, params: fl
     if fsdp_shards(layout, engine):
         if layout.gas == 1:
             return 0.0
-        return gradients if layout.zero >= 2 else params * stored_dtype_bytes(layout, engine)
+        return gradients if layout.zero >= 2 else params * gradient_dtype_bytes(layout, engine)
     if traits(engine).ddp_buckets and layout.dp > 1:
         # DDP's buckets persist; gradients accumulated under no_sync after a zero_grad(set_to_none)
         # are fresh tensors beside them, not views into them (measured: twice the gradients, gas 2)
@@ -188,7 +189,7 @@ def stage_memory(
         activations += head_activation_bytes(trace, layout, engine)
 
     # a gradient as the engine keeps it: fp32 where the weights are (autocast, FSDP2), 16-bit beside DeepSpeed's master
-    grad_bytes = stored_dtype_bytes(layout, engine) if layout.method == "full" else ADAPTER_BYTES
+    grad_bytes = gradient_dtype_bytes(layout, engine) if layout.method == "full" else ADAPTER_BYTES
     deepspeed = deepspeed_zero12_buffers(trace, layout, hardware, engine, grad_bytes, last)
     # ZeRO-3's one reduce bucket across replicas (its own partitioned path; stage3.py)
     zero3_bucket = traits(engine).flat_partition and layout.zero == 3 and layout.dp > 1

@@ -149,15 +149,28 @@ class Precision:
       gradients and moments in fp32: no update is small against a 16-bit weight;
     - ``cast16``: fp16 outside DeepSpeed, which no other engine runs (no loss scaling there,
       `engine_problem`): the module cast to fp16, priced as pure 16-bit for published tables;
-    - ``master16``: Megatron-LM, priced only: its module in the layout's dtype, an fp32 master copy
-      in its optimizer, whatever the dtype.
+    - ``master16``: Megatron-LM, priced only: its module in the layout's 16-bit dtype and an fp32
+      master copy in its optimizer. Under bf16 it accumulates and all-reduces the gradients in fp32
+      buffers (`--accumulate-allreduce-grads-in-fp32`, on for bf16 by default); under fp16 its
+      gradients stay fp16 and the optimizer takes an fp32 copy of them. Megatron-LM's README
+      ("Distributed Optimizer"): 20 bytes per parameter for fp16, 18 for bf16, 16 for fp32 (no
+      master), and 4 + 16/d, 6 + 12/d, 8 + 8/d with the distributed optimizer (ZeRO-1 here).
     """
 
     mode: PrecisionMode
-    # bytes per element of the trainable weights as the model holds them, and of their gradients
+    # bytes per element of the trainable weights as the model holds them
     weight_bytes: int
     # a separate fp32 copy of the trainable weights inside the optimizer
     master: bool
+    # bytes per element of their gradients as the engine keeps and reduces them (None: weight_bytes)
+    grad_bytes: int | None = None
+    # the optimizer takes an fp32 copy of the 16-bit gradients (Megatron-LM's fp16), kept and
+    # partitioned with its states
+    fp32_grad_copy: bool = False
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.weight_bytes if self.grad_bytes is None else self.grad_bytes
 
     @property
     def autocast(self) -> bool:
@@ -185,7 +198,11 @@ def precision(layout: Layout, engine: str) -> Precision:
 @functools.lru_cache(maxsize=None)
 def _precision(dtype: str, method: str, zero: int, fsdp: bool, engine: str) -> Precision:
     if engine == MEGATRON:
-        return Precision("master16", DTYPE_BYTES[dtype], master=True)
+        if dtype == "fp32":
+            return Precision("fp32", 4, master=False)
+        if dtype == "bf16":
+            return Precision("master16", 2, master=True, grad_bytes=4)
+        return Precision("master16", DTYPE_BYTES[dtype], master=True, fp32_grad_copy=True)
     if engine == "deepspeed":
         if dtype == "fp32":
             # stage 3 reuses an fp32 partition as its master (stage3.py, _create_fp32_partitions);

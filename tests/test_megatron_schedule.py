@@ -91,3 +91,28 @@ def test_the_predicted_throughput_of_every_table_1_row_is_within_10_percent_of_t
     layout, DDP and kernels the authors' run_table_1.sh ran; no factor fitted to the table."""
     _, predicted = predicted_tflops(row, load_hardware("a100-80g"))
     assert predicted == pytest.approx(row["tflops_per_gpu"], rel=0.10)
+
+
+# Megatron-LM's README, "Distributed Optimizer": theoretical bytes per parameter (d: data-parallel size),
+# without and with the distributed optimizer (ZeRO-1 here). bf16 accumulates and all-reduces its gradients
+# in fp32 by default; fp16 keeps fp16 gradients and the optimizer takes an fp32 copy of them.
+MEGATRON_BYTES_PER_PARAM = {"fp16": (20, lambda d: 4 + 16 / d), "bf16": (18, lambda d: 6 + 12 / d),
+                            "fp32": (16, lambda d: 8 + 8 / d)}
+
+
+@pytest.mark.parametrize("dtype", sorted(MEGATRON_BYTES_PER_PARAM))
+@pytest.mark.parametrize("dp", [1, 8, 64])
+def test_megatrons_model_states_are_its_readmes_bytes_per_parameter(dtype, dp) -> None:
+    from planner.comm_time import gradient_comm_bytes
+    from planner.memory import model_state_bytes
+
+    plain, distributed = MEGATRON_BYTES_PER_PARAM[dtype]
+    for zero, expected in ((0, plain), (1, distributed(dp))):
+        if zero and dp == 1:
+            continue  # the distributed optimizer shards across replicas
+        layout = Layout(dp=dp, zero=zero, mbs=1, gas=1, dtype=dtype, seq=2048)
+        states = model_state_bytes(1e9, 1e9, layout, engine=MEGATRON)
+        assert (states.weights + states.gradients + states.optimizer) / 1e9 == pytest.approx(expected)
+    # the gradients are all-reduced as they are kept: fp32 under bf16, in the parameters' dtype otherwise
+    reduced = gradient_comm_bytes(Layout(dp=dp, mbs=1, gas=1, dtype=dtype, seq=2048), MEGATRON, 1e9) / 1e9
+    assert reduced == {"fp16": 2, "bf16": 4, "fp32": 4}[dtype]
