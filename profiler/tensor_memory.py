@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from profiler.extension_build import exclusive_build
+
 # Why hand-written: c10 has no thread-agnostic, queryable byte counter for CPU tensors (the
 # profiler's memory reporter is thread-local and drifts under gloo's worker threads), so we wrap
 # the CPU allocator. Blocks still come from the wrapped default allocator.
@@ -88,6 +90,8 @@ void reset_peak() { g_peak.store(g_live.load()); }
 
 _hook: Any = None
 
+COUNTER_EXTENSION = "advisor_cpu_tensor_bytes"
+
 
 def load_counter() -> Any:
     """Build (cached in TORCH_EXTENSIONS_DIR) and import the counting allocator extension. Call it
@@ -96,8 +100,9 @@ def load_counter() -> Any:
     if _hook is None:
         from torch.utils.cpp_extension import load_inline
 
-        _hook = load_inline("advisor_cpu_tensor_bytes", cpp_sources=_ALLOC_HOOK_SOURCE,
-                            functions=["install", "live_bytes", "peak_bytes", "reset_peak"])
+        with exclusive_build(COUNTER_EXTENSION):  # a killed earlier build must not leave us waiting
+            _hook = load_inline(COUNTER_EXTENSION, cpp_sources=_ALLOC_HOOK_SOURCE,
+                                functions=["install", "live_bytes", "peak_bytes", "reset_peak"])
     return _hook
 
 

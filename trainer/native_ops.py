@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from profiler.extension_build import exclusive_build
 from specs.errors import UsageError
 from specs.engine_traits import traits
 from specs.profile import cpu_model_name
@@ -52,15 +53,24 @@ def cpu_comm_op_built() -> bool:
 
 
 def build_cpu_comm_op(layouts: Iterable[Layout], engine: str, say: Callable[[str], None]) -> None:
-    """Build the op now when one of `layouts` runs through DeepSpeed on CPU and it is not built yet."""
-    if torch.cuda.is_available() or cpu_comm_op_built():
+    """Build the op now when one of `layouts` runs through DeepSpeed on CPU and it is not built yet;
+    built, clear the lock a killed load may have left (the workers' DeepSpeed loads it next)."""
+    if torch.cuda.is_available() or not any(_through_deepspeed(layout, engine) for layout in layouts):
         return
-    if not any(_through_deepspeed(layout, engine) for layout in layouts):
-        return
+    if cpu_comm_op_built():
+        with exclusive_build(SHM_OP):
+            return
     say(BUILDING)
+    build_cpu_comm_op_now()
+
+
+def build_cpu_comm_op_now() -> None:
+    """Build (or load, when built) DeepSpeed's CPU communication op, a killed earlier build's lock
+    cleared (profiler/extension_build.py)."""
     from deepspeed.comm.torch import build_shm_op  # deferred: imports DeepSpeed (seconds)
 
-    build_shm_op()
+    with exclusive_build(SHM_OP):
+        build_shm_op()
 
 
 def _through_deepspeed(layout: Layout, engine: str) -> bool:

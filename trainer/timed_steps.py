@@ -34,6 +34,7 @@ from trainer.batch import MicroBatch
 from trainer.engines import device, select_backend
 from trainer.engines.deepspeed_zero import import_deepspeed
 from trainer.engine_build import build_engine, optimizer_step
+from trainer.native_ops import build_cpu_comm_op_now
 from trainer.options import TrainOptions
 
 SEED = 0
@@ -136,9 +137,7 @@ def prepare_forks(layouts: list[Layout], engine: EngineChoice = "auto") -> None:
     if any(traits(select_backend(layout, engine)).deepspeed for layout in layouts):
         import_deepspeed()
         if not torch.cuda.is_available():
-            from deepspeed.comm.torch import build_shm_op  # deferred: DeepSpeed is imported just above
-
-            build_shm_op()  # DeepSpeed's CPU comm op: 30-45 s on a cold TORCH_EXTENSIONS_DIR
+            build_cpu_comm_op_now()  # DeepSpeed's CPU comm op: 30-45 s on a cold TORCH_EXTENSIONS_DIR
 
 
 def _rank(rank: int, model: ModelSpec, layout: Layout, steps: int, port: int, out_dir: str, threads: int | None,

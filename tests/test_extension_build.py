@@ -1,0 +1,54 @@
+"""A compiled extension's build killed midway no longer hangs every later run (found when a killed
+`advisor train` left torch's `lock` file in the CPU memory counter's build folder: every later
+launch slept on it, silently, for ever)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from profiler.extension_build import build_directory, exclusive_build
+from profiler.tensor_memory import COUNTER_EXTENSION
+from trainer.native_ops import extensions_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_killed_builds_lock_does_not_hang_the_next_load_of_the_memory_counter() -> None:
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions_dir()), "PYTHONPATH": str(ROOT)}
+    baton = Path(env["TORCH_EXTENSIONS_DIR"]) / COUNTER_EXTENSION / "lock"
+    baton.parent.mkdir(parents=True, exist_ok=True)
+    baton.touch()  # what torch's FileBaton leaves when its build is killed
+    code = "from profiler.tensor_memory import load_counter\nload_counter().install()\nprint('loaded')"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+    assert not baton.exists()
+
+
+def test_the_build_lock_dies_with_its_holder(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert build_directory("ext") == tmp_path / "ext"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom profiler.extension_build import exclusive_build\n"
+         "with exclusive_build('ext') as folder:\n    (folder / 'lock').touch()\n    print('holding', flush=True)\n"
+         "    time.sleep(600)"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with open(tmp_path / ".ext.advisor-lock", "a+") as probe:  # a live build holds it: others wait
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert (tmp_path / "ext" / "lock").exists()
+        holder.send_signal(signal.SIGKILL)  # mid-build: its baton is left behind
+        holder.wait()
+        with exclusive_build("ext") as folder:  # the kernel released its lock; the dead baton is cleared
+            assert not (folder / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
