@@ -131,7 +131,7 @@ def test_deepspeed_cpu_op_folder_is_per_cpu_model_and_said_only_when_built(tmp_p
     assert said == [] and builds == []
     native_ops.build_cpu_comm_op([Layout(dp=2, zero=0), Layout(dp=2, zero=1)], "auto", said.append)
     assert said == [native_ops.BUILDING] and builds == ["built"]
-    (folder / native_ops.SHM_OP).mkdir(parents=True)
+    (folder / native_ops.SHM_OP).mkdir(parents=True, exist_ok=True)  # made by the build's lock (extension_build)
     (folder / native_ops.SHM_OP / f"{native_ops.SHM_OP}.so").write_bytes(b"")
     native_ops.build_cpu_comm_op([Layout(dp=2, zero=1)], "auto", said.append)  # built: not a word
     assert said == [native_ops.BUILDING] and builds == ["built"]
