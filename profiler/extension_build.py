@@ -40,12 +40,7 @@ def exclusive_build(name: str) -> Iterator[Path]:
     cleared; yields the build folder."""
     folder = build_directory(name)
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{name}.advisor-lock", "a+") as held:
+    with open(folder.parent / f".{name}.advisor-lock", "a+") as held:  # closing it releases the lock
         fcntl.flock(held, fcntl.LOCK_EX)  # waits for a live build of ours; released if its holder dies
-        baton = folder / "lock"
-        if baton.exists():
-            baton.unlink(missing_ok=True)  # every builder of ours holds the flock: this one's is dead
-        try:
-            yield folder
-        finally:
-            fcntl.flock(held, fcntl.LOCK_UN)
+        (folder / "lock").unlink(missing_ok=True)  # every builder of ours holds the flock: a baton's is dead
+        yield folder
