@@ -8,7 +8,10 @@ here one by one from that commit's megatron/model/transformer.py, instead of the
 Units: bytes per element of one of three tensor sizes of one micro-batch on one device,
 * `hidden`: b s h, the replicated hidden states (LayerNorm, residual, dropout);
 * `sharded`: b s h / tp, a tensor-parallel slice of the hidden size;
-* `scores`: b (a / tp) s^2, the attention scores.
+* `scores`: b (a / tp) s^2, the attention scores, written only by explicit attention: a flash kernel
+  (FlashAttention, Dao et al. 2022; Transformer Engine's fused attention in today's Megatron-LM)
+  keeps the softmax and its dropout on chip and writes no score, so under it these kernels move
+  nothing.
 Activations are fp16 (2 bytes), dropout masks 1 byte. The score matmuls' own reads and writes are
 priced by the cost model's roofline term, the GEMMs' by their FLOPs, the TP all-reduces as
 communication: none of them appears here.
@@ -73,11 +76,13 @@ def _bytes(bytes_per_element: Iterable[tuple[float, Size]], elements: dict[Size,
 
 def layer_elementwise_bytes(trace: ModelTrace, layout: Layout) -> tuple[float, float]:
     """(forward, backward) bytes one decoder layer's memory-bound kernels move for one micro-batch
-    on one device. Sequence parallelism (not in the 2021 code) would shard the replicated ones."""
+    on one device. Sequence parallelism (not in the 2021 code) would shard the replicated ones; the
+    score kernels run only where the attention is explicit (`trace.attention` "eager")."""
     tokens = layout.mbs * trace.seq
+    explicit = trace.attention == "eager"
     elements: dict[Size, float] = {"hidden": tokens * trace.hidden_size / (layout.tp if layout.sp else 1),
                                    "sharded": tokens * trace.hidden_size / layout.tp,
-                                   "scores": layout.mbs * trace.num_heads / layout.tp * trace.seq**2}
+                                   "scores": layout.mbs * trace.num_heads / layout.tp * trace.seq**2 * explicit}
     return (_bytes(((k.forward, k.size) for k in KERNELS), elements),
             _bytes(((k.backward, k.size) for k in reversed(KERNELS)), elements))
 
