@@ -304,16 +304,35 @@ def engine_for(layout: Layout, choice: str = "auto") -> EngineName:
 
 def config_shape(hf_config: Any) -> ModelShape:
     """The sizes the rules read, from an HF config (a dict or a PretrainedConfig), under the same
-    keys and defaults as the planner's trace (`CONFIG_KEYS`). A config that does not say whether
-    its head is tied is read as untied (the trace knows: it counts the head's parameters)."""
+    keys and defaults as the planner's trace (`CONFIG_KEYS`), and whether its head is tied
+    (`_ties_head`)."""
     heads = int(config_value(hf_config, "num_heads") or 1)
     hidden = int(config_value(hf_config, "hidden_size") or 1)
-    tied = hf_config.get("tie_word_embeddings") if isinstance(hf_config, dict) else getattr(
-        hf_config, "tie_word_embeddings", None)
+    tied = _ties_head(hf_config)
     return ModelShape(
         num_heads=heads, num_kv_heads=int(config_value(hf_config, "num_kv_heads") or heads),
         intermediate_size=int(config_value(hf_config, "intermediate_size") or 4 * hidden),
         num_layers=int(config_value(hf_config, "num_layers") or 1), tied_embeddings=bool(tied))
+
+
+def _ties_head(hf_config: Any) -> bool:
+    """Whether the model the trainer builds from `hf_config` ties its LM head to its embedding. A dict
+    that does not say takes its config class's default, as `AutoConfig.for_model` builds it: a
+    config.json written by `save_pretrained` leaves out every value equal to the class's default,
+    and GPT-2, Gemma, OPT and BLOOM tie by default where Llama, Mistral and Qwen2 do not."""
+    if not isinstance(hf_config, dict):
+        return bool(getattr(hf_config, "tie_word_embeddings", False))
+    if hf_config.get("tie_word_embeddings") is not None:
+        return bool(hf_config["tie_word_embeddings"])
+    model_type = hf_config.get("model_type")
+    if not model_type:
+        return False
+    from transformers import AutoConfig  # deferred: only a config that leaves the choice to its class pays the import
+
+    try:
+        return bool(AutoConfig.for_model(model_type).tie_word_embeddings)
+    except (KeyError, ValueError):  # a model type transformers does not know: the trace's check reports it
+        return False
 
 
 def engine_problem(layout: Layout, shape: ModelShape, device_type: str, engine: EngineCapability) -> str | None:

@@ -157,13 +157,13 @@ GPT2_TIED = ModelSpec(name="tiny-gpt2", hf_config={  # no n_inner (4 x n_embd), 
 
 @pytest.mark.parametrize("model", [TINY, GPT2_TIED], ids=lambda m: m.name)
 def test_the_trainers_shape_of_a_config_is_the_traced_one(model) -> None:
-    """`config_shape` (what the trainer's checks read) gives the sizes of the trace the planner
-    enumerates from (GPT-2's MLP width 4 x n_embd, not 4 x a missing hidden_size); a head the config
-    does not declare tied reads as untied, where the trace counts the head's parameters."""
+    """`config_shape` (what the trainer's checks read) gives the shape of the trace the planner
+    enumerates from: GPT-2's MLP width 4 x n_embd, not 4 x a missing hidden_size, and a head that
+    the config leaves to its class (GPT-2 ties by default) read as tied, as the trace counts it."""
     traced = model_shape(trace_model(model, SEQ, "bf16", attention="eager", device_type="cuda"))
-    read = config_shape(model.hf_config)
-    assert dataclasses.replace(read, tied_embeddings=traced.tied_embeddings) == traced
-    assert traced.tied_embeddings == (model is GPT2_TIED) and not read.tied_embeddings
+    assert "tie_word_embeddings" not in model.hf_config
+    assert config_shape(model.hf_config) == traced
+    assert traced.tied_embeddings == (model is GPT2_TIED)
 
 
 @pytest.mark.parametrize("model", [TINY, GPT2_TIED], ids=lambda m: m.name)
