@@ -10,7 +10,8 @@ and `advisor run` as a user starts it. Under 8 minutes on one GPU.
 2. `advisor profile --quick --device cuda --model llama-1b.json` (skipped with --profile P), and
    plain torch's warm bf16 GEMM at 8192^3 and device copy rate beside the profile's (`reference_rates`).
 3. Each layout of LAYOUTS (mbs, seq, recomputation, LoRA, QLoRA, DeepSpeed ZeRO-Offload on one
-   device), then LAYOUTS_8B where the cost model says they fit, runs `trainer.timed_steps.time_layout`:
+   device), then LAYOUTS_DENSE (8 of Llama-3-8B's layers, with and without recomputation) and
+   LAYOUTS_8B where the cost model says they fit, runs `trainer.timed_steps.time_layout`:
    the trainer's model, engine and optimizer step, random tokens, the median step after the warm-up,
    the peak of `torch.cuda.max_memory_allocated` over the steps. The prediction is the cost model's
    (`planner.cost_model.estimate`) on the profile. A layout the capability declaration does not run
@@ -57,6 +58,11 @@ LLAMA_8B = {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hi
 # 16 bytes of model state per parameter (bf16-mixed): an 80 GB card holds an 8B full fine-tune only
 # with its optimizer offloaded, a 141 GB one with full recomputation
 LAYOUTS_8B = ["mbs=1,gas=1,seq=2048,recompute=full", "mbs=1,gas=1,seq=2048,method=lora,recompute=full"]
+# 8 of Llama-3-8B's layers (2.8 B parameters), compute-bound at micro-batch 4: the published FSDP runs
+# on H100s are priced 15-35% fast, most of all without recomputation (bench/published_bench.py), where
+# eager dense steps on an H200 were within about 7%; these rows time the same layers both ways on one card
+LLAMA_8B_SLICE = {**LLAMA_8B, "num_hidden_layers": 8}
+LAYOUTS_DENSE = ["mbs=4,gas=1,seq=2048", "mbs=4,gas=1,seq=2048,recompute=full"]
 SMOKE_LAYOUTS = ["mbs=2,gas=2,seq=64", "mbs=2,gas=1,seq=64,recompute=full"]
 BUDGET_S = 7 * 60  # stop starting new layouts after this, so the whole check stays under 8 minutes
 
@@ -295,8 +301,10 @@ def main(argv: list[str] | None = None) -> list[str]:
                 "predicted peak | error |", "|---|---|---|---|---|---|---|---|"]
         rows += layout_rows(model, hardware, SMOKE_LAYOUTS if smoke else LAYOUTS, 1, started, args, smoke)
         if not smoke:
+            rows += layout_rows(ModelSpec(name="llama-8b-8-layers", hf_config=LLAMA_8B_SLICE), hardware,
+                                LAYOUTS_DENSE, len(LAYOUTS) + 1, started, args, smoke)
             rows += layout_rows(ModelSpec(name="llama-8b", hf_config=LLAMA_8B), hardware, LAYOUTS_8B,
-                                len(LAYOUTS) + 1, started, args, smoke)
+                                len(LAYOUTS) + len(LAYOUTS_DENSE) + 1, started, args, smoke)
         # computed here, after the rows' forked ranks: a CPU parent that ran OpenMP work hangs its forks
         lines += ["", *reference_rates(hardware, device_type)]
         rows += ["", *packed_rows(config, 128 if smoke else 4096, device_type)]

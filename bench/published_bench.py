@@ -219,6 +219,16 @@ Left out, with why:
   at 1.6x the A100's bandwidth for 3.2x its FLOPs, launches) is priced short, or its GEMMs at these
   shapes run below the preset's 0.7. No independent figure for either was at hand (this task had no
   GPU), so the preset's GEMM and memory-bandwidth efficiencies did not move.
+* found, not landed: a group of devices that crosses nodes with k members in each runs over k network
+  adapters per node (NCCL lays a ring per adapter: nccl-tests users measured 85-96 GB/s of bus bandwidth
+  across nodes of 8 A100s with 4 HDR adapters, against 100 GB/s for the 4 and 24 GB/s over one; NVIDIA/
+  nccl-tests issues 119 and 175), where every group is priced over one adapter. Priced so, five of
+  torchtitan's six 64-A100 rows come within 15% (to -2 to +19%), but fms-fsdp's rows move out (A100 7B
+  +10% to +23%; H100 7B/34B/70B +9/+5/0% to +52/+28/+25%), Table 1's 1.7B row reads +10.7% against
+  its test's 10%, and Llama 3 70B on 2048 H100s is priced at 4.5 M GPU-hours against Meta's 6.4 M: the
+  slow network had hidden that eager FSDP steps on an H100 are priced fast (the H100 rows above).
+  bench/gpu_check.py now times a dense, compute-bound slice of Llama-3-8B with and without
+  recomputation, the measurement that change needs first.
 * mpt-13b on 8 A100s (mbs 2, no recomputation), +16.0%: its FSDP traffic now hides; the same table's
   7B, 1B and 125M rows sit at -5% to +6%."""
 
