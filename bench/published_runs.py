@@ -41,6 +41,11 @@ Sources (all read from the addresses below; GitHub files at the commit given):
   https://github.com/foundation-model-stack/fms-fsdp/blob/5e522b4c4f8a5f080717e714fee7622414dd6b63/README.md
   (the eager, pre-torch.compile version); shapes from fms_fsdp/utils/config_utils.py, seq 4096 and
   batch size from fms_fsdp/config/training.py.
+* megatroncore2024 -- the Megatron-LM README's weak-scaling table on H100s (Megatron-Core r0.8.0),
+  https://github.com/NVIDIA/Megatron-LM/blob/f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4/images/model_table.png
+  (read; the README text beside it states vocab, sequence and the overlap flags). FLOP convention from
+  megatron/training/training.py at tag core_r0.8.0. Listed, not priced: see bench/published_bench.py
+  UNPRICED_ENGINES.
 
     python -m bench.published_runs
 """
@@ -538,6 +543,42 @@ def _fms_rows() -> list[PublishedRun]:
 
 
 # ------------------------------------------------------------------------------------------------
+# 7. Megatron-Core r0.8.0 on H100 (Megatron-LM README's weak-scaling table, 2024)
+# ------------------------------------------------------------------------------------------------
+
+MCORE_CITE = ("NVIDIA Megatron-LM README, 'Training Speed and Scalability' (Megatron-Core r0.8.0, H100 GPUs), "
+              "github NVIDIA/Megatron-LM at f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4, images/model_table.png")
+MCORE_URL = ("https://github.com/NVIDIA/Megatron-LM/blob/f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4/"
+             "images/model_table.png")
+MCORE_METRIC = ("per-GPU TFLOP/s by Megatron's num_floating_point_operations (megatron/training/training.py at "
+                "core_r0.8.0): 12 B s L h^2 (2 + s/h + ffn/h + V/(2 L h)) per iteration for MHA and a GeLU MLP, "
+                "no recomputation counted; MFU = it / 989 TFLOP/s (bf16 dense)")
+MCORE_NOTES = ("vocab 131,072, seq 4096 (README). --overlap-grad-reduce --overlap-param-gather (so the "
+               "distributed optimizer: zero 1) and --tp-comm-overlap (so sequence parallelism) as the README "
+               "states; micro-batch, interleaving and recomputation not stated (1, none, none here). Every size "
+               "is 12 L h^2 + 2 V h parameters: a 4h MLP, untied embeddings.")
+# (label, heads, hidden, layers, tp, pp, dp, batch, per-GPU TFLOP/s, MFU %), as in the table
+MCORE_TABLE = (
+    ("1.7b", 16, 2048, 24, 1, 1, 48, 192, 408.8, 41), ("7.1b", 32, 4096, 30, 2, 1, 48, 192, 465.9, 47),
+    ("16b", 48, 6144, 32, 4, 1, 48, 192, 489.1, 49), ("32b", 56, 7168, 48, 8, 1, 48, 192, 459.6, 46),
+    ("70b", 64, 8192, 84, 8, 2, 48, 384, 419.7, 42), ("119b", 80, 10240, 92, 8, 4, 48, 768, 420.5, 43),
+    ("177b", 96, 12288, 96, 8, 6, 48, 1152, 432.8, 44), ("314b", 128, 16384, 96, 8, 8, 48, 1536, 474.4, 48),
+    ("462b", 144, 18432, 112, 8, 16, 48, 3072, 459.9, 47),
+)
+MCORE_VOCAB, MCORE_SEQ = 131072, 4096
+
+
+def _mcore(row: tuple) -> PublishedRun:
+    label, heads, hidden, layers, tp, pp, dp, batch, tflops, mfu = row
+    return PublishedRun(
+        source="megatroncore2024", cite=MCORE_CITE, where=f"model table, row {label.upper()}", url=MCORE_URL,
+        **_shape(f"gpt-{label}", layers, hidden, heads, heads, 4 * hidden, MCORE_VOCAB, "gelu", False),
+        seq=MCORE_SEQ, gpu="h100-80g", gpus=tp * pp * dp, tp=tp, pp=pp, dp=dp, vpp=1, cp=1, sp=tp > 1, zero=1,
+        mbs=1, gbs=batch, recompute="none", dtype="bf16", engine="megatron-core-te", metric_note=MCORE_METRIC,
+        tflops_per_gpu=tflops, mfu=mfu / 100, notes=MCORE_NOTES, unstated=("mbs", "vpp", "recompute"))
+
+
+# ------------------------------------------------------------------------------------------------
 
 def _all_rows() -> tuple[PublishedRun, ...]:
     rows: list[PublishedRun] = [_narayanan(r) for r in NARAYANAN_TABLE1]
@@ -546,6 +587,7 @@ def _all_rows() -> tuple[PublishedRun, ...]:
     rows += [_mosaic(r) for r in MOSAIC_TABLE]
     rows += _titan_a100() + _titan_h100()
     rows += _fms_rows()
+    rows += [_mcore(r) for r in MCORE_TABLE]
     return tuple(rows)
 
 

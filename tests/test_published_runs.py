@@ -37,10 +37,10 @@ def test_every_megatron_lm_row_is_within_15_percent() -> None:
 
 
 @pytest.mark.xfail(strict=True, reason="78% of rows within 15% (goal 90%): torchtitan's six 64-A100 rows are "
-                   "priced 27-58% slow (their FSDP2 traffic at the a100-80g preset's 200 Gb/s per GPU outlasts the "
-                   "step they measured; our FSDP2 keeps the preset's half overlap, see EngineTraits.prefetches_units) "
-                   "and six llm-foundry H100 rows 18-32% fast, the more the smaller the model "
-                   "(docs/benchmarks.md, published_bench)")
+                   "priced 27-58% slow (a collective across nodes is priced over one network adapter, where NCCL "
+                   "runs a group with k members per node over k) and six llm-foundry H100 rows 18-32% fast, which "
+                   "that slow network had hidden; pricing the adapters as NCCL uses them moves fms-fsdp's H100 rows "
+                   "out too (docs/benchmarks.md, published_bench, 'found, not landed')")
 def test_90_percent_of_rows_are_within_15_percent() -> None:
     errors = [abs(p.error) for p in _priced() if p.error is not None]
     assert sum(e <= THROUGHPUT_BOUND for e in errors) >= SHARE_WITHIN * len(errors)
@@ -125,3 +125,20 @@ def test_h100_prices_flash_attention_at_35_percent_of_peak() -> None:
     flops = 3 * 32 * 4 * 4096**2 * 4096  # layers x (forward + backward) x 4 s^2 h
     peak = h100.peak_flops("bf16")
     assert with_curve - without == pytest.approx(flops / (0.35 * peak) - flops / (0.7 * peak), rel=1e-6)
+
+
+def test_megatron_cores_h100_table_is_transcribed_as_its_sizes_and_mfu_say() -> None:
+    """Megatron-LM's README table (Megatron-Core r0.8.0): each row's parameters, 12 L h^2 + 2 V h (a 4h
+    MLP, untied embeddings), are its label within 3% (the labels round either way: 1.74 B is "1.7B",
+    31.5 B "32B"), and its TFLOP/s over the H100's 989.4 dense bf16 is its MFU within 0.6 points (whole
+    percents, over a peak its rows put at 985-989 TFLOP/s); its rows are listed, not priced, until an engine prices Megatron-Core's overlaps."""
+    rows = [p for p in _priced() if p.row.source == "megatroncore2024"]
+    assert len(rows) == 9 and all(p.error is None and p.skipped for p in rows)
+    for p in rows:
+        r = p.row
+        params = 12 * r.layers * r.hidden**2 + 2 * r.vocab * r.hidden
+        assert params / 1e9 == pytest.approx(float(r.name.removeprefix("gpt-").removesuffix("b")), rel=0.03)
+        assert abs(100 * r.tflops_per_gpu / 989.4 - 100 * r.mfu) <= 0.6
+        assert p.published_tokens_s == pytest.approx(r.gbs * r.seq / r.gpus / (
+            12 * r.gbs * r.seq * r.layers * r.hidden**2 * (6 + r.seq / r.hidden + r.vocab / (2 * r.layers * r.hidden))
+            / (r.tflops_per_gpu * 1e12 * r.gpus)))
