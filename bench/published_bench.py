@@ -95,12 +95,9 @@ def published_tokens_s(row: PublishedRun) -> float | None:
     tokens = row.gbs * row.seq / row.gpus
     if row.step_s is not None:
         return tokens / row.step_s
-    if row.tflops_per_gpu is not None and row.source == "narayanan2021":  # the paper's equation (3)
-        flops = paper_flops_per_iteration(row.gbs, row.seq, row.layers, row.hidden, row.vocab)
-        return tokens / (flops / (row.tflops_per_gpu * 1e12 * row.gpus))
-    if row.tflops_per_gpu is not None and row.source == "megatroncore2024":
-        flops = megatron_core_flops_per_iteration(row)
-        return tokens / (flops / (row.tflops_per_gpu * 1e12 * row.gpus))
+    flop_count = FLOP_CONVENTIONS.get(row.source)
+    if row.tflops_per_gpu is not None and flop_count is not None:
+        return tokens / (flop_count(row) / (row.tflops_per_gpu * 1e12 * row.gpus))
     return None
 
 
@@ -110,6 +107,13 @@ def megatron_core_flops_per_iteration(row: PublishedRun) -> float:
     h = row.hidden
     return 12 * row.gbs * row.seq * row.layers * h * h * (
         2 + row.seq / h + row.ffn_hidden / h + row.vocab / (2 * row.layers * h))
+
+
+# Sources that printed TFLOP/s only: the FLOPs per iteration their own convention counts
+FLOP_CONVENTIONS = {
+    "narayanan2021": lambda row: paper_flops_per_iteration(row.gbs, row.seq, row.layers, row.hidden, row.vocab),
+    "megatroncore2024": megatron_core_flops_per_iteration,
+}
 
 
 def _hardware(row: PublishedRun) -> HardwareSpec:

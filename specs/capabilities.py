@@ -308,11 +308,10 @@ def config_shape(hf_config: Any) -> ModelShape:
     (`_ties_head`)."""
     heads = int(config_value(hf_config, "num_heads") or 1)
     hidden = int(config_value(hf_config, "hidden_size") or 1)
-    tied = _ties_head(hf_config)
     return ModelShape(
         num_heads=heads, num_kv_heads=int(config_value(hf_config, "num_kv_heads") or heads),
         intermediate_size=int(config_value(hf_config, "intermediate_size") or 4 * hidden),
-        num_layers=int(config_value(hf_config, "num_layers") or 1), tied_embeddings=bool(tied))
+        num_layers=int(config_value(hf_config, "num_layers") or 1), tied_embeddings=_ties_head(hf_config))
 
 
 def _ties_head(hf_config: Any) -> bool:

@@ -131,7 +131,8 @@ def test_megatron_cores_h100_table_is_transcribed_as_its_sizes_and_mfu_say() -> 
     """Megatron-LM's README table (Megatron-Core r0.8.0): each row's parameters, 12 L h^2 + 2 V h (a 4h
     MLP, untied embeddings), are its label within 3% (the labels round either way: 1.74 B is "1.7B",
     31.5 B "32B"), and its TFLOP/s over the H100's 989.4 dense bf16 is its MFU within 0.6 points (whole
-    percents, over a peak its rows put at 985-989 TFLOP/s); its rows are listed, not priced, until an engine prices Megatron-Core's overlaps."""
+    percents, over a peak its rows put at 985-989 TFLOP/s); its rows are listed, not priced, until an
+    engine prices Megatron-Core's overlaps."""
     rows = [p for p in _priced() if p.row.source == "megatroncore2024"]
     assert len(rows) == 9 and all(p.error is None and p.skipped for p in rows)
     for p in rows:
