@@ -562,6 +562,8 @@ def validate(model_cls: type[BaseModel], data: dict[str, Any], what: str) -> Any
         raise UsageError(f"invalid {what}: it holds text that is not valid Unicode (a lone surrogate)") from None
 
 
+# Python's int() also reads "1_0" and other scripts' digits ("\u0661\u0662" is 12); a layout is written in ASCII
+_ASCII_INT = re.compile(r"[+-]?[0-9]+")
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -582,19 +584,17 @@ def parse_layout_string(text: str) -> dict[str, Any]:
         if key in out:
             raise UsageError(f"layout key '{key}' given twice")
         if key in ("stage_layers", "recompute_layers"):
-            try:
-                out[key] = [int(v) for v in value.split("/")]
-            except ValueError:
-                raise UsageError(f"layout {key}={value}: expected '/'-separated integers, e.g. 10/12") from None
+            if not all(_ASCII_INT.fullmatch(v) for v in value.split("/")):
+                raise UsageError(f"layout {key}={value}: expected '/'-separated integers, e.g. 10/12")
+            out[key] = [int(v) for v in value.split("/")]
         elif key == "sp":
             if value.lower() not in _BOOL_WORDS:
                 raise UsageError(f"layout sp={value}: must be 0 or 1")
             out[key] = _BOOL_WORDS[value.lower()]
         elif key in {"dp", "tp", "pp", "vpp", "zero", "mbs", "gas", "seq", "lora_rank"}:
-            try:
-                out[key] = int(value)
-            except ValueError:
-                raise UsageError(f"layout {key}={value}: must be an integer") from None
+            if not _ASCII_INT.fullmatch(value):
+                raise UsageError(f"layout {key}={value}: must be an integer")
+            out[key] = int(value)
         else:
             if key == "dtype":
                 check_dtype(value)
@@ -614,7 +614,7 @@ def resolve_layout(
     tp, pp = fields.get("tp", 1), fields.get("pp", 1)
     if "dp" not in fields:
         if tp < 1 or pp < 1 or devices % (tp * pp):
-            raise UsageError(f"tp*pp = {tp * pp} does not divide the {devices} devices")
+            raise UsageError(f"layout tp*pp = {tp * pp} does not divide the {devices} devices")
         fields["dp"] = devices // (tp * pp)
     fields.setdefault("dtype", hardware.default_dtype)
     layout: Layout = validate(Layout, fields, "layout")
