@@ -407,7 +407,9 @@ class Layout(BaseModel):
     @field_validator("dtype", mode="before")
     @classmethod
     def _refuse_pure_16_bit(cls, value: Any) -> Any:
-        if value in REFUSED_DTYPES:  # a plan or a dict as well as a layout string (`parse_layout_string`)
+        # a plan or a dict as well as a layout string (`parse_layout_string`); a list or a dict here is
+        # not hashable, and pydantic's own type check refuses it after this
+        if isinstance(value, str) and value in REFUSED_DTYPES:
             raise ValueError(REFUSED_DTYPES[value])
         return value
 

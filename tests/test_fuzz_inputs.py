@@ -28,12 +28,16 @@ from advisor.cli import app
 from specs.errors import UsageError
 from specs.plan_file import Plan, load_plan
 from specs.profile import PROFILE_VERSION, load_profile
-from specs.core import LAYOUT_KEYS_HELP, resolve_layout
+from specs.core import LAYOUT_KEYS_HELP, Layout, resolve_layout, validate
 from planner.plan import PlanOptions, make_plan
 from presets import PRESETS_DIR, load_hardware, load_hardware_file, load_model, load_task
 
+# FUZZ_SCALE=20 draws twenty times the cases (a deeper search before a stop; CI draws fresh ones each run)
+FUZZ_SCALE = max(1, int(os.environ.get("FUZZ_SCALE", "1")))
+
+
 def fuzz(examples: int) -> settings:
-    return settings(max_examples=examples, deadline=dt.timedelta(seconds=10), database=None,  # every case bounded
+    return settings(max_examples=examples * FUZZ_SCALE, deadline=dt.timedelta(seconds=10), database=None,  # every case bounded
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
 runner = CliRunner()
@@ -302,6 +306,15 @@ def test_stage_names_load_only_as_one_folder_inside_the_run_dir(name: str) -> No
         stages = (here / "run" / "stages").resolve()
         folder = (stages / loaded.stages[0].name).resolve()
         assert folder.parent == stages and not folder.name.startswith("."), name
+
+
+@pytest.mark.parametrize("dtype", [[], ["bf16"], {"a": 1}, None, 3])
+def test_a_layout_dtype_of_another_type_is_refused_in_one_line(dtype: Any) -> None:
+    """The fuzzer found it in a plan file: a list where the dtype goes hashed into the refused-dtype
+    table and raised TypeError (an internal error) instead of the usual refusal."""
+    with pytest.raises(UsageError) as refused:
+        validate(Layout, {"dp": 1, "dtype": dtype}, "plan file plan.yaml")
+    assert "\n" not in str(refused.value) and "dtype" in str(refused.value)
 
 
 @fuzz(40)
