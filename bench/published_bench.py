@@ -241,8 +241,12 @@ Left out, with why:
   +32%, mpt-3b +19%, mpt-7b +18 to +25%, mpt-30b on 8 +20%), where the A100 rows of the same tables sit
   within -5% to +16%: the H100's per-token work that does not scale with its FLOPs (element-wise kernels
   at 1.6x the A100's bandwidth for 3.2x its FLOPs, launches) is priced short, or its GEMMs at these
-  shapes run below the preset's 0.7. No independent figure for either was at hand (this task had no
-  GPU), so the preset's GEMM and memory-bandwidth efficiencies did not move.
+  shapes run below the preset's 0.7. The one independent figure at hand bounds only the best shape:
+  S. Bekman's Maximum Achievable Matmul FLOPS table (stas00/ml-engineering, compute/accelerator,
+  mamf-finder v2, bf16) has 794.5 of 989 TFLOP/s (80.3%) on an H100 SXM and 271.2 of 312 (86.9%) on
+  an A100 SXM, a ratio of 0.92 that the presets' 0.70 / 0.75 keep (0.93); a derate of the H100's GEMMs
+  to the 0.6 these rows would want (0.80 of the A100's) has no such support. The shapes these models
+  run (hidden 2,048-7,168) were not measured on either card, so the efficiencies did not move.
 * found, not landed: a group of devices that crosses nodes with k members in each runs over k network
   adapters per node (NCCL lays a ring per adapter: nccl-tests users measured 85-96 GB/s of bus bandwidth
   across nodes of 8 A100s with 4 HDR adapters, against 100 GB/s for the 4 and 24 GB/s over one; NVIDIA/
