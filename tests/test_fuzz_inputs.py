@@ -120,6 +120,13 @@ def paths_of(data: Any, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
+def fresh(value: Any) -> Any:
+    """A copy of a drawn nasty value: NASTY_VALUES' lists and dicts are shared between cases, and a
+    later mutation inside one (a second replace at a path into it) would change the module's value,
+    or nest it in itself (a cycle, found as a RecursionError with FUZZ_SCALE=15)."""
+    return copy.deepcopy(value)
+
+
 @st.composite
 def mutated(draw, base: dict, most: int = 3) -> Any:
     """`base` with one to `most` places replaced by a nasty value, removed, or given an unknown key."""
@@ -128,17 +135,17 @@ def mutated(draw, base: dict, most: int = 3) -> Any:
         places = paths_of(data)
         where = draw(st.sampled_from(places))
         if not where:
-            return draw(nasty)
+            return fresh(draw(nasty))
         parent = data
         for key in where[:-1]:
             parent = parent[key]
         action = draw(st.sampled_from(["replace", "replace", "replace", "delete", "extra"]))
         if action == "replace":
-            parent[where[-1]] = draw(nasty)
+            parent[where[-1]] = fresh(draw(nasty))
         elif action == "delete":
             del parent[where[-1]]
         elif isinstance(parent, dict):
-            parent[draw(st.text(min_size=1, max_size=6))] = draw(nasty)
+            parent[draw(st.text(min_size=1, max_size=6))] = fresh(draw(nasty))
     return data
 
 
