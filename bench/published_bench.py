@@ -264,6 +264,15 @@ Left out, with why:
   TP collectives behind GEMMs (TE userbuffers), the distributed optimizer's reduce-scatter and all-gather
   in buckets behind backward and forward, and, for the tp 1-2 rows, the per-node adapters above (1.7B:
   -37% at one adapter per group, +2% at eight). A `megatron-core` engine with those overlaps prices them.
+* what the found-not-landed rule leaves on the H100, held against the sources' own best runs: fms-fsdp's
+  README after torch.compile (commit ed74fd5, 2024-05, "the exact same scripts and configurations"), 7B
+  HSDP without recomputation, went from 3,700 to 4,550 tokens/s/GPU on A100 (MFU 0.57 to 0.68) and from
+  7,500 to 9,600 on H100 (0.37 to 0.46). With the per-node adapters and the README's network, the eager
+  7B rows are priced at 4,482 (A100: within 2% of the compiled run, 21% over the eager one) and 11,203
+  (H100: 17% over even the compiled run, 0.54 MFU by fms's count, above the 41-49% of Megatron-Core's
+  H100 table). So the engines' eager overhead is priced short on both cards, by about what compile
+  removed there, and the H100's rates are high besides, by about a sixth; the compiled rows are not
+  listed, as no engine here prices a compiled step.
 * mpt-13b on 8 A100s (mbs 2, no recomputation), +16.0%: its FSDP traffic now hides; the same table's
   7B, 1B and 125M rows sit at -5% to +6%."""
 
