@@ -270,9 +270,10 @@ Left out, with why:
   7,500 to 9,600 on H100 (0.37 to 0.46). With the per-node adapters and the README's network, the eager
   7B rows are priced at 4,482 (A100: within 2% of the compiled run, 21% over the eager one) and 11,203
   (H100: 17% over even the compiled run, 0.54 MFU by fms's count, above the 41-49% of Megatron-Core's
-  H100 table). So the engines' eager overhead is priced short on both cards, by about what compile
-  removed there, and the H100's rates are high besides, by about a sixth; the compiled rows are not
-  listed, as no engine here prices a compiled step.
+  H100 table). So fms's eager step carries work that the eager pricing leaves out, on both cards, about
+  what compile removed (its model's unfused kernels: llm-foundry's and torchtitan's eager A100 rows do
+  not show it), and the H100's rates are high besides, by about a sixth. The compiled rows are not
+  listed: no engine here prices a compiled step.
 * mpt-13b on 8 A100s (mbs 2, no recomputation), +16.0%: its FSDP traffic now hides; the same table's
   7B, 1B and 125M rows sit at -5% to +6%."""
 
