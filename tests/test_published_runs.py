@@ -30,6 +30,24 @@ def test_every_megatron_2021_table_1_row_is_within_10_percent_under_the_megatron
     assert worst <= MEGATRON_2021_BOUND, [f"{p.row.name} {p.error:+.1%}" for p in rows]
 
 
+def test_the_bench_prices_table_1_with_each_rows_own_ddp_as_the_table_1_test_does() -> None:
+    """Two paths price Table 1: this bench (rows of bench/published_runs.py) and bench/megatron_table1.py
+    (tests/paper_tables.py, held by tests/test_megatron_schedule.py). They must give the same step.
+    The bench once read the DDP from the row's notes by the word "local", which every row's note
+    explains, so the four PyTorch-DDP rows (1.7B to 18.4B) were priced with nothing hidden."""
+    from bench.megatron_table1 import predicted_tflops
+    from presets import load_hardware
+    from paper_tables import MEGATRON_TABLE1
+
+    bench_rows = {p.row.name: p for p in _priced() if p.row.source == "narayanan2021"}
+    assert {r["ddp"] for r in MEGATRON_TABLE1} == {"torch", "local"}
+    for row in MEGATRON_TABLE1:
+        est, _ = predicted_tflops(row, load_hardware("a100-80g"))
+        tokens_s = row["batch_size"] * 2048 / est.time.step_s / row["gpus"]
+        priced = bench_rows[f"gpt-{row['params_billion']}b"]
+        assert priced.predicted_tokens_s == pytest.approx(tokens_s, rel=1e-9), row["params_billion"]
+
+
 def test_every_megatron_lm_row_is_within_15_percent() -> None:
     rows = [p for p in _priced() if p.row.engine.startswith("megatron") and p.error is not None]
     assert len(rows) >= 20
