@@ -10,10 +10,12 @@ context parallelism, a card without a preset, an engine whose behaviour it does 
 Megatron-Core's overlaps).
 
     python -m bench.published_bench            # prints the table, writes its section of docs/benchmarks.md
+    python -m bench.published_bench --no-write # prints it only (before, every flag was ignored and it wrote)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -278,12 +280,18 @@ Left out, with why:
   7B, 1B and 125M rows sit at -5% to +6%."""
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-write", action="store_true",
+                        help="print the table only: leave docs/benchmarks.md and the error bands as they are")
+    args = parser.parse_args(argv)
     priced = [price(row) for row in ROWS]
-    write_bands(priced)
     lines = table(priced)
     print("\n".join(lines))
     print(summary(priced))
+    if args.no_write:
+        return
+    write_bands(priced)
     from benchmarks_md import write_section
 
     write_section("published_bench", "Published runs, priced (no device)", "python -m bench.published_bench",
