@@ -121,7 +121,7 @@ FLOP_CONVENTIONS = {
 def _hardware(row: PublishedRun) -> HardwareSpec:
     hardware = load_hardware(row.gpu)
     if row.source == "narayanan2021":  # the row's DDP, as bench/megatron_table1.py prices Table 1
-        return megatron_2021(hardware, "local" if "DDP impl 'local'" in row.notes else "torch")
+        return megatron_2021(hardware, row.ddp or "local")
     return hardware
 
 

@@ -107,6 +107,7 @@ class PublishedRun:
     memory_gib: float | None = None  # per GPU, only where published
     notes: str = ""
     unstated: tuple[str, ...] = ()  # layout fields the source does not state (see notes)
+    ddp: str | None = None  # Megatron-LM 2021's --DDP-impl: "torch" (PyTorch DDP) or "local" (Megatron's own)
 
     def __post_init__(self) -> None:
         problems = [msg for ok, msg in self._checks() if not ok]
@@ -225,7 +226,7 @@ def _narayanan(row: tuple) -> PublishedRun:
         **_gpt(f"gpt-{label}", layers, hidden, heads, 51200), seq=2048, gpu="a100-80g", gpus=gpus,
         tp=tp, pp=pp, dp=gpus // (tp * pp), vpp=chunks, cp=1, sp=False, zero=0, mbs=mbs, gbs=gbs,
         recompute="full", dtype="fp16", engine="megatron-2021", metric_note=NARAYANAN_METRIC,
-        tflops_per_gpu=float(tflops),
+        tflops_per_gpu=float(tflops), ddp=ddp,
         notes=(f"DDP impl '{ddp}' (torch = PyTorch DDP overlapping its bucketed all-reduce; local = Megatron's "
                "own, one all-reduce after the last backward). Recompute: --activations-checkpoint-method "
                "uniform (every layer). Interleaving from --num-layers-per-virtual-pipeline-stage; the 1T row "

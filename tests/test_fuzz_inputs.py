@@ -32,12 +32,8 @@ from specs.core import LAYOUT_KEYS_HELP, Layout, resolve_layout, validate
 from planner.plan import PlanOptions, make_plan
 from presets import PRESETS_DIR, load_hardware, load_hardware_file, load_model, load_task
 
-# FUZZ_SCALE=20 draws twenty times the cases (a deeper search before a stop; CI draws fresh ones each run)
-FUZZ_SCALE = max(1, int(os.environ.get("FUZZ_SCALE", "1")))
-
-
 def fuzz(examples: int) -> settings:
-    return settings(max_examples=examples * FUZZ_SCALE, deadline=dt.timedelta(seconds=10), database=None,  # every case bounded
+    return settings(max_examples=examples, deadline=dt.timedelta(seconds=10), database=None,  # every case bounded
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
 runner = CliRunner()
@@ -123,7 +119,7 @@ def paths_of(data: Any, prefix: tuple = ()) -> list[tuple]:
 def fresh(value: Any) -> Any:
     """A copy of a drawn nasty value: NASTY_VALUES' lists and dicts are shared between cases, and a
     later mutation inside one (a second replace at a path into it) would change the module's value,
-    or nest it in itself (a cycle, found as a RecursionError with FUZZ_SCALE=15)."""
+    or nest it in itself (a cycle: a RecursionError, found by a deeper search)."""
     return copy.deepcopy(value)
 
 

@@ -149,7 +149,7 @@ def check_outcome(result: Any, argv: list[str]) -> None:
     assert "Traceback" not in out and "internal error" not in out, f"{argv}: {out[-1500:]}"
 
 
-@settings(max_examples=600 * max(1, int(os.environ.get("FUZZ_SCALE", "1"))), deadline=dt.timedelta(seconds=BOUND_S), database=None, phases=(Phase.generate, Phase.shrink),
+@settings(max_examples=600, deadline=dt.timedelta(seconds=BOUND_S), database=None, phases=(Phase.generate, Phase.shrink),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 @given(case=command_lines(), env=environments)
 def test_every_verb_under_drawn_options_and_environment_exits_0_or_2_within_10_s(case, env) -> None:

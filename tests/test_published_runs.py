@@ -34,16 +34,17 @@ def test_the_bench_prices_table_1_with_each_rows_own_ddp_as_the_table_1_test_doe
     """Two paths price Table 1: this bench (rows of bench/published_runs.py) and bench/megatron_table1.py
     (tests/paper_tables.py, held by tests/test_megatron_schedule.py). They must give the same step.
     The bench once read the DDP from the row's notes by the word "local", which every row's note
-    explains, so the four PyTorch-DDP rows (1.7B to 18.4B) were priced with nothing hidden."""
+    explains, so the four PyTorch-DDP rows (1.7B to 18.4B) were priced with nothing hidden; each row
+    now carries its DDP."""
     from bench.megatron_table1 import predicted_tflops
     from presets import load_hardware
-    from paper_tables import MEGATRON_TABLE1
+    from paper_tables import MEGATRON_SEQ_LEN, MEGATRON_TABLE1
 
     bench_rows = {p.row.name: p for p in _priced() if p.row.source == "narayanan2021"}
     assert {r["ddp"] for r in MEGATRON_TABLE1} == {"torch", "local"}
     for row in MEGATRON_TABLE1:
         est, _ = predicted_tflops(row, load_hardware("a100-80g"))
-        tokens_s = row["batch_size"] * 2048 / est.time.step_s / row["gpus"]
+        tokens_s = row["batch_size"] * MEGATRON_SEQ_LEN / est.time.step_s / row["gpus"]
         priced = bench_rows[f"gpt-{row['params_billion']}b"]
         assert priced.predicted_tokens_s == pytest.approx(tokens_s, rel=1e-9), row["params_billion"]
 
