@@ -5,6 +5,7 @@ op, the host floor (planner/host_floor.py)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from planner.memory import (
     logits_fp32_bytes,
     loss_runs_chunked,
 )
-from profiler.gemm_shapes import GemmShape, linear_gemms
+from profiler.gemm_shapes import linear_gemms
 from profiler.model_trace import ModelTrace
 
 
@@ -254,26 +255,30 @@ def wave_efficiency(rows: int, cols: int, hardware: HardwareSpec) -> float:
     GEMM rate is measured at the model's own shapes)."""
     if hardware.sm_count is None or hardware.gemm_tile is None:
         return 1.0
+    return _tiled_share(rows, cols, hardware.sm_count, tuple(hardware.gemm_tile))
+
+
+@functools.lru_cache(maxsize=65536)
+def _tiled_share(rows: int, cols: int, sm_count: int, tile: tuple[int, int]) -> float:
     best = 0.0
-    for tile_rows, tile_cols in {hardware.gemm_tile, hardware.gemm_tile[::-1]}:
+    for tile_rows, tile_cols in {tile, tile[::-1]}:
         tiles = math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols)
-        slots = math.ceil(tiles / hardware.sm_count) * hardware.sm_count
+        slots = math.ceil(tiles / sm_count) * sm_count
         best = max(best, rows * cols / (tile_rows * tile_cols) / slots)
     return best
 
 
-def layer_gemms(trace: ModelTrace, layout: Layout) -> list[GemmShape]:
-    """The GEMMs of one decoder layer's linear layers for one micro-batch on one device, under
-    Megatron's tensor-parallel split: a column-parallel linear divides its outputs by tp, a
-    row-parallel one its inputs (mbs x seq tokens; sequence parallelism gathers them back before
-    each GEMM). The attention's q, k and v projections count as one fused GEMM (Megatron, GPT-2; HF
-    Llama runs three); the MLP has two or three matrices, as the layer's parameters say."""
-    h, tp, tokens = trace.hidden_size, layout.tp, layout.mbs * trace.seq
+def layer_linears(trace: ModelTrace, tp: int) -> tuple[tuple[int, int], ...]:
+    """(fan in, fan out) on one device of each linear layer of a decoder layer, under Megatron's
+    tensor-parallel split: a column-parallel linear divides its outputs by tp, a row-parallel one
+    its inputs (each runs over mbs x seq tokens; sequence parallelism gathers them back before each
+    GEMM). The attention's q, k and v projections count as one fused GEMM (Megatron, GPT-2; HF Llama
+    runs three); the MLP has two or three matrices, as the layer's parameters say."""
+    h = trace.hidden_size
     q, kv = trace.num_heads * trace.head_dim, trace.num_kv_heads * trace.head_dim
     mlp = round((trace.layer.params - 2 * h * q - 2 * h * kv) / (h * trace.intermediate_size))
     columns = [q + 2 * kv] + [trace.intermediate_size] * max(min(mlp, 3) - 1, 1)
-    linears = [(h, out // tp) for out in columns] + [(q // tp, h), (trace.intermediate_size // tp, h)]
-    return [gemm for fan_in, fan_out in linears for gemm in linear_gemms(tokens, fan_in, fan_out)]
+    return tuple([(h, out // tp) for out in columns] + [(q // tp, h), (trace.intermediate_size // tp, h)])
 
 
 def _gemm_wave_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, rate: float, layers: int,
@@ -284,18 +289,29 @@ def _gemm_wave_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec
     under LoRA/QLoRA); the LM head's (vocabulary split `vocab` ways) once, on the last stage."""
     if hardware.sm_count is None:
         return 0.0
-
-    def lost_flops(gemms: list[GemmShape], runs: dict[str, int]) -> float:
-        return sum(runs[g.name] * g.flops * (1 / wave_efficiency(g.m, g.n, hardware) - 1) for g in gemms)
-
     trains = layout.method == "full"
-    lost = lost_flops(layer_gemms(trace, layout), {
-        "fwd": layers + (recomputed if layout.recompute == "full" else 0), "dgrad": layers,
-        "wgrad": layers if trains else 0})
+    tokens, tile = layout.mbs * trace.seq, tuple(hardware.gemm_tile)
+    fwd, dgrad, wgrad = _lost_flops_per_pass(layer_linears(trace, layout.tp), tokens, hardware.sm_count, tile)
+    lost = fwd * (layers + (recomputed if layout.recompute == "full" else 0)) + dgrad * layers
+    lost += wgrad * layers if trains else 0.0
     if last:
-        head = linear_gemms(layout.mbs * trace.seq, trace.hidden_size, trace.vocab_size // vocab)
-        lost += lost_flops(head, {"fwd": 1, "dgrad": 1, "wgrad": 1 if trains else 0})
+        head = ((trace.hidden_size, trace.vocab_size // vocab),)
+        fwd, dgrad, wgrad = _lost_flops_per_pass(head, tokens, hardware.sm_count, tile)
+        lost += fwd + dgrad + (wgrad if trains else 0.0)
     return lost / rate
+
+
+@functools.lru_cache(maxsize=16384)
+def _lost_flops_per_pass(linears: tuple[tuple[int, int], ...], tokens: int, sm_count: int,
+                         tile: tuple[int, int]) -> tuple[float, float, float]:
+    """FLOPs the GEMMs of these linears over `tokens` tokens lose to quantization, summed per pass
+    (forward, input gradient, weight gradient). The planner asks this for the same few shapes tens
+    of thousands of times per plan, so it is cached on plain numbers."""
+    lost = {"fwd": 0.0, "dgrad": 0.0, "wgrad": 0.0}
+    for fan_in, fan_out in linears:
+        for g in linear_gemms(tokens, fan_in, fan_out):
+            lost[g.name] += g.flops * (1 / _tiled_share(g.m, g.n, sm_count, tile) - 1)
+    return lost["fwd"], lost["dgrad"], lost["wgrad"]
 
 
 def _attention_extra_s(trace: ModelTrace, layout: Layout, hardware: HardwareSpec, rate: float, layers: int,

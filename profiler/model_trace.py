@@ -752,8 +752,11 @@ def _cache_dir() -> Path:
     return cache_dir() / "traces"
 
 
+@functools.lru_cache(maxsize=1)
 def _stack_versions() -> str:
-    """Versions that change what a trace sees, read without importing the packages."""
+    """Versions that change what a trace sees, read without importing the packages. Read once per
+    process: each read parses three packages' metadata (~15 ms here), and every estimate keys its
+    trace by them (the planner's tests price thousands)."""
     from importlib.metadata import PackageNotFoundError, version
 
     found = []
