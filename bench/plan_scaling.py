@@ -36,6 +36,12 @@ from presets import load_hardware, load_model  # noqa: E402
 from profiler.model_trace import trace_model  # noqa: E402
 
 REPEATS = 3
+# What the `a → b` columns compare: the checkout that bench/plan_scaling_before.json was measured on,
+# and this one. Rewritten with each change the table is rerun for.
+CHANGE = ("before (36134d9: every estimate read torch's, transformers' and peft's versions from their "
+          "metadata to key its trace; every stage time rebuilt each linear's GEMMs and their tile counts for "
+          "the wave loss) → after (the versions read once per process; the wave loss cached per GEMM shape; "
+          "the same shapes, ILPs and top 5 layouts). Earlier: 800e8fc → the bounds and the LP of issue 13")
 TARGET_SEQ, TARGET_BATCH, TARGET_GPUS = 8192, 1024, (16, 32, 256, 1024)
 SWEEP_SEQ = 4096
 
@@ -153,13 +159,7 @@ def main() -> None:
     if before:
         same = all(f"{r['step_s']:.9g}" == f"{before[r['gpus']]['step_s']:.9g}" for r in rows if r["gpus"] in before)
         note += (f" The chosen step times {'equal' if same else 'DIFFER FROM'} the previous solver's to 9 digits "
-                 "(tests/test_plan_search.py checks the optimum against brute force). `a → b`: before (800e8fc: "
-                 "every shape's mean-stage bound read from 9 stage-time points, the strict pass solving the LP of "
-                 "shapes whose least busy stage cannot meet the compute rule, scipy's `linprog` for each LP) → "
-                 "after (the mean-stage bound reads the middle and last stages' times at one point, the memory "
-                 "row that refuses most shapes first; the strict pass refuses a shape whose stage with the fewest "
-                 "layers cannot meet the rule; a bound from the LP's column floors orders a shape before its LP, "
-                 "and the LP goes to highspy directly; the same shapes, ILPs and top 5 layouts).")
+                 f"(tests/test_plan_search.py checks the optimum against brute force). `a → b`: {CHANGE}.")
     body = (f"Issue 13's target, seq {TARGET_SEQ}, global batch {TARGET_BATCH}: solver <= 2 s and the whole "
             f"command <= 10 s at every size.\n\n{target_table(rows, before)}\n\nSweep at seq {SWEEP_SEQ} "
             f"(global batch max(1024, GPUs)):\n\n{sweep}{note}")
