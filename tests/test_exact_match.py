@@ -2,7 +2,8 @@
 that continues every letter with the next one (and 'z' with end-of-text) answers "Q: u" with "vwxyz";
 the scores are 100% for those references and 0% for others. Batched, left-padded decoding equals
 HF's `generate` run on each prompt alone; whole-model engines on two ranks (ZeRO-3, FSDP2 with TP)
-decode what one process does; and a training run reports the scores per stage."""
+decode what one process does, and replicas that each score a share of the prompts and of the eval
+sequences add up to the unsplit score and loss; and a training run reports the scores per stage."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from trainer.corpus import BYTE_EOS
-from trainer.exact_match import exact_match, greedy_answers
+from trainer.exact_match import answer_batches, exact_match, greedy_answers
 
 VOCAB = 272  # bytes, end-of-text (256) and spare ids: the trainer's byte tokenizer fits
 CPU = torch.device("cpu")
@@ -69,6 +70,35 @@ def test_exact_match_is_100_percent_for_answers_right_by_construction_and_0_othe
     for wrong in (too_long, too_short, other):
         assert exact_match(model, wrong, BYTE_EOS, 2, CPU) == 0.0
     assert exact_match(model, right[:2] + other[2:], BYTE_EOS, 4, CPU) == pytest.approx(2 / 5)
+
+
+def test_answer_batches_are_the_longest_runs_that_fit_the_tokens_and_score_as_micro_batches_do() -> None:
+    """Every batch is the longest run from its start whose rows, padded to its longest prompt and
+    given its longest answer + 1 new tokens, fit the budget (never fewer than mbs but at the end),
+    checked against every other cut by brute force; the constructed model scores the same in them."""
+    generator = torch.Generator().manual_seed(3)
+    pairs = [([1] * int(torch.randint(1, 12, (1,), generator=generator)),
+              [2] * int(torch.randint(1, 6, (1,), generator=generator))) for _ in range(40)]
+
+    def cost(rows):
+        return len(rows) * (max(len(p) for p, _ in rows) + max(len(a) for _, a in rows) + 1)
+
+    for mbs, tokens in ((1, 0), (2, 0), (1, 40), (2, 64), (3, 100), (1, 10_000)):
+        batches = answer_batches(pairs, mbs, tokens)
+        assert [i for b in batches for i in range(len(pairs))[b]] == list(range(len(pairs)))  # in order, once
+        for batch in batches:
+            rows = pairs[batch]
+            assert len(rows) >= mbs or batch.stop == len(pairs)
+            assert len(rows) <= mbs or cost(rows) <= tokens
+            if batch.stop < len(pairs):  # one more row would break the budget (or the minimum was all it took)
+                assert cost(pairs[batch.start:batch.stop + 1]) > tokens
+    assert answer_batches(pairs, 2, 0) == [slice(i, min(i + 2, 40)) for i in range(0, 40, 2)]
+    assert answer_batches(pairs, 1, 10_000) == [slice(0, 40)]
+    model = _alphabet_model()
+    right = [(_ids(p), _ids(_truth(p))) for p in PROMPTS]
+    other = [(p, _ids("abc")) for p, _ in right]
+    for tokens in (0, 30, 1000):
+        assert exact_match(model, right[:3] + other[3:], BYTE_EOS, 1, CPU, tokens) == pytest.approx(3 / 5)
 
 
 def test_batched_left_padded_decoding_equals_generate_on_each_prompt_alone() -> None:
@@ -173,11 +203,19 @@ def _random_weights(root: Path) -> Path:
     return folder
 
 
+def _eval_sequences():
+    return torch.randint(0, VOCAB, (5, 12), generator=torch.Generator().manual_seed(4)).numpy()
+
+
 def _rank_decode(rank: int, world: int, port: int, folders: list[str], layout: dict, choice: str, out: str) -> None:
     from specs.core import Layout, ModelSpec
     from profiler.ranks import finish_rank, init_rank
     from trainer.engines import make_engine
     from trainer.model import build_model
+
+    from trainer.eval_shards import EvalShard
+    from trainer.evaluator import evaluate_sources
+    from trainer.stream import Source
 
     init_rank(rank, world, port, distributed=True, threads=1)
     plan_layout = Layout(**layout)
@@ -193,7 +231,13 @@ def _rank_decode(rank: int, world: int, port: int, folders: list[str], layout: d
         module = getattr(engine.model, "module", engine.model)
         answers = greedy_answers(module, prompts, 30, BYTE_EOS, CPU)
         score = exact_match(module, [(p, _ids(_truth(t))) for p, t in zip(prompts, PROMPTS)], BYTE_EOS, 2, CPU)
-        results.append({"answers": answers, "score": score})
+        # each replica scores its share (3 of 5 and 2: the shorter one pads its calls and forwards)
+        shard = EvalShard(engine.data_rank, plan_layout.dp)
+        mixed = [(p, _ids(_truth(t) if k % 2 else "abc")) for k, (p, t) in enumerate(zip(prompts, PROMPTS))]
+        sources = [Source("letters", _eval_sequences(), 1.0)]
+        results.append({"answers": answers, "score": score,
+                        "split_score": exact_match(module, mixed, BYTE_EOS, 1, CPU, 0, shard),
+                        "split_losses": evaluate_sources(module, sources, 5, 1, CPU, shard)})
         del engine, module
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finish_rank(True)
@@ -209,16 +253,22 @@ def test_whole_model_engines_on_two_ranks_decode_what_one_process_does(tmp_path,
     from transformers import LlamaForCausalLM
 
     from profiler.ranks import free_port, launch
+    from trainer.evaluator import evaluate_sources
+    from trainer.stream import Source
 
     alphabet, random = _alphabet_weights(tmp_path), _random_weights(tmp_path)
     prompts = [_ids(p) for p in PROMPTS]
-    one_process = greedy_answers(LlamaForCausalLM.from_pretrained(random).eval(), prompts, 30, BYTE_EOS, CPU)
+    random_model = LlamaForCausalLM.from_pretrained(random).eval()
+    one_process = greedy_answers(random_model, prompts, 30, BYTE_EOS, CPU)
+    unsplit_losses = evaluate_sources(random_model, [Source("letters", _eval_sequences(), 1.0)], 5, 1, CPU)
     launch(_rank_decode, 2, (2, free_port(), [str(alphabet), str(random)], layout, choice, str(tmp_path)))
     for rank in range(2):
         by_construction, randomly = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert by_construction["answers"] == [_ids(_truth(p)) for p in PROMPTS]
         assert by_construction["score"] == 1.0
         assert randomly["answers"] == one_process and randomly["score"] == 0.0
+        assert by_construction["split_score"] == pytest.approx(2 / 5)  # the right answers at odd places
+        assert randomly["split_losses"] == pytest.approx(unsplit_losses, rel=1e-6)
 
 
 def test_a_pipeline_engine_is_not_scored_and_the_report_says_so(tmp_path) -> None:

@@ -61,9 +61,9 @@ def test_oom_rebuilds_after_the_failed_steps_tensors_are_freed_onto_a_runnable_l
             engine.micro_step = out_of_memory
         return engine
 
-    def evaluate(model, sources, count, mbs, dev):
+    def evaluate(model, sources, count, mbs, dev, shard):
         evaluated_mbs.append(mbs)
-        return real_evaluate(model, sources, count, mbs, dev)
+        return real_evaluate(model, sources, count, mbs, dev, shard)
 
     monkeypatch.setattr(recovery, "build_engine", build)
     monkeypatch.setattr(evaluator, "evaluate_sources", evaluate)

@@ -14,6 +14,7 @@ from specs.task import TaskSpec
 from trainer.batch import MicroBatch
 from trainer.corpus import load_rows
 from trainer.engines import Engine
+from trainer.eval_shards import EvalShard
 from trainer.exact_match import NOT_SCORED_PIPELINE, stage_exact_match
 from trainer.options import TrainOptions
 from trainer.run_context import RunContext
@@ -30,11 +31,13 @@ class Evaluator:
         """At the end of stage `index`: every skill of stages 0..index, logged and kept."""
         ctx = self.ctx
         name = ctx.task.stages[index].name
+        shard = EvalShard(getattr(engine, "data_rank", 0), layout.dp)
         self.evals[name] = _evaluate_stages(engine.model, ctx.task, index, ctx.tokenizer, layout, ctx.files.cache,
-                                            ctx.options, ctx.dev)
+                                            ctx.options, ctx.dev, shard)
         record = EvalEvent(stage=name, step=step, losses=self.evals[name])
         exact = stage_exact_match(engine.model, ctx.task, index, ctx.tokenizer, layout.mbs,
-                                  ctx.options.exact_match_prompts, ctx.dev)
+                                  ctx.options.exact_match_prompts, ctx.dev, tokens=layout.mbs * layout.seq // 2,
+                                  shard=shard)
         if exact is None:
             record.exact_match_note = NOT_SCORED_PIPELINE
         else:
@@ -44,33 +47,47 @@ class Evaluator:
 
 
 def evaluate_sources(model: torch.nn.Module, sources: list[Source], count: int, mbs: int,
-                     dev: torch.device) -> dict[str, float]:
+                     dev: torch.device, shard: EvalShard = EvalShard()) -> dict[str, float]:
     """Mean token loss per eval source (first `count` sequences, in order), no gradients.
 
     In micro-batches of the layout's `mbs`: without gradients a micro-batch holds less than a
     training micro-step does, so the stage-end evaluation is never what runs out of memory. The
     model returns each micro-batch's mean over its trained tokens; weighted by their counts, the
-    micro-batches' means give the mean over all trained tokens."""
-    results = {}
+    micro-batches' means give the mean over all trained tokens. Each data-parallel replica takes its
+    `shard` of the sequences (trainer/eval_shards.py) and the sums are added over the replicas."""
+    sums: list[float] = []
     model.eval()
     with torch.no_grad():
         for source in sources:
+            rows = min(count, len(source.sequences))
+            lo, hi = shard.bounds(rows, mbs)
             total, tokens = 0.0, 0
-            for start in range(0, min(count, len(source.sequences)), mbs):
-                rows = source.rows(np.arange(start, min(start + mbs, count, len(source.sequences))))
-                batch = MicroBatch.from_arrays(rows.ids, rows.labels, rows.positions).to(dev)
-                trained = batch.trained_tokens()
-                if trained:
-                    total += float(model(**batch.model_inputs()).loss) * trained
-                    tokens += trained
+            for slot in range(shard.slots(rows, mbs)):
+                start = lo + slot * mbs
+                padding = start >= hi  # a shorter share's turn in the collective forwards: run and dropped
+                picked = np.arange(0, 1) if padding else np.arange(start, min(start + mbs, hi))
+                batch = MicroBatch.from_arrays(*_arrays(source, picked)).to(dev)
+                trained = 0 if padding else batch.trained_tokens()
+                if trained or shard.replicas > 1:  # split, every rank enters every forward
+                    loss = model(**batch.model_inputs()).loss
+                    if trained:
+                        total += float(loss) * trained
+                        tokens += trained
                 del batch
-            results[source.name] = total / tokens if tokens else float("nan")
+            sums += [total, tokens]
     model.train()
-    return results
+    sums = shard.total(sums, dev)
+    return {source.name: sums[2 * k] / sums[2 * k + 1] if sums[2 * k + 1] else float("nan")
+            for k, source in enumerate(sources)}
+
+
+def _arrays(source: Source, picked: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = source.rows(picked)
+    return rows.ids, rows.labels, rows.positions
 
 
 def _evaluate_stages(model, task: TaskSpec, upto: int, tokenizer, layout: Layout, cache: Path,
-                     options: TrainOptions, dev: torch.device) -> dict[str, float]:
+                     options: TrainOptions, dev: torch.device, shard: EvalShard) -> dict[str, float]:
     """Eval loss per stage (skill) with eval data, for stages 0..upto, in micro-batches of the layout's."""
     sources = []
     for stage in task.stages[: upto + 1]:
@@ -79,4 +96,4 @@ def _evaluate_stages(model, task: TaskSpec, upto: int, tokenizer, layout: Layout
             if len(rows):
                 sources.append(Source.of(stage.name, rows, 1.0))
     module = getattr(model, "module", model)
-    return evaluate_sources(module, sources, options.eval_sequences, layout.mbs, dev)
+    return evaluate_sources(module, sources, options.eval_sequences, layout.mbs, dev, shard)
