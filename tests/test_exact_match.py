@@ -291,3 +291,52 @@ def test_a_pipeline_engine_is_not_scored_and_the_report_says_so(tmp_path) -> Non
     document = Document("run")
     _exact_match_section(document, analysis)
     assert f"Exact match {NOT_SCORED_PIPELINE}." in document.to_markdown()
+
+
+# -- decoding in batches of half a micro-batch's tokens peaks below the training step ------------
+
+MHA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 8,
+       "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 2048,
+       "max_position_embeddings": 512, "tie_word_embeddings": False}
+
+
+def _decode_against_step(rank: int, out: str) -> None:
+    """One process: a training step under full recomputation (its least memory), then the stage-end
+    scoring's decoding at that layout; the allocator's peak over each, weights and Adam's states alive
+    in both."""
+    from profiler.tensor_memory import load_counter
+    from specs.core import Layout, ModelSpec
+    from test_recompute import second_step_peak
+    from trainer.engines.plain import PlainEngine
+    from trainer.model import build_model
+
+    torch.set_num_threads(1)
+    hook = load_counter()
+    hook.install()
+    layout = Layout(dtype="fp32", seq=256, mbs=2, gas=1, recompute="full")
+    engine = PlainEngine(build_model(ModelSpec(name="mha", hf_config=MHA), layout, seed=0), layout, clip=1.0)
+    batch = torch.randint(0, MHA["vocab_size"], (layout.mbs, layout.seq), generator=torch.Generator().manual_seed(0))
+    step = second_step_peak(engine, batch, hook)
+    generator = torch.Generator().manual_seed(1)
+    pairs = [(torch.randint(3, 2000, (24,), generator=generator).tolist(),
+              torch.randint(3, 2000, (8,), generator=generator).tolist()) for _ in range(64)]
+    tokens = layout.mbs * layout.seq // 2
+    hook.reset_peak()
+    exact_match(engine.model, pairs, 2, layout.mbs, CPU, tokens)
+    decode = hook.peak_bytes()
+    rows = answer_batches(pairs, layout.mbs, tokens)[0].stop  # prompts in the first decoding batch
+    Path(out).write_text(json.dumps({"step": step, "decode": decode, "rows": rows}))
+
+
+@pytest.mark.slow
+def test_decoding_in_batches_of_half_a_micro_batch_peaks_below_the_training_step(tmp_path) -> None:
+    """The memory argument of trainer/exact_match.py, measured where it is tightest: full attention
+    heads (the KV cache keeps two vectors per layer and token), 8 layers, full recomputation. The
+    decoding batches hold 7 prompts of 24 + 9 tokens (mbs 2 x 256 / 2 = 256 tokens), not mbs 2."""
+    from profiler.ranks import launch
+
+    out = tmp_path / "peaks.json"
+    launch(_decode_against_step, 1, (str(out),))
+    peaks = json.loads(out.read_text())
+    assert peaks["rows"] == 7
+    assert peaks["decode"] < peaks["step"], peaks
