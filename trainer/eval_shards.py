@@ -24,7 +24,9 @@ class EvalShard:
     replicas: int = 1  # the layout's dp
 
     def _share(self, rows: int, unit: int) -> int:
-        return -(-(-(-rows // self.replicas)) // unit) * unit  # ceil(rows / replicas), rounded up to units
+        """Rows of a full share: rows / replicas, rounded up to whole units."""
+        per_replica = -(-rows // self.replicas)
+        return -(-per_replica // unit) * unit
 
     def bounds(self, rows: int, unit: int) -> tuple[int, int]:
         """This replica's rows [lo, hi) of `rows`: contiguous shares of whole `unit`s (micro-batches)."""

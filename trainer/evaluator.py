@@ -36,8 +36,7 @@ class Evaluator:
                                             ctx.options, ctx.dev, shard)
         record = EvalEvent(stage=name, step=step, losses=self.evals[name])
         exact = stage_exact_match(engine.model, ctx.task, index, ctx.tokenizer, layout.mbs,
-                                  ctx.options.exact_match_prompts, ctx.dev, tokens=layout.mbs * layout.seq // 2,
-                                  shard=shard)
+                                  ctx.options.exact_match_prompts, ctx.dev, seq=layout.seq, shard=shard)
         if exact is None:
             record.exact_match_note = NOT_SCORED_PIPELINE
         else:
@@ -65,8 +64,8 @@ def evaluate_sources(model: torch.nn.Module, sources: list[Source], count: int, 
             for slot in range(shard.slots(rows, mbs)):
                 start = lo + slot * mbs
                 padding = start >= hi  # a shorter share's turn in the collective forwards: run and dropped
-                picked = np.arange(0, 1) if padding else np.arange(start, min(start + mbs, hi))
-                batch = MicroBatch.from_arrays(*_arrays(source, picked)).to(dev)
+                picked = source.rows(np.arange(0, 1) if padding else np.arange(start, min(start + mbs, hi)))
+                batch = MicroBatch.from_arrays(picked.ids, picked.labels, picked.positions).to(dev)
                 trained = 0 if padding else batch.trained_tokens()
                 if trained or shard.replicas > 1:  # split, every rank enters every forward
                     loss = model(**batch.model_inputs()).loss
@@ -79,11 +78,6 @@ def evaluate_sources(model: torch.nn.Module, sources: list[Source], count: int, 
     sums = shard.total(sums, dev)
     return {source.name: sums[2 * k] / sums[2 * k + 1] if sums[2 * k + 1] else float("nan")
             for k, source in enumerate(sources)}
-
-
-def _arrays(source: Source, picked: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    rows = source.rows(picked)
-    return rows.ids, rows.labels, rows.positions
 
 
 def _evaluate_stages(model, task: TaskSpec, upto: int, tokenizer, layout: Layout, cache: Path,

@@ -87,7 +87,7 @@ def exact_match(model: torch.nn.Module, pairs: Sequence[Pair], eos: int, micro_b
     compared without it."""
     references = [list(answer[:-1]) if len(answer) and answer[-1] == eos else list(answer) for _, answer in pairs]
     shares = [answer_batches(pairs[slice(*EvalShard(r, shard.replicas).bounds(len(pairs), micro_batch))],
-                             micro_batch, tokens) for r in range(shard.replicas)]
+                             micro_batch, tokens) for r in range(shard.replicas)]  # every rank's call count
     lo = shard.bounds(len(pairs), micro_batch)[0]
     was_training = model.training
     model.eval()
@@ -107,12 +107,13 @@ def exact_match(model: torch.nn.Module, pairs: Sequence[Pair], eos: int, micro_b
 
 
 def stage_exact_match(model: torch.nn.Module, task: TaskSpec, upto: int, tokenizer: Any, micro_batch: int,
-                      prompts: int, device: torch.device, tokens: int = 0,
+                      prompts: int, device: torch.device, seq: int = 0,
                       shard: EvalShard = EvalShard()) -> dict[str, float | None] | None:
     """Exact match per stage (skill) with eval data, for stages 0..upto: its first `prompts` held-out
-    rows with a prompt and an answer, in batches of `micro_batch` prompts or more (`tokens`: see
-    `answer_batches`), this replica's `shard` of them; None for a skill whose eval rows have no
-    answers, and None overall for an engine without a whole model (the pipeline)."""
+    rows with a prompt and an answer, in batches of `micro_batch` prompts or more (half the tokens of
+    a training micro-batch of `seq`-token rows: see the module's doc), this replica's `shard` of
+    them; None for a skill whose eval rows have no answers, and None overall for an engine without a
+    whole model (the pipeline)."""
     module = getattr(model, "module", model)  # DDP and DeepSpeed wrap the HF model
     if not can_generate(module):
         return None
@@ -122,8 +123,8 @@ def stage_exact_match(model: torch.nn.Module, task: TaskSpec, upto: int, tokeniz
             continue
         pairs = [pair for src in stage.eval_sources
                  for pair in read_answer_pairs(src, Path(task.base_dir), tokenizer, prompts)][:prompts]
-        scores[stage.name] = exact_match(module, pairs, _stop_token(pairs, tokenizer), micro_batch, device, tokens,
-                                         shard) if pairs else None
+        scores[stage.name] = exact_match(module, pairs, _stop_token(pairs, tokenizer), micro_batch, device,
+                                         micro_batch * seq // 2, shard) if pairs else None
     return scores
 
 
