@@ -15,8 +15,8 @@ How the memory is measured (``method="alloc_hook"``, the default)
 -----------------------------------------------------------------
 CPU has no ``torch.cuda.max_memory_allocated``; this is its analogue. Every CPU tensor storage,
 DeepSpeed's flat buffers, partitions and bucket buffers included, is allocated through
-``c10::GetCPUAllocator()``. A small C++ extension (built once with ``load_inline`` into
-TORCH_EXTENSIONS_DIR, about 50 s cold) wraps that allocator and keeps an atomic count of live
+``c10::GetCPUAllocator()``. A small C++ library (profiler/tensor_memory.py, built once into
+TORCH_EXTENSIONS_DIR, about 2 s cold) wraps that allocator and keeps an atomic count of live
 bytes and their peak, in every thread of the process. It is installed in each rank before the
 model is built, so every training tensor is counted; each layout runs in freshly forked ranks.
 Like the CUDA counter it counts requested bytes (no allocator rounding) and sees nothing that is

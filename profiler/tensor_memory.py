@@ -3,16 +3,21 @@
 CUDA has `torch.cuda.max_memory_allocated`. The CPU has no such counter, so we wrap the CPU
 allocator itself. Every CPU tensor storage (DeepSpeed's flat buffers, partitions and buckets,
 FSDP2's gathered parameters, gloo's staging tensors) is allocated through
-``c10::GetCPUAllocator()``. A small C++ extension (built once with ``load_inline`` into
-TORCH_EXTENSIONS_DIR, about 50 s cold, milliseconds when cached) puts a counting wrapper in front
-of it: an atomic count of live bytes and their peak, in every thread. Like the CUDA counter it
-counts requested bytes (no allocator rounding) and sees nothing that is not a tensor.
+``c10::GetCPUAllocator()``. A small C++ library puts a counting wrapper in front of it: an atomic
+count of live bytes and their peak, in every thread. Like the CUDA counter it counts requested bytes
+(no allocator rounding) and sees nothing that is not a tensor.
+
+The library is built once per machine with torch's ``load`` into TORCH_EXTENSIONS_DIR and called
+through ctypes. It includes c10's allocator header and nothing else, so the build takes 2 s on a
+fresh 2-core machine; a pybind11 module (``load_inline``, which includes all of
+``torch/extension.h``) took 41 s, which the first `advisor run` of a machine paid.
 
 Only tensors allocated after `install()` are counted, so install it before the model is built.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -23,7 +28,6 @@ from profiler.extension_build import exclusive_build
 # profiler's memory reporter is thread-local and drifts under gloo's worker threads), so we wrap
 # the CPU allocator. Blocks still come from the wrapped default allocator.
 _ALLOC_HOOK_SOURCE = r"""
-#include <torch/extension.h>
 #include <c10/core/CPUAllocator.h>
 #include <atomic>
 #include <mutex>
@@ -72,11 +76,12 @@ struct CountingAllocator final : c10::Allocator {
     default_copy_data(dest, src, count);
   }
 };
-}
 // A fork while another thread holds the lock would leave the child's copy locked forever: take it
 // around fork() in the parent (the standard pthread_atfork discipline), so forked ranks start free.
 void lock_for_fork() { g_mutex.lock(); }
 void unlock_after_fork() { g_mutex.unlock(); }
+}
+extern "C" {
 void install() {
   if (g_installed.exchange(true)) return;
   pthread_atfork(&lock_for_fork, &unlock_after_fork, &unlock_after_fork);
@@ -86,6 +91,7 @@ void install() {
 int64_t live_bytes() { return g_live.load(); }
 int64_t peak_bytes() { return g_peak.load(); }
 void reset_peak() { g_peak.store(g_live.load()); }
+}
 """
 
 _hook: Any = None
@@ -94,15 +100,23 @@ COUNTER_EXTENSION = "advisor_cpu_tensor_bytes"
 
 
 def load_counter() -> Any:
-    """Build (cached in TORCH_EXTENSIONS_DIR) and import the counting allocator extension. Call it
-    in a launcher's parent before forking ranks, so that they inherit it loaded."""
+    """Build (cached in TORCH_EXTENSIONS_DIR) and load the counting allocator library; its four
+    functions, `install`, `live_bytes`, `peak_bytes` and `reset_peak`, through ctypes. Call it in a
+    launcher's parent before forking ranks, so that they inherit it loaded."""
     global _hook
     if _hook is None:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load
 
-        with exclusive_build(COUNTER_EXTENSION):  # a killed earlier build must not leave us waiting
-            _hook = load_inline(COUNTER_EXTENSION, cpp_sources=_ALLOC_HOOK_SOURCE,
-                                functions=["install", "live_bytes", "peak_bytes", "reset_peak"])
+        with exclusive_build(COUNTER_EXTENSION) as folder:  # a killed earlier build must not leave us waiting
+            source = folder / f"{COUNTER_EXTENSION}.cpp"
+            if not source.exists() or source.read_text() != _ALLOC_HOOK_SOURCE:
+                source.write_text(_ALLOC_HOOK_SOURCE)  # torch rebuilds when the text (its hash) changes
+            path = load(COUNTER_EXTENSION, sources=[str(source)], extra_cflags=["-O2"],
+                        is_python_module=False)
+        library = ctypes.CDLL(path)
+        for name in ("live_bytes", "peak_bytes"):
+            getattr(library, name).restype = ctypes.c_int64
+        _hook = library
     return _hook
 
 

@@ -52,3 +52,31 @@ def test_the_build_lock_dies_with_its_holder(tmp_path: Path, monkeypatch) -> Non
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_memory_counter_built_cold_counts_every_threads_tensor_bytes_exactly(tmp_path: Path) -> None:
+    """A fresh folder: the counter is built (c10's allocator header only, called through ctypes) and
+    counts the bytes of tensors that four threads allocate, their peak, and their release."""
+    code = """
+import threading, torch
+from profiler.tensor_memory import load_counter
+counter = load_counter()
+counter.install()
+base = counter.live_bytes()
+counter.reset_peak()
+held = []
+def allocate(size):
+    held.append(torch.empty(size, dtype=torch.float32))
+threads = [threading.Thread(target=allocate, args=(1000 * (i + 1),)) for i in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(counter.live_bytes() - base, counter.peak_bytes() - base)
+held.clear()
+print(counter.live_bytes() - base, counter.peak_bytes() - base)
+"""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    allocated = 4 * (1000 + 2000 + 3000 + 4000)  # float32 bytes of the four tensors
+    assert done.stdout.split() == [str(allocated), str(allocated), "0", str(allocated)]
+    assert (tmp_path / COUNTER_EXTENSION / f"{COUNTER_EXTENSION}.so").exists()

@@ -22,7 +22,8 @@ from advisor.cli import app
 from specs.errors import UsageError
 from specs.plan_file import load_plan
 from test_trainer import _free_port, make_plan_file, read_jsonl
-from profiler.tensor_memory import load_counter
+from profiler.extension_build import build_directory
+from profiler.tensor_memory import COUNTER_EXTENSION, load_counter
 from trainer import checkpoint
 from trainer.loop import TrainOptions, train
 from trainer.run_identity import RUN_FILE
@@ -197,8 +198,9 @@ def test_kill_dash_nine_during_checkpoint_writes_always_resumes_from_the_last_co
     the CLI costs about 6 s of interpreter and torch start per attempt, a fork a fraction of one."""
     kills = 20
     # the CPU allocator counter, loaded before forking (the ranks inherit it), and its folder for the
-    # CLI's workers: the build this process has (the other trainer tests need it too), not one more (~50 s)
-    built = Path(load_counter().__file__).parents[1]
+    # CLI's workers: the build this process has (the other trainer tests need it too), not one more
+    load_counter()
+    built = build_directory(COUNTER_EXTENSION).parent
     plan = make_plan_file(tmp_path, steps=16, checkpoint_every=1,  # DDP; 20 kills reach step 15 or so of 32
                           layout_fields={"dp": 2, "mbs": 1, "gas": 2, "zero": 0})
     _train_forked(plan, tmp_path / "whole")
