@@ -35,7 +35,8 @@ RECORD_LAUNCH_ENV = textwrap.dedent("""
     from trainer.options import TrainOptions
     from trainer.timed_steps import prepare_forks
 
-    prepare_forks([Layout(dp=2, mbs=1, seq=32, dtype="fp32")])  # what the profile's forks load
+    prepare_forks([Layout(dp=2, mbs=1, seq=32, dtype="fp32"),  # what the profile's forks load (peft with
+                   Layout(mbs=1, seq=32, dtype="fp32", method="lora")])  # its LoRA calibration layout)
     import_deepspeed()  # what a ZeRO verification trial loads before forking
     before = dict(os.environ)
     subprocess.run = lambda command, env, check: workers.append(env) or subprocess.CompletedProcess(command, 0)

@@ -129,10 +129,12 @@ def _metered(batches: Iterator[MicroBatch], meter: Meter | None, step: int) -> I
 
 
 def prepare_forks(layouts: list[Layout], engine: EngineChoice = "auto") -> None:
-    """Import the model code and DeepSpeed once in this process, so that forked ranks inherit them
-    loaded (each rank would otherwise spend seconds importing them)."""
-    from peft import get_peft_model  # noqa: F401  deferred: seconds of imports the forks inherit
-    from transformers import AutoModelForCausalLM  # noqa: F401  deferred, as above
+    """Import the model code, and peft and DeepSpeed where a layout needs them, once in this process,
+    so that forked ranks inherit them loaded (each rank would otherwise spend seconds importing them)."""
+    from transformers import AutoModelForCausalLM  # noqa: F401  deferred: seconds of imports the forks inherit
+
+    if any(layout.method in ("lora", "qlora") for layout in layouts):
+        from peft import get_peft_model  # noqa: F401  deferred, as above (4 s more, with bitsandbytes)
 
     if any(traits(select_backend(layout, engine)).deepspeed for layout in layouts):
         import_deepspeed()
