@@ -134,7 +134,7 @@ def prepare_forks(layouts: list[Layout], engine: EngineChoice = "auto") -> None:
     from transformers import AutoModelForCausalLM  # noqa: F401  deferred: seconds of imports the forks inherit
 
     if any(layout.method in ("lora", "qlora") for layout in layouts):
-        from peft import get_peft_model  # noqa: F401  deferred, as above (4 s more, with bitsandbytes)
+        from peft import get_peft_model  # noqa: F401  deferred, as above (1-4 s more, with bitsandbytes)
 
     if any(traits(select_backend(layout, engine)).deepspeed for layout in layouts):
         import_deepspeed()
