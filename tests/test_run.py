@@ -164,6 +164,31 @@ def test_verification_trains_the_fastest_measured_beyond_the_noise_margin() -> N
     assert choose(noisy)[0] == 1
 
 
+def test_a_cpu_trial_times_enough_steps_to_see_that_two_layouts_tie() -> None:
+    """Measured on 2 shared cores (ms a step, the first 2 warming up): the demo's dp=2 mbs=2 and its
+    mbs=1 gas=2 train at the same speed (257 and 254 ms a step over 705 steps). Timed for 2 steps,
+    gas=2 measured 10.6% faster and was trained, so that two fresh `advisor run`s trained different
+    layouts and printed different tables; over a CPU trial's default 8 timed steps the steps' own
+    spread shows the tie, and the planner's choice stands."""
+    from trainer.verify import CPU_TRIAL_STEPS, trial_harness
+
+    def trial(rank: int, steps_ms: list[float]) -> Trial:
+        t = _trial(rank, sorted(steps_ms[2:])[len(steps_ms[2:]) // 2] / 1000)
+        t.steps_s = [ms / 1000 for ms in steps_ms]
+        return t
+
+    two_timed = [trial(1, [275, 262, 257, 245]), trial(2, [310, 245, 226, 228])]
+    assert choose(two_timed)[0] == 2
+    mbs2 = [341, 348, 282, 266, 252, 269, 289, 338, 346, 319]
+    gas2 = [345, 331, 274, 269, 269, 277, 266, 248, 254, 284]
+    assert choose([trial(1, mbs2), trial(2, gas2)])[0] == 1
+    assert choose([trial(1, gas2), trial(2, mbs2)])[0] == 1
+    layout = Layout(dp=2, mbs=2, seq=256, dtype="fp32")
+    assert trial_harness(layout, "cpu") == ("fork", CPU_TRIAL_STEPS) == ("fork", 10)
+    assert trial_harness(layout, "cuda") == ("loop", 4)  # GPUs keep their 4 steps
+    assert trial_harness(layout, "cpu", 5) == ("fork", 5)  # --verify-steps still decides
+
+
 def test_a_trial_is_written_whole_and_its_ints_stay_ints(tmp_path) -> None:
     """verify.json lists every field of a trial, the unfilled ones too, then its step error; its
     events.jsonl line carries the same fields after `event` (Trial is the typed VerifyEvent)."""
@@ -189,12 +214,65 @@ def test_a_verified_candidate_becomes_the_plan_with_its_stages_resized() -> None
     plan = make_plan(PlanOptions(model=MODEL, hardware=load_hardware("cpu"), gpus_per_node=2, task=task,
                                  top_k=3, space=SearchSpace(tp_degrees=(1,), pp_degrees=(1,))))
     second = plan.alternatives[0]
-    trained = apply(plan, Verification(trials=[], chosen_rank=2, seconds=1.0, steps=4, reason="#2 measured faster"))
+    trials = [Trial(rank=r, layout=p.layout.short(), predicted_step_s=1.0, predicted_tokens_per_s=1.0,
+                    predicted_peak_bytes=0) for r, p in enumerate([plan.chosen, second], 1)]
+    trained = apply(plan, Verification(trials=trials, chosen_rank=2, seconds=1.0, steps=4, reason="#2 measured faster"))
     assert trained.chosen.layout == second.layout
     assert plan.chosen.layout in [p.layout for p in trained.alternatives]
     assert all(s.layout == second.layout and s.step_s == second.estimate.time.step_s for s in trained.stages)
     assert [s.steps for s in trained.stages] == [s.steps for s in plan.stages]  # same global batch
     assert "measured faster" in trained.notes[-1]
+
+
+def _with_alternatives(plan, layouts: list[Layout], training_s: float):
+    """`plan` with `layouts` as its ranked alternatives and its stages predicted to train `training_s`."""
+    template = plan.alternatives[0]
+    stages = [s.model_copy(update={"hours": training_s / 3600 / len(plan.stages)}) for s in plan.stages]
+    return plan.model_copy(update={"alternatives": [template.model_copy(update={"layout": layout})
+                                                    for layout in layouts], "stages": stages})
+
+
+def test_verification_passes_over_a_trial_whose_cold_build_outweighs_the_training() -> None:
+    """A fresh `advisor run` of the demo (3 minutes of training) spent 40 s building DeepSpeed's CPU
+    op to time two ZeRO candidates predicted slower than its choice: the next candidates that need no
+    build are timed instead. An hour's training pays for the build: every top candidate is timed."""
+    from trainer.verify import trial_candidates
+
+    plan = make_plan(PlanOptions(model=MODEL, hardware=load_hardware("cpu"), gpus_per_node=2, task=load_task("demo"),
+                                 top_k=3, space=SearchSpace(tp_degrees=(1,), pp_degrees=(1,))))
+    zero1, zero2 = (Layout(dp=2, zero=z, mbs=2, seq=256, dtype="fp32") for z in (1, 2))
+    gas2, pp2 = Layout(dp=2, mbs=1, gas=2, seq=256, dtype="fp32"), Layout(pp=2, mbs=1, gas=4, seq=256, dtype="fp32")
+    build_s = lambda layout: 40.0 if layout.zero else 0.0  # noqa: E731  the op is not built yet
+
+    plain = Layout(dp=2, mbs=2, seq=256, dtype="fp32")
+
+    def kept(training_s: float, choice: Layout = plain):
+        ranked = _with_alternatives(plan, [zero1, zero2, gas2, pp2], training_s)
+        ranked = ranked.model_copy(update={"chosen": ranked.chosen.model_copy(update={"layout": choice})})
+        candidates, passed = trial_candidates(ranked, 3, build_s)
+        return [p.layout for p in candidates], [p.layout for p in passed]
+
+    assert kept(200.0) == ([plain, gas2, pp2], [zero1, zero2])  # 40 s > 10% of 200 s
+    assert kept(3600.0) == ([plain, zero1, zero2], [])  # 40 s < 10% of an hour
+    assert kept(400.0) == ([plain, zero1, zero2], [])  # exactly 10%: still worth it
+    # the choice itself trains through DeepSpeed: the build is paid whatever the trials, so none is passed over
+    assert kept(200.0, choice=Layout(dp=2, zero=3, mbs=2, seq=256, dtype="fp32")) == (
+        [Layout(dp=2, zero=3, mbs=2, seq=256, dtype="fp32"), zero1, zero2], [])
+
+
+def test_a_cold_build_is_priced_only_on_a_cpu_whose_deepspeed_op_is_not_built(monkeypatch) -> None:
+    from trainer import native_ops
+
+    zero1, plain = Layout(dp=2, zero=1, mbs=2, seq=256, dtype="fp32"), Layout(dp=2, mbs=2, seq=256, dtype="fp32")
+    monkeypatch.setattr(native_ops.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(native_ops, "cpu_comm_op_built", lambda: False)
+    assert native_ops.cold_build_s(zero1, "auto") == native_ops.COLD_BUILD_S == 40.0
+    assert native_ops.cold_build_s(plain, "auto") == 0.0  # the plain engine builds nothing
+    monkeypatch.setattr(native_ops, "cpu_comm_op_built", lambda: True)
+    assert native_ops.cold_build_s(zero1, "auto") == 0.0
+    monkeypatch.setattr(native_ops, "cpu_comm_op_built", lambda: False)
+    monkeypatch.setattr(native_ops.torch.cuda, "is_available", lambda: True)  # a GPU's DeepSpeed builds no CPU op
+    assert native_ops.cold_build_s(zero1, "auto") == 0.0
 
 
 @pytest.mark.slow

@@ -94,9 +94,9 @@ def chain(monkeypatch, tmp_path):
     seen = {"measure": 1 / 100, "trained": 0}
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # the chain sets it when unset
 
-    def fake_verify(plan, k, out, steps=4, say=print, watch=None, trusted=False):
-        trials = []
-        for rank, planned in enumerate([plan.chosen, *plan.alternatives][:k], 1):
+    def fake_verify(plan, k, out, steps=None, say=print, watch=None, trusted=False, candidates=None):
+        trials, steps = [], steps or 4
+        for rank, planned in enumerate(candidates or [plan.chosen, *plan.alternatives][:k], 1):
             predicted = planned.estimate.time.step_s
             measured = predicted * seen["measure"]
             trials.append(Trial(rank=rank, layout=planned.layout.short(), predicted_step_s=predicted,

@@ -139,3 +139,44 @@ def test_ranks_train_with_the_threads_their_device_was_priced_with(tmp_path, mon
     # a preset defines no device: the process keeps its threads, launched ranks the user's setting
     assert _launched_threads(tmp_path / "c", monkeypatch, 1, threads_per_device=None) == torch.get_num_threads()
     assert _launched_threads(tmp_path / "d", monkeypatch, 2, threads_per_device=None) == 7
+
+
+# A fresh interpreter prepares the forks as the timed steps do, then forks a child that builds the
+# model a calibration rank builds and reports the transformers modules the build imported.
+FORKED_BUILD_IMPORTS = textwrap.dedent("""
+    import json, multiprocessing, sys
+    from presets import load_model
+    from specs.core import Layout
+    from profiler.calibration_steps import calibration_model
+    from trainer.timed_steps import prepare_forks
+
+    model, layout = calibration_model(load_model("demo-tiny")), Layout(mbs=1, seq=32, dtype="fp32")
+    prepare_forks([layout], "auto", model if sys.argv[1] == "model" else None)
+
+    def build(queue):
+        from trainer.model import build_model
+        before = set(sys.modules)
+        build_model(model, layout, seed=0)
+        queue.put(sorted(m for m in set(sys.modules) - before if m.startswith("transformers.")))
+
+    queue = multiprocessing.get_context("fork").Queue()
+    child = multiprocessing.get_context("fork").Process(target=build, args=(queue,))
+    child.start()
+    print(json.dumps(queue.get(timeout=120)))
+    child.join()
+""")
+
+
+def _imported_by_forked_build(prepared_with: str) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", FORKED_BUILD_IMPORTS, prepared_with], env=env, capture_output=True,
+                          text=True, check=True, timeout=300)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_forked_ranks_inherit_the_models_family_imported_by_their_parent() -> None:
+    """transformers imports a model family lazily, on first use: a forked calibration rank or
+    verification trial paid that import itself (2.5 s each, 14 times in a fresh `advisor run`)."""
+    assert "transformers.models.llama.modeling_llama" in _imported_by_forked_build("no-model")  # the cost shows
+    assert _imported_by_forked_build("model") == []

@@ -30,7 +30,8 @@ from presets import cache_dir
 from trainer.engines import select_backend
 
 SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME: the folder and .so of the build
-BUILDING = "building DeepSpeed's CPU communication op once for this machine (about 40 s)"
+COLD_BUILD_S = 40.0  # measured 30-45 s on 2 cores
+BUILDING = f"building DeepSpeed's CPU communication op once for this machine (about {COLD_BUILD_S:.0f} s)"
 
 
 def extensions_dir() -> Path:
@@ -50,6 +51,15 @@ def use_persistent_extensions_dir() -> Path:
 def cpu_comm_op_built() -> bool:
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or extensions_dir())
     return (root / SHM_OP / f"{SHM_OP}.so").is_file()
+
+
+def cold_build_s(layout: Layout, engine: str) -> float:
+    """The seconds a first run of `layout` here spends building the op before it starts: about
+    COLD_BUILD_S on a CPU whose op is not built yet, 0 where it is built or not needed (a GPU,
+    another engine)."""
+    if torch.cuda.is_available() or not _through_deepspeed(layout, engine) or cpu_comm_op_built():
+        return 0.0
+    return COLD_BUILD_S
 
 
 def build_cpu_comm_op(layouts: Iterable[Layout], engine: str, say: Callable[[str], None]) -> None:

@@ -128,10 +128,14 @@ def _metered(batches: Iterator[MicroBatch], meter: Meter | None, step: int) -> I
         meter.begin(step, "optimizer")
 
 
-def prepare_forks(layouts: list[Layout], engine: EngineChoice = "auto") -> None:
-    """Import the model code, and peft and DeepSpeed where a layout needs them, once in this process,
-    so that forked ranks inherit them loaded (each rank would otherwise spend seconds importing them)."""
+def prepare_forks(layouts: list[Layout], engine: EngineChoice = "auto", model: ModelSpec | None = None) -> None:
+    """Import the model code (`model`'s family where given), and peft and DeepSpeed where a layout needs
+    them, once in this process, so that forked ranks inherit them loaded (each rank would otherwise
+    spend seconds importing them)."""
     from transformers import AutoModelForCausalLM  # noqa: F401  deferred: seconds of imports the forks inherit
+
+    if model is not None:
+        import_model_family(model)
 
     if any(layout.method in ("lora", "qlora") for layout in layouts):
         from peft import get_peft_model  # noqa: F401  deferred, as above (1-4 s more, with bitsandbytes)
@@ -140,6 +144,21 @@ def prepare_forks(layouts: list[Layout], engine: EngineChoice = "auto") -> None:
         import_deepspeed()
         if not torch.cuda.is_available():
             build_cpu_comm_op_now()  # DeepSpeed's CPU comm op: 30-45 s on a cold TORCH_EXTENSIONS_DIR
+
+
+def import_model_family(model: ModelSpec) -> None:
+    """Import the transformers modules of `model`'s family (its config and modelling code). Importing
+    `AutoModelForCausalLM` loads none of them: transformers imports a family lazily, on first use, and
+    in a forked rank that first use cost 2.5 s per trial here (demo-tiny's Llama: 11 calibration
+    layouts and 3 verification trials in every `advisor run`). A family transformers does not know
+    (a folder's own code) is left to the rank, whose model build says what is wrong."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.for_model(**model.hf_config)
+        AutoModelForCausalLM._model_mapping[type(config)]  # the lookup imports the modelling module
+    except (KeyError, ValueError, TypeError):
+        return
 
 
 def _rank(rank: int, model: ModelSpec, layout: Layout, steps: int, port: int, out_dir: str, threads: int | None,
@@ -173,7 +192,7 @@ def time_layout(model: ModelSpec, layout: Layout, steps: int = 6, warmup: int = 
     if steps <= warmup:
         raise ValueError(f"need more than {warmup} steps to time a steady step")
     check_runnable(layout, config_shape(model.hf_config), device().type, engine)  # the trainer's refusal, here
-    prepare_forks([layout], engine)
+    prepare_forks([layout], engine, model)
     world = layout.devices
     with tempfile.TemporaryDirectory(prefix="timed_steps_") as out_dir:
         launch(_rank, world, (model, layout, steps, free_port(), out_dir, threads, engine, meter_factory),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -42,6 +43,16 @@ MIN_GAIN = 0.03
 # A trial's start-up, roughly (forking ranks; or torchrun, imports and DeepSpeed's set-up): the
 # progress display's prior for the time a trial takes besides its steps.
 STARTUP_S = {"fork": 3.0, "loop": 20.0}
+# Steps of a CPU trial by default (2 warm up). A CPU step of the demo's layouts varies by +-15% from
+# step to step on 2 shared cores (220-370 ms measured): two timed steps put one layout 10.6% ahead of
+# another that trained as fast, and the run trained it. Eight timed steps show that spread, which
+# then sets the noise margin (`choose`); a forked trial's step is a fraction of a second.
+CPU_TRIAL_STEPS = 10
+# A trial that would first pay a one-time set-up (a cold build of a native op) is run only where the
+# set-up is at most this share of the plan's predicted training time: the demo's 3-minute run lost
+# 40 s to building DeepSpeed's CPU op for two ZeRO candidates predicted 5% slower than its choice,
+# while for an hour's training the same build is 1% of the run.
+SETUP_SHARE = 0.1
 
 
 class Trial(VerifyEvent):
@@ -85,12 +96,12 @@ def training_threads(devices: int, hardware: HardwareSpec) -> int:
     return cpu_threads(hardware, devices)
 
 
-def trial_harness(layout: Layout, device_type: str, steps: int) -> tuple[str, int]:
-    """How `layout` is timed and its step count (the loop leaves its first 2 steps out): forked
-    ranks on CPU; on GPUs the training loop under its launcher."""
+def trial_harness(layout: Layout, device_type: str, steps: int | None = None) -> tuple[str, int]:
+    """How `layout` is timed and its step count (both leave their first 2 steps out): forked ranks on
+    CPU; on GPUs the training loop under its launcher. `steps` None: the harness's default."""
     if device_type == "cpu":
-        return "fork", steps
-    return "loop", max(steps, 4)
+        return "fork", steps or CPU_TRIAL_STEPS
+    return "loop", max(steps or 4, 4)
 
 
 def _no_watch(trial: Trial, metrics: Path | None) -> contextlib.AbstractContextManager:
@@ -144,15 +155,41 @@ def _loop_trial(plan: Plan, planned: PlannedLayout, steps: int, directory: Path,
             "peak_source": measured.get("peak_source")}
 
 
-def verify(plan: Plan, k: int, run_dir: Path, steps: int = 4, warmup: int = 2, say: Callable[[str], None] = print,
+def predicted_training_s(plan: Plan) -> float:
+    """The plan's predicted training time (its stages' hours); infinite for a plan without stages."""
+    return sum(stage.hours for stage in plan.stages) * 3600 if plan.stages else math.inf
+
+
+def trial_candidates(plan: Plan, k: int, setup_s: Callable[[Layout], float]) -> tuple[list[PlannedLayout],
+                                                                                        list[PlannedLayout]]:
+    """The layouts to verify: the planner's choice, then its alternatives in rank order up to `k` in
+    all, passing over one whose trial would first pay a one-time set-up (`setup_s`: seconds, 0 for
+    none) above SETUP_SHARE of the predicted training time. A set-up the choice or an earlier
+    candidate pays is paid: the later ones sharing it cost nothing more. Returns (kept, passed over)."""
+    budget = SETUP_SHARE * predicted_training_s(plan)
+    paid = setup_s(plan.chosen.layout) > 0  # the choice trains through it: paid whatever the trials
+    kept, passed = [plan.chosen], []
+    for planned in plan.alternatives:
+        if len(kept) >= k:
+            break
+        cost = 0.0 if paid else setup_s(planned.layout)
+        if cost > budget:
+            passed.append(planned)
+            continue
+        paid = paid or cost > 0
+        kept.append(planned)
+    return kept, passed
+
+
+def verify(plan: Plan, k: int, run_dir: Path, steps: int | None = None, warmup: int = 2, say: Callable[[str], None] = print,
            watch: Callable[[Trial, Path | None], contextlib.AbstractContextManager] = _no_watch,
-           trusted: bool = False) -> Verification:
-    """Measure the plan's top `k` layouts for `steps` steps each and pick the fastest measured; each
-    trial runs inside `watch(trial, its metrics.jsonl or None)` (the CLI's progress display).
-    `trusted`: --trust-remote-code, passed to the trials' workers."""
+           trusted: bool = False, candidates: list[PlannedLayout] | None = None) -> Verification:
+    """Measure the plan's top `k` layouts (or `candidates`, the choice first) for `steps` steps each and
+    pick the fastest measured; each trial runs inside `watch(trial, its metrics.jsonl or None)` (the
+    CLI's progress display). `trusted`: --trust-remote-code, passed to the trials' workers."""
     started = time.perf_counter()
     device_type = plan.hardware.device_type
-    candidates = [plan.chosen, *plan.alternatives][:k]
+    candidates = candidates or [plan.chosen, *plan.alternatives][:k]
     trials = []
     for rank, planned in enumerate(candidates, 1):
         est, layout = planned.estimate, planned.layout
@@ -183,8 +220,8 @@ def verify(plan: Plan, k: int, run_dir: Path, steps: int = 4, warmup: int = 2, s
         trial.seconds = time.perf_counter() - began
         trials.append(trial)
     chosen, reason = choose(trials)
-    return Verification(trials=trials, chosen_rank=chosen, seconds=time.perf_counter() - started, steps=steps,
-                        reason=reason)
+    return Verification(trials=trials, chosen_rank=chosen, seconds=time.perf_counter() - started,
+                        steps=max(t.steps for t in trials), reason=reason)
 
 
 def choose(trials: list[Trial]) -> tuple[int, str]:
@@ -213,7 +250,8 @@ def apply(plan: Plan, verification: Verification) -> Plan:
     if verification.chosen_rank == 1:
         chosen = plan
     else:
-        chosen = candidate_plan(plan, [plan.chosen, *plan.alternatives][verification.chosen_rank - 1])
+        trained = next(t.layout for t in verification.trials if t.rank == verification.chosen_rank)
+        chosen = candidate_plan(plan, next(p for p in plan.alternatives if p.layout.short() == trained))
     note = (f"verified {len(verification.trials)} layouts for {verification.steps} steps each in "
             f"{verification.seconds:.0f} s: {verification.reason}")
     return chosen.model_copy(update={"notes": [*plan.notes, note]})

@@ -26,8 +26,9 @@ def run_all(
                                            "(or reuse its profile from the last week)"),
     verify: int = typer.Option(3, "--verify", min=0, help="measure the top K plans for a few steps each and "
                                "train the fastest measured (0: train the planner's choice untested)"),
-    verify_steps: int = typer.Option(4, "--verify-steps", min=3, help="steps per verification trial "
-                                     "(the first 2 warm up)"),
+    verify_steps: Optional[int] = typer.Option(None, "--verify-steps", min=3, help="steps per verification "
+                                               "trial, the first 2 warming up (default: 10 on a CPU, whose steps "
+                                               "vary by tens of percent; 4 on GPUs)"),
     feedback: bool = typer.Option(True, "--feedback/--no-feedback", help="refit the profile's efficiency "
                                   "factors to this run's measured steps"),
     # the 3x is planner.feedback.MAX_PRICE_MISS (not imported here: it loads the fit's SciPy on every

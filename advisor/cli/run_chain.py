@@ -52,17 +52,17 @@ from profiler.run_profile import ProfileOptions
 from reports.run_report import run_report
 from trainer.data.demo_corpus import ensure_generated_data
 from trainer.launch import run as run_training
-from trainer.native_ops import use_persistent_extensions_dir
+from trainer.native_ops import COLD_BUILD_S, cold_build_s, use_persistent_extensions_dir
 from trainer.options import TrainOptions
 from trainer.prepare import prepare_run
 from trainer.run_identity import RUN_CHAIN_IN_THE_WAY, move_aside, move_in_the_way_aside, retire_old_runs
-from trainer.verify import (STARTUP_S, Trial, Verification, apply, candidate_plan, trial_harness, training_threads,
-                            verify, write_verification)
+from trainer.verify import (SETUP_SHARE, STARTUP_S, Trial, Verification, apply, candidate_plan, predicted_training_s,
+                            trial_candidates, trial_harness, training_threads, verify, write_verification)
 
 DEMO_TASK = "demo"  # the task preset `advisor run` trains when no --task is given
 PROFILE_MAX_AGE_S = 7 * 86400
 DEFAULT_VERIFY = 3  # candidates measured before training (0: train the planner's choice untested)
-DEFAULT_VERIFY_STEPS = 4  # per candidate; the first 2 warm up and are left out
+DEFAULT_VERIFY_STEPS = None  # per candidate, the harness's default (trainer/verify.py: 10 on CPU, 4 on GPUs)
 # What `run` lets the planner choose: what the trainer's engines run (specs/capabilities.py);
 # `trainable_plan` re-checks a plan the user handed in.
 TRAINER_SPACE = SearchSpace()
@@ -93,7 +93,7 @@ class RunOptions:
     max_steps_per_stage: int | None = None
     seed: int = 0
     verify: int = DEFAULT_VERIFY
-    verify_steps: int = DEFAULT_VERIFY_STEPS
+    verify_steps: int | None = DEFAULT_VERIFY_STEPS
     feedback: bool = True
     force: bool = False  # train a plan the cost model cannot price (see `_pricing`)
     keep_runs: int = 3  # previous runs kept in the run dir; older ones move into its trash/
@@ -161,7 +161,7 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
     shows all of it as one display."""
     progress = progress or RunProgress(Console(), enabled=False, title="")
     use_persistent_extensions_dir()  # before any rank starts: they all inherit it
-    if opts.verify < 0 or opts.verify_steps < 3:
+    if opts.verify < 0 or (opts.verify_steps is not None and opts.verify_steps < 3):
         raise UsageError("--verify takes 0 or more candidates and --verify-steps at least 3 (2 warm up)")
     started = time.perf_counter()
     timings: dict[str, float] = {}
@@ -175,7 +175,7 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
         plan = _plan(model, hardware, task, opts, say)
     say(f"plan: {plan.chosen.layout.short()}")
     _make_room(out, say, opts.keep_runs)
-    candidates = [plan.chosen, *plan.alternatives][:max(1, opts.verify)]
+    candidates = _verification_candidates(plan, max(1, opts.verify), say)
     # the trainer's run-time preparation, once for the trials and the training; the run dir is claimed
     # above under the chain's own rules (its trials write there first)
     prepare_run(plan, out, resumed=False, overwrite=True, claim=False, layouts=[p.layout for p in candidates],
@@ -186,7 +186,7 @@ def run_chain(opts: RunOptions, say: Callable[[str], None] = print,
         with _timed(timings, "verify_s"):
             verification = verify(plan, opts.verify, out, steps=opts.verify_steps, say=say,
                                   watch=lambda trial, metrics: _trial_part(progress, trial, metrics),
-                                  trusted=opts.trust_remote_code)
+                                  trusted=opts.trust_remote_code, candidates=candidates)
             plan = _take_verified(plan, verification, out, show_verification)
             pricing = _pricing(plan, verification, profile_path, out)
         if pricing is not None and not pricing["priced"]:
@@ -265,6 +265,18 @@ def _unpriceable_line(pricing: dict[str, Any]) -> str:
     return (f"cannot price the plan on this machine: {_miss_text(pricing)}; not training. Profile this machine "
             "fully (`advisor profile`, without --quick) and rerun with --hardware profile.json, or rerun with "
             "--force to train anyway")
+
+
+def _verification_candidates(plan: Plan, k: int, say: Callable[[str], None]) -> list:
+    """The plan's top `k` layouts to verify, less those whose trial would first build a native op for
+    longer than it could pay back (trainer/verify.py `trial_candidates`), said in one line."""
+    candidates, passed = trial_candidates(plan, k, lambda layout: cold_build_s(layout, plan.engine))
+    if passed:
+        shown = ", ".join(p.layout.short() for p in passed)
+        say(f"verify: passing over {shown}: its trial would first build DeepSpeed's CPU communication op "
+            f"(about {COLD_BUILD_S:.0f} s), over {SETUP_SHARE:.0%} of the predicted training "
+            f"({predicted_training_s(plan):.0f} s)")
+    return candidates
 
 
 def _estimate_s(plan: Plan, trials: list, opts: RunOptions) -> float:
