@@ -10,7 +10,7 @@ peak rate per run, the rate tuned per variant over --lr-grid on seed 0, --seeds 
 scaled-down proxy of demo-tiny (--hidden, --layers: the same tokenizer, sequence and batch), one
 process per core of this CPU, through the command users run:
 
-    advisor curriculum compare --task <demo copy> --seeds 3 --scale 10 --hidden 64 --layers 2 --lr-grid 0.5,1,2 ...
+    advisor curriculum compare --task <demo copy> --seeds 3 --scale 20 --hidden 64 --layers 2 --lr-grid 0.25,0.5,1,2,4 ...
 
 Scores: each skill's eval loss on its held-out file (the trainer's stage-end evaluation,
 --eval-sequences sequences), exact match where the trainer's evaluation gives it; mean ± sample
@@ -19,12 +19,18 @@ recovery: how much of that the last stage took back. The finding (no staged vari
 on every skill, or that one does) goes to presets/findings/demo.json, which `advisor plan --task
 demo` prints.
 
-    python -m bench.curriculum [--scale 10] [--seeds 3] [--hidden 64] [--layers 2] [--lr-grid 0.5,1,2] [--no-write]
+A full comparison trains for hours (35 runs of about 22 minutes on one core each at 20x), longer than a
+session of a machine that starts empty: each finished run's record is kept in bench/results/
+(bench/curriculum_archive.py) while the bench runs, and restored by the next invocation anywhere,
+whose fingerprint check reuses it; commit that folder to carry the bench over.
+
+    python -m bench.curriculum [--scale 20] [--seeds 3] [--hidden 64] [--layers 2] [--lr-grid 0.25,0.5,1,2,4] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -37,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks_md import write_section  # noqa: E402
+from curriculum_archive import Keeper, restore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FINDING = ROOT / "presets" / "findings" / "demo.json"
@@ -134,7 +141,8 @@ def body_text(result: dict, command: list[str], wall_s: float | None, loads: lis
               else f"{len(runs)} runs done")
     if reused:  # this invocation's wall time does not cover the runs an earlier one trained
         timing += (f" ({result.get('runs_reused', 0)} reused and {result.get('runs_resumed', 0)} resumed from an "
-                   "earlier invocation into the same --out; each run's time as it was measured)")
+                   "earlier invocation into the same --out or from the bench's archive of finished runs; each run's "
+                   "time as it was measured)")
     lines += ["", f"{timing}, {jobs} at a time on this CPU (one core each), {per_run / 60:.1f} min per run; "
               f"1-minute load average {', '.join(loads)} (2 cores, shared by other work: an idle machine runs a "
               "step several times faster)."]
@@ -144,6 +152,12 @@ def body_text(result: dict, command: list[str], wall_s: float | None, loads: lis
 def write_finding(sentence: str | None, command: str) -> None:
     FINDING.parent.mkdir(parents=True, exist_ok=True)
     FINDING.write_text(json.dumps({"task": "demo", "finding": sentence, "command": command}, indent=2) + "\n")
+
+
+def default_archive(args: argparse.Namespace) -> Path:
+    """Where the finished runs of this bench's size are kept (bench/curriculum_archive.py)."""
+    return ROOT / "bench" / "results" / (f"curriculum-x{args.scale:g}-h{args.hidden}-l{args.layers}"
+                                         f"-e{args.eval_sequences}")
 
 
 def run_compare(args: argparse.Namespace) -> tuple[dict, list[str], float | None, list[str]]:
@@ -159,10 +173,14 @@ def run_compare(args: argparse.Namespace) -> tuple[dict, list[str], float | None
         stamp.write_text(json.dumps({"scale": args.scale}))
     out = args.out or work / "report"
     command = compare_command(task, out, args)
+    archive = None if args.no_archive else (args.archive or default_archive(args))
+    if archive is not None:
+        print(f"archive {archive}: {restore(archive, out)} finished runs restored into {out}")
     loads = [load_average()]
     started = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, check=False)
+    with Keeper(out, archive) if archive is not None else contextlib.nullcontext():
+        done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, check=False)
     wall_s = time.perf_counter() - started
     loads.append(load_average())
     if done.returncode:
@@ -173,12 +191,15 @@ def run_compare(args: argparse.Namespace) -> tuple[dict, list[str], float | None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", type=float, default=10.0, help="multiplies every stage's budget and data")
+    # 20x: at 10x one-pot's training loss still fell 1.6% from the eighth tenth to the ninth (3 seeds)
+    parser.add_argument("--scale", type=float, default=20.0, help="multiplies every stage's budget and data")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=64, help="the proxy's hidden size (demo-tiny: 256)")
     parser.add_argument("--layers", type=int, default=2, help="the proxy's layers (demo-tiny: 4)")
     parser.add_argument("--eval-sequences", type=int, default=64)
-    parser.add_argument("--lr-grid", default="0.5,1,2", help="peak rate factors every variant is tried at")
+    # 0.25-4x of the first stage's 2e-3: at 10x the best rate was the grid's edge for every variant, the
+    # lowest (1e-3) for the staged ones and the highest (4e-3) for one-pot and late-mix
+    parser.add_argument("--lr-grid", default="0.25,0.5,1,2,4", help="peak rate factors every variant is tried at")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (2: one per core of this CPU)")
     parser.add_argument("--out", type=Path, default=None, help="report dir (default: a temporary folder); the same "
                         "--out again reuses the runs it finished and resumes a stopped one")
@@ -187,6 +208,10 @@ def main() -> None:
                         "comparison) instead of running one")
     parser.add_argument("--wall-s", type=float, default=None,
                         help="with --from-report: the comparison's wall time in seconds, as its run printed it")
+    parser.add_argument("--archive", type=Path, default=None, help="where finished runs are kept and restored from "
+                        "(default: bench/results/curriculum-x<scale>-h<hidden>-l<layers>-e<eval sequences>, committed "
+                        "with the repository, so that the bench goes on where another machine stopped)")
+    parser.add_argument("--no-archive", action="store_true", help="neither restore nor keep finished runs")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md or the finding")
     args = parser.parse_args()
     if args.from_report:
@@ -206,7 +231,8 @@ def main() -> None:
     print(body)
     bench_command = ("python -m bench.curriculum"
                      + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                               if k not in ("no_write", "out", "from_report", "wall_s") and v != parser.get_default(k)))
+                               if k not in ("no_write", "out", "from_report", "wall_s", "archive", "no_archive")
+                               and v != parser.get_default(k)))
     if not args.no_write:
         write_section("curriculum", "Curriculum: does splitting the objective pay? Five variants at equal tokens, "
                       f"one WSD schedule, the peak rate tuned per variant ({result['seeds']} seeds, demo curriculum)",

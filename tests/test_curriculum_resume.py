@@ -70,6 +70,35 @@ def test_the_same_comparison_again_trains_nothing_and_gives_the_same_result(tmp_
         all(r["wall_s"] > 0 for r in first["run_index"])
 
 
+def _without_walls(value):
+    if isinstance(value, dict):
+        return {k: _without_walls(v) for k, v in value.items() if k != "wall_s"}
+    return [_without_walls(v) for v in value] if isinstance(value, list) else value
+
+
+def test_runs_kept_in_the_benchs_archive_are_reused_by_a_comparison_on_another_machine(tmp_path, trained) -> None:
+    """A machine that starts empty each session: the bench keeps each finished run's record
+    (bench/curriculum_archive.py), and a comparison into a fresh --out, on data generated again
+    elsewhere, restored from it trains nothing and gives the same result, wall times included."""
+    from bench.curriculum_archive import keep_all, restore
+
+    first = cc.compare(_request(tmp_path / "one", lr_factors=(0.5, 1.0)))
+    archive = tmp_path / "archive"
+    assert keep_all(tmp_path / "one" / "compare", archive) == 2
+    assert keep_all(tmp_path / "one" / "compare", archive) == 0  # kept once
+    trained.clear()
+    assert restore(archive, tmp_path / "two" / "compare") == 2
+    again = cc.compare(_request(tmp_path / "two", lr_factors=(0.5, 1.0)))
+    assert trained == [] and again["runs_reused"] == 2
+    # the wall times come back from the file times, to the microsecond
+    assert [r["wall_s"] for r in again["run_index"]] == pytest.approx([r["wall_s"] for r in first["run_index"]],
+                                                                       abs=1e-5)
+    assert _without_walls(_without_reuse_counts(again)) == _without_walls(_without_reuse_counts(first))
+    # another seed is a run the archive does not hold: trained, and only it
+    more = cc.compare(_request(tmp_path / "two", lr_factors=(0.5, 1.0), seeds=2))
+    assert len(trained) == 1 and trained[0].name == "seed-1" and more["runs_reused"] == 2
+
+
 def test_a_changed_input_trains_only_the_runs_it_changes(tmp_path, trained) -> None:
     out = tmp_path / "compare"
     cc.compare(_request(tmp_path))
