@@ -61,9 +61,10 @@ def keep(run_dir: Path, out: Path, archive: Path, walls: dict[str, float]) -> bo
     target = archive / run_dir.relative_to(out)
     if (target / WALL_FILE).is_file():
         return False
-    run_id = json.loads((run_dir / RUN_FILE).read_text()).get("run_id")
-    if run_id not in walls:
-        return False  # the comparison has not recorded it yet: the next pass keeps it
+    record = json.loads((run_dir / RUN_FILE).read_text())
+    run_id = record.get("run_id")
+    # a run the comparison has not recorded yet (parallel runs are recorded in order): from its file times
+    wall_s = walls.get(run_id) or _file_wall_s(run_dir, record)
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -73,10 +74,17 @@ def keep(run_dir: Path, out: Path, archive: Path, walls: dict[str, float]) -> bo
               if "loss" in m]
     with gzip.open(partial / METRICS_KEPT, "wt", encoding="utf-8") as f:
         f.writelines(json.dumps(m) + "\n" for m in losses)
-    (partial / WALL_FILE).write_text(json.dumps({"run_id": run_id, "wall_s": walls[run_id]}) + "\n")
+    (partial / WALL_FILE).write_text(json.dumps({"run_id": run_id, "wall_s": wall_s}) + "\n")
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     return True
+
+
+def _file_wall_s(run_dir: Path, record: dict) -> float:
+    """From the run's start (run.json) to its summary, as the comparison reads a run it did not time."""
+    import datetime as dt
+
+    return (run_dir / SUMMARY_FILE).stat().st_mtime - dt.datetime.fromisoformat(record["created"]).timestamp()
 
 
 def keep_all(out: Path, archive: Path) -> int:
