@@ -181,7 +181,8 @@ def trial_candidates(plan: Plan, k: int, setup_s: Callable[[Layout], float]) -> 
     return kept, passed
 
 
-def verify(plan: Plan, k: int, run_dir: Path, steps: int | None = None, warmup: int = 2, say: Callable[[str], None] = print,
+def verify(plan: Plan, k: int, run_dir: Path, steps: int | None = None, warmup: int = 2,
+           say: Callable[[str], None] = print,
            watch: Callable[[Trial, Path | None], contextlib.AbstractContextManager] = _no_watch,
            trusted: bool = False, candidates: list[PlannedLayout] | None = None) -> Verification:
     """Measure the plan's top `k` layouts (or `candidates`, the choice first) for `steps` steps each and
