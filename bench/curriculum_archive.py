@@ -5,7 +5,7 @@
 scoring). A full comparison trains for hours, more than one session of a machine that starts empty
 each time, so the bench keeps each finished run's record here, small enough to commit:
 
-    bench/results/<name>/runs/<variant>/lr-<rate>/seed-<n>/
+    bench/results/<name>/<variant>/lr-<rate>/seed-<n>/   (the run dir <out>/runs/<variant>/lr-<rate>/seed-<n>)
         run.json, summary.json, plan.yaml   (as the trainer wrote them)
         metrics.jsonl.gz                    (step and training loss: what the comparison reads of it)
         wall.json                           (the run's wall time, as the comparison measured it)
@@ -58,7 +58,7 @@ def measured_walls(out: Path) -> dict[str, float]:
 
 def keep(run_dir: Path, out: Path, archive: Path, walls: dict[str, float]) -> bool:
     """Copy one finished run's record into `archive` (whole or not at all); False when it was there."""
-    target = archive / run_dir.relative_to(out)
+    target = archive / run_dir.relative_to(out / RUNS)
     if (target / WALL_FILE).is_file():
         return False
     record = json.loads((run_dir / RUN_FILE).read_text())
@@ -101,8 +101,8 @@ def restore(archive: Path, out: Path) -> int:
     import datetime as dt
 
     restored = 0
-    for wall_file in sorted(archive.glob(f"{RUNS}/*/*/*/{WALL_FILE}")):
-        record, target = wall_file.parent, out / wall_file.parent.relative_to(archive)
+    for wall_file in sorted(archive.glob(f"*/*/*/{WALL_FILE}")):
+        record, target = wall_file.parent, out / RUNS / wall_file.parent.relative_to(archive)
         if target in finished_runs(out):
             continue
         if target.exists():  # an unfinished run of this --out: aside, never deleted
