@@ -72,8 +72,9 @@ def keep(run_dir: Path, out: Path, archive: Path, walls: dict[str, float]) -> bo
         shutil.copy2(run_dir / name, partial / name)
     losses = [{"step": m.get("step"), "loss": m["loss"]} for m in read_json_lines(run_dir / METRICS_FILE).records
               if "loss" in m]
-    with gzip.open(partial / METRICS_KEPT, "wt", encoding="utf-8") as f:
-        f.writelines(json.dumps(m) + "\n" for m in losses)
+    text = "".join(json.dumps(m) + "\n" for m in losses).encode()
+    with open(partial / METRICS_KEPT, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+        f.write(text)  # mtime 0: the same run gives the same bytes, whenever kept
     (partial / WALL_FILE).write_text(json.dumps({"run_id": run_id, "wall_s": wall_s}) + "\n")
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
