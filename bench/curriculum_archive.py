@@ -27,6 +27,7 @@ import shutil
 import threading
 from pathlib import Path
 
+from reports.curriculum import earlier_walls, recorded_wall_s
 from specs.run_dir import METRICS_FILE, PLAN_FILE, RUN_FILE, SUMMARY_FILE, read_json_lines
 
 KEPT = (RUN_FILE, SUMMARY_FILE, PLAN_FILE)
@@ -35,25 +36,17 @@ WALL_FILE = "wall.json"
 RUNS = "runs"
 
 
+def finished(run_dir: Path) -> bool:
+    """Whether its summary says the run finished (the comparison's own test)."""
+    from trainer.run_reuse import finished as summary_finished  # deferred: the trainer imports torch (seconds)
+
+    return summary_finished(run_dir)
+
+
 def finished_runs(out: Path) -> list[Path]:
     """The run dirs under `out`/runs/<variant>/<rate>/<seed> whose summary says they finished."""
-    found = []
-    for summary in sorted((out / RUNS).glob(f"*/*/*/{SUMMARY_FILE}")):
-        try:
-            if json.loads(summary.read_text()).get("finished") is True:
-                found.append(summary.parent)
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def measured_walls(out: Path) -> dict[str, float]:
-    """Each run's wall time by run id, from the comparison's compare.json (written after every run)."""
-    try:
-        index = json.loads((out / "compare.json").read_text()).get("run_index") or []
-    except (OSError, ValueError):
-        return {}
-    return {r["run_id"]: float(r["wall_s"]) for r in index if r.get("run_id") and r.get("wall_s") is not None}
+    return [summary.parent for summary in sorted((out / RUNS).glob(f"*/*/*/{SUMMARY_FILE}"))
+            if finished(summary.parent)]
 
 
 def keep(run_dir: Path, out: Path, archive: Path, walls: dict[str, float]) -> bool:
@@ -61,10 +54,10 @@ def keep(run_dir: Path, out: Path, archive: Path, walls: dict[str, float]) -> bo
     target = archive / run_dir.relative_to(out / RUNS)
     if (target / WALL_FILE).is_file():
         return False
-    record = json.loads((run_dir / RUN_FILE).read_text())
-    run_id = record.get("run_id")
-    # a run the comparison has not recorded yet (parallel runs are recorded in order): from its file times
-    wall_s = walls.get(run_id) or _file_wall_s(run_dir, record)
+    run_id = json.loads((run_dir / RUN_FILE).read_text()).get("run_id")
+    # as the comparison recorded it; one it has not recorded yet (parallel runs are recorded in order):
+    # from its file times
+    wall_s = recorded_wall_s(run_dir, walls)
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -81,16 +74,9 @@ def keep(run_dir: Path, out: Path, archive: Path, walls: dict[str, float]) -> bo
     return True
 
 
-def _file_wall_s(run_dir: Path, record: dict) -> float:
-    """From the run's start (run.json) to its summary, as the comparison reads a run it did not time."""
-    import datetime as dt
-
-    return (run_dir / SUMMARY_FILE).stat().st_mtime - dt.datetime.fromisoformat(record["created"]).timestamp()
-
-
 def keep_all(out: Path, archive: Path) -> int:
     """Keep every finished run of `out` not yet in `archive`; how many were new."""
-    walls = measured_walls(out)
+    walls = earlier_walls(out)
     return sum(keep(run_dir, out, archive, walls) for run_dir in finished_runs(out))
 
 
@@ -104,7 +90,7 @@ def restore(archive: Path, out: Path) -> int:
     restored = 0
     for wall_file in sorted(archive.glob(f"*/*/*/{WALL_FILE}")):
         record, target = wall_file.parent, out / RUNS / wall_file.parent.relative_to(archive)
-        if target in finished_runs(out):
+        if finished(target):
             continue
         if target.exists():  # an unfinished run of this --out: aside, never deleted
             target.rename(target.with_name(f"{target.name}.old-{os.getpid()}"))
